@@ -1,0 +1,191 @@
+/*
+ * flywheel.h: the public C API of libflywheel, FlyWheel's attention kernels in C.
+ *
+ * Conventions
+ *   - Every function returns an fw_status. On failure, fw_last_error() gives a message for
+ *     the calling thread that says exactly what is wrong, and nothing was written.
+ *   - The library never exits, aborts or prints. It is safe to call from several threads at
+ *     once (no mutable global state besides the once-only CPU detection).
+ *   - Tensors are plain descriptors with explicit element strides (see fw_tensor).
+ *   - Memory: attention allocates per-thread workspace whose size does not depend on the
+ *     sequence lengths (never O(sq*sk)). Ask its size with fw_attn_workspace_size(); pass a
+ *     buffer of at least that size in fw_attn_params.workspace, or leave it NULL and the
+ *     library allocates (and frees) it inside the call, returning FW_ERR_NOMEM cleanly if
+ *     that fails.
+ */
+#ifndef FLYWHEEL_H
+#define FLYWHEEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(FW_BUILD_SHARED)
+#define FW_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define FW_API __attribute__((visibility("default")))
+#else
+#define FW_API
+#endif
+
+#define FW_VERSION_MAJOR 0
+#define FW_VERSION_MINOR 1
+#define FW_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------- status -- */
+
+typedef enum fw_status {
+    FW_OK = 0,
+    FW_ERR_NULL,        /* a required pointer is NULL */
+    FW_ERR_DTYPE,       /* a dtype the operation does not accept */
+    FW_ERR_SHAPE,       /* ranks or sizes that do not fit together */
+    FW_ERR_STRIDE,      /* negative strides, or an output whose elements alias */
+    FW_ERR_ARG,         /* a parameter out of range (scale, window, softcap, threads, flags) */
+    FW_ERR_SEQLENS,     /* cu_seqlens that are not non-decreasing or do not match the tensors */
+    FW_ERR_OVERFLOW,    /* sizes or offsets that overflow 64-bit arithmetic */
+    FW_ERR_NOMEM,       /* an allocation failed */
+    FW_ERR_WORKSPACE,   /* the caller's workspace is smaller than fw_attn_workspace_size() */
+    FW_ERR_UNSUPPORTED  /* a kernel table this CPU cannot run, or an unknown table name */
+} fw_status;
+
+/* A constant string naming the status ("FW_ERR_SHAPE: ..."). Never NULL. */
+FW_API const char *fw_status_string(fw_status s);
+
+/* The message of the last failing call on this thread ("" if none). Thread-local; valid until
+ * the next call into the library from the same thread. */
+FW_API const char *fw_last_error(void);
+
+/* ---------------------------------------------------------------- tensors -- */
+
+typedef enum fw_dtype {
+    FW_F32 = 0,
+    FW_BF16 = 1,
+    FW_F16 = 2,
+    FW_F64 = 3  /* only for outputs of the float64 reference functions */
+} fw_dtype;
+
+#define FW_MAX_DIMS 4
+
+/* A strided view. Element (i0, i1, ...) lives at data + sum_k i_k * stride[k] elements.
+ * Strides are in elements, must be >= 0; outputs must not have two elements at one address. */
+typedef struct fw_tensor {
+    void *data;
+    fw_dtype dtype;
+    int32_t ndim;
+    int64_t shape[FW_MAX_DIMS];
+    int64_t stride[FW_MAX_DIMS];
+} fw_tensor;
+
+/* A contiguous (row-major) descriptor of the given shape. */
+FW_API fw_tensor fw_tensor_contiguous(void *data, fw_dtype dtype, int32_t ndim, const int64_t *shape);
+
+FW_API size_t fw_dtype_size(fw_dtype dt);
+FW_API const char *fw_dtype_name(fw_dtype dt);
+
+/* Scalar conversions used throughout (round to nearest even; NaN stays NaN). */
+FW_API float fw_bf16_to_f32(uint16_t h);
+FW_API uint16_t fw_f32_to_bf16(float f);
+FW_API float fw_f16_to_f32(uint16_t h);
+FW_API uint16_t fw_f32_to_f16(float f);
+
+/* ---------------------------------------------------------- kernel tables -- */
+
+/* Kernel tables by name: "portable" (plain C, always present), "avx2" (AVX2+FMA+F16C) and
+ * "avx512" (AVX-512 F/BW/DQ/VL) on x86-64. The default is the best table this CPU runs, or
+ * the one named by the environment variable FLYWHEEL_ISA (read once). */
+FW_API int fw_isa_count(void);
+FW_API const char *fw_isa_name(int i);            /* NULL past the end */
+FW_API int fw_isa_supported(const char *name);    /* 1 if this CPU runs the table */
+FW_API const char *fw_isa_default(void);           /* the table used when params->isa is NULL */
+
+/* ------------------------------------------------------ softmax attention -- */
+
+/* Technique switches, for A/B measurements. 0 (the default) is the fastest combination. */
+enum {
+    FW_ATTN_ONLINE_SOFTMAX = 1 << 0, /* online softmax with lazy rescale instead of the static anchor */
+    FW_ATTN_NO_GQA_PACK = 1 << 1,    /* pack K/V per query head instead of once per GQA group */
+    FW_ATTN_NO_TILE_SKIP = 1 << 2,   /* visit every K/V tile and mask it, instead of index skipping */
+    FW_ATTN_PLAIN = 1 << 3           /* the plain row-at-a-time online-softmax kernel (the baseline) */
+};
+
+typedef struct fw_attn_params {
+    float scale;           /* softmax scale; 0 means 1/sqrt(d). Must be finite. */
+    int32_t causal;        /* 1: query i sees key j only when j <= i + sk - sq (bottom-right) */
+    int64_t window_left;   /* query i sees keys j >= i + sk - sq - window_left; -1 = unbounded */
+    int64_t window_right;  /* query i sees keys j <= i + sk - sq + window_right; -1 = unbounded.
+                              causal implies window_right = 0. */
+    float softcap;         /* > 0: scores become softcap * tanh(score / softcap); 0 = off */
+    int32_t threads;       /* worker threads; 0 = all online CPUs */
+    const char *isa;       /* kernel table name; NULL = fw_isa_default() */
+    uint32_t flags;        /* FW_ATTN_* technique switches */
+    void *workspace;       /* optional caller buffer, see fw_attn_workspace_size() */
+    size_t workspace_bytes;
+} fw_attn_params;
+
+/* Defaults: scale 0 (1/sqrt(d)), non-causal, windows -1, softcap 0, threads 0, isa NULL. */
+FW_API void fw_attn_params_init(fw_attn_params *p);
+
+/*
+ * Dense forward.
+ *   q   [b, sq, hq, d]     f32 | bf16 | f16
+ *   k   [b, sk, hkv, d]    same dtype as q
+ *   v   [b, sk, hkv, dv]   same dtype as q
+ *   out [b, sq, hq, dv]    f32 | bf16 | f16 (may differ from q)
+ *   lse [b, hq, sq]        f32, natural log of the softmax denominator; NULL to skip
+ * hkv must divide hq; query head h uses K/V head h / (hq / hkv).
+ * Rows that see no key give out = 0 and lse = -inf.
+ */
+FW_API fw_status fw_attn_fwd(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                             const fw_tensor *out, const fw_tensor *lse,
+                             const fw_attn_params *params);
+
+/*
+ * Variable-length forward over a packed batch of `batch` sequences.
+ *   q   [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv], out [total_q, hq, dv]
+ *   lse [hq, total_q] f32 or NULL
+ *   cu_seqlens_q, cu_seqlens_k: int32, batch + 1 entries, non-decreasing, starting at 0 and
+ *   ending at total_q (total_k). Sequence i owns rows cu[i] .. cu[i+1]-1; empty ones allowed.
+ * Masks (causal, window) are per sequence, aligned bottom-right; no key of another sequence
+ * is ever seen.
+ */
+FW_API fw_status fw_attn_varlen_fwd(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                    const int32_t *cu_seqlens_q, const int32_t *cu_seqlens_k,
+                                    int64_t batch, const fw_tensor *out, const fw_tensor *lse,
+                                    const fw_attn_params *params);
+
+/* Bytes of workspace fw_attn_fwd / fw_attn_varlen_fwd use for these operands and params
+ * (depends on d, dv, hq/hkv, the table and the thread count, not on sequence lengths). */
+FW_API fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k,
+                                        const fw_tensor *v, const fw_attn_params *params,
+                                        size_t *bytes);
+
+/*
+ * Float64 references: the same contracts, computed row by row with float64 accumulation
+ * and exp(). out may also be FW_F64. Only rows [row_begin, row_end) of every sequence
+ * (dense: of sq; varlen: of each sequence's own length, clamped) and head are written, so
+ * a caller can check a slice of a large problem; pass 0, INT64_MAX for all rows.
+ * params->threads, isa, flags and workspace are ignored; the reference runs on one thread.
+ */
+FW_API fw_status fw_attn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                             const fw_tensor *out, const fw_tensor *lse,
+                             const fw_attn_params *params, int64_t row_begin, int64_t row_end);
+FW_API fw_status fw_attn_varlen_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                    const int32_t *cu_seqlens_q, const int32_t *cu_seqlens_k,
+                                    int64_t batch, const fw_tensor *out, const fw_tensor *lse,
+                                    const fw_attn_params *params, int64_t row_begin,
+                                    int64_t row_end);
+
+/* ------------------------------------------------------ machine benchmarks -- */
+
+/* Measured single-precision FMA throughput of this machine in GFLOP/s (2 flops per FMA lane)
+ * on `threads` threads at once, using the widest FMA the named table has (NULL = the widest
+ * table this CPU runs). Runs for about `seconds`. */
+FW_API fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, double *gflops);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FLYWHEEL_H */

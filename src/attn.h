@@ -1,0 +1,71 @@
+/* attn.h: the validated attention problem shared by the kernel driver and the reference. */
+#ifndef FW_ATTN_H
+#define FW_ATTN_H
+
+#include "internal.h"
+
+#define FW_LOG2E 1.4426950408889634
+#define FW_LN2 0.6931471805599453
+
+/* One attention problem after validation: dense batches and varlen batches look alike here.
+ * Offsets and strides are in elements. */
+typedef struct fw_attn_prob {
+    const fw_tensor *q, *k, *v, *out, *lse;
+    const int32_t *cuq, *cuk; /* varlen only */
+    int varlen;
+    int64_t batch, sq, sk;    /* sq, sk: dense lengths; varlen: the longest sequence */
+    int64_t hq, hkv, G, d, dv;
+    int64_t qs[3], ks[3], vs[3], os[3]; /* token, head, dim strides */
+    int64_t qb, kb, vb, ob;             /* dense batch strides (0 for varlen) */
+    int64_t lse_b, lse_h, lse_r;        /* lse offset = lse_b * (dense batch | varlen row start)
+                                           + lse_h * head + lse_r * row */
+    double scale;                       /* softmax scale */
+    double softcap;                     /* 0 = off */
+    int causal;
+    int64_t wl, wr;                     /* -1 = unbounded; causal sets wr = 0 */
+} fw_attn_prob;
+
+/* One sequence of the batch: where its rows start and how many there are. */
+typedef struct {
+    int64_t q0, k0, v0, o0, lse0; /* element offsets of row 0, head 0 in q, k, v, out, lse */
+    int64_t sq, sk;
+} fw_attn_seq;
+
+fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i);
+
+/* Keys query row r of a sequence sees: [*lo, *hi), empty when hi <= lo. */
+static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk, int64_t r,
+                                   int64_t *lo, int64_t *hi)
+{
+    int64_t diag = r + sk - sq;
+    *lo = p->wl >= 0 ? fw_max64(0, diag - p->wl) : 0;
+    *hi = p->wr >= 0 ? fw_min64(sk, diag + p->wr + 1) : sk;
+}
+
+/* Validates everything and fills *p; `ref` admits f64 outputs. Nothing is written. */
+fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
+                        const fw_tensor *v, const int32_t *cuq, const int32_t *cuk,
+                        int64_t batch, int varlen, const fw_tensor *out, const fw_tensor *lse,
+                        const fw_attn_params *params, int ref);
+
+/* ---- tiling heuristics (pure functions, unit-tested) ---- */
+
+/* Keys per K/V tile. 64 keys x 4 bytes x d=128 = 32 KiB: one K tile plus one V tile stay in
+ * L2 with the q tile and the accumulator of the chunk being processed. */
+#define FW_ATTN_BK 64
+/* Most q tiles a work item (chunk) holds; sizes the workspace. */
+#define FW_ATTN_CHUNK_MAX 16
+/* Rows a q tile aims for: the AVX-512 register tile is 4 vectors x 16 rows = 64 rows. */
+#define FW_ATTN_TILE_ROWS 64
+
+/* A q tile holds bq consecutive query positions of each of the G heads that share a K/V head
+ * (G = hq / hkv; 1 without GQA packing): rows = G * bq, padded to M, a multiple of vl.
+ * Example: G = 4, vl = 16, sq_max = 4096 -> bq = 16, M = 64; decode (sq_max = 1) -> bq = 1,
+ * M = 16; G = 3 -> bq = 21, 63 rows, M = 64. */
+void fw_attn_tile_rows(int64_t G, int vl, int64_t sq_max, int *bq, int *M);
+
+/* q tiles per chunk: enough chunks for dynamic load balance (about 8 per thread), at most
+ * FW_ATTN_CHUNK_MAX so the workspace is bounded. Example: 2048 tiles, 2 threads -> 16. */
+int fw_attn_chunk_tiles(int64_t total_tiles, int threads);
+
+#endif /* FW_ATTN_H */

@@ -1,0 +1,195 @@
+/* core.c: status codes and messages, tensor descriptors, scalar dtype conversions. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include "internal.h"
+
+static _Thread_local char fw_errbuf[512];
+
+fw_status fw_fail(fw_status s, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(fw_errbuf, sizeof fw_errbuf, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+void fw_clear_error(void) { fw_errbuf[0] = 0; }
+
+const char *fw_last_error(void) { return fw_errbuf; }
+
+const char *fw_status_string(fw_status s)
+{
+    switch (s) {
+    case FW_OK: return "FW_OK: success";
+    case FW_ERR_NULL: return "FW_ERR_NULL: a required pointer is NULL";
+    case FW_ERR_DTYPE: return "FW_ERR_DTYPE: unsupported dtype";
+    case FW_ERR_SHAPE: return "FW_ERR_SHAPE: shapes do not fit together";
+    case FW_ERR_STRIDE: return "FW_ERR_STRIDE: invalid strides";
+    case FW_ERR_ARG: return "FW_ERR_ARG: parameter out of range";
+    case FW_ERR_SEQLENS: return "FW_ERR_SEQLENS: invalid cumulative sequence lengths";
+    case FW_ERR_OVERFLOW: return "FW_ERR_OVERFLOW: sizes overflow 64-bit arithmetic";
+    case FW_ERR_NOMEM: return "FW_ERR_NOMEM: out of memory";
+    case FW_ERR_WORKSPACE: return "FW_ERR_WORKSPACE: workspace too small";
+    case FW_ERR_UNSUPPORTED: return "FW_ERR_UNSUPPORTED: kernel table not available";
+    }
+    return "FW_ERR_UNKNOWN: not a fw_status value";
+}
+
+size_t fw_dtype_size(fw_dtype dt)
+{
+    switch (dt) {
+    case FW_F32: return 4;
+    case FW_BF16: case FW_F16: return 2;
+    case FW_F64: return 8;
+    }
+    return 0;
+}
+
+const char *fw_dtype_name(fw_dtype dt)
+{
+    switch (dt) {
+    case FW_F32: return "f32";
+    case FW_BF16: return "bf16";
+    case FW_F16: return "f16";
+    case FW_F64: return "f64";
+    }
+    return "unknown";
+}
+
+fw_tensor fw_tensor_contiguous(void *data, fw_dtype dtype, int32_t ndim, const int64_t *shape)
+{
+    fw_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dtype;
+    t.ndim = ndim < 0 ? 0 : (ndim > FW_MAX_DIMS ? FW_MAX_DIMS : ndim);
+    int64_t s = 1;
+    for (int i = t.ndim - 1; i >= 0; i--) {
+        t.shape[i] = shape[i];
+        t.stride[i] = s;
+        s *= shape[i] > 0 ? shape[i] : 1;
+    }
+    return t;
+}
+
+fw_status fw_check_tensor(const fw_tensor *t, const char *what, int ndim, unsigned dtypes)
+{
+    if (!t)
+        return fw_fail(FW_ERR_NULL, "%s is NULL: a tensor descriptor is required", what);
+    if (t->ndim != ndim)
+        return fw_fail(FW_ERR_SHAPE, "%s has %d dimensions, expected %d", what, (int)t->ndim, ndim);
+    if ((unsigned)t->dtype > FW_F64 || !(dtypes & (1u << t->dtype)))
+        return fw_fail(FW_ERR_DTYPE, "%s has dtype %s, which this operation does not accept",
+                       what, fw_dtype_name(t->dtype));
+    int64_t last = 0, count = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (t->shape[i] < 0)
+            return fw_fail(FW_ERR_SHAPE, "%s has negative size %lld in dimension %d", what,
+                           (long long)t->shape[i], i);
+        if (t->stride[i] < 0)
+            return fw_fail(FW_ERR_STRIDE, "%s has negative stride %lld in dimension %d", what,
+                           (long long)t->stride[i], i);
+    }
+    for (int i = 0; i < ndim; i++) {
+        if (t->shape[i] == 0) { count = 0; break; }
+        int64_t span;
+        if (__builtin_mul_overflow(t->shape[i] - 1, t->stride[i], &span) ||
+            __builtin_add_overflow(last, span, &last) ||
+            __builtin_mul_overflow(count, t->shape[i], &count))
+            return fw_fail(FW_ERR_OVERFLOW, "%s: the offset of its last element overflows int64", what);
+    }
+    int64_t bytes;
+    if (count && __builtin_mul_overflow(last + 1, (int64_t)fw_dtype_size(t->dtype), &bytes))
+        return fw_fail(FW_ERR_OVERFLOW, "%s: its byte extent overflows int64", what);
+    if (count && !t->data)
+        return fw_fail(FW_ERR_NULL, "%s has %lld elements but a NULL data pointer", what,
+                       (long long)count);
+    return FW_OK;
+}
+
+/* Two distinct indices reach one address iff, after sorting the dims of size > 1 by stride,
+ * some stride is not larger than the furthest offset the smaller-stride dims reach. */
+fw_status fw_check_no_alias(const fw_tensor *t, const char *what)
+{
+    int idx[FW_MAX_DIMS], n = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] == 0)
+            return FW_OK;
+        if (t->shape[i] > 1)
+            idx[n++] = i;
+    }
+    for (int a = 1; a < n; a++)
+        for (int b = a; b > 0 && t->stride[idx[b]] < t->stride[idx[b - 1]]; b--) {
+            int x = idx[b]; idx[b] = idx[b - 1]; idx[b - 1] = x;
+        }
+    int64_t reach = 0;
+    for (int a = 0; a < n; a++) {
+        int i = idx[a];
+        if (t->stride[i] <= reach)
+            return fw_fail(FW_ERR_STRIDE,
+                           "%s is an output but its elements overlap (dimension %d has stride %lld "
+                           "within the span of the smaller dimensions)",
+                           what, i, (long long)t->stride[i]);
+        reach += (t->shape[i] - 1) * t->stride[i];
+    }
+    return FW_OK;
+}
+
+/* ------------------------------------------------------ dtype conversions -- */
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+float fw_bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+uint16_t fw_f32_to_bf16(float f)
+{
+    uint32_t u = f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float fw_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f)
+        return u2f(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        if (man == 0)
+            return u2f(sign);
+        /* subnormal: man * 2^-24 is exact in f32 */
+        float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    return u2f(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+uint16_t fw_f32_to_f16(float f)
+{
+    uint32_t u = f2u(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* below 2^-14: subnormal or zero, rounded to nearest even */
+        float m = u2f(a) * 0x1p24f; /* exact scaling into units of 2^-24 */
+        uint32_t r = (uint32_t)m;
+        float frac = m - (float)r;
+        if (frac > 0.5f || (frac == 0.5f && (r & 1u)))
+            r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t e = (a >> 23) - 112u, man = a & 0x7fffffu;
+    uint32_t h = (e << 10) | (man >> 13);
+    uint32_t rest = man & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u)))
+        h++;
+    return (uint16_t)(sign | h);
+}

@@ -1,0 +1,159 @@
+/* cpu.c: the kernel-table registry. The CPU is detected once; FLYWHEEL_ISA, read once, names
+ * the default table. */
+#include <stdlib.h>
+#include <string.h>
+#include "internal.h"
+
+typedef struct {
+    const fw_kernels *k;
+    int (*supported)(void);
+} entry;
+
+static int always(void) { return 1; }
+
+#if defined(__x86_64__) || defined(_M_X64)
+static int has_avx2(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+static int has_avx512(void)
+{
+    __builtin_cpu_init();
+    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
+/* Best last: the default is the last supported entry. */
+static const entry tables[] = {
+    {&fw_kernels_portable, always},
+#if defined(__x86_64__) || defined(_M_X64)
+    {&fw_kernels_avx2, has_avx2},
+    {&fw_kernels_avx512, has_avx512},
+#endif
+};
+#define NTABLES ((int)(sizeof tables / sizeof tables[0]))
+
+int fw_isa_count(void) { return NTABLES; }
+
+const char *fw_isa_name(int i) { return i >= 0 && i < NTABLES ? tables[i].k->name : NULL; }
+
+static const entry *find(const char *name)
+{
+    for (int i = 0; i < NTABLES; i++)
+        if (name && strcmp(name, tables[i].k->name) == 0)
+            return &tables[i];
+    return NULL;
+}
+
+int fw_isa_supported(const char *name)
+{
+    const entry *e = find(name);
+    return e && e->supported();
+}
+
+/* Detection result: an index into tables, or -1 if FLYWHEEL_ISA named a table this CPU cannot
+ * run (then every call that uses the default fails with that message). Computed once;
+ * concurrent first calls compute the same value, so a relaxed race is harmless. */
+static _Atomic int default_index = -2;
+static char env_name[32];
+
+static int detect(void)
+{
+    int d = default_index;
+    if (d != -2)
+        return d;
+    const char *env = getenv("FLYWHEEL_ISA");
+    if (env && *env) {
+        const entry *e = find(env);
+        strncpy(env_name, env, sizeof env_name - 1);
+        d = e && e->supported() ? (int)(e - tables) : -1;
+    } else {
+        d = 0;
+        for (int i = 0; i < NTABLES; i++)
+            if (tables[i].supported())
+                d = i;
+    }
+    default_index = d;
+    return d;
+}
+
+const char *fw_isa_default(void)
+{
+    int d = detect();
+    return d >= 0 ? tables[d].k->name : NULL;
+}
+
+const fw_kernels *fw_kernels_get(const char *name)
+{
+    if (!name) {
+        int d = detect();
+        if (d < 0) {
+            fw_fail(FW_ERR_UNSUPPORTED,
+                    "FLYWHEEL_ISA=%s names no kernel table this CPU runs (tables: portable, avx2, "
+                    "avx512)", env_name);
+            return NULL;
+        }
+        return tables[d].k;
+    }
+    const entry *e = find(name);
+    if (!e) {
+        fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: portable, avx2, avx512)", name);
+        return NULL;
+    }
+    if (!e->supported()) {
+        fw_fail(FW_ERR_UNSUPPORTED, "kernel table \"%s\" needs instructions this CPU lacks", name);
+        return NULL;
+    }
+    return e->k;
+}
+
+typedef struct {
+    const fw_kernels *k;
+    double seconds;
+    double gflops[256];
+} peak_ctx;
+
+static void peak_item(void *ctx, int64_t item, int tid)
+{
+    peak_ctx *p = ctx;
+    p->gflops[item] = p->k->peak(p->seconds);
+    (void)tid;
+}
+
+fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, double *gflops)
+{
+    fw_clear_error();
+    if (!gflops)
+        return fw_fail(FW_ERR_NULL, "gflops is NULL");
+    if (threads < 0 || threads > 256)
+        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256", (int)threads);
+    if (!(seconds > 0 && seconds <= 60))
+        return fw_fail(FW_ERR_ARG, "seconds is %g; it must be in (0, 60]", seconds);
+    const fw_kernels *k = NULL;
+    if (isa) {
+        k = fw_kernels_get(isa);
+    } else {
+        for (int i = 0; i < NTABLES; i++)
+            if (tables[i].supported())
+                k = tables[i].k;
+    }
+    if (!k)
+        return FW_ERR_UNSUPPORTED;
+    int n = threads ? threads : fw_cpu_count();
+    peak_ctx *p = calloc(1, sizeof *p);
+    if (!p)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes", sizeof *p);
+    p->k = k;
+    p->seconds = seconds;
+    /* one item per thread, so all n run at once (items are taken as threads come free) */
+    fw_parallel(n, n, peak_item, p);
+    double s = 0;
+    for (int i = 0; i < n; i++)
+        s += p->gflops[i];
+    free(p);
+    *gflops = s;
+    return FW_OK;
+}

@@ -1,0 +1,110 @@
+/* internal.h: what the drivers and the per-ISA kernel tables share. Not installed. */
+#ifndef FW_INTERNAL_H
+#define FW_INTERNAL_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include "flywheel.h"
+
+/* Record a formatted message for fw_last_error() and return `s`. */
+fw_status fw_fail(fw_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void fw_clear_error(void);
+
+/* ------------------------------------------------------------ kernel table --
+ *
+ * Layout used by the tiled attention kernel ("transposed tiles"): vectors run along the
+ * query rows of a tile, so every softmax reduction is a vertical vector op and K/V rows are
+ * used as they are (only converted to f32), never transposed.
+ *   QT [d][M]   the q tile, scaled, one column per query row (M rows, a multiple of vl)
+ *   K  [nk][d]  f32 key rows, row stride ldk
+ *   ST [nk][M]  scores, then probabilities, in place
+ *   V  [nk][dv] f32 value rows, row stride ldv
+ *   OT [dv][M]  the output accumulator
+ */
+
+/* Inputs of one softmax step over a score tile (see fw_kernels.softmax). */
+typedef struct fw_softmax_args {
+    int nk, M;          /* keys in the tile, rows (multiple of vl) */
+    float *ST;          /* [nk][M]: scores in (log2 units), probabilities out */
+    float *a, *l;       /* [M] anchor / running max (-inf = not set yet) and running sum */
+    const float *lo;    /* [M] first visible key of each row in tile coordinates, or NULL */
+    const float *hi;    /* [M] one past the last visible key, or NULL (both NULL: all visible) */
+    int folded;         /* qk already added -a for the rows whose anchor was set */
+    int online;         /* 1: online softmax with lazy rescale of OT; 0: static anchor */
+    float *OT;          /* [dv][M], rescaled by the online path */
+    int dv;
+    float *pending;     /* [2*M] scratch for the static-anchor path */
+} fw_softmax_args;
+
+/* The static anchor's bound: while a row's running sum stays below it, no probability in the
+ * row can have overflowed (each is <= the sum), and OT <= sum * max|v| stays finite for any
+ * |v| < 2^64. A sum at or past it (or inf/NaN) makes the tile replay with online softmax. */
+#define FW_ANCHOR_BOUND 0x1p64f
+
+typedef struct fw_kernels {
+    const char *name;
+    int vl; /* floats per vector; M must be a multiple of it */
+    /* dst[i] = scale * src[i*stride] for i < n; src is f32, bf16 or f16. */
+    void (*to_f32)(const void *src, fw_dtype dt, int64_t stride, int64_t n, float scale, float *dst);
+    /* dst[i*stride] = src[i] rounded to dt (f32, bf16, f16) for i < n. */
+    void (*from_f32)(const float *src, int64_t n, void *dst, fw_dtype dt, int64_t stride);
+    /* ST[j][m] = bias[m] + sum_k K[j][k] * QT[k][m], j < nk, m < M. */
+    void (*qk)(int nk, int d, int M, const float *K, int64_t ldk, const float *QT,
+               const float *bias, float *ST);
+    /* ST[j][m] = cap2 * tanh(ST[j][m]) for j < nk, m < M (softcap in log2 units). */
+    void (*softcap)(int nk, int M, float *ST, float cap2);
+    /* Static anchor: returns 1 when a row's sum reached FW_ANCHOR_BOUND; then a, l and OT are
+     * untouched and ST is clobbered, and the caller replays the tile with online = 1.
+     * Online: always returns 0. Masked entries (outside [lo, hi)) get probability 0. */
+    int (*softmax)(const fw_softmax_args *s);
+    /* OT[c][m] += sum_j V[j][c] * PT[j][m], c < dv, m < M. */
+    void (*pv)(int nk, int dv, int M, const float *V, int64_t ldv, const float *PT, float *OT);
+    /* Plain baseline: one query row against n keys, one key at a time with online softmax:
+     * convert the key and value rows on use (like ggml's vector path), dot, scalar exp2,
+     * axpy. q is f32 in log2 units (scaled by scale*log2(e), or by 1/softcap with cap2 > 0).
+     * K, V point at the first key's row, ldk/ldv are row strides and kdim/vdim the strides
+     * within a row, in elements of dt. Continues from (acc[dv], *m, *l); scratch: d + dv. */
+    void (*plain_row)(const float *q, int d, int dv, fw_dtype dt, const void *K, int64_t ldk,
+                      int64_t kdim, const void *V, int64_t ldv, int64_t vdim, int64_t n,
+                      float cap2, float *acc, float *m, float *l, float *scratch);
+    /* FMA throughput of one thread in GFLOP/s over about `seconds`. */
+    double (*peak)(double seconds);
+} fw_kernels;
+
+/* The table by name (NULL = default). Sets an error and returns NULL if unknown/unsupported. */
+const fw_kernels *fw_kernels_get(const char *name);
+
+extern const fw_kernels fw_kernels_portable;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const fw_kernels fw_kernels_avx2;
+extern const fw_kernels fw_kernels_avx512;
+#endif
+
+/* ---------------------------------------------------------------- threads -- */
+
+/* fn(ctx, item, tid) for every item in [0, n) on up to `threads` threads (the caller is one
+ * of them, tid 0). Items are taken in order by whichever thread is free; callers make each
+ * item's result independent of the thread that runs it. Never fails: if threads cannot be
+ * started, the remaining work runs on the threads that did. */
+typedef void (*fw_item_fn)(void *ctx, int64_t item, int tid);
+void fw_parallel(int threads, int64_t n, fw_item_fn fn, void *ctx);
+int fw_cpu_count(void);
+
+/* --------------------------------------------------------- small helpers -- */
+
+static inline int64_t fw_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t fw_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t fw_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Validate a tensor: non-NULL data unless it has no elements, rank, dtype in `dtypes` (a bit
+ * mask of 1 << fw_dtype), non-negative shape and strides, the furthest element offset fits
+ * int64. `what` names it in messages. */
+fw_status fw_check_tensor(const fw_tensor *t, const char *what, int ndim, unsigned dtypes);
+/* An output must not have two elements at one address. */
+fw_status fw_check_no_alias(const fw_tensor *t, const char *what);
+
+#endif /* FW_INTERNAL_H */

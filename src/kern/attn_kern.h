@@ -1,0 +1,357 @@
+/*
+ * attn_kern.h: the attention micro-kernels, written once over the vector layer (isa_*.h)
+ * and compiled once per ISA with only that ISA's flags. Included by portable.c, avx2.c and
+ * avx512.c after their isa_*.h; defines the table FW_TABLE.
+ *
+ * Tile layout (see internal.h): vectors run along query rows, so
+ *   qk:  ST[j][m] = bias[m] + sum_k K[j][k] QT[k][m]   broadcast K[j][k], load QT[k][m..]
+ *   pv:  OT[c][m] += sum_j V[j][c] PT[j][m]            broadcast V[j][c], load PT[j][m..]
+ * Both keep TJ x TM accumulators in registers (AVX-512: 6 x 4 zmm = 24 of 32 registers; per
+ * k step 4 vector loads + 6 broadcasts feed 24 FMAs, so the loads never limit the 2 FMA
+ * pipes). Every FMA chain runs over k (or j) in order, one per output, so a result does not
+ * depend on how rows are grouped into tiles.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <time.h>
+
+#define FW_INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------- conversion -- */
+
+static void to_f32(const void *src, fw_dtype dt, int64_t stride, int64_t n, float scale, float *dst)
+{
+    int64_t i = 0;
+    if (stride == 1)
+        for (; i + VL <= n; i += VL)
+            cvt_in_vec(src, dt, i, scale, dst);
+    for (; i < n; i++) {
+        int64_t o = i * stride;
+        float x = dt == FW_F32 ? ((const float *)src)[o]
+                  : dt == FW_BF16 ? fw_bf16_to_f32(((const uint16_t *)src)[o])
+                                  : fw_f16_to_f32(((const uint16_t *)src)[o]);
+        dst[i] = x * scale;
+    }
+}
+
+static void from_f32(const float *src, int64_t n, void *dst, fw_dtype dt, int64_t stride)
+{
+    int64_t i = 0;
+    if (stride == 1)
+        for (; i + VL <= n; i += VL)
+            cvt_out_vec(src, i, dst, dt);
+    for (; i < n; i++) {
+        int64_t o = i * stride;
+        if (dt == FW_F32)
+            ((float *)dst)[o] = src[i];
+        else if (dt == FW_BF16)
+            ((uint16_t *)dst)[o] = fw_f32_to_bf16(src[i]);
+        else
+            ((uint16_t *)dst)[o] = fw_f32_to_f16(src[i]);
+    }
+}
+
+/* ---------------------------------------------------------------------- qk -- */
+
+/* The sum over k runs in blocks of QK_KB: each block starts from zero in registers and is
+ * then added to the partial sum kept in ST. The rounding error then grows like
+ * QK_KB + d / QK_KB instead of d, as accurate as the plain kernel's SIMD-lane partial sums
+ * (measured: logits near 1e4 failed the 2x-plain bar with one sequential chain). */
+#define QK_KB 8
+
+FW_INLINE void qk_tile(const int tj, const int tm, int d, int M, const float *K, int64_t ldk,
+                       const float *QT, const float *bias, float *ST)
+{
+    vf acc[TJ][TM];
+    for (int k0 = 0; k0 < d; k0 += QK_KB) {
+        const int k1 = d - k0 < QK_KB ? d : k0 + QK_KB;
+        for (int j = 0; j < tj; j++)
+            for (int m = 0; m < tm; m++)
+                acc[j][m] = vzero();
+        for (int k = k0; k < k1; k++) {
+            vf q[TM];
+            for (int m = 0; m < tm; m++)
+                q[m] = vload(QT + (int64_t)k * M + m * VL);
+            for (int j = 0; j < tj; j++) {
+                vf kb = vset1(K[j * ldk + k]);
+                for (int m = 0; m < tm; m++)
+                    acc[j][m] = vfma(q[m], kb, acc[j][m]);
+            }
+        }
+        for (int j = 0; j < tj; j++)
+            for (int m = 0; m < tm; m++) {
+                float *s = ST + (int64_t)j * M + m * VL;
+                vstore(s, vadd(k0 == 0 ? vload(bias + m * VL) : vload(s), acc[j][m]));
+            }
+    }
+}
+
+/* Row tails (tm < TM: fewer than TM*VL rows left) are rare: only small tiles have them. */
+static __attribute__((noinline)) void qk_tile_tail(int tj, int tm, int d, int M, const float *K,
+                                                   int64_t ldk, const float *QT, const float *bias,
+                                                   float *ST)
+{
+    qk_tile(tj, tm, d, M, K, ldk, QT, bias, ST);
+}
+
+static void qk(int nk, int d, int M, const float *K, int64_t ldk, const float *QT,
+               const float *bias, float *ST)
+{
+    for (int m0 = 0; m0 < M; m0 += TM * VL) {
+        int tm = (M - m0) / VL < TM ? (M - m0) / VL : TM;
+        for (int j0 = 0; j0 < nk; j0 += TJ) {
+            int tj = nk - j0 < TJ ? nk - j0 : TJ;
+            const float *Kj = K + j0 * ldk;
+            float *S = ST + (int64_t)j0 * M + m0;
+            if (tm < TM) {
+                qk_tile_tail(tj, tm, d, M, Kj, ldk, QT + m0, bias + m0, S);
+                continue;
+            }
+            switch (tj) {
+            case 6: qk_tile(6, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
+            case 5: qk_tile(5, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
+            case 4: qk_tile(4, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
+            case 3: qk_tile(3, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
+            case 2: qk_tile(2, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
+            default: qk_tile(1, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------- pv -- */
+
+FW_INLINE void pv_tile(const int tc, const int tm, int nk, int M, const float *V, int64_t ldv,
+                       const float *PT, float *OT)
+{
+    vf acc[TJ][TM];
+    for (int c = 0; c < tc; c++)
+        for (int m = 0; m < tm; m++)
+            acc[c][m] = vload(OT + (int64_t)c * M + m * VL);
+    for (int j = 0; j < nk; j++) {
+        vf p[TM];
+        for (int m = 0; m < tm; m++)
+            p[m] = vload(PT + (int64_t)j * M + m * VL);
+        const float *vr = V + j * ldv;
+        for (int c = 0; c < tc; c++) {
+            vf vb = vset1(vr[c]);
+            for (int m = 0; m < tm; m++)
+                acc[c][m] = vfma(p[m], vb, acc[c][m]);
+        }
+    }
+    for (int c = 0; c < tc; c++)
+        for (int m = 0; m < tm; m++)
+            vstore(OT + (int64_t)c * M + m * VL, acc[c][m]);
+}
+
+static __attribute__((noinline)) void pv_tile_tail(int tc, int tm, int nk, int M, const float *V,
+                                                   int64_t ldv, const float *PT, float *OT)
+{
+    pv_tile(tc, tm, nk, M, V, ldv, PT, OT);
+}
+
+static void pv(int nk, int dv, int M, const float *V, int64_t ldv, const float *PT, float *OT)
+{
+    for (int m0 = 0; m0 < M; m0 += TM * VL) {
+        int tm = (M - m0) / VL < TM ? (M - m0) / VL : TM;
+        for (int c0 = 0; c0 < dv; c0 += TJ) {
+            int tc = dv - c0 < TJ ? dv - c0 : TJ;
+            const float *Vc = V + c0;
+            float *O = OT + (int64_t)c0 * M + m0;
+            if (tm < TM) {
+                pv_tile_tail(tc, tm, nk, M, Vc, ldv, PT + m0, O);
+                continue;
+            }
+            switch (tc) {
+            case 6: pv_tile(6, TM, nk, M, Vc, ldv, PT + m0, O); break;
+            case 5: pv_tile(5, TM, nk, M, Vc, ldv, PT + m0, O); break;
+            case 4: pv_tile(4, TM, nk, M, Vc, ldv, PT + m0, O); break;
+            case 3: pv_tile(3, TM, nk, M, Vc, ldv, PT + m0, O); break;
+            case 2: pv_tile(2, TM, nk, M, Vc, ldv, PT + m0, O); break;
+            default: pv_tile(1, TM, nk, M, Vc, ldv, PT + m0, O); break;
+            }
+        }
+    }
+}
+
+/* ----------------------------------------------------------------- softmax -- */
+
+/* tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): inf and 0 at the ends give exactly +-1. */
+static void softcap(int nk, int M, float *ST, float cap2)
+{
+    const vf two = vset1(2.0f), one = vset1(1.0f), k = vset1(2.0f * 1.4426950408889634f),
+             c = vset1(cap2);
+    for (int64_t i = 0; i < (int64_t)nk * M; i += VL) {
+        vf x = vload(ST + i);
+        vf e = vexp2(vmul(k, x));
+        vstore(ST + i, vmul(c, vsub(one, vdiv(two, vadd(e, one)))));
+    }
+}
+
+static int softmax(const fw_softmax_args *s)
+{
+    const int nk = s->nk, M = s->M, masked = s->lo != NULL;
+    float *ST = s->ST;
+    const vf ninf = vset1(-INFINITY), zero = vzero(), one = vset1(1.0f),
+             bound = vset1(FW_ANCHOR_BOUND);
+    int fail = 0;
+    for (int m = 0; m < M; m += VL) {
+        vf a = vload(s->a + m), l = vload(s->l + m);
+        vf lo = zero, hi = zero;
+        if (masked) {
+            lo = vload(s->lo + m);
+            hi = vload(s->hi + m);
+        }
+        vm unset = veq(a, ninf);
+        vf sub = a;
+        int need_sub = !s->folded;
+        if (s->online || vany(unset)) {
+            vf mx = ninf;
+            for (int j = 0; j < nk; j++) {
+                vf x = vload(ST + (int64_t)j * M + m);
+                if (masked) {
+                    vf jf = vset1((float)j);
+                    x = vsel(vmand(vge(jf, lo), vlt(jf, hi)), x, ninf);
+                }
+                mx = vmax(mx, x);
+            }
+            if (s->online) {
+                vf mnew = vmax(a, mx);
+                vm grow = vlt(a, mnew);
+                if (vany(grow)) {
+                    vf scale = vsel(grow, vsel(unset, zero, vexp2(vsub(a, mnew))), one);
+                    l = vmul(l, scale);
+                    for (int c = 0; c < s->dv; c++) {
+                        float *o = s->OT + (int64_t)c * M + m;
+                        vstore(o, vmul(vload(o), scale));
+                    }
+                }
+                a = mnew;
+                sub = vsel(veq(a, ninf), zero, a);
+            } else {
+                vf anew = vsel(unset, mx, a);
+                vf use = vsel(veq(anew, ninf), zero, anew);
+                sub = s->folded ? vsel(unset, use, zero) : use;
+                a = anew;
+            }
+            need_sub = 1;
+        }
+        vf sum = zero;
+        for (int j = 0; j < nk; j++) {
+            float *pj = ST + (int64_t)j * M + m;
+            vf x = vload(pj);
+            if (need_sub)
+                x = vsub(x, sub);
+            vf p = vexp2(x);
+            if (masked) {
+                vf jf = vset1((float)j);
+                p = vmaskz(vmand(vge(jf, lo), vlt(jf, hi)), p);
+            }
+            vstore(pj, p);
+            sum = vadd(sum, p);
+        }
+        l = vadd(l, sum);
+        if (s->online) {
+            vstore(s->a + m, a);
+            vstore(s->l + m, l);
+        } else {
+            fail |= !vall(vlt(l, bound));
+            vstore(s->pending + m, a);
+            vstore(s->pending + M + m, l);
+        }
+    }
+    if (s->online)
+        return 0;
+    if (fail)
+        return 1;
+    for (int m = 0; m < M; m += VL) {
+        vstore(s->a + m, vload(s->pending + m));
+        vstore(s->l + m, vload(s->pending + M + m));
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ plain baseline -- */
+
+static float dot(const float *x, const float *y, int n)
+{
+    vf acc = vzero();
+    int i = 0;
+    for (; i + VL <= n; i += VL)
+        acc = vfma(vload(x + i), vload(y + i), acc);
+    float s = vhsum(acc);
+    for (; i < n; i++)
+        s += x[i] * y[i];
+    return s;
+}
+
+static void axpby(float *acc, float a, const float *x, float b, int n)
+{
+    /* acc = b * acc + a * x */
+    vf va = vset1(a), vb = vset1(b);
+    int i = 0;
+    for (; i + VL <= n; i += VL)
+        vstore(acc + i, vfma(va, vload(x + i), vmul(vb, vload(acc + i))));
+    for (; i < n; i++)
+        acc[i] = a * x[i] + b * acc[i];
+}
+
+static void plain_row(const float *q, int d, int dv, fw_dtype dt, const void *K, int64_t ldk,
+                      int64_t kdim, const void *V, int64_t ldv, int64_t vdim, int64_t n, float cap2,
+                      float *acc, float *mo, float *lo, float *scratch)
+{
+    const size_t es = dt == FW_F32 ? 4 : 2;
+    float m = *mo, l = *lo, *kf = scratch, *vf_ = scratch + d;
+    for (int64_t j = 0; j < n; j++) {
+        to_f32((const char *)K + (size_t)(j * ldk) * es, dt, kdim, d, 1.0f, kf);
+        to_f32((const char *)V + (size_t)(j * ldv) * es, dt, vdim, dv, 1.0f, vf_);
+        float s = dot(q, kf, d);
+        if (cap2 > 0.0f)
+            s = cap2 * tanhf(s);
+        float p = 1.0f, scale = 1.0f;
+        if (s > m) {
+            scale = m == -INFINITY ? 0.0f : exp2f(m - s);
+            m = s;
+        } else {
+            p = exp2f(s - m);
+        }
+        axpby(acc, p, vf_, scale, dv);
+        l = l * scale + p;
+    }
+    *mo = m;
+    *lo = l;
+}
+
+/* ------------------------------------------------------------------- peak -- */
+
+static double peak(double seconds)
+{
+    vf acc[PEAK_CHAINS];
+    const vf b = vset1(0.9999999f), c = vset1(1e-7f);
+    for (int i = 0; i < PEAK_CHAINS; i++)
+        acc[i] = vset1((float)i);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t;
+    int64_t iters = 0;
+    do {
+        for (int r = 0; r < 4096; r++) {
+            for (int i = 0; i < PEAK_CHAINS; i++)
+                acc[i] = vfma(acc[i], b, c);
+            __asm__ volatile("" ::: "memory");
+        }
+        iters += 4096;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    } while (t < seconds);
+    vf s = acc[0];
+    for (int i = 1; i < PEAK_CHAINS; i++)
+        s = vadd(s, acc[i]);
+    volatile float sink = vhsum(s);
+    (void)sink;
+    return (double)iters * PEAK_CHAINS * VL * 2.0 / t * 1e-9;
+}
+
+const fw_kernels FW_TABLE = {
+    ISA_NAME, VL, to_f32, from_f32, qk, softcap, softmax, pv, plain_row, peak,
+};

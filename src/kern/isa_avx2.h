@@ -1,0 +1,90 @@
+/* isa_avx2.h: the thin vector layer for AVX2 + FMA + F16C. 8 floats per vector, 16 registers. */
+#include <immintrin.h>
+
+#define ISA_NAME "avx2"
+#define VL 8
+#define TM 2 /* 2 x 8 = 16 rows per register tile */
+#define TJ 6 /* 2 x 6 = 12 accumulators, + 2 row vectors + 1 broadcast = 15 of 16 registers */
+
+typedef __m256 vf;
+typedef __m256 vm;
+
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vm vlt(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+static inline vm vge(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+static inline vm veq(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+static inline vm vnotlt(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_NLT_UQ); }
+static inline vm vmand(vm a, vm b) { return _mm256_and_ps(a, b); }
+static inline int vany(vm m) { return _mm256_movemask_ps(m) != 0; }
+static inline int vall(vm m) { return _mm256_movemask_ps(m) == 0xff; }
+static inline vf vsel(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
+static inline vf vmaskz(vm m, vf a) { return _mm256_and_ps(m, a); }
+
+/* 2^x to about 2 ulp: clamp to [-127, 128], x = n + f, degree-5 polynomial for 2^f, 2^n built
+ * in the exponent field (n = -127 gives 0, n = 128 gives inf). NaN passes through the clamps
+ * (the data is the second operand of max/min). */
+static inline vf vexp2(vf x)
+{
+    x = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
+    vf n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = _mm256_sub_ps(x, n);
+    vf p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
+    p = vfma(p, f, vset1(5.550713464617729e-2f));
+    p = vfma(p, f, vset1(2.4022120237350464e-1f));
+    p = vfma(p, f, vset1(6.931469440460205e-1f));
+    p = vfma(p, f, vset1(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
+{
+    vf x;
+    if (dt == FW_F32)
+        x = _mm256_loadu_ps((const float *)src + i);
+    else if (dt == FW_BF16)
+        x = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))), 16));
+    else
+        x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, _mm256_set1_ps(scale)));
+}
+
+static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+{
+    vf x = _mm256_loadu_ps(src + i);
+    if (dt == FW_F32) {
+        _mm256_storeu_ps((float *)dst + i, x);
+    } else if (dt == FW_F16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
+                         _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        __m256i u = _mm256_castps_si256(x);
+        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                    _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+        r = _mm256_srli_epi32(r, 16);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), packed);
+    }
+}
+
+static inline float vhsum(vf x)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define PEAK_CHAINS 12

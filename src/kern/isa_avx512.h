@@ -1,0 +1,83 @@
+/* isa_avx512.h: the thin vector layer for AVX-512 (F, BW, DQ, VL). 16 floats per vector. */
+#include <immintrin.h>
+
+#define ISA_NAME "avx512"
+#define VL 16
+#define TM 4 /* vectors of query rows per register tile: 4 x 16 = 64 rows */
+#define TJ 6 /* keys (qk) or value columns (pv) per register tile: 4 x 6 = 24 accumulators */
+
+typedef __m512 vf;
+typedef __mmask16 vm;
+
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+/* max(a, b) where b is returned when either is NaN: callers pass the data second. */
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vm vlt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+static inline vm vge(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+static inline vm veq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline vm vnotlt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }
+static inline vm vmand(vm a, vm b) { return (vm)(a & b); }
+static inline int vany(vm m) { return m != 0; }
+static inline int vall(vm m) { return m == 0xffff; }
+static inline vf vsel(vm m, vf a, vf b) { return _mm512_mask_blend_ps(m, b, a); } /* m ? a : b */
+static inline vf vmaskz(vm m, vf a) { return _mm512_maskz_mov_ps(m, a); }
+
+/* 2^x to about 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial, then scalef by n
+ * (which also gives inf above 128 and 0 below -150 without a clamp). */
+static inline vf vexp2(vf x)
+{
+    vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = _mm512_sub_ps(x, n);
+    vf p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
+    p = vfma(p, f, vset1(5.550713464617729e-2f));
+    p = vfma(p, f, vset1(2.4022120237350464e-1f));
+    p = vfma(p, f, vset1(6.931469440460205e-1f));
+    p = vfma(p, f, vset1(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* n contiguous elements, converted. */
+static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
+{
+    vf x;
+    if (dt == FW_F32)
+        x = _mm512_loadu_ps((const float *)src + i);
+    else if (dt == FW_BF16)
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i))), 16));
+    else
+        x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+}
+
+static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+{
+    vf x = _mm512_loadu_ps(src + i);
+    if (dt == FW_F32) {
+        _mm512_storeu_ps((float *)dst + i, x);
+    } else if (dt == FW_F16) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
+                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        __m512i u = _mm512_castps_si512(x);
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                    _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+}
+
+/* Horizontal sum, for the plain baseline's dot products. */
+static inline float vhsum(vf x) { return _mm512_reduce_add_ps(x); }
+
+/* One step of the peak microbenchmark: 12 independent FMA chains. */
+#define PEAK_CHAINS 12

@@ -1,0 +1,77 @@
+/* isa_portable.h: the "vector" layer in plain C: one float per vector. The same algorithm
+ * as the SIMD tables, so the portable table tests the algorithm on any CPU. */
+#include <math.h>
+#include <string.h>
+
+#define ISA_NAME "portable"
+#define VL 1
+#define TM 4
+#define TJ 6
+
+typedef float vf;
+typedef int vm;
+
+static inline vf vload(const float *p) { return *p; }
+static inline void vstore(float *p, vf x) { *p = x; }
+static inline vf vset1(float x) { return x; }
+static inline vf vzero(void) { return 0.0f; }
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; } /* fmaf may be a libm call */
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vsub(vf a, vf b) { return a - b; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline vf vdiv(vf a, vf b) { return a / b; }
+static inline vf vmax(vf a, vf b) { return (a > b) ? a : b; } /* NaN in b is returned */
+static inline vm vlt(vf a, vf b) { return a < b; }
+static inline vm vge(vf a, vf b) { return a >= b; }
+static inline vm veq(vf a, vf b) { return a == b; }
+static inline vm vnotlt(vf a, vf b) { return !(a < b); }
+static inline vm vmand(vm a, vm b) { return a && b; }
+static inline int vany(vm m) { return m != 0; }
+static inline int vall(vm m) { return m != 0; }
+static inline vf vsel(vm m, vf a, vf b) { return m ? a : b; }
+static inline vf vmaskz(vm m, vf a) { return m ? a : 0.0f; }
+
+/* 2^x: the same reduction and polynomial as the SIMD tables. */
+static inline vf vexp2(vf x)
+{
+    if (x != x)
+        return x;
+    x = x < -127.0f ? -127.0f : (x > 128.0f ? 128.0f : x);
+    float n = rintf(x);
+    float f = x - n;
+    float p = vfma(1.3276470126584172e-3f, f, 9.675540961325169e-3f);
+    p = vfma(p, f, 5.550713464617729e-2f);
+    p = vfma(p, f, 2.4022120237350464e-1f);
+    p = vfma(p, f, 6.931469440460205e-1f);
+    p = vfma(p, f, 1.0f);
+    uint32_t e = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
+{
+    float x;
+    if (dt == FW_F32)
+        x = ((const float *)src)[i];
+    else if (dt == FW_BF16)
+        x = fw_bf16_to_f32(((const uint16_t *)src)[i]);
+    else
+        x = fw_f16_to_f32(((const uint16_t *)src)[i]);
+    dst[i] = x * scale;
+}
+
+static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+{
+    if (dt == FW_F32)
+        ((float *)dst)[i] = src[i];
+    else if (dt == FW_BF16)
+        ((uint16_t *)dst)[i] = fw_f32_to_bf16(src[i]);
+    else
+        ((uint16_t *)dst)[i] = fw_f32_to_f16(src[i]);
+}
+
+static inline float vhsum(vf x) { return x; }
+
+#define PEAK_CHAINS 12

@@ -1,0 +1,942 @@
+/*
+ * test_attn.c: softmax attention against the float64 reference, on every kernel table the
+ * host runs: shapes, GQA ratios, head dims, dtypes, masks, softcap, varlen, strides, guard
+ * bytes, NaN/inf, forced overflow replay, thread-count invariance, bad input.
+ * Accuracy bar: max |kernel - ref| <= 2 * max |plain - ref| + 1e-5, where plain is the
+ * row-at-a-time online-softmax kernel in the same precision (FW_ATTN_PLAIN).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attn.h"
+#include "internal.h"
+#include "test_util.h"
+
+typedef struct {
+    int64_t b, sq, sk, hq, hkv, d, dv;
+    fw_dtype dt, odt;
+    int causal;
+    int64_t wl, wr;
+    float softcap, scale;
+    int layout; /* 0: contiguous; 1: strided views (packed qkv when sq == sk); 2: dim stride 2 */
+} shape;
+
+typedef struct {
+    shape s;
+    gbuf in, out, lse;
+    fw_tensor q, k, v, o, l;
+} problem;
+
+static const char *dtn(fw_dtype d) { return fw_dtype_name(d); }
+
+static void describe(char *buf, size_t n, const shape *s)
+{
+    snprintf(buf, n, "b%lld sq%lld sk%lld h%lld:%lld d%lld dv%lld %s->%s%s w(%lld,%lld) cap%g L%d",
+             (long long)s->b, (long long)s->sq, (long long)s->sk, (long long)s->hq,
+             (long long)s->hkv, (long long)s->d, (long long)s->dv, dtn(s->dt), dtn(s->odt),
+             s->causal ? " causal" : "", (long long)s->wl, (long long)s->wr, (double)s->softcap,
+             s->layout);
+}
+
+/* A 4-D view [a, b, c, e] whose memory order is given by `perm` (perm[0] outermost) with
+ * `pad` extra elements after each innermost run and a last-dim stride of `es`. */
+static fw_tensor view4(void *data, fw_dtype dt, const int64_t *shape, const int *perm, int64_t pad,
+                       int64_t es, int64_t *extent)
+{
+    fw_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dt;
+    t.ndim = 4;
+    int64_t s = es;
+    for (int i = 3; i >= 0; i--) {
+        int dim = perm[i];
+        t.shape[dim] = shape[dim];
+        t.stride[dim] = s;
+        s *= shape[dim] > 0 ? shape[dim] : 1;
+        if (i == 3)
+            s += pad;
+    }
+    for (int i = 0; i < 4; i++)
+        t.shape[i] = shape[i];
+    *extent = s;
+    return t;
+}
+
+static void problem_make(problem *P, const shape *s, uint64_t seed)
+{
+    memset(P, 0, sizeof *P);
+    P->s = *s;
+    const int bshd[4] = {0, 1, 2, 3}, bhsd[4] = {0, 2, 1, 3};
+    int64_t qs[4] = {s->b, s->sq, s->hq, s->d}, ks[4] = {s->b, s->sk, s->hkv, s->d},
+            vs[4] = {s->b, s->sk, s->hkv, s->dv}, os[4] = {s->b, s->sq, s->hq, s->dv};
+    size_t es = fw_dtype_size(s->dt), eo = fw_dtype_size(s->odt);
+    int64_t eq, ek, ev, eout;
+    if (s->layout == 1 && s->sq == s->sk) {
+        /* q, k, v as views into one packed [b, s, hq*d + hkv*d + hkv*dv] buffer */
+        int64_t row = s->hq * s->d + s->hkv * s->d + s->hkv * s->dv;
+        P->in = gbuf_new((size_t)(s->b * s->sq * row + 1) * es);
+        char *base = P->in.p;
+        P->q = view4(base, s->dt, qs, bshd, 0, 1, &eq);
+        P->q.stride[1] = row; P->q.stride[0] = row * s->sq;
+        P->k = P->q; P->k.data = base + (size_t)(s->hq * s->d) * es;
+        P->k.shape[2] = s->hkv;
+        P->v = P->k; P->v.data = base + (size_t)(s->hq * s->d + s->hkv * s->d) * es;
+        P->v.shape[3] = s->dv;
+        P->k.shape[1] = P->v.shape[1] = s->sk;
+    } else {
+        const int *perm = s->layout == 1 ? bhsd : bshd;
+        int64_t pad = s->layout == 1 ? 3 : 0, st = s->layout == 2 ? 2 : 1;
+        fw_tensor tq = view4(NULL, s->dt, qs, perm, pad, st, &eq);
+        fw_tensor tk = view4(NULL, s->dt, ks, perm, pad, st, &ek);
+        fw_tensor tv = view4(NULL, s->dt, vs, perm, pad, st, &ev);
+        P->in = gbuf_new((size_t)(eq + ek + ev + 1) * es);
+        char *base = P->in.p;
+        P->q = tq; P->q.data = base;
+        P->k = tk; P->k.data = base + (size_t)eq * es;
+        P->v = tv; P->v.data = base + (size_t)(eq + ek) * es;
+    }
+    {
+        const int *perm = s->layout == 1 ? bhsd : bshd;
+        fw_tensor to = view4(NULL, s->odt, os, perm, s->layout ? 5 : 0, 1, &eout);
+        P->out = gbuf_new((size_t)(eout + 1) * eo);
+        P->o = to;
+        P->o.data = P->out.p;
+        int64_t ls[3] = {s->b, s->hq, s->sq};
+        P->lse = gbuf_new((size_t)(s->b * s->hq * (s->sq + 2) + 1) * 4);
+        P->l = fw_tensor_contiguous(P->lse.p, FW_F32, 3, ls);
+        if (s->layout) { /* gaps between lse rows */
+            P->l.stride[1] = s->sq + 2;
+            P->l.stride[0] = s->hq * (s->sq + 2);
+        }
+    }
+    rng_seed(seed);
+    tfill_normal(&P->q, 1.0);
+    tfill_normal(&P->k, 1.0);
+    tfill_normal(&P->v, 1.0);
+}
+
+static void problem_free(problem *P)
+{
+    gbuf_free(&P->in);
+    gbuf_free(&P->out);
+    gbuf_free(&P->lse);
+}
+
+static void params_of(const shape *s, fw_attn_params *p, const char *isa, int threads, uint32_t flags)
+{
+    fw_attn_params_init(p);
+    p->causal = s->causal;
+    p->window_left = s->wl;
+    p->window_right = s->wr;
+    p->softcap = s->softcap;
+    p->scale = s->scale;
+    p->isa = isa;
+    p->threads = threads;
+    p->flags = flags;
+}
+
+/* Every byte of the out / lse buffers that is not an element must still be the sentinel. */
+static int untouched_outside(const gbuf *b, const fw_tensor *t)
+{
+    size_t es = fw_dtype_size(t->dtype);
+    unsigned char *mark = calloc(b->bytes, 1);
+    int64_t idx[FW_MAX_DIMS] = {0};
+    int empty = 0;
+    for (int i = 0; i < t->ndim; i++)
+        empty |= t->shape[i] == 0;
+    if (!empty)
+        do
+            memset(mark + (size_t)toffset(t, idx) * es, 1, es);
+        while (tnext(t, idx));
+    int ok = gbuf_guards_ok(b);
+    for (size_t i = 0; i < b->bytes && ok; i++)
+        if (!mark[i] && ((unsigned char *)b->p)[i] != 0xA5)
+            ok = 0;
+    free(mark);
+    return ok;
+}
+
+/* Output of a run, gathered as doubles in [b, sq, hq, dv] and [b, hq, sq] order. */
+typedef struct {
+    double *o, *l;
+    int64_t no, nl;
+} result;
+
+static void result_free(result *r)
+{
+    free(r->o);
+    free(r->l);
+}
+
+static result gather(const problem *P)
+{
+    result r;
+    r.no = P->s.b * P->s.sq * P->s.hq * P->s.dv;
+    r.nl = P->s.b * P->s.hq * P->s.sq;
+    r.o = malloc((size_t)(r.no + 1) * sizeof(double));
+    r.l = malloc((size_t)(r.nl + 1) * sizeof(double));
+    int64_t idx[4] = {0}, n = 0;
+    if (r.no)
+        do r.o[n++] = tget(&P->o, idx); while (tnext(&P->o, idx));
+    memset(idx, 0, sizeof idx);
+    n = 0;
+    if (r.nl)
+        do r.l[n++] = tget(&P->l, idx); while (tnext(&P->l, idx));
+    return r;
+}
+
+static fw_status run_kernel(problem *P, const char *isa, int threads, uint32_t flags)
+{
+    fw_attn_params p;
+    params_of(&P->s, &p, isa, threads, flags);
+    memset(P->out.p, 0xA5, P->out.bytes);
+    memset(P->lse.p, 0xA5, P->lse.bytes);
+    return fw_attn_fwd(&P->q, &P->k, &P->v, &P->o, &P->l, &p);
+}
+
+/* The reference for rows [r0, r1) (all if r1 <= 0), as doubles. */
+static result reference(const problem *P, int64_t r0, int64_t r1)
+{
+    const shape *s = &P->s;
+    int64_t os[4] = {s->b, s->sq, s->hq, s->dv}, ls[3] = {s->b, s->hq, s->sq};
+    result r;
+    r.no = s->b * s->sq * s->hq * s->dv;
+    r.nl = s->b * s->hq * s->sq;
+    r.o = calloc((size_t)r.no + 1, sizeof(double));
+    r.l = calloc((size_t)r.nl + 1, sizeof(double));
+    fw_tensor o = fw_tensor_contiguous(r.o, FW_F64, 4, os), l = fw_tensor_contiguous(r.l, FW_F64, 3, ls);
+    fw_attn_params p;
+    params_of(s, &p, NULL, 1, 0);
+    fw_status st = fw_attn_ref(&P->q, &P->k, &P->v, &o, &l, &p, r0, r1 > 0 ? r1 : INT64_MAX);
+    case_check(st == FW_OK, "reference failed: %s", fw_last_error());
+    return r;
+}
+
+static int row_in(int64_t row, int64_t r0, int64_t r1) { return row >= r0 && (r1 <= 0 || row < r1); }
+
+/* max |x - ref| over rows [r0, r1) of out and lse; NaN counts as infinite error. */
+static void max_err(const shape *s, const result *x, const result *ref, int64_t r0, int64_t r1,
+                    double *eo, double *el)
+{
+    *eo = *el = 0;
+    for (int64_t i = 0; i < x->no; i++) {
+        int64_t row = (i / (s->hq * s->dv)) % s->sq;
+        if (!row_in(row, r0, r1))
+            continue;
+        double e = fabs(x->o[i] - ref->o[i]);
+        if (!(e <= *eo))
+            *eo = isnan(e) ? INFINITY : e;
+    }
+    for (int64_t i = 0; i < x->nl; i++) {
+        int64_t row = i % s->sq;
+        if (!row_in(row, r0, r1))
+            continue;
+        double e = (isinf(ref->l[i]) && x->l[i] == ref->l[i]) ? 0 : fabs(x->l[i] - ref->l[i]);
+        if (!(e <= *el))
+            *el = isnan(e) ? INFINITY : e;
+    }
+}
+
+/* Run kernel and plain on one table and check both against the reference. */
+static void check_problem(problem *P, const char *isa, int threads, uint32_t flags,
+                          const result *ref, int64_t r0, int64_t r1)
+{
+    fw_status st = run_kernel(P, isa, threads, flags);
+    case_check(st == FW_OK, "kernel returned %s: %s", fw_status_string(st), fw_last_error());
+    case_check(untouched_outside(&P->out, &P->o), "out: bytes outside the view or guards written");
+    case_check(untouched_outside(&P->lse, &P->l), "lse: bytes outside the view or guards written");
+    result k = gather(P);
+    st = run_kernel(P, isa, 1, FW_ATTN_PLAIN);
+    case_check(st == FW_OK, "plain returned %s: %s", fw_status_string(st), fw_last_error());
+    result pl = gather(P);
+    double ek, elk, ep, elp;
+    max_err(&P->s, &k, ref, r0, r1, &ek, &elk);
+    max_err(&P->s, &pl, ref, r0, r1, &ep, &elp);
+    case_check(ek <= 2 * ep + 1e-5, "[%s flags %u] out error %.3g > 2 x plain %.3g + 1e-5", isa,
+               flags, ek, ep);
+    case_check(elk <= 2 * elp + 1e-4, "[%s flags %u] lse error %.3g > 2 x plain %.3g + 1e-4", isa,
+               flags, elk, elp);
+    for (int64_t i = 0; i < k.no; i++)
+        if (!isfinite(k.o[i])) {
+            case_check(0, "[%s] out[%lld] = %g is not finite", isa, (long long)i, k.o[i]);
+            break;
+        }
+    result_free(&k);
+    result_free(&pl);
+}
+
+/* All tables the host runs. */
+static int ntables(void) { return fw_isa_count(); }
+static const char *table(int i) { return fw_isa_supported(fw_isa_name(i)) ? fw_isa_name(i) : NULL; }
+
+static void run_shape(const shape *s, uint32_t flags, int threads)
+{
+    char name[256];
+    describe(name, sizeof name, s);
+    case_begin("attn %s flags %u threads %d", name, flags, threads);
+    problem P;
+    problem_make(&P, s, (uint64_t)(s->sq * 131 + s->sk * 7 + s->d + s->hq));
+    /* reference on a slice of rows when the problem is big */
+    double cost = (double)s->b * s->sq * s->sk * s->hq * (s->d + s->dv);
+    int64_t r0 = 0, r1 = 0;
+    if (cost > 4e7) {
+        r0 = s->sq > 48 ? s->sq - 48 : 0;
+        r1 = 0;
+    }
+    result ref = reference(&P, r0, r1);
+    for (int t = 0; t < ntables(); t++)
+        if (table(t))
+            check_problem(&P, table(t), threads, flags, &ref, r0, r1);
+    result_free(&ref);
+    problem_free(&P);
+    case_end();
+}
+
+static shape base_shape(void)
+{
+    shape s = {1, 64, 64, 4, 1, 64, 64, FW_F32, FW_F32, 0, -1, -1, 0.0f, 0.0f, 0};
+    return s;
+}
+
+/* ---------------------------------------------------------------- sweeps -- */
+
+static void sweep_lengths(void)
+{
+    static const int64_t L[] = {1, 7, 63, 64, 65, 127, 300, 1000, 2048};
+    static const int64_t R[][2] = {{1, 1}, {4, 1}, {8, 1}, {32, 8}, {7, 7}, {6, 2}, {16, 1}};
+    static const int64_t D[][2] = {{32, 32}, {64, 64}, {80, 80}, {96, 96}, {128, 128}, {192, 128}, {256, 256}, {64, 32}};
+    static const fw_dtype T[] = {FW_F32, FW_BF16, FW_F16};
+    int n = 0;
+    const int step = quick_mode() ? 5 : 1;
+    for (int i = 0; i < 9; i++)
+        for (int j = 0; j < 9; j++, n++) {
+            if (n % step)
+                continue;
+            shape s = base_shape();
+            s.sq = L[i];
+            s.sk = L[j];
+            const int64_t *r = R[n % 7], *d = D[(n / 2) % 8];
+            s.hq = r[0]; s.hkv = r[1]; s.d = d[0]; s.dv = d[1];
+            /* keep the big cases affordable for the reference */
+            if (s.sq * s.sk > 200000 && s.hq > 8) { s.hq = 8; s.hkv = s.hkv > 1 ? 2 : 1; }
+            s.dt = s.odt = T[n % 3];
+            s.causal = (n % 4) != 1;
+            if (n % 6 == 5) { s.wl = 37; s.wr = s.causal ? -1 : 11; }
+            if (n % 10 == 3) s.softcap = 30.0f;
+            s.layout = n % 3 == 2 ? 1 : 0;
+            run_shape(&s, 0, 2);
+        }
+}
+
+static void sweep_ratios_dims(void)
+{
+    static const int64_t R[][2] = {{1, 1}, {4, 1}, {8, 1}, {32, 8}, {7, 7}, {6, 2}, {16, 1}};
+    static const int64_t D[] = {32, 64, 80, 96, 128, 192, 256};
+    for (int r = 0; r < 7; r++) {
+        shape s = base_shape();
+        s.sq = 100; s.sk = 150; s.hq = R[r][0]; s.hkv = R[r][1]; s.causal = 1;
+        s.dt = s.odt = FW_BF16;
+        run_shape(&s, 0, 2);
+    }
+    for (int i = 0; i < 7; i += quick_mode() ? 3 : 1)
+        for (int t = 0; t < 3; t++) {
+            shape s = base_shape();
+            s.sq = 70; s.sk = 130; s.hq = 4; s.hkv = 2; s.d = D[i]; s.dv = D[(i + 3) % 7];
+            s.dt = s.odt = (fw_dtype)t;
+            s.causal = t != 1;
+            run_shape(&s, 0, 1);
+        }
+}
+
+static void sweep_masks(void)
+{
+    static const int64_t W[][2] = {{-1, -1}, {0, 0}, {5, -1}, {-1, 5}, {64, 0}, {100, 100}, {1, 70}};
+    for (int w = 0; w < 7; w++)
+        for (int c = 0; c < 2; c++) {
+            shape s = base_shape();
+            s.sq = 150; s.sk = 200; s.hq = 6; s.hkv = 2;
+            s.causal = c; s.wl = W[w][0]; s.wr = W[w][1];
+            s.softcap = w % 2 ? 20.0f : 0.0f;
+            s.dt = s.odt = (fw_dtype)(w % 3);
+            run_shape(&s, 0, 2);
+        }
+    /* sq > sk with causal: the first rows see nothing (out 0, lse -inf) */
+    shape s = base_shape();
+    s.sq = 130; s.sk = 40; s.causal = 1;
+    run_shape(&s, 0, 2);
+    s.sk = 0; /* no keys at all */
+    run_shape(&s, 0, 1);
+    s.causal = 0; s.sq = 0; s.sk = 10; /* no queries */
+    run_shape(&s, 0, 1);
+}
+
+static void sweep_layouts_dtypes(void)
+{
+    for (int lay = 0; lay < 3; lay++)
+        for (int t = 0; t < 3; t++)
+            for (int ot = 0; ot < 3; ot++) {
+                if (quick_mode() && ot != t)
+                    continue;
+                shape s = base_shape();
+                s.b = 2; s.sq = 65; s.sk = lay == 1 ? 65 : 90; s.hq = 4; s.hkv = 2;
+                s.d = 64; s.dv = lay == 1 ? 48 : 64;
+                s.dt = (fw_dtype)t; s.odt = (fw_dtype)ot; s.layout = lay; s.causal = 1;
+                run_shape(&s, 0, 2);
+            }
+}
+
+static void sweep_techniques(void)
+{
+    static const uint32_t F[] = {FW_ATTN_ONLINE_SOFTMAX, FW_ATTN_NO_GQA_PACK, FW_ATTN_NO_TILE_SKIP,
+                                 FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_TILE_SKIP};
+    for (int f = 0; f < 4; f++)
+        for (int c = 0; c < 2; c++) {
+            shape s = base_shape();
+            s.sq = 200; s.sk = 260; s.hq = 8; s.hkv = 2; s.causal = c;
+            s.wl = c ? 90 : -1; s.softcap = c ? 0.0f : 25.0f;
+            s.dt = s.odt = FW_BF16;
+            run_shape(&s, F[f], 2);
+        }
+}
+
+/* Keys scaled x40 after the first tile: logits near 1e4 overflow exp2 against the first
+ * tile's anchor, so the bound check must catch it and replay exactly. */
+static void test_overflow_replay(void)
+{
+    for (int t = 0; t < 3; t++) {
+        shape s = base_shape();
+        s.sq = 96; s.sk = 300; s.hq = 4; s.hkv = 2; s.d = 64; s.dv = 64;
+        s.dt = s.odt = (fw_dtype)t;
+        s.causal = t == 1;
+        char name[256];
+        describe(name, sizeof name, &s);
+        case_begin("overflow replay %s", name);
+        problem P;
+        problem_make(&P, &s, 77 + t);
+        int64_t idx[4] = {0};
+        do { /* q: positive, aligned; keys: x40 past key 64 */
+            tset(&P.q, idx, 25.0 + 2.0 * fabs(tget(&P.q, idx)));
+        } while (tnext(&P.q, idx));
+        memset(idx, 0, sizeof idx);
+        do {
+            double x = 1.0 + 0.25 * fabs(tget(&P.k, idx));
+            tset(&P.k, idx, idx[1] >= 64 ? 40.0 * x : x);
+        } while (tnext(&P.k, idx));
+        result ref = reference(&P, 0, 0);
+        double maxlse = 0;
+        for (int64_t i = 0; i < ref.nl; i++)
+            maxlse = fmax(maxlse, ref.l[i]);
+        case_check(maxlse > 5e3, "the test's logits only reach %g", maxlse);
+        for (int i = 0; i < ntables(); i++)
+            if (table(i)) {
+                check_problem(&P, table(i), 2, 0, &ref, 0, 0);
+                check_problem(&P, table(i), 2, FW_ATTN_ONLINE_SOFTMAX, &ref, 0, 0);
+            }
+        result_free(&ref);
+        problem_free(&P);
+        case_end();
+    }
+}
+
+static void test_threads_identical(void)
+{
+    for (int i = 0; i < ntables(); i++) {
+        if (!table(i))
+            continue;
+        for (int c = 0; c < 2; c++) {
+            shape s = base_shape();
+            s.b = 2; s.sq = 333; s.sk = 400; s.hq = 12; s.hkv = 4; s.d = 80; s.dv = 96;
+            s.causal = c; s.dt = s.odt = FW_BF16; s.wl = c ? -1 : 100;
+            case_begin("threads 1/2/3 bit-identical [%s] causal %d", table(i), c);
+            problem P;
+            problem_make(&P, &s, 5);
+            size_t n = P.out.bytes, nl = P.lse.bytes;
+            unsigned char *first = malloc(n), *firstl = malloc(nl);
+            for (int th = 1; th <= 3; th++) {
+                fw_status st = run_kernel(&P, table(i), th, 0);
+                case_check(st == FW_OK, "status %d", st);
+                if (th == 1) {
+                    memcpy(first, P.out.p, n);
+                    memcpy(firstl, P.lse.p, nl);
+                } else {
+                    case_check(memcmp(first, P.out.p, n) == 0, "out differs at %d threads", th);
+                    case_check(memcmp(firstl, P.lse.p, nl) == 0, "lse differs at %d threads", th);
+                }
+            }
+            free(first);
+            free(firstl);
+            problem_free(&P);
+            case_end();
+        }
+    }
+}
+
+/* Several application threads calling at once get the bits of a lone call. */
+typedef struct {
+    problem *P;
+    const char *isa;
+    fw_status st;
+    unsigned char *out;
+} conc_arg;
+
+static void *conc_main(void *x)
+{
+    conc_arg *a = x;
+    problem *P = a->P;
+    fw_attn_params p;
+    params_of(&P->s, &p, a->isa, 2, 0);
+    int64_t os[4] = {P->s.b, P->s.sq, P->s.hq, P->s.dv};
+    fw_tensor o = fw_tensor_contiguous(a->out, P->s.odt, 4, os);
+    a->st = fw_attn_fwd(&P->q, &P->k, &P->v, &o, NULL, &p);
+    return NULL;
+}
+
+static void test_concurrent_callers(void)
+{
+    shape s = base_shape();
+    s.sq = 200; s.sk = 200; s.hq = 8; s.hkv = 2; s.causal = 1;
+    problem P;
+    problem_make(&P, &s, 9);
+    const char *isa = fw_isa_default();
+    case_begin("4 concurrent callers [%s]", isa);
+    size_t n = (size_t)(s.b * s.sq * s.hq * s.dv) * 4;
+    conc_arg a[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        a[i].P = &P; a[i].isa = isa; a[i].out = malloc(n);
+        pthread_create(&th[i], NULL, conc_main, &a[i]);
+    }
+    for (int i = 0; i < 4; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 4; i++) {
+        case_check(a[i].st == FW_OK, "caller %d: status %d", i, a[i].st);
+        case_check(memcmp(a[0].out, a[i].out, n) == 0, "caller %d differs", i);
+    }
+    for (int i = 0; i < 4; i++)
+        free(a[i].out);
+    problem_free(&P);
+    case_end();
+}
+
+/* Caller workspace: the same bits as internal allocation; too small is refused. */
+static void test_workspace(void)
+{
+    shape s = base_shape();
+    s.sq = 100; s.sk = 120; s.hq = 8; s.hkv = 2; s.causal = 1;
+    problem P;
+    problem_make(&P, &s, 11);
+    case_begin("caller workspace");
+    fw_attn_params p;
+    params_of(&s, &p, NULL, 2, 0);
+    size_t bytes = 0;
+    fw_status st = fw_attn_workspace_size(&P.q, &P.k, &P.v, &p, &bytes);
+    case_check(st == FW_OK && bytes > 0, "workspace size: %d %zu", st, bytes);
+    case_check(bytes < (size_t)64 << 20, "workspace %zu bytes is not small", bytes);
+    run_kernel(&P, NULL, 2, 0);
+    unsigned char *ref = malloc(P.out.bytes);
+    memcpy(ref, P.out.p, P.out.bytes);
+    gbuf ws = gbuf_new(bytes);
+    p.workspace = ws.p;
+    p.workspace_bytes = bytes;
+    memset(P.out.p, 0xA5, P.out.bytes);
+    st = fw_attn_fwd(&P.q, &P.k, &P.v, &P.o, &P.l, &p);
+    case_check(st == FW_OK, "with workspace: %s", fw_last_error());
+    case_check(memcmp(ref, P.out.p, P.out.bytes) == 0, "workspace run differs");
+    case_check(gbuf_guards_ok(&ws), "workspace guards overwritten");
+    p.workspace_bytes = bytes - 1;
+    memset(P.out.p, 0xA5, P.out.bytes);
+    st = fw_attn_fwd(&P.q, &P.k, &P.v, &P.o, &P.l, &p);
+    case_check(st == FW_ERR_WORKSPACE && strstr(fw_last_error(), "workspace"),
+               "small workspace: %d %s", st, fw_last_error());
+    int clean = 1;
+    for (size_t i = 0; i < P.out.bytes; i++)
+        clean &= ((unsigned char *)P.out.p)[i] == 0xA5;
+    case_check(clean, "out written although the workspace was refused");
+    gbuf_free(&ws);
+    free(ref);
+    problem_free(&P);
+    case_end();
+}
+
+/* ------------------------------------------------------------------ varlen -- */
+
+static void test_varlen(void)
+{
+    static const int32_t lq[] = {5, 0, 70, 1, 130, 64, 0};
+    static const int32_t lk[] = {9, 3, 70, 200, 0, 64, 0};
+    const int B = 7;
+    for (int c = 0; c < 3; c++)
+        for (int t = 0; t < 3; t++) {
+            case_begin("varlen causal %d dtype %s", c == 1, dtn((fw_dtype)t));
+            int32_t cuq[8] = {0}, cuk[8] = {0};
+            for (int i = 0; i < B; i++) {
+                cuq[i + 1] = cuq[i] + lq[i];
+                cuk[i + 1] = cuk[i] + lk[i];
+            }
+            const int64_t hq = 6, hkv = 2, d = 48, dv = 40, tq = cuq[B], tk = cuk[B];
+            fw_dtype dt = (fw_dtype)t;
+            int64_t qs[3] = {tq, hq, d}, ks[3] = {tk, hkv, d}, vs[3] = {tk, hkv, dv},
+                    os[3] = {tq, hq, dv}, ls[2] = {hq, tq};
+            size_t es = fw_dtype_size(dt);
+            gbuf bq = gbuf_new((size_t)(tq * hq * d) * es), bk = gbuf_new((size_t)(tk * hkv * d) * es),
+                 bv = gbuf_new((size_t)(tk * hkv * dv) * es), bo = gbuf_new((size_t)(tq * hq * dv) * es),
+                 bl = gbuf_new((size_t)(hq * tq) * 4);
+            fw_tensor q = fw_tensor_contiguous(bq.p, dt, 3, qs), k = fw_tensor_contiguous(bk.p, dt, 3, ks),
+                      v = fw_tensor_contiguous(bv.p, dt, 3, vs), o = fw_tensor_contiguous(bo.p, dt, 3, os),
+                      l = fw_tensor_contiguous(bl.p, FW_F32, 2, ls);
+            rng_seed(100 + c * 3 + t);
+            tfill_normal(&q, 1); tfill_normal(&k, 1); tfill_normal(&v, 1);
+            double *ro = calloc((size_t)(tq * hq * dv) + 1, 8), *rl = calloc((size_t)(hq * tq) + 1, 8);
+            fw_tensor fo = fw_tensor_contiguous(ro, FW_F64, 3, os), fl = fw_tensor_contiguous(rl, FW_F64, 2, ls);
+            fw_attn_params p;
+            fw_attn_params_init(&p);
+            p.causal = c == 1;
+            if (c == 2) { p.window_left = 10; p.window_right = 3; p.softcap = 15; }
+            fw_status st = fw_attn_varlen_ref(&q, &k, &v, cuq, cuk, B, &fo, &fl, &p, 0, INT64_MAX);
+            case_check(st == FW_OK, "ref: %s", fw_last_error());
+            /* the varlen reference equals the dense reference of each sequence on its own */
+            for (int i = 0; i < B; i++) {
+                int64_t q1[4] = {1, lq[i], hq, d}, k1[4] = {1, lk[i], hkv, d}, v1[4] = {1, lk[i], hkv, dv},
+                        o1[4] = {1, lq[i], hq, dv}, l1[3] = {1, hq, lq[i]};
+                fw_tensor sq_ = fw_tensor_contiguous((char *)bq.p + (size_t)(cuq[i] * hq * d) * es, dt, 4, q1);
+                fw_tensor sk_ = fw_tensor_contiguous((char *)bk.p + (size_t)(cuk[i] * hkv * d) * es, dt, 4, k1);
+                fw_tensor sv_ = fw_tensor_contiguous((char *)bv.p + (size_t)(cuk[i] * hkv * dv) * es, dt, 4, v1);
+                double *so = calloc((size_t)(lq[i] * hq * dv) + 1, 8), *sl = calloc((size_t)(hq * lq[i]) + 1, 8);
+                fw_tensor to = fw_tensor_contiguous(so, FW_F64, 4, o1), tl = fw_tensor_contiguous(sl, FW_F64, 3, l1);
+                st = fw_attn_ref(&sq_, &sk_, &sv_, &to, &tl, &p, 0, INT64_MAX);
+                case_check(st == FW_OK, "dense ref of sequence %d: %s", i, fw_last_error());
+                for (int64_t x = 0; x < lq[i] * hq * dv; x++)
+                    case_check(so[x] == ro[cuq[i] * hq * dv + x], "varlen ref != dense ref, seq %d", i);
+                for (int64_t h = 0; h < hq; h++)
+                    for (int64_t r = 0; r < lq[i]; r++)
+                        case_check(sl[h * lq[i] + r] == rl[h * tq + cuq[i] + r] ||
+                                       (isinf(sl[h * lq[i] + r]) && isinf(rl[h * tq + cuq[i] + r])),
+                                   "varlen lse != dense lse, seq %d", i);
+                free(so);
+                free(sl);
+            }
+            for (int it = 0; it < ntables(); it++) {
+                if (!table(it))
+                    continue;
+                double err[2][2];
+                for (int pass = 0; pass < 2; pass++) {
+                    p.isa = table(it);
+                    p.flags = pass ? FW_ATTN_PLAIN : 0;
+                    p.threads = 3;
+                    memset(bo.p, 0xA5, bo.bytes);
+                    memset(bl.p, 0xA5, bl.bytes);
+                    st = fw_attn_varlen_fwd(&q, &k, &v, cuq, cuk, B, &o, &l, &p);
+                    case_check(st == FW_OK, "varlen: %s", fw_last_error());
+                    case_check(gbuf_guards_ok(&bo) && gbuf_guards_ok(&bl), "guards");
+                    double eo = 0, el = 0;
+                    int64_t idx[3] = {0};
+                    do {
+                        double e = fabs(tget(&o, idx) - ro[toffset(&fo, idx)]);
+                        eo = e > eo || isnan(e) ? (isnan(e) ? INFINITY : e) : eo;
+                    } while (tnext(&o, idx));
+                    int64_t li[2] = {0};
+                    do {
+                        double a = tget(&l, li), b = rl[toffset(&fl, li)];
+                        double e = (isinf(a) && a == b) ? 0 : fabs(a - b);
+                        el = e > el || isnan(e) ? (isnan(e) ? INFINITY : e) : el;
+                    } while (tnext(&l, li));
+                    err[pass][0] = eo;
+                    err[pass][1] = el;
+                }
+                case_check(err[0][0] <= 2 * err[1][0] + 1e-5, "[%s] varlen out error %.3g vs plain %.3g",
+                           table(it), err[0][0], err[1][0]);
+                case_check(err[0][1] <= 2 * err[1][1] + 1e-4, "[%s] varlen lse error %.3g vs plain %.3g",
+                           table(it), err[0][1], err[1][1]);
+            }
+            free(ro); free(rl);
+            gbuf_free(&bq); gbuf_free(&bk); gbuf_free(&bv); gbuf_free(&bo); gbuf_free(&bl);
+            case_end();
+        }
+}
+
+/* --------------------------------------------------------------- bad input -- */
+
+static void expect_bad(const char *what, fw_status got, fw_status want, const gbuf *out, const gbuf *lse)
+{
+    case_begin("bad input: %s", what);
+    case_check(got == want, "status %s, expected %s (%s)", fw_status_string(got),
+               fw_status_string(want), fw_last_error());
+    case_check(strlen(fw_last_error()) > 10, "message \"%s\" is empty", fw_last_error());
+    int clean = 1;
+    for (size_t i = 0; i < out->bytes; i++)
+        clean &= ((unsigned char *)out->p)[i] == 0xA5;
+    for (size_t i = 0; i < lse->bytes; i++)
+        clean &= ((unsigned char *)lse->p)[i] == 0xA5;
+    case_check(clean && gbuf_guards_ok(out) && gbuf_guards_ok(lse), "output written on bad input");
+    case_end();
+}
+
+static void test_bad_input(void)
+{
+    shape s = base_shape();
+    s.b = 2; s.sq = 10; s.sk = 12; s.hq = 4; s.hkv = 2; s.d = 16; s.dv = 8;
+    problem P;
+    problem_make(&P, &s, 3);
+    memset(P.out.p, 0xA5, P.out.bytes);
+    memset(P.lse.p, 0xA5, P.lse.bytes);
+    fw_attn_params p, p0;
+    params_of(&s, &p0, NULL, 2, 0);
+    fw_tensor q = P.q, k = P.k, v = P.v, o = P.o, l = P.l;
+#define BAD(what, want, call) do { fw_tensor q_ = q, k_ = k, v_ = v, o_ = o, l_ = l; p = p0; \
+        (void)q_; (void)k_; (void)v_; (void)o_; (void)l_; \
+        { call; } expect_bad(what, fw_attn_fwd(&q_, &k_, &v_, &o_, &l_, &p), want, &P.out, &P.lse); \
+    } while (0)
+    expect_bad("null q", fw_attn_fwd(NULL, &k, &v, &o, &l, &p0), FW_ERR_NULL, &P.out, &P.lse);
+    expect_bad("null out", fw_attn_fwd(&q, &k, &v, NULL, &l, &p0), FW_ERR_NULL, &P.out, &P.lse);
+    BAD("null data", FW_ERR_NULL, q_.data = NULL);
+    BAD("null out data", FW_ERR_NULL, o_.data = NULL);
+    BAD("q rank 3", FW_ERR_SHAPE, q_.ndim = 3);
+    BAD("f64 input", FW_ERR_DTYPE, q_.dtype = FW_F64);
+    BAD("bad dtype value", FW_ERR_DTYPE, o_.dtype = (fw_dtype)9);
+    BAD("mixed dtypes", FW_ERR_DTYPE, k_.dtype = FW_BF16);
+    BAD("lse f16", FW_ERR_DTYPE, l_.dtype = FW_F16);
+    BAD("heads do not divide", FW_ERR_SHAPE, (k_.shape[2] = 3, v_.shape[2] = 3));
+    BAD("k/v heads differ", FW_ERR_SHAPE, v_.shape[2] = 1);
+    BAD("head dim mismatch", FW_ERR_SHAPE, k_.shape[3] = 8);
+    BAD("out dv mismatch", FW_ERR_SHAPE, o_.shape[3] = 9);
+    BAD("batch mismatch", FW_ERR_SHAPE, k_.shape[0] = 1);
+    BAD("k/v lengths differ", FW_ERR_SHAPE, v_.shape[1] = 11);
+    BAD("out rows mismatch", FW_ERR_SHAPE, o_.shape[1] = 9);
+    BAD("lse shape", FW_ERR_SHAPE, l_.shape[2] = 3);
+    BAD("negative size", FW_ERR_SHAPE, q_.shape[1] = -1);
+    BAD("zero head dim", FW_ERR_SHAPE, (q_.shape[3] = 0, k_.shape[3] = 0));
+    BAD("negative stride", FW_ERR_STRIDE, k_.stride[1] = -5);
+    BAD("aliasing out", FW_ERR_STRIDE, o_.stride[1] = 0);
+    BAD("aliasing lse", FW_ERR_STRIDE, l_.stride[2] = 0);
+    BAD("overflowing strides", FW_ERR_OVERFLOW, q_.stride[0] = INT64_MAX / 2);
+    BAD("overflowing sizes", FW_ERR_OVERFLOW, (k_.shape[1] = INT64_MAX / 4, k_.stride[1] = 8));
+    BAD("nan scale", FW_ERR_ARG, p.scale = NAN);
+    BAD("negative softcap", FW_ERR_ARG, p.softcap = -1);
+    BAD("window -2", FW_ERR_ARG, p.window_left = -2);
+    BAD("threads -1", FW_ERR_ARG, p.threads = -1);
+    BAD("threads 1000", FW_ERR_ARG, p.threads = 1000);
+    BAD("causal 2", FW_ERR_ARG, p.causal = 2);
+    BAD("unknown flag", FW_ERR_ARG, p.flags = 1u << 20);
+    BAD("unknown table", FW_ERR_UNSUPPORTED, p.isa = "sve9");
+    /* varlen: lengths */
+    {
+        int64_t qs[3] = {10, 4, 16}, ks[3] = {12, 2, 16}, vs[3] = {12, 2, 8}, os[3] = {10, 4, 8};
+        fw_tensor vq = fw_tensor_contiguous(P.q.data, P.q.dtype, 3, qs),
+                  vk = fw_tensor_contiguous(P.k.data, P.k.dtype, 3, ks),
+                  vv = fw_tensor_contiguous(P.v.data, P.v.dtype, 3, vs),
+                  vo = fw_tensor_contiguous(P.o.data, P.o.dtype, 3, os);
+        gbuf none = gbuf_new(0);
+        int32_t good_q[3] = {0, 4, 10}, good_k[3] = {0, 5, 12};
+        int32_t dec[3] = {0, 6, 4}, start[3] = {1, 4, 10}, end_q[3] = {0, 4, 9};
+        p = p0;
+        expect_bad("varlen: null cu_seqlens_q",
+                   fw_attn_varlen_fwd(&vq, &vk, &vv, NULL, good_k, 2, &vo, NULL, &p), FW_ERR_NULL,
+                   &P.out, &none);
+        expect_bad("varlen: decreasing cu_seqlens_q",
+                   fw_attn_varlen_fwd(&vq, &vk, &vv, dec, good_k, 2, &vo, NULL, &p), FW_ERR_SEQLENS,
+                   &P.out, &none);
+        expect_bad("varlen: cu_seqlens_k[0] != 0",
+                   fw_attn_varlen_fwd(&vq, &vk, &vv, good_q, start, 2, &vo, NULL, &p), FW_ERR_SEQLENS,
+                   &P.out, &none);
+        expect_bad("varlen: cu_seqlens_q end != total",
+                   fw_attn_varlen_fwd(&vq, &vk, &vv, end_q, good_k, 2, &vo, NULL, &p), FW_ERR_SEQLENS,
+                   &P.out, &none);
+        expect_bad("varlen: negative batch",
+                   fw_attn_varlen_fwd(&vq, &vk, &vv, good_q, good_k, -1, &vo, NULL, &p), FW_ERR_ARG,
+                   &P.out, &none);
+        fw_tensor l2 = P.l;
+        expect_bad("varlen: lse rank 3",
+                   fw_attn_varlen_fwd(&vq, &vk, &vv, good_q, good_k, 2, &vo, &l2, &p), FW_ERR_SHAPE,
+                   &P.out, &P.lse);
+        p.workspace = P.in.p;
+        p.workspace_bytes = 10;
+        expect_bad("workspace too small",
+                   fw_attn_varlen_fwd(&vq, &vk, &vv, good_q, good_k, 2, &vo, NULL, &p),
+                   FW_ERR_WORKSPACE, &P.out, &none);
+        gbuf_free(&none);
+    }
+    /* the reference validates the same way, and checks its row range */
+    {
+        fw_attn_params pr = p0;
+        expect_bad("reference: k of rank 0",
+                   fw_attn_ref(&q, &(fw_tensor){0}, &v, &o, &l, &pr, 0, 1), FW_ERR_SHAPE, &P.out, &P.lse);
+        expect_bad("reference: negative row range", fw_attn_ref(&q, &k, &v, &o, &l, &pr, 5, 2),
+                   FW_ERR_ARG, &P.out, &P.lse);
+    }
+#undef BAD
+    case_begin("status strings and last error");
+    for (int st = 0; st <= FW_ERR_UNSUPPORTED; st++)
+        case_check(strncmp(fw_status_string((fw_status)st), "FW_", 3) == 0, "status %d string", st);
+    case_check(fw_attn_fwd(&q, &k, &v, &o, &l, &p0) == FW_OK && fw_last_error()[0] == 0,
+               "a good call clears the message");
+    case_end();
+    problem_free(&P);
+}
+
+/* --------------------------------------------------- kernel table entries -- */
+
+static void test_micro_kernels(void)
+{
+    for (int t = 0; t < ntables(); t++) {
+        if (!table(t))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(table(t));
+        case_begin("micro-kernels qk/pv/softmax/exp2 [%s]", kt->name);
+        rng_seed(1234);
+        for (int M = kt->vl; M <= 80; M += kt->vl * (M < 32 ? 1 : 3))
+            for (int nk = 1; nk <= 64; nk += 9) {
+                int d = 1 + (nk * 7 + M) % 70, dv = 1 + (nk * 3 + M) % 50;
+                float *K = malloc(sizeof(float) * nk * d), *QT = malloc(sizeof(float) * d * M);
+                float *bias = malloc(sizeof(float) * M), *ST = malloc(sizeof(float) * nk * M);
+                float *V = malloc(sizeof(float) * nk * dv), *OT = malloc(sizeof(float) * dv * M);
+                for (int i = 0; i < nk * d; i++) K[i] = (float)rng_normal();
+                for (int i = 0; i < d * M; i++) QT[i] = (float)rng_normal();
+                for (int i = 0; i < M; i++) bias[i] = (float)rng_normal();
+                for (int i = 0; i < nk * dv; i++) V[i] = (float)rng_normal();
+                for (int i = 0; i < dv * M; i++) OT[i] = (float)rng_normal();
+                kt->qk(nk, d, M, K, d, QT, bias, ST);
+                double worst = 0;
+                for (int j = 0; j < nk; j++)
+                    for (int m = 0; m < M; m++) {
+                        double s = bias[m], a = fabs(bias[m]);
+                        for (int k = 0; k < d; k++) {
+                            s += (double)K[j * d + k] * QT[k * M + m];
+                            a += fabs((double)K[j * d + k] * QT[k * M + m]);
+                        }
+                        worst = fmax(worst, fabs(ST[j * M + m] - s) / (a * 1e-6 * (d + 1)));
+                    }
+                case_check(worst <= 1, "qk M %d nk %d d %d: residual %.3g of bound", M, nk, d, worst);
+                double *want = malloc(sizeof(double) * dv * M);
+                for (int c = 0; c < dv; c++)
+                    for (int m = 0; m < M; m++) {
+                        double s = OT[c * M + m];
+                        for (int j = 0; j < nk; j++)
+                            s += (double)V[j * dv + c] * ST[j * M + m];
+                        want[c * M + m] = s;
+                    }
+                kt->pv(nk, dv, M, V, dv, ST, OT);
+                worst = 0;
+                for (int i = 0; i < dv * M; i++)
+                    worst = fmax(worst, fabs(OT[i] - want[i]) / (1e-5 * (1 + fabs(want[i])) * (nk + 1)));
+                case_check(worst <= 1, "pv M %d nk %d dv %d: residual %.3g of bound", M, nk, dv, worst);
+                free(want);
+                free(K); free(QT); free(bias); free(ST); free(V); free(OT);
+            }
+        /* exp2 through the static-anchor softmax: anchor 0, folded, all visible: P = 2^S */
+        {
+            const int M = kt->vl * 4, nk = 64;
+            float *ST = malloc(sizeof(float) * nk * M), *a = malloc(sizeof(float) * M),
+                  *l = malloc(sizeof(float) * M), *pend = malloc(sizeof(float) * 2 * M);
+            double worst = 0;
+            for (int rep = 0; rep < 40; rep++) {
+                for (int i = 0; i < nk * M; i++)
+                    ST[i] = (float)(-126.0 + 130.0 * rng_uniform()) * (i % 3 ? 1.0f : 0.01f);
+                float *S0 = malloc(sizeof(float) * nk * M);
+                memcpy(S0, ST, sizeof(float) * nk * M);
+                for (int m = 0; m < M; m++) { a[m] = 0; l[m] = 0; }
+                fw_softmax_args sa = {nk, M, ST, a, l, NULL, NULL, 1, 0, NULL, 0, pend};
+                int r = kt->softmax(&sa);
+                case_check(r == 0, "softmax replayed a bounded tile");
+                for (int i = 0; i < nk * M; i++) {
+                    double want = exp2((double)S0[i]);
+                    if (want >= 0x1p-126)
+                        worst = fmax(worst, fabs(ST[i] - want) / (want * 0x1p-23));
+                }
+                free(S0);
+            }
+            case_check(worst <= 4, "exp2 error %.2f ulp", worst);
+            /* the bound: a score 80 above the anchor makes the sum pass 2^64: replay */
+            for (int i = 0; i < nk * M; i++) ST[i] = 0;
+            ST[5 * M] = 80.0f;
+            for (int m = 0; m < M; m++) { a[m] = 3; l[m] = 1; }
+            fw_softmax_args sb = {nk, M, ST, a, l, NULL, NULL, 1, 0, NULL, 0, pend};
+            case_check(kt->softmax(&sb) == 1, "an overflowing tile was not flagged");
+            case_check(a[0] == 3 && l[0] == 1, "a failing tile committed its state");
+            free(ST); free(a); free(l); free(pend);
+        }
+        /* conversions: the table's vector paths equal the scalar functions */
+        {
+            uint16_t hb[100];
+            float f[100], g[100];
+            for (int i = 0; i < 100; i++)
+                f[i] = (float)(rng_normal() * exp(8 * rng_normal()));
+            f[3] = INFINITY; f[4] = -0.0f; f[5] = NAN; f[6] = 1e-7f; f[7] = 65519.0f;
+            for (int dt = FW_BF16; dt <= FW_F16; dt++) {
+                kt->from_f32(f, 100, hb, (fw_dtype)dt, 1);
+                int same = 1;
+                for (int i = 0; i < 100; i++) {
+                    uint16_t want = dt == FW_BF16 ? fw_f32_to_bf16(f[i]) : fw_f32_to_f16(f[i]);
+                    same &= hb[i] == want || (f[i] != f[i] && ((hb[i] & 0x7fff) > (dt == FW_BF16 ? 0x7f80 : 0x7c00)));
+                }
+                case_check(same, "from_f32 %s differs from the scalar rounding", dtn((fw_dtype)dt));
+                kt->to_f32(hb, (fw_dtype)dt, 1, 100, 2.0f, g);
+                same = 1;
+                for (int i = 0; i < 100; i++) {
+                    float want = 2.0f * (dt == FW_BF16 ? fw_bf16_to_f32(hb[i]) : fw_f16_to_f32(hb[i]));
+                    same &= g[i] == want || (g[i] != g[i] && want != want);
+                }
+                case_check(same, "to_f32 %s differs from the scalar conversion", dtn((fw_dtype)dt));
+            }
+        }
+        case_end();
+    }
+    case_begin("scalar conversions: rounding to nearest even, specials");
+    case_check(fw_f32_to_bf16(1.0f) == 0x3f80, "bf16(1)");
+    case_check(fw_f32_to_bf16(1.00390625f) == 0x3f80, "bf16 tie rounds to even");
+    case_check(fw_f32_to_bf16(1.01171875f) == 0x3f82, "bf16 tie rounds up to even");
+    case_check(fw_f32_to_f16(65504.0f) == 0x7bff && fw_f32_to_f16(65520.0f) == 0x7c00, "f16 max/overflow");
+    case_check(fw_f32_to_f16(0x1p-24f) == 0x0001 && fw_f32_to_f16(0x1p-25f) == 0, "f16 subnormal ties");
+    case_check(fw_f16_to_f32(0x0001) == 0x1p-24f && fw_f16_to_f32(0xfc00) == -INFINITY, "f16 decode");
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        float f = fw_f16_to_f32((uint16_t)h);
+        if (f == f && fw_f32_to_f16(f) != h) {
+            case_check(0, "f16 round trip 0x%04x", h);
+            break;
+        }
+        f = fw_bf16_to_f32((uint16_t)h);
+        if (f == f && fw_f32_to_bf16(f) != h) {
+            case_check(0, "bf16 round trip 0x%04x", h);
+            break;
+        }
+    }
+    case_end();
+}
+
+static void test_heuristics(void)
+{
+    case_begin("tiling heuristics");
+    int bq, M;
+    fw_attn_tile_rows(4, 16, 4096, &bq, &M);
+    case_check(bq == 16 && M == 64, "G4 vl16: bq %d M %d", bq, M);
+    fw_attn_tile_rows(4, 16, 1, &bq, &M);
+    case_check(bq == 1 && M == 16, "decode: bq %d M %d", bq, M);
+    fw_attn_tile_rows(3, 16, 1000, &bq, &M);
+    case_check(bq == 21 && M == 64, "G3: bq %d M %d", bq, M);
+    fw_attn_tile_rows(128, 8, 1000, &bq, &M);
+    case_check(bq == 1 && M == 128, "G128: bq %d M %d", bq, M);
+    fw_attn_tile_rows(1, 1, 7, &bq, &M);
+    case_check(bq == 7 && M == 7, "portable short: bq %d M %d", bq, M);
+    case_check(fw_attn_chunk_tiles(2048, 2) == 16, "2048 tiles, 2 threads");
+    case_check(fw_attn_chunk_tiles(40, 2) == 2, "40 tiles, 2 threads");
+    case_check(fw_attn_chunk_tiles(1, 8) == 1, "1 tile");
+    case_end();
+}
+
+void test_attn_all(void)
+{
+    test_heuristics();
+    test_micro_kernels();
+    test_bad_input();
+    test_workspace();
+    test_threads_identical();
+    test_concurrent_callers();
+    test_overflow_replay();
+    test_varlen();
+    sweep_masks();
+    sweep_techniques();
+    sweep_layouts_dtypes();
+    sweep_ratios_dims();
+    sweep_lengths();
+}

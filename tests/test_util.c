@@ -1,0 +1,148 @@
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include "test_util.h"
+
+static int n_pass, n_fail, cur_ok;
+static char cur_name[256];
+
+void case_begin(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cur_name, sizeof cur_name, fmt, ap);
+    va_end(ap);
+    cur_ok = 1;
+}
+
+void case_check(int ok, const char *fmt, ...)
+{
+    if (ok)
+        return;
+    if (cur_ok)
+        fprintf(stderr, "FAIL %s\n", cur_name);
+    cur_ok = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "    ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+}
+
+int case_end(void)
+{
+    if (cur_ok)
+        n_pass++;
+    else
+        n_fail++;
+    return cur_ok;
+}
+
+void tally_print(void) { printf("%d passed, %d failed\n", n_pass, n_fail); }
+int tally_failed(void) { return n_fail; }
+
+int quick_mode(void)
+{
+    const char *q = getenv("FW_TEST_QUICK");
+    return q && *q && *q != '0';
+}
+
+gbuf gbuf_new(size_t bytes)
+{
+    gbuf b;
+    b.bytes = bytes;
+    b.base = malloc(bytes + 2 * GUARD);
+    if (!b.base) {
+        fprintf(stderr, "test: out of memory (%zu bytes)\n", bytes);
+        exit(2);
+    }
+    memset(b.base, 0xA5, bytes + 2 * GUARD);
+    b.p = b.base + GUARD;
+    return b;
+}
+
+void gbuf_free(gbuf *b)
+{
+    free(b->base);
+    b->base = NULL;
+    b->p = NULL;
+}
+
+int gbuf_guards_ok(const gbuf *b)
+{
+    for (size_t i = 0; i < GUARD; i++)
+        if (b->base[i] != 0xA5 || b->base[GUARD + b->bytes + i] != 0xA5)
+            return 0;
+    return 1;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+void rng_seed(uint64_t s) { rng_state = s * 0x9E3779B97F4A7C15ull + 1; }
+
+double rng_uniform(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) * 0x1p-53;
+}
+
+double rng_normal(void)
+{
+    double u = rng_uniform(), v = rng_uniform();
+    return sqrt(-2.0 * log(u + 1e-300)) * cos(6.283185307179586 * v);
+}
+
+int64_t toffset(const fw_tensor *t, const int64_t *idx)
+{
+    int64_t o = 0;
+    for (int i = 0; i < t->ndim; i++)
+        o += idx[i] * t->stride[i];
+    return o;
+}
+
+double tget(const fw_tensor *t, const int64_t *idx)
+{
+    int64_t o = toffset(t, idx);
+    switch (t->dtype) {
+    case FW_F32: return ((float *)t->data)[o];
+    case FW_BF16: return fw_bf16_to_f32(((uint16_t *)t->data)[o]);
+    case FW_F16: return fw_f16_to_f32(((uint16_t *)t->data)[o]);
+    case FW_F64: return ((double *)t->data)[o];
+    }
+    return 0;
+}
+
+void tset(const fw_tensor *t, const int64_t *idx, double x)
+{
+    int64_t o = toffset(t, idx);
+    switch (t->dtype) {
+    case FW_F32: ((float *)t->data)[o] = (float)x; break;
+    case FW_BF16: ((uint16_t *)t->data)[o] = fw_f32_to_bf16((float)x); break;
+    case FW_F16: ((uint16_t *)t->data)[o] = fw_f32_to_f16((float)x); break;
+    case FW_F64: ((double *)t->data)[o] = x; break;
+    }
+}
+
+int tnext(const fw_tensor *t, int64_t *idx)
+{
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (++idx[i] < t->shape[i])
+            return 1;
+        idx[i] = 0;
+    }
+    return 0;
+}
+
+void tfill_normal(const fw_tensor *t, double scale)
+{
+    int64_t idx[FW_MAX_DIMS] = {0};
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] == 0)
+            return;
+    do
+        tset(t, idx, scale * rng_normal());
+    while (tnext(t, idx));
+}

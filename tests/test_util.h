@@ -1,0 +1,45 @@
+/* test_util.h: the harness's shared pieces: a tally of cases, guarded buffers, random data. */
+#ifndef FW_TEST_UTIL_H
+#define FW_TEST_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include "flywheel.h"
+
+/* A case passes when every check inside it passes. */
+void case_begin(const char *fmt, ...);
+void case_check(int ok, const char *fmt, ...);
+int case_end(void); /* returns 1 if the case passed */
+void tally_print(void);
+int tally_failed(void);
+int quick_mode(void); /* FW_TEST_QUICK=1: the smaller sweep for sanitizer builds */
+
+/* A buffer with GUARD sentinel bytes on both sides; the body is filled with a sentinel too,
+ * so a test can tell which bytes a call wrote. */
+#define GUARD 64
+typedef struct {
+    unsigned char *base;
+    void *p;
+    size_t bytes;
+} gbuf;
+gbuf gbuf_new(size_t bytes);
+void gbuf_free(gbuf *b);
+int gbuf_guards_ok(const gbuf *b);
+
+/* Deterministic random numbers. */
+void rng_seed(uint64_t s);
+double rng_uniform(void);  /* [0, 1) */
+double rng_normal(void);
+
+/* Element get/set of any dtype. */
+double tget(const fw_tensor *t, const int64_t *idx);
+void tset(const fw_tensor *t, const int64_t *idx, double x);
+int64_t toffset(const fw_tensor *t, const int64_t *idx);
+/* Iterate over every index of t: returns 0 when done. */
+int tnext(const fw_tensor *t, int64_t *idx);
+/* Store x rounded to t's dtype (values are rounded to the dtype first, so every table sees
+ * exactly the same inputs). */
+void tfill_normal(const fw_tensor *t, double scale);
+
+#endif
