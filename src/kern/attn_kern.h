@@ -53,25 +53,33 @@ static void from_f32(const float *src, int64_t n, void *dst, fw_dtype dt, int64_
 
 /* ---------------------------------------------------------------------- qk -- */
 
-/* The sum over k runs in blocks of QK_KB: each block starts from zero in registers and is
- * then added to the partial sum kept in ST. The rounding error then grows like
- * QK_KB + d / QK_KB instead of d, as accurate as the plain kernel's SIMD-lane partial sums
- * (measured: logits near 1e4 failed the 2x-plain bar with one sequential chain). */
+/* The sum over k runs in blocks of QK_KB steps: each block starts from zero and is added
+ * to a running total, both kept in registers (QK_TJ keys x TM vectors x 2 sets). The
+ * rounding error then grows like QK_KB + d / QK_KB instead of d, as accurate as the plain
+ * kernel's SIMD-lane partial sums; with one sequential chain, logits near 1e4 failed the
+ * 2x-plain bar. Measured on AVX-512 (M = 64, 64 keys, d = 128): a running total kept in ST
+ * instead of registers cost 11-35% of qk throughput; this form costs none. */
 #define QK_KB 8
 
 FW_INLINE void qk_tile(const int tj, const int tm, int d, int M, const float *K, int64_t ldk,
                        const float *QT, const float *bias, float *ST)
 {
-    vf acc[TJ][TM];
+    vf tot[QK_TJ][TM], acc[QK_TJ][TM];
+    for (int m = 0; m < tm; m++) {
+        vf b = vload(bias + m * VL);
+        for (int j = 0; j < tj; j++)
+            tot[j][m] = b;
+    }
     for (int k0 = 0; k0 < d; k0 += QK_KB) {
-        const int k1 = d - k0 < QK_KB ? d : k0 + QK_KB;
+        /* full blocks get a constant trip count, so the compiler unrolls them */
+        const int kn = d - k0 < QK_KB ? d - k0 : QK_KB;
         for (int j = 0; j < tj; j++)
             for (int m = 0; m < tm; m++)
                 acc[j][m] = vzero();
-        for (int k = k0; k < k1; k++) {
+        for (int k = k0; k < k0 + (kn == QK_KB ? QK_KB : kn); k++) {
             vf q[TM];
             for (int m = 0; m < tm; m++)
-                q[m] = vload(QT + (int64_t)k * M + m * VL);
+                q[m] = vkeep(vload(QT + (int64_t)k * M + m * VL));
             for (int j = 0; j < tj; j++) {
                 vf kb = vset1(K[j * ldk + k]);
                 for (int m = 0; m < tm; m++)
@@ -79,11 +87,12 @@ FW_INLINE void qk_tile(const int tj, const int tm, int d, int M, const float *K,
             }
         }
         for (int j = 0; j < tj; j++)
-            for (int m = 0; m < tm; m++) {
-                float *s = ST + (int64_t)j * M + m * VL;
-                vstore(s, vadd(k0 == 0 ? vload(bias + m * VL) : vload(s), acc[j][m]));
-            }
+            for (int m = 0; m < tm; m++)
+                tot[j][m] = vadd(tot[j][m], acc[j][m]);
     }
+    for (int j = 0; j < tj; j++)
+        for (int m = 0; m < tm; m++)
+            vstore(ST + (int64_t)j * M + m * VL, tot[j][m]);
 }
 
 /* Row tails (tm < TM: fewer than TM*VL rows left) are rare: only small tiles have them. */
@@ -99,22 +108,18 @@ static void qk(int nk, int d, int M, const float *K, int64_t ldk, const float *Q
 {
     for (int m0 = 0; m0 < M; m0 += TM * VL) {
         int tm = (M - m0) / VL < TM ? (M - m0) / VL : TM;
-        for (int j0 = 0; j0 < nk; j0 += TJ) {
-            int tj = nk - j0 < TJ ? nk - j0 : TJ;
+        for (int j0 = 0; j0 < nk; j0 += QK_TJ) {
+            int tj = nk - j0 < QK_TJ ? nk - j0 : QK_TJ;
             const float *Kj = K + j0 * ldk;
             float *S = ST + (int64_t)j0 * M + m0;
-            if (tm < TM) {
+            if (tm < TM)
                 qk_tile_tail(tj, tm, d, M, Kj, ldk, QT + m0, bias + m0, S);
-                continue;
-            }
-            switch (tj) {
-            case 6: qk_tile(6, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
-            case 5: qk_tile(5, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
-            case 4: qk_tile(4, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
-            case 3: qk_tile(3, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
-            case 2: qk_tile(2, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
-            default: qk_tile(1, TM, d, M, Kj, ldk, QT + m0, bias + m0, S); break;
-            }
+            else if (tj == QK_TJ)
+                qk_tile(QK_TJ, TM, d, M, Kj, ldk, QT + m0, bias + m0, S);
+            else if (tj == 2)
+                qk_tile(2, TM, d, M, Kj, ldk, QT + m0, bias + m0, S);
+            else
+                qk_tile(1, TM, d, M, Kj, ldk, QT + m0, bias + m0, S);
         }
     }
 }
@@ -335,11 +340,9 @@ static double peak(double seconds)
     double t;
     int64_t iters = 0;
     do {
-        for (int r = 0; r < 4096; r++) {
+        for (int r = 0; r < 4096; r++)
             for (int i = 0; i < PEAK_CHAINS; i++)
                 acc[i] = vfma(acc[i], b, c);
-            __asm__ volatile("" ::: "memory");
-        }
         iters += 4096;
         clock_gettime(CLOCK_MONOTONIC, &t1);
         t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);

@@ -4,6 +4,7 @@
 #define ISA_NAME "avx2"
 #define VL 8
 #define TM 2 /* 2 x 8 = 16 rows per register tile */
+#define QK_TJ 3 /* 3 x 2 x 2 sets = 12 accumulators + 2 row vectors + 1 broadcast */
 #define TJ 6 /* 2 x 6 = 12 accumulators, + 2 row vectors + 1 broadcast = 15 of 16 registers */
 
 typedef __m256 vf;
@@ -12,6 +13,9 @@ typedef __m256 vm;
 static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
 static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+/* A value the compiler must hold in a register (not fold into a memory operand of each
+ * FMA, which would turn 4 row loads per k step into 12). */
+static inline vf vkeep(vf x) { __asm__("" : "+x"(x)); return x; }
 static inline vf vzero(void) { return _mm256_setzero_ps(); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }

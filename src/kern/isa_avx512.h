@@ -4,6 +4,7 @@
 #define ISA_NAME "avx512"
 #define VL 16
 #define TM 4 /* vectors of query rows per register tile: 4 x 16 = 64 rows */
+#define QK_TJ 3 /* keys per qk register tile: 3 x 4 x 2 sets = 24 accumulators */
 #define TJ 6 /* keys (qk) or value columns (pv) per register tile: 4 x 6 = 24 accumulators */
 
 typedef __m512 vf;
@@ -12,6 +13,9 @@ typedef __mmask16 vm;
 static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
 static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+/* A value the compiler must hold in a register (not fold into a memory operand of each
+ * FMA, which would turn 4 row loads per k step into 12). */
+static inline vf vkeep(vf x) { __asm__("" : "+v"(x)); return x; }
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }

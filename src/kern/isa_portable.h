@@ -6,6 +6,7 @@
 #define ISA_NAME "portable"
 #define VL 1
 #define TM 4
+#define QK_TJ 3
 #define TJ 6
 
 typedef float vf;
@@ -14,6 +15,9 @@ typedef int vm;
 static inline vf vload(const float *p) { return *p; }
 static inline void vstore(float *p, vf x) { *p = x; }
 static inline vf vset1(float x) { return x; }
+/* A value the compiler must hold in a register (not fold into a memory operand of each
+ * FMA, which would turn 4 row loads per k step into 12). */
+static inline vf vkeep(vf x) { return x; }
 static inline vf vzero(void) { return 0.0f; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; } /* fmaf may be a libm call */
 static inline vf vadd(vf a, vf b) { return a + b; }

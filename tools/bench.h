@@ -1,0 +1,18 @@
+/* bench.h: what the CLI's benchmark pieces share. */
+#ifndef FW_BENCH_H
+#define FW_BENCH_H
+
+#include <stdint.h>
+#include "flywheel.h"
+
+double bench_now(void);
+/* Median of n doubles (sorts them). */
+double bench_median(double *x, int n);
+/* The machine's FMA peak on `threads` threads: the median of 3 runs of the widest table's
+ * microbenchmark, each about 0.25 s. Measured once per thread count per process. */
+double bench_peak(int threads);
+
+int bench_attn_main(int argc, char **argv);
+int bench_attn_headline(void);
+
+#endif
