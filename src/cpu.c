@@ -12,17 +12,37 @@ typedef struct {
 static int always(void) { return 1; }
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+
+/* CPUID feature bits plus XGETBV: the OS must save the YMM (and for AVX-512 the ZMM and mask)
+ * register state, or the instructions fault even where CPUID lists them. */
+static unsigned xcr0(void)
+{
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return lo;
+}
+
 static int has_avx2(void)
 {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    const unsigned osxsave = 1u << 27, avx = 1u << 28, fma = 1u << 12, f16c = 1u << 29;
+    if ((c & (osxsave | avx | fma | f16c)) != (osxsave | avx | fma | f16c) || (xcr0() & 6u) != 6u)
+        return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return 0;
+    return (b >> 5) & 1u; /* AVX2 */
 }
+
 static int has_avx512(void)
 {
-    __builtin_cpu_init();
-    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    unsigned a, b, c, d;
+    if (!has_avx2() || (xcr0() & 0xe6u) != 0xe6u || !__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return 0;
+    const unsigned f = 1u << 16, dq = 1u << 17, bw = 1u << 30, vl = 1u << 31;
+    return (b & (f | dq | bw | vl)) == (f | dq | bw | vl);
 }
 #endif
 

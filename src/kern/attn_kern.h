@@ -329,12 +329,15 @@ static void plain_row(const float *q, int d, int dv, fw_dtype dt, const void *K,
 
 /* ------------------------------------------------------------------- peak -- */
 
+/* PEAK_CHAINS independent FMA chains (more than FMA latency x pipes), each value pinned in a
+ * register with vkeep so no compiler can fold, merge or drop a chain: the count of FMAs
+ * executed is exactly the count in the formula. */
 static double peak(double seconds)
 {
     vf acc[PEAK_CHAINS];
-    const vf b = vset1(0.9999999f), c = vset1(1e-7f);
+    const vf b = vkeep(vset1((float)(1.0 - 1e-7 * seconds))), c = vkeep(vset1((float)(1e-7 * seconds)));
     for (int i = 0; i < PEAK_CHAINS; i++)
-        acc[i] = vset1((float)i);
+        acc[i] = vkeep(vset1((float)i * (float)seconds));
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     double t;
@@ -342,7 +345,7 @@ static double peak(double seconds)
     do {
         for (int r = 0; r < 4096; r++)
             for (int i = 0; i < PEAK_CHAINS; i++)
-                acc[i] = vfma(acc[i], b, c);
+                acc[i] = vkeep(vfma(acc[i], b, c));
         iters += 4096;
         clock_gettime(CLOCK_MONOTONIC, &t1);
         t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
