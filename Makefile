@@ -1,6 +1,7 @@
 # Thin wrapper over CMake. `make run`: the main job; `make test`: every test.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+MAKEFLAGS += --no-print-directory
 
 .PHONY: all build run test test-asan bench clean
 
