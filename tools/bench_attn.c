@@ -8,8 +8,9 @@
  *   peak_gflops      the machine's FMA peak for the same thread count (fw_peak_gflops, the
  *                    widest kernel table, median of 3)
  *   baseline_gflops  the plain row-at-a-time online-softmax kernel (FW_ATTN_PLAIN), same
- *                    formula, timed on the last baseline_rows query rows (which see the
- *                    same keys as in the full problem; bottom-right alignment), median of 3
+ *                    formula, timed on the last baseline_rows = clamp(sq/16, 64, 256) query
+ *                    rows (which see the same keys as in the full problem: bottom-right
+ *                    alignment), median of 3
  * --check compares the last 32 query rows (those that see the most keys) against the float64
  * reference, next to the plain kernel's error on the same rows (bar: error <= 2 x plain + 1e-5).
  */
@@ -193,7 +194,8 @@ static result measure(const cfg *c, bufs *B, uint32_t flags, int with_baseline, 
     double *mine = check ? rows_of(c, B, c->sq - nchk) : NULL;
     int ok = 1;
     if (with_baseline) {
-        const int64_t rows = c->sq / 16 > 64 ? c->sq / 16 : (c->sq < 64 ? c->sq : 64);
+        /* sq/16 rows, between 64 and 256: enough for a stable median at any length */
+        const int64_t rows = c->sq < 64 ? c->sq : (c->sq / 16 < 64 ? 64 : (c->sq / 16 > 256 ? 256 : c->sq / 16));
         const double s = time_calls(c, B, FW_ATTN_PLAIN, c->sq - rows, 3, &ok);
         r.base_rows = rows;
         r.base_gflops = ok && s > 0
