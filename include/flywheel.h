@@ -48,7 +48,8 @@ typedef enum fw_status {
     FW_ERR_OVERFLOW,    /* sizes or offsets that overflow 64-bit arithmetic */
     FW_ERR_NOMEM,       /* an allocation failed */
     FW_ERR_WORKSPACE,   /* the caller's workspace is smaller than fw_attn_workspace_size() */
-    FW_ERR_UNSUPPORTED  /* a kernel table this CPU cannot run, or an unknown table name */
+    FW_ERR_UNSUPPORTED, /* a kernel table this CPU cannot run, or an unknown table name */
+    FW_ERR_INDEX        /* a page index out of range, or a page two sequences would both write */
 } fw_status;
 
 /* A constant string naming the status ("FW_ERR_SHAPE: ..."). Never NULL. */
@@ -178,12 +179,79 @@ FW_API fw_status fw_attn_varlen_ref(const fw_tensor *q, const fw_tensor *k, cons
                                     const fw_attn_params *params, int64_t row_begin,
                                     int64_t row_end);
 
+/* ------------------------------------------------------------- KV cache -- */
+
+/*
+ * A K/V cache, in one of two layouts:
+ *   contiguous (block_table == NULL): k [b, S, hkv, d], v [b, S, hkv, dv]; sequence i owns
+ *       rows 0 .. S-1 of batch entry i.
+ *   paged: k [num_pages, page_size, hkv, d], v [num_pages, page_size, hkv, dv];
+ *       block_table [b, max_pages] int32 (row stride block_table_stride, 0 = max_pages):
+ *       token t of sequence i lives in page block_table[i][t / page_size] at row
+ *       t % page_size. page_size is a power of two from 8 to 1024.
+ * seqlens[i] (int32) is the number of tokens sequence i already holds. k and v share a dtype
+ * (f32, bf16 or f16). The library never changes seqlens: after an append of n tokens the
+ * caller adds n, as with flash-attn's cache_seqlens.
+ */
+typedef struct fw_kv_cache {
+    fw_tensor k, v;
+    const int32_t *block_table; /* NULL: contiguous */
+    int64_t max_pages;          /* columns of block_table (paged only) */
+    int64_t block_table_stride; /* elements between block_table rows; 0 = max_pages */
+    const int32_t *seqlens;     /* [b] */
+} fw_kv_cache;
+
+/*
+ * Append and attend in one call, over a ragged batch of `batch` sequences
+ * (flash-attn's flash_attn_with_kvcache). Sequence i has n_i = cu_seqlens_q[i+1] -
+ * cu_seqlens_q[i] query tokens: 1 is decode, 2-8 a speculative multi-token decode, more a
+ * chunked prefill or a prefill after a cached prefix; the kinds mix freely.
+ *   q      [total_q, hq, d]      f32 | bf16 | f16
+ *   k_new  [total_q, hkv, d]     same dtype as the cache, or NULL (then v_new is NULL too)
+ *   v_new  [total_q, hkv, dv]    rows cu_seqlens_q[i] .. are sequence i's new tokens
+ *   out    [total_q, hq, dv]     f32 | bf16 | f16
+ *   lse    [hq, total_q]         f32, or NULL
+ * With k_new, sequence i's new rows are first written at positions seqlens[i] ..
+ * seqlens[i] + n_i - 1 and its context is L_i = seqlens[i] + n_i; without, L_i = seqlens[i].
+ * Queries attend to keys [0, L_i) aligned bottom-right (query r sees j <= r + L_i - n_i),
+ * with params' window and softcap.
+ * Everything is validated before anything is written: a page index out of range, a context
+ * longer than its pages (or than S), negative lengths, mismatched heads or dims, two
+ * sequences writing one page: a status comes back and the cache is untouched.
+ * Long contexts of short query blocks are split into fixed ranges of FW_KV_SPLIT keys that
+ * run in parallel and merge by log-sum-exp; the split never depends on the thread count, and
+ * paged and contiguous caches holding the same data give the same bits.
+ * Memory: the per-thread workspace of fw_attn_fwd, plus the split partial results (about
+ * (dv + 2) floats per query row per split), both allocated inside the call.
+ */
+#define FW_KV_SPLIT 4096
+FW_API fw_status fw_attn_kvcache_fwd(const fw_tensor *q, const fw_tensor *k_new,
+                                     const fw_tensor *v_new, const int32_t *cu_seqlens_q,
+                                     int64_t batch, const fw_kv_cache *cache,
+                                     const fw_tensor *out, const fw_tensor *lse,
+                                     const fw_attn_params *params);
+
+/* Float64 reference of fw_attn_kvcache_fwd: gathers each sequence's context (cached rows
+ * through the block table, then the new rows from k_new/v_new) into a contiguous float64
+ * copy and attends to it. Writes only out (which may be FW_F64) and lse; the cache is not
+ * modified. */
+FW_API fw_status fw_attn_kvcache_ref(const fw_tensor *q, const fw_tensor *k_new,
+                                     const fw_tensor *v_new, const int32_t *cu_seqlens_q,
+                                     int64_t batch, const fw_kv_cache *cache,
+                                     const fw_tensor *out, const fw_tensor *lse,
+                                     const fw_attn_params *params);
+
 /* ------------------------------------------------------ machine benchmarks -- */
 
 /* Measured single-precision FMA throughput of this machine in GFLOP/s (2 flops per FMA lane)
  * on `threads` threads at once, using the widest FMA the named table has (NULL = the widest
  * table this CPU runs). Runs for about `seconds`. */
 FW_API fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, double *gflops);
+
+/* Measured streaming read bandwidth in GB/s (1e9 bytes/s) on `threads` threads at once, each
+ * reading its share of a `bytes` buffer (much larger than the caches) with the widest table's
+ * vector loads; the median of 3 passes. */
+FW_API fw_status fw_read_bandwidth(int32_t threads, size_t bytes, double *gbps);
 
 #ifdef __cplusplus
 }

@@ -29,8 +29,11 @@ void fw_attn_params_init(fw_attn_params *p)
 
 static fw_status check_lengths(const int32_t *cu, int64_t batch, int64_t total, const char *name)
 {
-    if (batch > 0 && !cu)
-        return fw_fail(FW_ERR_NULL, "%s is NULL", name);
+    if (!cu) {
+        if (batch > 0 || total > 0)
+            return fw_fail(FW_ERR_NULL, "%s is NULL", name);
+        return FW_OK;
+    }
     if (cu[0] != 0)
         return fw_fail(FW_ERR_SEQLENS, "%s[0] is %d; it must be 0", name, (int)cu[0]);
     for (int64_t i = 1; i <= batch; i++)
@@ -44,6 +47,29 @@ static fw_status check_lengths(const int32_t *cu, int64_t batch, int64_t total, 
 }
 
 #define DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))
+
+static fw_status check_params(const fw_attn_params *params)
+{
+    if (!isfinite(params->scale))
+        return fw_fail(FW_ERR_ARG, "scale is %g; it must be finite (0 means 1/sqrt(d))",
+                       (double)params->scale);
+    if (!(params->softcap >= 0.0f) || !isfinite(params->softcap))
+        return fw_fail(FW_ERR_ARG, "softcap is %g; it must be finite and >= 0 (0 = off)",
+                       (double)params->softcap);
+    if (params->window_left < -1 || params->window_right < -1)
+        return fw_fail(FW_ERR_ARG, "window (%lld, %lld): each side must be >= 0, or -1 for unbounded",
+                       (long long)params->window_left, (long long)params->window_right);
+    if (params->causal != 0 && params->causal != 1)
+        return fw_fail(FW_ERR_ARG, "causal is %d; it must be 0 or 1", (int)params->causal);
+    if (params->threads < 0 || params->threads > 256)
+        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256",
+                       (int)params->threads);
+    if (params->flags & ~(uint32_t)(FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_GQA_PACK |
+                                    FW_ATTN_NO_TILE_SKIP | FW_ATTN_PLAIN))
+        return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
+    return FW_OK;
+}
+
 
 fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
                         const fw_tensor *v, const int32_t *cuq, const int32_t *cuk,
@@ -116,23 +142,8 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
     }
     if ((s = fw_check_no_alias(out, "out")))
         return s;
-    if (!isfinite(params->scale))
-        return fw_fail(FW_ERR_ARG, "scale is %g; it must be finite (0 means 1/sqrt(d))",
-                       (double)params->scale);
-    if (!(params->softcap >= 0.0f) || !isfinite(params->softcap))
-        return fw_fail(FW_ERR_ARG, "softcap is %g; it must be finite and >= 0 (0 = off)",
-                       (double)params->softcap);
-    if (params->window_left < -1 || params->window_right < -1)
-        return fw_fail(FW_ERR_ARG, "window (%lld, %lld): each side must be >= 0, or -1 for unbounded",
-                       (long long)params->window_left, (long long)params->window_right);
-    if (params->causal != 0 && params->causal != 1)
-        return fw_fail(FW_ERR_ARG, "causal is %d; it must be 0 or 1", (int)params->causal);
-    if (params->threads < 0 || params->threads > 256)
-        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256",
-                       (int)params->threads);
-    if (params->flags & ~(uint32_t)(FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_GQA_PACK |
-                                    FW_ATTN_NO_TILE_SKIP | FW_ATTN_PLAIN))
-        return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
+    if ((s = check_params(params)))
+        return s;
     if (varlen) {
         if (batch < 0 || batch > INT32_MAX)
             return fw_fail(FW_ERR_ARG, "batch is %lld; it must be 0..2^31-1", (long long)batch);
@@ -171,15 +182,23 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
 fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
 {
     fw_attn_seq s;
+    s.index = i;
     if (p->varlen) {
-        int64_t r = p->cuq[i], c = p->cuk[i];
+        int64_t r = p->cuq[i];
         s.q0 = r * p->qs[0];
-        s.k0 = c * p->ks[0];
-        s.v0 = c * p->vs[0];
         s.o0 = r * p->os[0];
         s.lse0 = r * p->lse_b;
         s.sq = (int64_t)p->cuq[i + 1] - r;
-        s.sk = (int64_t)p->cuk[i + 1] - c;
+        if (p->kvcache) {
+            s.k0 = i * p->kb;
+            s.v0 = i * p->vb;
+            s.sk = (int64_t)p->cache_len[i] + (p->append ? s.sq : 0);
+        } else {
+            int64_t c = p->cuk[i];
+            s.k0 = c * p->ks[0];
+            s.v0 = c * p->vs[0];
+            s.sk = (int64_t)p->cuk[i + 1] - c;
+        }
     } else {
         s.q0 = i * p->qb;
         s.k0 = i * p->kb;
@@ -190,6 +209,162 @@ fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
         s.sk = p->sk;
     }
     return s;
+}
+
+fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new,
+                                const fw_tensor *v_new, const int32_t *cuq, int64_t batch,
+                                const fw_kv_cache *cache, const fw_tensor *out,
+                                const fw_tensor *lse, const fw_attn_params *params, int ref)
+{
+    fw_attn_params defaults;
+    if (!params) {
+        fw_attn_params_init(&defaults);
+        params = &defaults;
+    }
+    memset(p, 0, sizeof *p);
+    const unsigned dt_out = DT_IN | (ref ? 1u << FW_F64 : 0u);
+    fw_status s;
+    if (!cache)
+        return fw_fail(FW_ERR_NULL, "cache is NULL: a fw_kv_cache is required");
+    const fw_tensor *kc = &cache->k, *vc = &cache->v;
+    if ((s = fw_check_tensor(q, "q", 3, DT_IN)) || (s = fw_check_tensor(out, "out", 3, dt_out)) ||
+        (s = fw_check_tensor(kc, "cache.k", 4, DT_IN)) || (s = fw_check_tensor(vc, "cache.v", 4, DT_IN)))
+        return s;
+    if (lse && (s = fw_check_tensor(lse, "lse", 2, (1u << FW_F32) | (ref ? 1u << FW_F64 : 0u))))
+        return s;
+    if (!k_new != !v_new)
+        return fw_fail(FW_ERR_NULL, "k_new is %s but v_new is %s: pass both or neither",
+                       k_new ? "set" : "NULL", v_new ? "set" : "NULL");
+    if (vc->dtype != kc->dtype)
+        return fw_fail(FW_ERR_DTYPE, "cache.k is %s but cache.v is %s; they must match",
+                       fw_dtype_name(kc->dtype), fw_dtype_name(vc->dtype));
+    const int64_t hq = q->shape[1], hkv = kc->shape[2], d = q->shape[2], dv = vc->shape[3];
+    if (kc->shape[3] != d)
+        return fw_fail(FW_ERR_SHAPE, "q has head dim %lld but cache.k has %lld", (long long)d,
+                       (long long)kc->shape[3]);
+    if (vc->shape[2] != hkv || vc->shape[0] != kc->shape[0] || vc->shape[1] != kc->shape[1])
+        return fw_fail(FW_ERR_SHAPE, "cache.v [%lld, %lld, %lld, .] does not match cache.k [%lld, %lld, %lld, .]",
+                       (long long)vc->shape[0], (long long)vc->shape[1], (long long)vc->shape[2],
+                       (long long)kc->shape[0], (long long)kc->shape[1], (long long)kc->shape[2]);
+    if (hq < 1 || hkv < 1 || hq % hkv)
+        return fw_fail(FW_ERR_SHAPE, "the cache has %lld heads, which does not divide q's %lld heads",
+                       (long long)hkv, (long long)hq);
+    if (d < 1 || d > 1024 || dv < 1 || dv > 1024 || hq > 65536)
+        return fw_fail(FW_ERR_SHAPE, "head dims must be 1..1024 and heads at most 65536: d %lld, dv %lld, hq %lld",
+                       (long long)d, (long long)dv, (long long)hq);
+    if (out->shape[0] != q->shape[0] || out->shape[1] != hq || out->shape[2] != dv)
+        return fw_fail(FW_ERR_SHAPE, "out must be [%lld, %lld, %lld] (q rows, q heads, dv); it is [%lld, %lld, %lld]",
+                       (long long)q->shape[0], (long long)hq, (long long)dv, (long long)out->shape[0],
+                       (long long)out->shape[1], (long long)out->shape[2]);
+    if (lse && (lse->shape[0] != hq || lse->shape[1] != q->shape[0]))
+        return fw_fail(FW_ERR_SHAPE, "lse must be [hq, total_q] = [%lld, %lld]", (long long)hq,
+                       (long long)q->shape[0]);
+    if (k_new) {
+        if ((s = fw_check_tensor(k_new, "k_new", 3, DT_IN)) || (s = fw_check_tensor(v_new, "v_new", 3, DT_IN)))
+            return s;
+        if (k_new->dtype != kc->dtype || v_new->dtype != kc->dtype)
+            return fw_fail(FW_ERR_DTYPE, "k_new/v_new (%s/%s) must have the cache's dtype %s",
+                           fw_dtype_name(k_new->dtype), fw_dtype_name(v_new->dtype), fw_dtype_name(kc->dtype));
+        if (k_new->shape[0] != q->shape[0] || k_new->shape[1] != hkv || k_new->shape[2] != d ||
+            v_new->shape[0] != q->shape[0] || v_new->shape[1] != hkv || v_new->shape[2] != dv)
+            return fw_fail(FW_ERR_SHAPE, "k_new must be [total_q, hkv, d] = [%lld, %lld, %lld] and v_new "
+                           "[%lld, %lld, %lld]", (long long)q->shape[0], (long long)hkv, (long long)d,
+                           (long long)q->shape[0], (long long)hkv, (long long)dv);
+    }
+    if ((s = fw_check_no_alias(out, "out")) || (lse && (s = fw_check_no_alias(lse, "lse"))) ||
+        (k_new && ((s = fw_check_no_alias(kc, "cache.k")) || (s = fw_check_no_alias(vc, "cache.v")))))
+        return s;
+    if ((s = check_params(params)))
+        return s;
+    if (batch < 0 || batch > INT32_MAX)
+        return fw_fail(FW_ERR_ARG, "batch is %lld; it must be 0..2^31-1", (long long)batch);
+    if ((s = check_lengths(cuq, batch, q->shape[0], "cu_seqlens_q")))
+        return s;
+    if (batch > 0 && !cache->seqlens)
+        return fw_fail(FW_ERR_NULL, "cache.seqlens is NULL");
+    const int paged = cache->block_table != NULL;
+    const int64_t num_pages = kc->shape[0], rows = kc->shape[1];
+    int64_t shift = 0, bts = 0;
+    if (paged) {
+        while (shift < 11 && ((int64_t)1 << shift) < rows)
+            shift++;
+        if (rows < 8 || rows > 1024 || ((int64_t)1 << shift) != rows)
+            return fw_fail(FW_ERR_SHAPE, "page_size (cache.k dimension 1) is %lld; it must be a power of "
+                           "two from 8 to 1024", (long long)rows);
+        bts = cache->block_table_stride ? cache->block_table_stride : cache->max_pages;
+        if (cache->max_pages < 1 || bts < cache->max_pages)
+            return fw_fail(FW_ERR_ARG, "block table: max_pages %lld must be >= 1 and its row stride %lld "
+                           ">= max_pages", (long long)cache->max_pages, (long long)bts);
+    } else if (kc->shape[0] < batch) {
+        return fw_fail(FW_ERR_SHAPE, "the contiguous cache holds %lld sequences but batch is %lld",
+                       (long long)kc->shape[0], (long long)batch);
+    }
+    /* every sequence's context fits, every page it touches exists; no page written twice */
+    unsigned char *written = NULL;
+    if (paged && k_new && !(written = calloc((size_t)num_pages + 1, 1)))
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld bytes to check the block table",
+                       (long long)num_pages);
+    for (int64_t i = 0; i < batch && !s; i++) {
+        const int64_t old = cache->seqlens[i], n = (int64_t)cuq[i + 1] - cuq[i];
+        const int64_t len = old + (k_new ? n : 0);
+        if (old < 0) {
+            s = fw_fail(FW_ERR_SEQLENS, "cache.seqlens[%lld] is %lld; it must be >= 0", (long long)i,
+                        (long long)old);
+        } else if (!paged) {
+            if (len > rows)
+                s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld cache rows but the cache holds %lld",
+                            (long long)i, (long long)len, (long long)rows);
+        } else {
+            const int64_t pages = (len + rows - 1) >> shift;
+            if (pages > cache->max_pages)
+                s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld pages for %lld tokens but the block "
+                            "table has %lld columns", (long long)i, (long long)pages, (long long)len,
+                            (long long)cache->max_pages);
+            for (int64_t pg = 0; pg < pages && !s; pg++) {
+                int32_t e = cache->block_table[i * bts + pg];
+                if (e < 0 || e >= num_pages)
+                    s = fw_fail(FW_ERR_INDEX, "block_table[%lld][%lld] = %d is not a page of the cache "
+                                "(0..%lld)", (long long)i, (long long)pg, (int)e, (long long)num_pages - 1);
+                else if (written && n > 0 && pg >= (old >> shift)) {
+                    if (written[e])
+                        s = fw_fail(FW_ERR_INDEX, "page %d is written by two sequences (the second is %lld)",
+                                    (int)e, (long long)i);
+                    written[e] = 1;
+                }
+            }
+        }
+    }
+    free(written);
+    if (s)
+        return s;
+
+    p->q = q; p->k = kc; p->v = vc; p->out = out; p->lse = lse;
+    p->cuq = cuq; p->varlen = 1; p->kvcache = 1; p->append = k_new != NULL;
+    p->knew = k_new; p->vnew = v_new;
+    p->batch = batch;
+    p->hq = hq; p->hkv = hkv; p->G = hq / hkv; p->d = d; p->dv = dv;
+    for (int i = 0; i < 3; i++) {
+        p->qs[i] = q->stride[i]; p->os[i] = out->stride[i];
+        p->ks[i] = kc->stride[i + 1]; p->vs[i] = vc->stride[i + 1];
+    }
+    p->kb = kc->stride[0]; p->vb = vc->stride[0];
+    if (paged) {
+        p->bt = cache->block_table; p->bt_stride = bts; p->page_shift = shift;
+        p->kpage = kc->stride[0]; p->vpage = vc->stride[0];
+    }
+    p->cache_len = cache->seqlens;
+    for (int64_t i = 0; i < batch; i++) {
+        fw_attn_seq e = fw_attn_seq_get(p, i);
+        p->sq = fw_max64(p->sq, e.sq);
+        p->sk = fw_max64(p->sk, e.sk);
+    }
+    if (lse) { p->lse_b = lse->stride[1]; p->lse_h = lse->stride[0]; p->lse_r = lse->stride[1]; }
+    p->scale = params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)d);
+    p->softcap = params->softcap;
+    p->causal = params->causal;
+    p->wl = params->window_left;
+    p->wr = params->causal ? 0 : params->window_right;
+    return FW_OK;
 }
 
 /* ------------------------------------------------------------- heuristics -- */
@@ -283,6 +458,8 @@ fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const f
 
 typedef struct {
     int64_t seq, head, chunk; /* head: K/V head, or the q head when GQA packing is off */
+    int64_t kb, ke;           /* the keys this item covers: [kb, ke) */
+    int64_t part;             /* split items: offset of this split's partials, else -1 */
     int64_t cost;
 } item;
 
@@ -291,9 +468,10 @@ typedef struct {
     const fw_kernels *kt;
     uint32_t flags;
     int G;             /* q heads stacked per tile */
-    int bq, M, chunk;  /* positions per q tile, padded rows, q tiles per chunk */
+    int chunk;         /* q tiles per chunk */
     float qscale, cap2;
     item *items;
+    float *part;       /* split partials: per split, M rows of (dv accumulators, a, l) */
     char *ws;
     size_t ws_stride;
     ws_layout wl;
@@ -318,7 +496,9 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
     const fw_kernels *kt = c->kt;
     const item *it = &c->items[idx];
     const fw_attn_seq sq = fw_attn_seq_get(p, it->seq);
-    const int M = c->M, bq = c->bq, G = c->G, d = (int)p->d, dv = (int)p->dv;
+    const int G = c->G, d = (int)p->d, dv = (int)p->dv;
+    int bq, M;
+    fw_attn_tile_rows(G, kt->vl, sq.sq, &bq, &M);
     const int online = (c->flags & FW_ATTN_ONLINE_SOFTMAX) != 0;
     const int skip = !(c->flags & FW_ATTN_NO_TILE_SKIP);
     const int folded = !online && c->cap2 == 0.0f; /* the anchor rides in qk's bias */
@@ -380,13 +560,15 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
         klo = 0;
         khi = sq.sk;
     }
+    klo = fw_max64(klo, it->kb); /* a split item covers its range of keys only */
+    khi = fw_min64(khi, it->ke);
     for (int64_t t0 = klo < khi ? klo / FW_ATTN_BK * FW_ATTN_BK : khi; t0 < khi; t0 += FW_ATTN_BK) {
         const int64_t t1 = fw_min64(sq.sk, t0 + FW_ATTN_BK);
         const int nk = (int)(t1 - t0);
         /* K and V rows of this tile, converted to f32 once for every q tile and head here */
         for (int j = 0; j < nk; j++) {
-            int64_t kr = sq.k0 + (t0 + j) * p->ks[0] + kvh * p->ks[1];
-            int64_t vr = sq.v0 + (t0 + j) * p->vs[0] + kvh * p->vs[1];
+            int64_t kr = fw_attn_key(p, &sq, t0 + j, 0) + kvh * p->ks[1];
+            int64_t vr = fw_attn_key(p, &sq, t0 + j, 1) + kvh * p->vs[1];
             kt->to_f32(elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
             kt->to_f32(elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
         }
@@ -424,6 +606,17 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
             }
             kt->pv(nk, dv, M, Vf, dv, ST, OT_r);
         }
+    }
+    if (it->part >= 0) {
+        /* a split of a long context: keep the unnormalised partials for the merge */
+        float *dst = c->part + it->part;
+        for (int m = 0; m < M; m++) {
+            for (int j = 0; j < dv; j++)
+                dst[(size_t)m * (dv + 2) + j] = OT[(size_t)j * M + m];
+            dst[(size_t)m * (dv + 2) + dv] = A[m];
+            dst[(size_t)m * (dv + 2) + dv + 1] = L[m];
+        }
+        return;
     }
     /* Normalise and store: out = OT / l; rows that saw no key give 0 and lse = -inf. */
     for (int r = 0; r < nt; r++)
@@ -470,11 +663,14 @@ static void plain_item(void *vctx, int64_t idx, int tid)
         float m = -INFINITY, l = 0.0f;
         for (int j = 0; j < dv; j++)
             acc[j] = 0.0f;
-        if (hi > lo)
-            kt->plain_row(qrow, d, dv, p->k->dtype,
-                          elem(p->k, sq.k0 + lo * p->ks[0] + kvh * p->ks[1]), p->ks[0], p->ks[2],
-                          elem(p->v, sq.v0 + lo * p->vs[0] + kvh * p->vs[1]), p->vs[0], p->vs[2],
-                          hi - lo, c->cap2, acc, &m, &l, scratch);
+        /* runs of keys with a constant row stride: all of them, or one page at a time */
+        for (int64_t j = lo; j < hi;) {
+            const int64_t e = p->bt ? fw_min64(hi, ((j >> p->page_shift) + 1) << p->page_shift) : hi;
+            kt->plain_row(qrow, d, dv, p->k->dtype, elem(p->k, fw_attn_key(p, &sq, j, 0) + kvh * p->ks[1]),
+                          p->ks[0], p->ks[2], elem(p->v, fw_attn_key(p, &sq, j, 1) + kvh * p->vs[1]),
+                          p->vs[0], p->vs[2], e - j, c->cap2, acc, &m, &l, scratch);
+            j = e;
+        }
         const float inv = l == 0.0f ? 0.0f : 1.0f / l;
         for (int j = 0; j < dv; j++)
             acc[j] *= inv;
@@ -497,7 +693,69 @@ static int cmp_item(const void *x, const void *y)
         return a->seq < b->seq ? -1 : 1;
     if (a->head != b->head)
         return a->head < b->head ? -1 : 1;
+    if (a->kb != b->kb)
+        return a->kb < b->kb ? -1 : 1;
     return a->chunk < b->chunk ? -1 : (a->chunk > b->chunk);
+}
+
+/* Merge of a split context: per row, the partials of its splits in split order, weighted
+ * by 2^(a_s - max a); the order is fixed, so the bits do not depend on the threads. */
+typedef struct {
+    int64_t seq, head, nsplit, part;
+} merge_item;
+
+typedef struct {
+    const run_ctx *c;
+    const merge_item *m;
+} merge_ctx;
+
+static void merge_fn(void *vctx, int64_t idx, int tid)
+{
+    const merge_ctx *mc = vctx;
+    const run_ctx *c = mc->c;
+    const fw_attn_prob *p = c->p;
+    const merge_item *mi = &mc->m[idx];
+    const fw_attn_seq sq = fw_attn_seq_get(p, mi->seq);
+    const int dv = (int)p->dv;
+    int bq, M;
+    fw_attn_tile_rows(c->G, c->kt->vl, sq.sq, &bq, &M);
+    float *orow = (float *)(c->ws + (size_t)tid * c->ws_stride + c->wl.row);
+    const int64_t h0 = (c->flags & FW_ATTN_NO_GQA_PACK) ? mi->head : mi->head * p->G;
+    for (int g = 0; g < c->G; g++)
+        for (int i = 0; i < bq && i < sq.sq; i++) {
+            const int m = g * bq + i;
+            float amax = -INFINITY;
+            for (int64_t sp = 0; sp < mi->nsplit; sp++) {
+                float a = c->part[mi->part + (sp * M + m) * (dv + 2) + dv];
+                amax = a > amax ? a : amax;
+            }
+            float l = 0.0f;
+            for (int j = 0; j < dv; j++)
+                orow[j] = 0.0f;
+            for (int64_t sp = 0; sp < mi->nsplit && amax != -INFINITY; sp++) {
+                const float *src = c->part + mi->part + (sp * M + m) * (dv + 2);
+                if (src[dv] == -INFINITY)
+                    continue;
+                const float w = exp2f(src[dv] - amax);
+                for (int j = 0; j < dv; j++)
+                    orow[j] += w * src[j];
+                l += w * src[dv + 1];
+            }
+            const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+            for (int j = 0; j < dv; j++)
+                orow[j] *= inv;
+            const int64_t h = h0 + g;
+            c->kt->from_f32(orow, dv, (void *)elem(p->out, sq.o0 + i * p->os[0] + h * p->os[1]),
+                            p->out->dtype, p->os[2]);
+            if (p->lse)
+                ((float *)p->lse->data)[sq.lse0 + h * p->lse_h + i * p->lse_r] =
+                    l == 0.0f ? -INFINITY : (float)(((double)amax + log2((double)l)) * FW_LN2);
+        }
+}
+
+int64_t fw_attn_kv_splits(int64_t sq, int64_t sk, int bq)
+{
+    return sq <= bq && sk > FW_KV_SPLIT ? fw_ceil_div(sk, FW_KV_SPLIT) : 1;
 }
 
 static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
@@ -516,53 +774,90 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
     c.G = (int)((flags & FW_ATTN_NO_GQA_PACK) ? 1 : p->G);
     c.cap2 = p->softcap > 0 ? (float)(p->softcap * FW_LOG2E) : 0.0f;
     c.qscale = (float)(p->softcap > 0 ? p->scale / p->softcap : p->scale * FW_LOG2E);
-    fw_attn_tile_rows(c.G, kt->vl, p->sq, &c.bq, &c.M);
     const int64_t heads = (plain || (flags & FW_ATTN_NO_GQA_PACK)) ? p->hq : p->hkv;
 
-    /* the work list */
-    int64_t total_tiles = 0;
-    for (int64_t i = 0; i < p->batch; i++)
-        total_tiles += fw_ceil_div(fw_attn_seq_get(p, i).sq, c.bq) * heads;
+    /* the work list: q tiles of each sequence's own size, grouped into chunks; a short query
+     * block over a long context is split into fixed key ranges instead */
+    int64_t total_tiles = 0, n = 0, nmerge = 0, npart = 0;
+    for (int64_t i = 0; i < p->batch; i++) {
+        int bq, M;
+        fw_attn_tile_rows(c.G, kt->vl, fw_attn_seq_get(p, i).sq, &bq, &M);
+        total_tiles += fw_ceil_div(fw_attn_seq_get(p, i).sq, bq) * heads;
+    }
     c.chunk = fw_attn_chunk_tiles(total_tiles, threads);
-    const int64_t span = plain ? PLAIN_ROWS : (int64_t)c.chunk * c.bq;
-    int64_t n = 0;
-    for (int64_t i = 0; i < p->batch; i++)
-        n += fw_ceil_div(fw_attn_seq_get(p, i).sq, span) * heads;
+    for (int64_t i = 0; i < p->batch; i++) {
+        const fw_attn_seq s = fw_attn_seq_get(p, i);
+        int bq, M;
+        fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
+        const int64_t ns = plain ? 1 : fw_attn_kv_splits(s.sq, s.sk, bq);
+        const int64_t span = plain ? PLAIN_ROWS : (int64_t)c.chunk * bq;
+        n += (ns > 1 ? ns : fw_ceil_div(s.sq, span)) * heads;
+        if (ns > 1) {
+            nmerge += heads;
+            npart += ns * heads * M * (p->dv + 2);
+        }
+    }
     if (n == 0)
         return FW_OK;
     const size_t need = ws_bytes(p->G, p->d, p->dv, kt, threads, flags);
     if (params && params->workspace && params->workspace_bytes < need)
         return fw_fail(FW_ERR_WORKSPACE, "workspace has %zu bytes; this call needs %zu",
                        params->workspace_bytes, need);
-    if ((size_t)n > SIZE_MAX / sizeof(item))
+    if ((uint64_t)n > SIZE_MAX / sizeof(item) || (uint64_t)npart > SIZE_MAX / sizeof(float))
         return fw_fail(FW_ERR_OVERFLOW, "%lld work items overflow size_t", (long long)n);
     c.items = malloc((size_t)n * sizeof(item));
+    merge_item *merges = nmerge ? malloc((size_t)nmerge * sizeof(merge_item)) : NULL;
+    c.part = npart ? malloc((size_t)npart * sizeof(float)) : NULL;
     void *own = NULL;
     char *ws = params && params->workspace ? params->workspace : (own = malloc(need));
-    if (!c.items || !ws) {
+    if (!c.items || !ws || (nmerge && (!merges || !c.part))) {
         free(c.items);
+        free(merges);
+        free(c.part);
         free(own);
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes of workspace and %lld work items",
-                       need, (long long)n);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes of workspace, %lld work items and "
+                       "%lld split partials", need, (long long)n, (long long)npart);
     }
     c.ws = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
     c.wl = ws_plan(p->d, p->dv, ws_rows(p->G, kt, flags));
     c.ws_stride = c.wl.total;
-    n = 0;
+    n = nmerge = npart = 0;
     for (int64_t i = 0; i < p->batch; i++) {
-        fw_attn_seq s = fw_attn_seq_get(p, i);
-        for (int64_t h = 0; h < heads; h++)
+        const fw_attn_seq s = fw_attn_seq_get(p, i);
+        int bq, M;
+        fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
+        const int64_t ns = plain ? 1 : fw_attn_kv_splits(s.sq, s.sk, bq);
+        const int64_t span = plain ? PLAIN_ROWS : (int64_t)c.chunk * bq;
+        for (int64_t h = 0; h < heads; h++) {
+            if (ns > 1) {
+                merge_item mi = {i, h, ns, npart};
+                merges[nmerge++] = mi;
+                for (int64_t sp = 0; sp < ns; sp++) {
+                    item e = {i, h, 0, sp * FW_KV_SPLIT, (sp + 1) * FW_KV_SPLIT,
+                              npart, s.sq * FW_KV_SPLIT};
+                    c.items[n++] = e;
+                    npart += M * (p->dv + 2);
+                }
+                continue;
+            }
             for (int64_t ch = 0; ch * span < s.sq; ch++) {
                 /* cost: the keys the chunk's last row sees times its rows */
                 int64_t rows = fw_min64(span, s.sq - ch * span), lo, hi;
                 fw_attn_visible(p, s.sq, s.sk, ch * span + rows - 1, &lo, &hi);
-                item e = {i, h, ch, rows * fw_max64(1, hi - lo + FW_ATTN_BK)};
+                item e = {i, h, ch, 0, INT64_MAX, -1, rows * fw_max64(1, hi - lo + FW_ATTN_BK)};
                 c.items[n++] = e;
             }
+        }
     }
     qsort(c.items, (size_t)n, sizeof(item), cmp_item);
     fw_parallel(threads, n, plain ? plain_item : chunk_item, &c);
+    if (nmerge) {
+        merge_ctx mc = {&c, merges};
+        fw_parallel(threads, nmerge, merge_fn, &mc);
+    }
     free(c.items);
+    free(merges);
+    free(c.part);
     free(own);
     return FW_OK;
 }
@@ -586,4 +881,51 @@ fw_status fw_attn_varlen_fwd(const fw_tensor *q, const fw_tensor *k, const fw_te
     fw_status s = fw_attn_setup(&p, q, k, v, cu_seqlens_q, cu_seqlens_k, batch, 1, out, lse,
                                 params, 0);
     return s ? s : run(&p, params);
+}
+
+/* ---------------------------------------------------------------- KV cache -- */
+
+/* Write each sequence's new rows at positions seqlens[i] .. seqlens[i] + n_i - 1. Runs after
+ * validation, so every destination exists and no page is written by two sequences. */
+static void append_rows(const fw_attn_prob *p)
+{
+    const size_t es = fw_dtype_size(p->k->dtype);
+    for (int64_t i = 0; i < p->batch; i++) {
+        const fw_attn_seq s = fw_attn_seq_get(p, i);
+        for (int64_t r = 0; r < s.sq; r++)
+            for (int v = 0; v < 2; v++) {
+                const fw_tensor *src = v ? p->vnew : p->knew, *dst = v ? p->v : p->k;
+                const int64_t *ds = v ? p->vs : p->ks, n = v ? p->dv : p->d;
+                const int64_t row = fw_attn_key(p, &s, p->cache_len[i] + r, v);
+                for (int64_t h = 0; h < p->hkv; h++) {
+                    const char *a = (const char *)src->data +
+                                    ((p->cuq[i] + r) * src->stride[0] + h * src->stride[1]) * (int64_t)es;
+                    char *b = (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
+                    if (src->stride[2] == 1 && ds[2] == 1)
+                        memcpy(b, a, (size_t)n * es);
+                    else
+                        for (int64_t x = 0; x < n; x++)
+                            memcpy(b + x * ds[2] * (int64_t)es, a + x * src->stride[2] * (int64_t)es, es);
+                }
+            }
+    }
+}
+
+fw_status fw_attn_kvcache_fwd(const fw_tensor *q, const fw_tensor *k_new, const fw_tensor *v_new,
+                              const int32_t *cu_seqlens_q, int64_t batch, const fw_kv_cache *cache,
+                              const fw_tensor *out, const fw_tensor *lse,
+                              const fw_attn_params *params)
+{
+    fw_clear_error();
+    fw_attn_prob p;
+    fw_status s = fw_attn_setup_kvcache(&p, q, k_new, v_new, cu_seqlens_q, batch, cache, out, lse,
+                                        params, 0);
+    if (s)
+        return s;
+    /* the kernel table must resolve before the cache is touched */
+    if (!fw_kernels_get(params ? params->isa : NULL))
+        return FW_ERR_UNSUPPORTED;
+    if (p.append)
+        append_rows(&p);
+    return run(&p, params);
 }

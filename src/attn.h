@@ -19,6 +19,13 @@ typedef struct fw_attn_prob {
     int64_t qb, kb, vb, ob;             /* dense batch strides (0 for varlen) */
     int64_t lse_b, lse_h, lse_r;        /* lse offset = lse_b * (dense batch | varlen row start)
                                            + lse_h * head + lse_r * row */
+    /* KV-cache calls: keys come from the cache, through the block table when paged */
+    int kvcache, append;
+    const int32_t *bt;                  /* block table, NULL when the cache is contiguous */
+    int64_t bt_stride, page_shift;      /* page_size = 1 << page_shift */
+    int64_t kpage, vpage;               /* page strides of K and V (elements) */
+    const int32_t *cache_len;           /* tokens cached before the call */
+    const fw_tensor *knew, *vnew;       /* new rows (the reference reads them from here) */
     double scale;                       /* softmax scale */
     double softcap;                     /* 0 = off */
     int causal;
@@ -27,11 +34,23 @@ typedef struct fw_attn_prob {
 
 /* One sequence of the batch: where its rows start and how many there are. */
 typedef struct {
+    int64_t index;                /* which sequence of the batch */
     int64_t q0, k0, v0, o0, lse0; /* element offsets of row 0, head 0 in q, k, v, out, lse */
     int64_t sq, sk;
 } fw_attn_seq;
 
 fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i);
+
+/* Element offset of key j's row (head 0) of sequence s, in K (v = 0) or V (v = 1): strided
+ * rows, or a page lookup. */
+static inline int64_t fw_attn_key(const fw_attn_prob *p, const fw_attn_seq *s, int64_t j, int v)
+{
+    const int64_t tok = v ? p->vs[0] : p->ks[0];
+    if (!p->bt)
+        return (v ? s->v0 : s->k0) + j * tok;
+    const int64_t page = p->bt[s->index * p->bt_stride + (j >> p->page_shift)];
+    return page * (v ? p->vpage : p->kpage) + (j & (((int64_t)1 << p->page_shift) - 1)) * tok;
+}
 
 /* Keys query row r of a sequence sees: [*lo, *hi), empty when hi <= lo. */
 static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk, int64_t r,
@@ -43,6 +62,10 @@ static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk
 }
 
 /* Validates everything and fills *p; `ref` admits f64 outputs. Nothing is written. */
+fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new,
+                                const fw_tensor *v_new, const int32_t *cuq, int64_t batch,
+                                const fw_kv_cache *cache, const fw_tensor *out,
+                                const fw_tensor *lse, const fw_attn_params *params, int ref);
 fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
                         const fw_tensor *v, const int32_t *cuq, const int32_t *cuk,
                         int64_t batch, int varlen, const fw_tensor *out, const fw_tensor *lse,
@@ -67,5 +90,10 @@ void fw_attn_tile_rows(int64_t G, int vl, int64_t sq_max, int *bq, int *M);
 /* q tiles per chunk: enough chunks for dynamic load balance (about 8 per thread), at most
  * FW_ATTN_CHUNK_MAX so the workspace is bounded. Example: 2048 tiles, 2 threads -> 16. */
 int fw_attn_chunk_tiles(int64_t total_tiles, int threads);
+
+/* Key ranges of FW_KV_SPLIT keys a sequence is split into: a query block that fits one q
+ * tile (decode, multi-token decode) over more than FW_KV_SPLIT keys, else 1. Depends on the
+ * shape only, never on the thread count. Example: sq 1, sk 32768 -> 8; sq 500 -> 1. */
+int64_t fw_attn_kv_splits(int64_t sq, int64_t sk, int bq);
 
 #endif /* FW_ATTN_H */

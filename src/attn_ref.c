@@ -1,5 +1,6 @@
-/* attn_ref.c: the float64 reference for softmax attention. Row by row, scores in double,
- * exp() from libm, two passes (max, then sum and output); O(sk) scratch, one thread. */
+/* attn_ref.c: the float64 reference for softmax attention. Each sequence's K/V context is
+ * gathered into contiguous float64 rows; then row by row, scores in double, exp() from libm,
+ * two passes (max, then sum and output). O(sk * hkv * (d + dv)) scratch, one thread. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,20 +29,49 @@ static void store(const fw_tensor *t, int64_t off, double x)
     }
 }
 
+/* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
+ * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from
+ * k_new/v_new (the cache itself is not read for them, nor written). */
+static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, double *V)
+{
+    const int64_t cached = p->kvcache && p->append ? p->cache_len[sq->index] : sq->sk;
+    for (int64_t j = 0; j < sq->sk; j++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t n = v ? p->dv : p->d;
+            const int64_t *st = v ? p->vs : p->ks;
+            double *dst = (v ? V : K) + j * p->hkv * n;
+            for (int64_t h = 0; h < p->hkv; h++)
+                for (int64_t x = 0; x < n; x++) {
+                    if (j < cached) {
+                        dst[h * n + x] = load(v ? p->v : p->k, fw_attn_key(p, sq, j, v) + h * st[1] + x * st[2]);
+                    } else {
+                        const fw_tensor *t = v ? p->vnew : p->knew;
+                        const int64_t row = p->cuq[sq->index] + (j - cached);
+                        dst[h * n + x] = load(t, row * t->stride[0] + h * t->stride[1] + x * t->stride[2]);
+                    }
+                }
+        }
+}
+
 static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
 {
     if (rb < 0 || re < rb)
         return fw_fail(FW_ERR_ARG, "row range [%lld, %lld) is invalid", (long long)rb, (long long)re);
-    const int64_t d = p->d, dv = p->dv;
-    double *s = malloc((size_t)(p->sk > 0 ? p->sk : 1) * sizeof(double));
+    const int64_t d = p->d, dv = p->dv, sk = p->sk > 0 ? p->sk : 1;
+    double *s = malloc((size_t)sk * sizeof(double));
     double *acc = malloc((size_t)dv * sizeof(double));
     double *q = malloc((size_t)d * sizeof(double));
-    if (!s || !acc || !q) {
-        free(s); free(acc); free(q);
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference's row buffers");
+    double *K = malloc((size_t)(sk * p->hkv * d) * sizeof(double));
+    double *V = malloc((size_t)(sk * p->hkv * dv) * sizeof(double));
+    if (!s || !acc || !q || !K || !V) {
+        free(s); free(acc); free(q); free(K); free(V);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference's buffers");
     }
     for (int64_t b = 0; b < p->batch; b++) {
         const fw_attn_seq sq = fw_attn_seq_get(p, b);
+        if (rb >= sq.sq)
+            continue;
+        gather(p, &sq, K, V);
         for (int64_t h = 0; h < p->hq; h++) {
             const int64_t kvh = h / p->G;
             for (int64_t r = rb; r < fw_min64(re, sq.sq); r++) {
@@ -52,9 +82,9 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                 double mx = -INFINITY;
                 for (int64_t j = lo; j < hi; j++) {
                     double dot = 0.0;
-                    const int64_t kr = sq.k0 + j * p->ks[0] + kvh * p->ks[1];
+                    const double *kr = K + (j * p->hkv + kvh) * d;
                     for (int64_t x = 0; x < d; x++)
-                        dot += q[x] * load(p->k, kr + x * p->ks[2]);
+                        dot += q[x] * kr[x];
                     dot *= p->scale;
                     if (p->softcap > 0)
                         dot = p->softcap * tanh(dot / p->softcap);
@@ -67,10 +97,10 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                     acc[x] = 0.0;
                 for (int64_t j = lo; j < hi; j++) {
                     const double e = exp(s[j] - mx);
-                    const int64_t vr = sq.v0 + j * p->vs[0] + kvh * p->vs[1];
+                    const double *vr = V + (j * p->hkv + kvh) * dv;
                     sum += e;
                     for (int64_t x = 0; x < dv; x++)
-                        acc[x] += e * load(p->v, vr + x * p->vs[2]);
+                        acc[x] += e * vr[x];
                 }
                 const int64_t orow = sq.o0 + r * p->os[0] + h * p->os[1];
                 for (int64_t x = 0; x < dv; x++)
@@ -81,9 +111,7 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
             }
         }
     }
-    free(s);
-    free(acc);
-    free(q);
+    free(s); free(acc); free(q); free(K); free(V);
     return FW_OK;
 }
 
@@ -107,4 +135,16 @@ fw_status fw_attn_varlen_ref(const fw_tensor *q, const fw_tensor *k, const fw_te
     fw_status s = fw_attn_setup(&p, q, k, v, cu_seqlens_q, cu_seqlens_k, batch, 1, out, lse,
                                 params, 1);
     return s ? s : reference(&p, row_begin, row_end);
+}
+
+fw_status fw_attn_kvcache_ref(const fw_tensor *q, const fw_tensor *k_new, const fw_tensor *v_new,
+                              const int32_t *cu_seqlens_q, int64_t batch, const fw_kv_cache *cache,
+                              const fw_tensor *out, const fw_tensor *lse,
+                              const fw_attn_params *params)
+{
+    fw_clear_error();
+    fw_attn_prob p;
+    fw_status s = fw_attn_setup_kvcache(&p, q, k_new, v_new, cu_seqlens_q, batch, cache, out, lse,
+                                        params, 1);
+    return s ? s : reference(&p, 0, INT64_MAX);
 }

@@ -33,6 +33,7 @@ const char *fw_status_string(fw_status s)
     case FW_ERR_NOMEM: return "FW_ERR_NOMEM: out of memory";
     case FW_ERR_WORKSPACE: return "FW_ERR_WORKSPACE: workspace too small";
     case FW_ERR_UNSUPPORTED: return "FW_ERR_UNSUPPORTED: kernel table not available";
+    case FW_ERR_INDEX: return "FW_ERR_INDEX: page index out of range or written twice";
     }
     return "FW_ERR_UNKNOWN: not a fw_status value";
 }

@@ -7,6 +7,7 @@
 #include "test_util.h"
 
 void test_attn_all(void);
+void test_kvcache_all(void);
 
 static int print_default(void)
 {
@@ -56,6 +57,7 @@ int main(int argc, char **argv)
            quick_mode() ? "; quick sweep" : "");
     test_isa_env(argv[0]);
     test_attn_all();
+    test_kvcache_all();
     tally_print();
     return tally_failed() ? 1 : 0;
 }

@@ -1,0 +1,431 @@
+/*
+ * test_kvcache.c: append-and-attend against the float64 reference, for contiguous and paged
+ * caches holding the same logical context (paged pages shuffled, unused rows filled with
+ * junk). Checks: error <= 2 x plain + 1e-5, paged == contiguous bit for bit, the cache after
+ * the call equals the expected image (new rows in place, nothing else touched), 1 and 3
+ * threads bit-identical, and bad input returning a status with cache and outputs untouched.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attn.h"
+#include "test_util.h"
+
+typedef struct {
+    int64_t b, hq, hkv, d, dv, page; /* page 0: contiguous only */
+    fw_dtype dt;
+    int causal, append;
+    int64_t wl;
+    float softcap;
+    const int32_t *old, *nnew; /* per sequence: cached tokens, new tokens */
+} kv_case;
+
+typedef struct {
+    gbuf k, v;          /* cache storage */
+    fw_kv_cache c;
+    int32_t *bt;
+} cache_buf;
+
+static size_t esz(fw_dtype t) { return fw_dtype_size(t); }
+
+/* Logical context rows as doubles [b][cap][hkv][d] are not kept: both caches are written from
+ * the same random draws, row by row. */
+static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, int32_t *seqlens,
+                       uint64_t seed)
+{
+    memset(cb, 0, sizeof *cb);
+    const int64_t ps = paged ? t->page : cap;
+    const int64_t per_seq = (cap + ps - 1) / ps;
+    const int64_t npages = paged ? t->b * per_seq + 3 : t->b; /* spare pages hold junk */
+    int64_t ks[4] = {npages, ps, t->hkv, t->d}, vs[4] = {npages, ps, t->hkv, t->dv};
+    cb->k = gbuf_new((size_t)(npages * ps * t->hkv * t->d) * esz(t->dt));
+    cb->v = gbuf_new((size_t)(npages * ps * t->hkv * t->dv) * esz(t->dt));
+    cb->c.k = fw_tensor_contiguous(cb->k.p, t->dt, 4, ks);
+    cb->c.v = fw_tensor_contiguous(cb->v.p, t->dt, 4, vs);
+    rng_seed(seed + 1000);
+    tfill_normal(&cb->c.k, 3.0); /* junk everywhere first */
+    tfill_normal(&cb->c.v, 3.0);
+    if (paged) {
+        /* a shuffled assignment of pages to (sequence, page slot) */
+        int64_t n = t->b * per_seq;
+        int32_t *perm = malloc(sizeof(int32_t) * (size_t)(npages));
+        for (int64_t i = 0; i < npages; i++)
+            perm[i] = (int32_t)i;
+        rng_seed(seed + 7);
+        for (int64_t i = npages - 1; i > 0; i--) {
+            int64_t j = (int64_t)(rng_uniform() * (double)(i + 1));
+            int32_t x = perm[i]; perm[i] = perm[j]; perm[j] = x;
+        }
+        cb->bt = malloc(sizeof(int32_t) * (size_t)(n + 1));
+        for (int64_t i = 0; i < n; i++)
+            cb->bt[i] = perm[i];
+        free(perm);
+        cb->c.block_table = cb->bt;
+        cb->c.max_pages = per_seq;
+    }
+    cb->c.seqlens = seqlens;
+    /* the logical cached rows, drawn in the same order for both layouts */
+    rng_seed(seed);
+    fw_attn_prob p;
+    memset(&p, 0, sizeof p);
+    p.bt = cb->c.block_table;
+    p.bt_stride = cb->c.max_pages;
+    p.page_shift = 0;
+    while (paged && ((int64_t)1 << p.page_shift) < ps)
+        p.page_shift++;
+    p.kpage = cb->c.k.stride[0];
+    p.vpage = cb->c.v.stride[0];
+    p.kb = cb->c.k.stride[0];
+    p.vb = cb->c.v.stride[0];
+    for (int i = 0; i < 3; i++) {
+        p.ks[i] = cb->c.k.stride[i + 1];
+        p.vs[i] = cb->c.v.stride[i + 1];
+    }
+    for (int64_t i = 0; i < t->b; i++) {
+        fw_attn_seq s;
+        memset(&s, 0, sizeof s);
+        s.index = i;
+        s.k0 = i * p.kb;
+        s.v0 = i * p.vb;
+        for (int64_t j = 0; j < t->old[i]; j++)
+            for (int v = 0; v < 2; v++) {
+                const fw_tensor *tt = v ? &cb->c.v : &cb->c.k;
+                const int64_t n = v ? t->dv : t->d, row = fw_attn_key(&p, &s, j, v);
+                for (int64_t h = 0; h < t->hkv; h++)
+                    for (int64_t x = 0; x < n; x++) {
+                        int64_t idx[4];
+                        int64_t off = row + h * tt->stride[2] + x * tt->stride[3];
+                        idx[0] = off / tt->stride[0];
+                        off -= idx[0] * tt->stride[0];
+                        idx[1] = off / tt->stride[1];
+                        idx[2] = h;
+                        idx[3] = x;
+                        tset(tt, idx, rng_normal());
+                    }
+            }
+    }
+}
+
+static void cache_free(cache_buf *cb)
+{
+    gbuf_free(&cb->k);
+    gbuf_free(&cb->v);
+    free(cb->bt);
+}
+
+/* The cache copy `after` must equal `before` except the new rows, which must equal k_new/v_new. */
+static int cache_image_ok(const kv_case *t, const cache_buf *before_k, const cache_buf *after,
+                          const fw_tensor *kn, const fw_tensor *vn, const int32_t *cuq, int paged)
+{
+    (void)paged;
+    const size_t nk = after->k.bytes, nv = after->v.bytes;
+    unsigned char *ek = malloc(nk), *ev = malloc(nv);
+    memcpy(ek, before_k->k.p, nk);
+    memcpy(ev, before_k->v.p, nv);
+    if (kn) {
+        fw_attn_prob p;
+        memset(&p, 0, sizeof p);
+        p.bt = after->c.block_table;
+        p.bt_stride = after->c.max_pages;
+        int64_t ps = after->c.k.shape[1];
+        while (p.bt && ((int64_t)1 << p.page_shift) < ps)
+            p.page_shift++;
+        p.kpage = p.kb = after->c.k.stride[0];
+        p.vpage = p.vb = after->c.v.stride[0];
+        for (int i = 0; i < 3; i++) {
+            p.ks[i] = after->c.k.stride[i + 1];
+            p.vs[i] = after->c.v.stride[i + 1];
+        }
+        for (int64_t i = 0; i < t->b; i++) {
+            fw_attn_seq s;
+            memset(&s, 0, sizeof s);
+            s.index = i;
+            s.k0 = i * p.kb;
+            s.v0 = i * p.vb;
+            for (int64_t r = 0; r < t->nnew[i]; r++)
+                for (int v = 0; v < 2; v++) {
+                    const fw_tensor *src = v ? vn : kn;
+                    const int64_t n = v ? t->dv : t->d, row = fw_attn_key(&p, &s, t->old[i] + r, v);
+                    const int64_t hs = v ? p.vs[1] : p.ks[1];
+                    for (int64_t h = 0; h < t->hkv; h++)
+                        memcpy((v ? ev : ek) + (size_t)(row + h * hs) * esz(t->dt),
+                               (char *)src->data + (size_t)(((cuq[i] + r) * t->hkv + h) * n) * esz(t->dt),
+                               (size_t)n * esz(t->dt));
+                }
+        }
+    }
+    int ok = memcmp(ek, after->k.p, nk) == 0 && memcmp(ev, after->v.p, nv) == 0 &&
+             gbuf_guards_ok(&after->k) && gbuf_guards_ok(&after->v);
+    free(ek);
+    free(ev);
+    return ok;
+}
+
+static void cache_copy(cache_buf *dst, const cache_buf *src)
+{
+    *dst = *src;
+    dst->k = gbuf_new(src->k.bytes);
+    dst->v = gbuf_new(src->v.bytes);
+    memcpy(dst->k.p, src->k.p, src->k.bytes);
+    memcpy(dst->v.p, src->v.p, src->v.bytes);
+    dst->c.k.data = dst->k.p;
+    dst->c.v.data = dst->v.p;
+    dst->bt = NULL; /* the block table stays shared with src */
+}
+
+static void cache_copy_free(cache_buf *cb)
+{
+    gbuf_free(&cb->k);
+    gbuf_free(&cb->v);
+}
+
+static double maxdiff(const fw_tensor *a, const double *ref, int64_t n, int lse)
+{
+    double e = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double x = a->dtype == FW_F32 ? ((float *)a->data)[i]
+                   : a->dtype == FW_BF16 ? fw_bf16_to_f32(((uint16_t *)a->data)[i])
+                                         : fw_f16_to_f32(((uint16_t *)a->data)[i]);
+        double d = (lse && isinf(ref[i]) && x == ref[i]) ? 0 : fabs(x - ref[i]);
+        if (!(d <= e))
+            e = isnan(d) ? INFINITY : d;
+    }
+    return e;
+}
+
+static void run_kv_case(const kv_case *t, uint64_t seed)
+{
+    int32_t cuq[64] = {0}, seqlens[64];
+    int64_t cap = 1;
+    for (int64_t i = 0; i < t->b; i++) {
+        cuq[i + 1] = cuq[i] + t->nnew[i];
+        seqlens[i] = t->old[i];
+        cap = fw_max64(cap, t->old[i] + (t->append ? t->nnew[i] : 0));
+    }
+    const int64_t tq = cuq[t->b];
+    case_begin("kvcache b%lld h%lld:%lld d%lld/%lld page %lld %s causal %d append %d w%lld cap%g",
+               (long long)t->b, (long long)t->hq, (long long)t->hkv, (long long)t->d,
+               (long long)t->dv, (long long)t->page, fw_dtype_name(t->dt), t->causal, t->append,
+               (long long)t->wl, (double)t->softcap);
+    int64_t qs[3] = {tq, t->hq, t->d}, kns[3] = {tq, t->hkv, t->d}, vns[3] = {tq, t->hkv, t->dv},
+            os[3] = {tq, t->hq, t->dv}, ls[2] = {t->hq, tq};
+    gbuf bq = gbuf_new((size_t)(tq * t->hq * t->d) * esz(t->dt) + 1);
+    gbuf bkn = gbuf_new((size_t)(tq * t->hkv * t->d) * esz(t->dt) + 1);
+    gbuf bvn = gbuf_new((size_t)(tq * t->hkv * t->dv) * esz(t->dt) + 1);
+    fw_tensor q = fw_tensor_contiguous(bq.p, t->dt, 3, qs);
+    fw_tensor kn = fw_tensor_contiguous(bkn.p, t->dt, 3, kns), vn = fw_tensor_contiguous(bvn.p, t->dt, 3, vns);
+    rng_seed(seed + 99);
+    tfill_normal(&q, 1.0);
+    tfill_normal(&kn, 1.0);
+    tfill_normal(&vn, 1.0);
+    const fw_tensor *pk = t->append ? &kn : NULL, *pv = t->append ? &vn : NULL;
+
+    cache_buf cont, pag;
+    cache_make(&cont, t, 0, cap, seqlens, seed);
+    if (t->page)
+        cache_make(&pag, t, 1, cap, seqlens, seed);
+
+    fw_attn_params p;
+    fw_attn_params_init(&p);
+    p.causal = t->causal;
+    p.window_left = t->wl;
+    p.softcap = t->softcap;
+    double *ro = calloc((size_t)(tq * t->hq * t->dv) + 1, 8), *rl = calloc((size_t)(tq * t->hq) + 1, 8);
+    fw_tensor fro = fw_tensor_contiguous(ro, FW_F64, 3, os), frl = fw_tensor_contiguous(rl, FW_F64, 2, ls);
+    fw_status st = fw_attn_kvcache_ref(&q, pk, pv, cuq, t->b, &cont.c, &fro, &frl, &p);
+    case_check(st == FW_OK, "reference: %s", fw_last_error());
+    if (t->page) {
+        double *ro2 = calloc((size_t)(tq * t->hq * t->dv) + 1, 8);
+        fw_tensor f2 = fw_tensor_contiguous(ro2, FW_F64, 3, os);
+        st = fw_attn_kvcache_ref(&q, pk, pv, cuq, t->b, &pag.c, &f2, NULL, &p);
+        case_check(st == FW_OK && memcmp(ro, ro2, (size_t)(tq * t->hq * t->dv) * 8) == 0,
+                   "the reference differs between paged and contiguous layouts");
+        free(ro2);
+    }
+
+    const size_t ob = (size_t)(tq * t->hq * t->dv) * esz(t->dt), lb = (size_t)(tq * t->hq) * 4;
+    gbuf out = gbuf_new(ob + 1), lse = gbuf_new(lb + 1);
+    fw_tensor o = fw_tensor_contiguous(out.p, t->dt, 3, os), l = fw_tensor_contiguous(lse.p, FW_F32, 2, ls);
+    unsigned char *first = malloc(ob + 1), *firstl = malloc(lb + 1);
+    for (int it = 0; it < fw_isa_count(); it++) {
+        const char *isa = fw_isa_name(it);
+        if (!fw_isa_supported(isa))
+            continue;
+        p.isa = isa;
+        double err[2] = {0, 0}, lerr[2] = {0, 0};
+        /* plain, then the kernel on 1 and 3 threads (contiguous), then paged */
+        for (int run = 0; run < 4; run++) {
+            if (run == 3 && !t->page)
+                break;
+            const cache_buf *src = run == 3 ? &pag : &cont;
+            cache_buf work;
+            cache_copy(&work, src);
+            p.flags = run == 0 ? FW_ATTN_PLAIN : 0;
+            p.threads = run == 2 ? 3 : (run == 0 ? 2 : 1);
+            memset(out.p, 0xA5, out.bytes);
+            memset(lse.p, 0xA5, lse.bytes);
+            st = fw_attn_kvcache_fwd(&q, pk, pv, cuq, t->b, &work.c, &o, &l, &p);
+            case_check(st == FW_OK, "[%s run %d] %s", isa, run, fw_last_error());
+            case_check(gbuf_guards_ok(&out) && gbuf_guards_ok(&lse), "[%s run %d] output guards", isa, run);
+            case_check(cache_image_ok(t, src, &work, pk, pv, cuq, run == 3),
+                       "[%s run %d] the cache after the call is not the expected image", isa, run);
+            if (run <= 1) {
+                err[run] = maxdiff(&o, ro, tq * t->hq * t->dv, 0);
+                lerr[run] = maxdiff(&l, rl, tq * t->hq, 1);
+            }
+            if (run == 1) {
+                memcpy(first, out.p, ob);
+                memcpy(firstl, lse.p, lb);
+            } else if (run >= 2) {
+                case_check(memcmp(first, out.p, ob) == 0 && memcmp(firstl, lse.p, lb) == 0,
+                           "[%s] %s differs bitwise", isa, run == 2 ? "3 threads vs 1" : "paged vs contiguous");
+            }
+            cache_copy_free(&work);
+        }
+        case_check(err[1] <= 2 * err[0] + 1e-5, "[%s] out error %.3g > 2 x plain %.3g + 1e-5", isa,
+                   err[1], err[0]);
+        case_check(lerr[1] <= 2 * lerr[0] + 1e-4, "[%s] lse error %.3g > 2 x plain %.3g + 1e-4", isa,
+                   lerr[1], lerr[0]);
+    }
+    free(first); free(firstl); free(ro); free(rl);
+    gbuf_free(&out); gbuf_free(&lse); gbuf_free(&bq); gbuf_free(&bkn); gbuf_free(&bvn);
+    cache_free(&cont);
+    if (t->page)
+        cache_free(&pag);
+    case_end();
+}
+
+static void sweep_kvcache(void)
+{
+    /* a ragged mix: decode, multi-token decode, chunked prefill, prefill after a prefix,
+     * a sequence with no new token, and an empty one */
+    static const int32_t old_mix[] = {700, 37, 1500, 0, 64, 0, 250};
+    static const int32_t new_mix[] = {1, 4, 150, 90, 0, 0, 8};
+    static const int64_t pages[] = {8, 16, 64, 128, 1024};
+    static const int64_t R[][2] = {{8, 2}, {4, 1}, {6, 2}, {7, 7}, {16, 1}};
+    for (int i = 0; i < 5; i++) {
+        kv_case t = {7, R[i][0], R[i][1], 64, i == 2 ? 48 : 64, pages[i], (fw_dtype)(i % 3), 1, 1, -1,
+                     0.0f, old_mix, new_mix};
+        if (i == 3) { t.wl = 100; t.softcap = 20.0f; }
+        run_kv_case(&t, 10 + i);
+    }
+    /* no append: attend to what is cached (non-causal too) */
+    kv_case t = {7, 8, 2, 32, 32, 32, FW_BF16, 0, 0, -1, 0.0f, old_mix, new_mix};
+    run_kv_case(&t, 20);
+    /* long contexts: decode over up to 5000 keys crosses the split size (4096) */
+    static const int32_t old_long[] = {5000, 4095, 4097, 0, 2000};
+    static const int32_t new_long[] = {1, 1, 3, 1, 8};
+    for (int i = 0; i < 3; i++) {
+        if (quick_mode() && i)
+            break;
+        kv_case tl = {5, 8, 2, 64, 64, i == 0 ? 256 : 16, (fw_dtype)i, 1, 1, i == 2 ? 3000 : -1,
+                      i == 1 ? 30.0f : 0.0f, old_long, new_long};
+        run_kv_case(&tl, 30 + i);
+    }
+}
+
+/* Bad input: a status with a message, and neither the cache nor the outputs touched. */
+static void test_kvcache_bad_input(void)
+{
+    static const int32_t old[] = {20, 5}, nnew[] = {2, 3};
+    kv_case t = {2, 4, 2, 16, 16, 8, FW_F32, 1, 1, -1, 0.0f, old, nnew};
+    int32_t cuq[3] = {0, 2, 5}, seqlens[2] = {20, 5};
+    cache_buf pag;
+    cache_make(&pag, &t, 1, 32, seqlens, 5);
+    int64_t qs[3] = {5, 4, 16}, kns[3] = {5, 2, 16}, os[3] = {5, 4, 16}, ls[2] = {4, 5};
+    float qd[5 * 4 * 16], kd[5 * 2 * 16], vd[5 * 2 * 16];
+    for (int i = 0; i < 5 * 4 * 16; i++) qd[i] = (float)i / 100;
+    for (int i = 0; i < 5 * 2 * 16; i++) kd[i] = vd[i] = (float)i / 50;
+    fw_tensor q = fw_tensor_contiguous(qd, FW_F32, 3, qs), kn = fw_tensor_contiguous(kd, FW_F32, 3, kns),
+              vn = fw_tensor_contiguous(vd, FW_F32, 3, kns);
+    gbuf out = gbuf_new(5 * 4 * 16 * 4), lse = gbuf_new(4 * 5 * 4);
+    fw_tensor o = fw_tensor_contiguous(out.p, FW_F32, 3, os), l = fw_tensor_contiguous(lse.p, FW_F32, 2, ls);
+    unsigned char *kimg = malloc(pag.k.bytes), *vimg = malloc(pag.v.bytes);
+    memcpy(kimg, pag.k.p, pag.k.bytes);
+    memcpy(vimg, pag.v.p, pag.v.bytes);
+    fw_attn_params p;
+    fw_attn_params_init(&p);
+    p.causal = 1;
+    struct {
+        const char *what;
+        fw_status want;
+        int field;
+    } bad[] = {
+        {"page index out of range", FW_ERR_INDEX, 0}, {"negative page index", FW_ERR_INDEX, 1},
+        {"context overflows its pages", FW_ERR_SEQLENS, 2}, {"negative seqlens", FW_ERR_SEQLENS, 3},
+        {"heads mismatch", FW_ERR_SHAPE, 4}, {"page written by two sequences", FW_ERR_INDEX, 5},
+        {"page size not a power of two", FW_ERR_SHAPE, 6}, {"k_new without v_new", FW_ERR_NULL, 7},
+        {"k_new dtype differs from the cache", FW_ERR_DTYPE, 8}, {"null block table row count", FW_ERR_ARG, 9},
+        {"null seqlens", FW_ERR_NULL, 10}, {"null cache", FW_ERR_NULL, 11},
+        {"cu_seqlens_q does not end at total_q", FW_ERR_SEQLENS, 12}, {"head dim mismatch", FW_ERR_SHAPE, 13},
+    };
+    for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+        fw_kv_cache c = pag.c;
+        int32_t bt[8], sl[2] = {20, 5}, cu2[3] = {0, 2, 4};
+        memcpy(bt, pag.bt, sizeof(int32_t) * (size_t)(c.max_pages * 2));
+        c.block_table = bt;
+        c.seqlens = sl;
+        const fw_tensor *pk = &kn, *pv = &vn;
+        fw_tensor q2 = q, kn2 = kn;
+        const int32_t *cu = cuq;
+        const fw_kv_cache *pc = &c;
+        switch (bad[b].field) {
+        case 0: bt[1] = (int32_t)c.k.shape[0]; break;
+        case 1: bt[0] = -1; break;
+        case 2: sl[0] = 31; break;
+        case 3: sl[1] = -2; break;
+        case 4: q2.shape[1] = 3; break;
+        case 5: bt[c.max_pages] = bt[2]; break; /* seq 1's page 0 is seq 0's page 2 (written: tokens 20-21) */
+        case 6: /* a consistent [pages, 12, hkv, d] view */
+            c.k.shape[1] = c.v.shape[1] = 12;
+            c.k.stride[0] = 12 * c.k.stride[1];
+            c.v.stride[0] = 12 * c.v.stride[1];
+            break;
+        case 7: pv = NULL; break;
+        case 8: kn2.dtype = FW_BF16; pk = &kn2; break;
+        case 9: c.max_pages = 0; break;
+        case 10: c.seqlens = NULL; break;
+        case 11: pc = NULL; break;
+        case 12: cu = cu2; break;
+        case 13: q2.shape[2] = 8; break;
+        }
+        memset(out.p, 0xA5, out.bytes);
+        memset(lse.p, 0xA5, lse.bytes);
+        fw_status st = fw_attn_kvcache_fwd(&q2, pk, pv, cu, 2, pc, &o, &l, &p);
+        case_begin("kvcache bad input: %s", bad[b].what);
+        case_check(st == bad[b].want, "status %s, expected %s (%s)", fw_status_string(st),
+                   fw_status_string(bad[b].want), fw_last_error());
+        case_check(strlen(fw_last_error()) > 10, "message \"%s\"", fw_last_error());
+        case_check(memcmp(kimg, pag.k.p, pag.k.bytes) == 0 && memcmp(vimg, pag.v.p, pag.v.bytes) == 0,
+                   "the cache changed");
+        int clean = 1;
+        for (size_t i = 0; i < out.bytes; i++)
+            clean &= ((unsigned char *)out.p)[i] == 0xA5;
+        for (size_t i = 0; i < lse.bytes; i++)
+            clean &= ((unsigned char *)lse.p)[i] == 0xA5;
+        case_check(clean, "outputs written");
+        case_end();
+    }
+    free(kimg);
+    free(vimg);
+    gbuf_free(&out);
+    gbuf_free(&lse);
+    cache_free(&pag);
+}
+
+static void test_split_heuristic(void)
+{
+    case_begin("split-KV heuristic");
+    case_check(fw_attn_kv_splits(1, 32768, 16) == 8, "decode 32K");
+    case_check(fw_attn_kv_splits(1, 4096, 16) == 1, "decode 4K");
+    case_check(fw_attn_kv_splits(1, 4097, 16) == 2, "decode 4K+1");
+    case_check(fw_attn_kv_splits(500, 32768, 16) == 1, "prefill is not split");
+    case_end();
+}
+
+void test_kvcache_all(void)
+{
+    test_split_heuristic();
+    test_kvcache_bad_input();
+    sweep_kvcache();
+}
