@@ -213,18 +213,20 @@ typedef struct fw_kv_cache {
  *   lse    [hq, total_q]         f32, or NULL
  * With k_new, sequence i's new rows are first written at positions seqlens[i] ..
  * seqlens[i] + n_i - 1 and its context is L_i = seqlens[i] + n_i; without, L_i = seqlens[i].
- * Queries attend to keys [0, L_i) aligned bottom-right (query r sees j <= r + L_i - n_i),
- * with params' window and softcap.
+ * Queries attend to keys [0, L_i) aligned bottom-right, with params' causal flag (set it:
+ * query r then sees j <= r + L_i - n_i), window and softcap.
  * Everything is validated before anything is written: a page index out of range, a context
  * longer than its pages (or than S), negative lengths, mismatched heads or dims, two
  * sequences writing one page: a status comes back and the cache is untouched.
- * Long contexts of short query blocks are split into fixed ranges of FW_KV_SPLIT keys that
- * run in parallel and merge by log-sum-exp; the split never depends on the thread count, and
- * paged and contiguous caches holding the same data give the same bits.
+ * Decode-shaped sequences (G x n <= 16 query rows per K/V head) take a decode kernel with
+ * keys along the vector lanes that reads each cache row once for all heads; their contexts
+ * are split into fixed ranges of FW_KV_SPLIT keys that run in parallel and merge by
+ * log-sum-exp. The split never depends on the thread count, and paged and contiguous caches
+ * holding the same data give the same bits.
  * Memory: the per-thread workspace of fw_attn_fwd, plus the split partial results (about
  * (dv + 2) floats per query row per split), both allocated inside the call.
  */
-#define FW_KV_SPLIT 4096
+#define FW_KV_SPLIT 2048
 FW_API fw_status fw_attn_kvcache_fwd(const fw_tensor *q, const fw_tensor *k_new,
                                      const fw_tensor *v_new, const int32_t *cu_seqlens_q,
                                      int64_t batch, const fw_kv_cache *cache,

@@ -91,9 +91,9 @@ void fw_attn_tile_rows(int64_t G, int vl, int64_t sq_max, int *bq, int *M);
  * FW_ATTN_CHUNK_MAX so the workspace is bounded. Example: 2048 tiles, 2 threads -> 16. */
 int fw_attn_chunk_tiles(int64_t total_tiles, int threads);
 
-/* Key ranges of FW_KV_SPLIT keys a sequence is split into: a query block that fits one q
- * tile (decode, multi-token decode) over more than FW_KV_SPLIT keys, else 1. Depends on the
- * shape only, never on the thread count. Example: sq 1, sk 32768 -> 8; sq 500 -> 1. */
-int64_t fw_attn_kv_splits(int64_t sq, int64_t sk, int bq);
+/* Key ranges of FW_KV_SPLIT keys the context of a decode sequence (G x n <= FW_DEC_ROWS
+ * query rows per K/V head) is split into: ceil(sk / FW_KV_SPLIT), at least 1. Depends on the
+ * context length only, never on the thread count. Example: sk 32768 -> 16; sk 2048 -> 1. */
+int64_t fw_attn_kv_splits(int64_t sk);
 
 #endif /* FW_ATTN_H */

@@ -2,6 +2,7 @@
  * the default table. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "internal.h"
 
 typedef struct {
@@ -175,5 +176,68 @@ fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, doubl
         s += p->gflops[i];
     free(p);
     *gflops = s;
+    return FW_OK;
+}
+
+typedef struct {
+    const fw_kernels *k;
+    const float *buf;
+    size_t per; /* floats per thread */
+    float sink[256];
+} bw_ctx;
+
+static void bw_item(void *ctx, int64_t item, int tid)
+{
+    bw_ctx *b = ctx;
+    b->sink[item] = b->k->stream_sum(b->buf + (size_t)item * b->per, b->per);
+    (void)tid;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+fw_status fw_read_bandwidth(int32_t threads, size_t bytes, double *gbps)
+{
+    fw_clear_error();
+    if (!gbps)
+        return fw_fail(FW_ERR_NULL, "gbps is NULL");
+    if (threads < 0 || threads > 256)
+        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256", (int)threads);
+    const int n = threads ? threads : fw_cpu_count();
+    if (bytes < (size_t)n * 4096 || bytes > ((size_t)1 << 40))
+        return fw_fail(FW_ERR_ARG, "bytes is %zu; it must be at least 4 KiB per thread and at most 1 TiB",
+                       bytes);
+    const fw_kernels *k = NULL;
+    for (int i = 0; i < NTABLES; i++)
+        if (tables[i].supported())
+            k = tables[i].k;
+    bw_ctx *b = calloc(1, sizeof *b);
+    const size_t per = bytes / sizeof(float) / (size_t)n / 64 * 64;
+    float *buf = malloc(per * (size_t)n * sizeof(float));
+    if (!b || !buf) {
+        free(b);
+        free(buf);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes for the bandwidth buffer", bytes);
+    }
+    for (size_t i = 0; i < per * (size_t)n; i++)
+        buf[i] = (float)(i & 7);
+    b->k = k;
+    b->buf = buf;
+    b->per = per;
+    double t[3];
+    for (int r = 0; r < 3; r++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        fw_parallel(n, n, bw_item, b);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        t[r] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    }
+    qsort(t, 3, sizeof t[0], cmp_double);
+    *gbps = (double)(per * (size_t)n * sizeof(float)) / t[1] * 1e-9;
+    free(buf);
+    free(b);
     return FW_OK;
 }

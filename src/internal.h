@@ -45,6 +45,10 @@ typedef struct fw_softmax_args {
  * |v| < 2^64. A sum at or past it (or inf/NaN) makes the tile replay with online softmax. */
 #define FW_ANCHOR_BOUND 0x1p64f
 
+/* The decode path: keys per tile (= FW_ATTN_BK) and the most query rows (G x n) it takes. */
+#define FW_DEC_KEYS 64
+#define FW_DEC_ROWS 16
+
 typedef struct fw_kernels {
     const char *name;
     int vl; /* floats per vector; M must be a multiple of it */
@@ -63,6 +67,16 @@ typedef struct fw_kernels {
     int (*softmax)(const fw_softmax_args *s);
     /* OT[c][m] += sum_j V[j][c] * PT[j][m], c < dv, m < M. */
     void (*pv)(int nk, int dv, int M, const float *V, int64_t ldv, const float *PT, float *OT);
+    /* Decode kernels (keys along the lanes; layouts in attn_kern.h). pack_kt converts nk <= 64
+     * key rows (rows[j] points at key j, head applied; kdim = stride within a row) into
+     * Kt[d][FW_DEC_KEYS], transposed, zero past nk to a whole vector. dec_pv reads value rows
+     * in place (contiguous rows of dtype dt). */
+    void (*pack_kt)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt);
+    void (*dec_qk)(int R, int nk, int d, const float *Q, const float *Kt, float *S);
+    void (*dec_softmax)(int R, int nk, float *S, const float *lo, const float *hi, float *m,
+                        float *l, float *O, int dv);
+    void (*dec_pv)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
+                   float *O);
     /* Plain baseline: one query row against n keys, one key at a time with online softmax:
      * convert the key and value rows on use (like ggml's vector path), dot, scalar exp2,
      * axpy. q is f32 in log2 units (scaled by scale*log2(e), or by 1/softcap with cap2 > 0).
@@ -73,6 +87,9 @@ typedef struct fw_kernels {
                       float cap2, float *acc, float *m, float *l, float *scratch);
     /* FMA throughput of one thread in GFLOP/s over about `seconds`. */
     double (*peak)(double seconds);
+    /* Sum of n floats read with vector loads (several independent accumulators): the read
+     * stream of the bandwidth microbenchmark. n is a multiple of 64. */
+    float (*stream_sum)(const float *x, size_t n);
 } fw_kernels;
 
 /* The table by name (NULL = default). Sets an error and returns NULL if unknown/unsupported. */

@@ -14,5 +14,7 @@ double bench_peak(int threads);
 
 int bench_attn_main(int argc, char **argv);
 int bench_attn_headline(void);
+int bench_kvcache_main(int argc, char **argv);
+int bench_kvcache_headline(void);
 
 #endif

@@ -3,6 +3,7 @@
  *   flywheel run                 the main job: headline kernels on real-size shapes, checked
  *                                against the reference, with throughput and % of FMA peak
  *   flywheel bench attn [opts]   softmax attention benchmark (flywheel bench attn --help)
+ *   flywheel bench kvcache       KV-cache append + attend: decode and chunked prefill
  *   flywheel peak [threads]      this machine's measured FMA peak
  *   flywheel info                kernel tables and the default
  */
@@ -48,7 +49,7 @@ double bench_peak(int threads)
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: flywheel run | bench attn [options] | peak [threads] | info\n"
+            "usage: flywheel run | bench attn|kvcache [options] | peak [threads] | info\n"
             "  run          the headline set (causal prefill GQA 32:8 d=128 at T=1K/4K/16K in bf16\n"
             "               and f32, MHA d=256), checked against the reference on a slice of rows\n"
             "  bench attn   see `flywheel bench attn --help`\n");
@@ -56,10 +57,18 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
-    if (argc >= 2 && strcmp(argv[1], "run") == 0)
-        return bench_attn_headline();
+    if (argc >= 2 && strcmp(argv[1], "run") == 0) {
+        int fail = bench_attn_headline();
+        printf("\nKV cache (append + attend, paged, page 256): decode K/V GB/s against the read bandwidth\n"
+               "measured in the same run; chunked prefill next to the dense kernel on the same shape\n");
+        fail |= bench_kvcache_headline();
+        printf(fail ? "main job: FAILED\n" : "main job: all checks passed\n");
+        return fail;
+    }
     if (argc >= 3 && strcmp(argv[1], "bench") == 0 && strcmp(argv[2], "attn") == 0)
         return bench_attn_main(argc - 3, argv + 3);
+    if (argc >= 3 && strcmp(argv[1], "bench") == 0 && strcmp(argv[2], "kvcache") == 0)
+        return bench_kvcache_main(argc - 3, argv + 3);
     if (argc >= 2 && strcmp(argv[1], "peak") == 0) {
         int t = argc >= 3 ? atoi(argv[2]) : 1;
         double g = bench_peak(t);

@@ -276,6 +276,197 @@ static int softmax(const fw_softmax_args *s)
     return 0;
 }
 
+/* ------------------------------------------------------------------ decode --
+ *
+ * Few query rows (decode, multi-token decode: G x n <= FW_DEC_ROWS): keys run along the
+ * vector lanes instead, so no lane idles.
+ *   Kt [d][FW_DEC_KEYS]   f32 key tile, transposed in registers while converting (pack_kt)
+ *   Q  [R][d]             f32 query rows in log2 units
+ *   S  [R][FW_DEC_KEYS]   scores, then probabilities
+ *   V  [nk][dv]           f32 value rows;  O [R][dv] accumulator
+ */
+
+static void pack_kt(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt)
+{
+    const int nkv = (nk + VL - 1) / VL * VL;
+    for (int j0 = 0; j0 < nkv; j0 += VL) {
+        int k0 = 0;
+        if (kdim == 1)
+            for (; k0 + VL <= d; k0 += VL) {
+                vf r[VL];
+                for (int i = 0; i < VL; i++)
+                    r[i] = j0 + i < nk ? vload_in(rows[j0 + i], dt, k0) : vzero();
+                vtranspose(r);
+                for (int c = 0; c < VL; c++)
+                    vstore(Kt + (size_t)(k0 + c) * FW_DEC_KEYS + j0, r[c]);
+            }
+        for (; k0 < d; k0++)
+            for (int i = 0; i < VL; i++) {
+                float x = 0.0f;
+                if (j0 + i < nk)
+                    to_f32((const char *)rows[j0 + i] + (size_t)(k0 * kdim) * (dt == FW_F32 ? 4 : 2), dt,
+                           1, 1, 1.0f, &x);
+                Kt[(size_t)k0 * FW_DEC_KEYS + j0 + i] = x;
+            }
+    }
+}
+
+FW_INLINE void dec_qk_tile(const int rt, const int kv, int d, const float *Q, const float *Kt,
+                           float *S)
+{
+    vf tot[DEC_RT][2], acc[DEC_RT][2];
+    for (int r = 0; r < rt; r++)
+        for (int x = 0; x < kv; x++)
+            tot[r][x] = vzero();
+    for (int k0 = 0; k0 < d; k0 += QK_KB) {
+        const int kn = d - k0 < QK_KB ? d - k0 : QK_KB;
+        for (int r = 0; r < rt; r++)
+            for (int x = 0; x < kv; x++)
+                acc[r][x] = vzero();
+        for (int k = k0; k < k0 + (kn == QK_KB ? QK_KB : kn); k++) {
+            vf kt[2];
+            for (int x = 0; x < kv; x++)
+                kt[x] = vkeep(vload(Kt + (size_t)k * FW_DEC_KEYS + x * VL));
+            for (int r = 0; r < rt; r++) {
+                vf qb = vset1(Q[(size_t)r * d + k]);
+                for (int x = 0; x < kv; x++)
+                    acc[r][x] = vfma(kt[x], qb, acc[r][x]);
+            }
+        }
+        for (int r = 0; r < rt; r++)
+            for (int x = 0; x < kv; x++)
+                tot[r][x] = vadd(tot[r][x], acc[r][x]);
+    }
+    for (int r = 0; r < rt; r++)
+        for (int x = 0; x < kv; x++)
+            vstore(S + (size_t)r * FW_DEC_KEYS + x * VL, tot[r][x]);
+}
+
+static __attribute__((noinline)) void dec_qk_tail(int rt, int kv, int d, const float *Q,
+                                                  const float *Kt, float *S)
+{
+    dec_qk_tile(rt, kv, d, Q, Kt, S);
+}
+
+/* S[r][j] = sum_k Q[r][k] Kt[k][j] for r < R and the ceil(nk / VL) key vectors holding keys. */
+static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, float *S)
+{
+    const int nkv = (nk + VL - 1) / VL;
+    for (int r0 = 0; r0 < R; r0 += DEC_RT)
+        for (int x0 = 0; x0 < nkv; x0 += 2) {
+            const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT, kv = nkv - x0 < 2 ? nkv - x0 : 2;
+            const float *q = Q + (size_t)r0 * d, *kt = Kt + x0 * VL;
+            float *sp = S + (size_t)r0 * FW_DEC_KEYS + x0 * VL;
+            if (rt == DEC_RT && kv == 2)
+                dec_qk_tile(DEC_RT, 2, d, q, kt, sp);
+            else
+                dec_qk_tail(rt, kv, d, q, kt, sp);
+        }
+}
+
+static const float dec_iota[FW_DEC_KEYS] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+    22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+    44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+
+/* Online softmax with lazy rescale, one row at a time: keys outside [lo[r], hi[r]) (tile
+ * coordinates, hi <= nk) get probability 0; O rows are rescaled only when the max grew. */
+static void dec_softmax(int R, int nk, float *S, const float *lo, const float *hi, float *m,
+                        float *l, float *O, int dv)
+{
+    const int nkv = (nk + VL - 1) / VL;
+    const vf ninf = vset1(-INFINITY);
+    for (int r = 0; r < R; r++) {
+        float *s = S + (size_t)r * FW_DEC_KEYS;
+        const vf vlo = vset1(lo[r]), vhi = vset1(hi[r]);
+        vf mx = ninf;
+        for (int x = 0; x < nkv; x++) {
+            const vf j = vload(dec_iota + x * VL);
+            mx = vmax(mx, vsel(vmand(vge(j, vlo), vlt(j, vhi)), vload(s + x * VL), ninf));
+        }
+        const float rm = vhmax(mx), mnew = rm > m[r] || rm != rm ? rm : m[r];
+        if (mnew == -INFINITY) {
+            for (int x = 0; x < nkv; x++)
+                vstore(s + x * VL, vzero());
+            continue;
+        }
+        const float scale = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mnew);
+        if (scale != 1.0f) {
+            float *o = O + (size_t)r * dv;
+            for (int c = 0; c < dv; c++)
+                o[c] *= scale;
+            l[r] *= scale;
+        }
+        m[r] = mnew;
+        const vf mv = vset1(mnew);
+        vf sum = vzero();
+        for (int x = 0; x < nkv; x++) {
+            const vf j = vload(dec_iota + x * VL);
+            vf pr = vmaskz(vmand(vge(j, vlo), vlt(j, vhi)), vexp2(vsub(vload(s + x * VL), mv)));
+            vstore(s + x * VL, pr);
+            sum = vadd(sum, pr);
+        }
+        l[r] += vhsum(sum);
+    }
+}
+
+FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const float *P,
+                           const void *const *V, fw_dtype dt, float *O, int dv)
+{
+    vf acc[DEC_RT][4];
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < cv; c++)
+            acc[r][c] = vload(O + (size_t)r * dv + c0 + c * VL);
+    for (int j = 0; j < nk; j++) {
+        vf vv[4];
+        for (int c = 0; c < cv; c++)
+            vv[c] = vkeep(vload_in(V[j], dt, c0 + c * VL));
+        for (int r = 0; r < rt; r++) {
+            vf pb = vset1(P[(size_t)r * FW_DEC_KEYS + j]);
+            for (int c = 0; c < cv; c++)
+                acc[r][c] = vfma(vv[c], pb, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < cv; c++)
+            vstore(O + (size_t)r * dv + c0 + c * VL, acc[r][c]);
+}
+
+static __attribute__((noinline)) void dec_pv_tail(int rt, int cv, int nk, int c0, const float *P,
+                                                  const void *const *V, fw_dtype dt, float *O, int dv)
+{
+    dec_pv_tile(rt, cv, nk, c0, P, V, dt, O, dv);
+}
+
+/* O[r][c] += sum_j P[r][j] V[j][c], r < R, c < dv, j < nk (in order, per output). V[j]
+ * points at key j's value row, contiguous, in dtype dt: converted in registers. */
+static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
+                   float *O)
+{
+    const int dvv = dv / VL * VL;
+    for (int r0 = 0; r0 < R; r0 += DEC_RT) {
+        const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT;
+        const float *pr = P + (size_t)r0 * FW_DEC_KEYS;
+        float *o = O + (size_t)r0 * dv;
+        for (int c0 = 0; c0 < dvv; c0 += 4 * VL) {
+            const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
+            if (rt == DEC_RT && cv == 4)
+                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv);
+            else
+                dec_pv_tail(rt, cv, nk, c0, pr, V, dt, o, dv);
+        }
+        for (int r = 0; r < rt; r++)
+            for (int c = dvv; c < dv; c++) {
+                float a = o[(size_t)r * dv + c], x;
+                for (int j = 0; j < nk; j++) {
+                    to_f32((const char *)V[j] + (size_t)c * (dt == FW_F32 ? 4 : 2), dt, 1, 1, 1.0f, &x);
+                    a += pr[(size_t)r * FW_DEC_KEYS + j] * x;
+                }
+                o[(size_t)r * dv + c] = a;
+            }
+    }
+}
+
 /* ------------------------------------------------------------ plain baseline -- */
 
 static float dot(const float *x, const float *y, int n)
@@ -358,6 +549,19 @@ static double peak(double seconds)
     return (double)iters * PEAK_CHAINS * VL * 2.0 / t * 1e-9;
 }
 
+static float stream_sum(const float *x, size_t n)
+{
+    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (size_t i = 0; i < n; i += 4 * VL) {
+        a0 = vadd(a0, vload(x + i));
+        a1 = vadd(a1, vload(x + i + VL));
+        a2 = vadd(a2, vload(x + i + 2 * VL));
+        a3 = vadd(a3, vload(x + i + 3 * VL));
+    }
+    return vhsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+}
+
 const fw_kernels FW_TABLE = {
-    ISA_NAME, VL, to_f32, from_f32, qk, softcap, softmax, pv, plain_row, peak,
+    ISA_NAME, VL, to_f32, from_f32, qk, softcap, softmax, pv, pack_kt, dec_qk, dec_softmax, dec_pv,
+    plain_row, peak, stream_sum,
 };

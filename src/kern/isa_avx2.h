@@ -6,6 +6,7 @@
 #define TM 2 /* 2 x 8 = 16 rows per register tile */
 #define QK_TJ 3 /* 3 x 2 x 2 sets = 12 accumulators + 2 row vectors + 1 broadcast */
 #define TJ 6 /* 2 x 6 = 12 accumulators, + 2 row vectors + 1 broadcast = 15 of 16 registers */
+#define DEC_RT 2 /* decode: 2 rows x 2 key vectors x 2 sets = 8 accumulators */
 
 typedef __m256 vf;
 typedef __m256 vm;
@@ -50,17 +51,48 @@ static inline vf vexp2(vf x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
+{
+    if (dt == FW_F32)
+        return _mm256_loadu_ps((const float *)src + i);
+    if (dt == FW_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))), 16));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+}
+
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
 {
-    vf x;
-    if (dt == FW_F32)
-        x = _mm256_loadu_ps((const float *)src + i);
-    else if (dt == FW_BF16)
-        x = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))), 16));
-    else
-        x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(vload_in(src, dt, i), _mm256_set1_ps(scale)));
+}
+
+static inline float vhmax(vf x)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* In-register transpose of 8 rows of 8: unpack, shuffle pairs, swap 128-bit halves. */
+static inline void vtranspose(vf *r)
+{
+    vf t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* u[4g + c], 128-bit lane L, holds rows 4g..4g+3 of column 4L + c */
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
 }
 
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)

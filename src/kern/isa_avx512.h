@@ -5,7 +5,8 @@
 #define VL 16
 #define TM 4 /* vectors of query rows per register tile: 4 x 16 = 64 rows */
 #define QK_TJ 3 /* keys per qk register tile: 3 x 4 x 2 sets = 24 accumulators */
-#define TJ 6 /* keys (qk) or value columns (pv) per register tile: 4 x 6 = 24 accumulators */
+#define TJ 6 /* value columns per pv register tile: 4 x 6 = 24 accumulators */
+#define DEC_RT 4 /* decode: query rows per register tile (x 2 key vectors x 2 sets = 16) */
 
 typedef __m512 vf;
 typedef __mmask16 vm;
@@ -48,18 +49,50 @@ static inline vf vexp2(vf x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* n contiguous elements, converted. */
+/* VL contiguous elements of src from element i, converted to f32. */
+static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
+{
+    if (dt == FW_F32)
+        return _mm512_loadu_ps((const float *)src + i);
+    if (dt == FW_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i))), 16));
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+}
+
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
 {
-    vf x;
-    if (dt == FW_F32)
-        x = _mm512_loadu_ps((const float *)src + i);
-    else if (dt == FW_BF16)
-        x = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i))), 16));
-    else
-        x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(vload_in(src, dt, i), _mm512_set1_ps(scale)));
+}
+
+static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+
+/* In-register transpose of 16 rows of 16: unpack within 128-bit lanes, shuffle pairs, then
+ * two rounds of 128-bit-lane shuffles (64 shuffles in all). */
+static inline void vtranspose(vf *r)
+{
+    vf t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* u[4g + c], 128-bit lane L, holds rows 4g..4g+3 of column 4L + c */
+    for (int c = 0; c < 4; c++) {
+        vf x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        vf x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        vf x2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        vf x3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        r[c] = _mm512_shuffle_f32x4(x0, x2, _MM_SHUFFLE(2, 0, 2, 0));
+        r[8 + c] = _mm512_shuffle_f32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1));
+        r[4 + c] = _mm512_shuffle_f32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + c] = _mm512_shuffle_f32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
 }
 
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)

@@ -8,6 +8,7 @@
 #define TM 4
 #define QK_TJ 3
 #define TJ 6
+#define DEC_RT 4
 
 typedef float vf;
 typedef int vm;
@@ -54,17 +55,22 @@ static inline vf vexp2(vf x)
     return p * s;
 }
 
+static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
+{
+    if (dt == FW_F32)
+        return ((const float *)src)[i];
+    if (dt == FW_BF16)
+        return fw_bf16_to_f32(((const uint16_t *)src)[i]);
+    return fw_f16_to_f32(((const uint16_t *)src)[i]);
+}
+
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
 {
-    float x;
-    if (dt == FW_F32)
-        x = ((const float *)src)[i];
-    else if (dt == FW_BF16)
-        x = fw_bf16_to_f32(((const uint16_t *)src)[i]);
-    else
-        x = fw_f16_to_f32(((const uint16_t *)src)[i]);
-    dst[i] = x * scale;
+    dst[i] = vload_in(src, dt, i) * scale;
 }
+
+static inline float vhmax(vf x) { return x; }
+static inline void vtranspose(vf *r) { (void)r; } /* a 1 x 1 block */
 
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
 {

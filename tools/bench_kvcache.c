@@ -1,0 +1,250 @@
+/*
+ * bench_kvcache.c: `flywheel bench kvcache`, the serving-engine call (append + attend).
+ *
+ * decode: every sequence appends 1 token at position ctx-1 and attends to ctx keys (the
+ *   same step repeated, so every repetition does identical work). Reports microseconds per
+ *   step (median) and GB/s of K/V read = batch * ctx * hkv * (d + dv) * bytes(dtype) / s,
+ *   against the streaming read bandwidth measured by fw_read_bandwidth in the same run.
+ * prefill: every sequence appends `new` tokens after a cached prefix of ctx - new tokens.
+ *   GFLOP/s = 2 (d + dv) x unmasked pairs / s and % of the FMA peak, next to the dense
+ *   kernel (fw_attn_fwd) on the same shape in the same run.
+ */
+#define _DEFAULT_SOURCE 1 /* madvise(MADV_HUGEPAGE) */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include "bench.h"
+
+/* Cache-sized buffers on 2 MiB boundaries, asking for transparent huge pages as a serving
+ * engine's KV-cache pool would: a decode step touches every page of the cache, and 4 KiB
+ * pages cost a TLB miss every few rows. */
+static void *big_alloc(size_t bytes)
+{
+    const size_t huge = (size_t)2 << 20;
+    void *p = aligned_alloc(huge, (bytes + huge - 1) / huge * huge);
+#ifdef MADV_HUGEPAGE
+    if (p)
+        madvise(p, (bytes + huge - 1) / huge * huge, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+typedef struct {
+    int64_t batch, ctx, nnew, hq, hkv, d, page;
+    fw_dtype dt;
+    int threads, reps, json;
+    const char *isa;
+} kcfg;
+
+static void fill_bits(void *p, size_t n, fw_dtype dt)
+{
+    uint64_t s = 0x2545F4914F6CDD1Dull;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+        float x = (float)((double)(s >> 11) * 0x1p-53 * 3.0 - 1.5);
+        if (dt == FW_F32) ((float *)p)[i] = x;
+        else if (dt == FW_BF16) ((uint16_t *)p)[i] = fw_f32_to_bf16(x);
+        else ((uint16_t *)p)[i] = fw_f32_to_f16(x);
+    }
+}
+
+static double peak_of(int threads) { return bench_peak(threads); }
+
+static int kv_run(const kcfg *c, int decode)
+{
+    const size_t es = fw_dtype_size(c->dt);
+    const int64_t b = c->batch, n = decode ? 1 : c->nnew, tq = b * n;
+    const int64_t ps = c->page ? c->page : c->ctx;
+    const int64_t per = (c->ctx + ps - 1) / ps, pages = c->page ? b * per : b;
+    int64_t ks[4] = {pages, ps, c->hkv, c->d}, qs[3] = {tq, c->hq, c->d}, ns[3] = {tq, c->hkv, c->d};
+    const size_t kbytes = (size_t)(pages * ps * c->hkv * c->d) * es;
+    void *kd = big_alloc(kbytes), *vd = big_alloc(kbytes), *qd = malloc((size_t)(tq * c->hq * c->d) * es);
+    void *knd = malloc((size_t)(tq * c->hkv * c->d) * es), *vnd = malloc((size_t)(tq * c->hkv * c->d) * es);
+    void *od = malloc((size_t)(tq * c->hq * c->d) * es);
+    int32_t *bt = malloc(sizeof(int32_t) * (size_t)(b * per)), *cuq = malloc(sizeof(int32_t) * (size_t)(b + 1)),
+            *sl = malloc(sizeof(int32_t) * (size_t)b);
+    if (!kd || !vd || !qd || !knd || !vnd || !od || !bt || !cuq || !sl) {
+        fprintf(stderr, "bench kvcache: out of memory\n");
+        return 1;
+    }
+    fill_bits(kd, kbytes / es, c->dt);
+    fill_bits(vd, kbytes / es, c->dt);
+    fill_bits(qd, (size_t)(tq * c->hq * c->d), c->dt);
+    fill_bits(knd, (size_t)(tq * c->hkv * c->d), c->dt);
+    fill_bits(vnd, (size_t)(tq * c->hkv * c->d), c->dt);
+    /* pages of each sequence interleaved across the pool, as an allocator would leave them */
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t pg = 0; pg < per; pg++)
+            bt[i * per + pg] = (int32_t)(pg * b + i);
+    for (int64_t i = 0; i <= b; i++)
+        cuq[i] = (int32_t)(i * n);
+    for (int64_t i = 0; i < b; i++)
+        sl[i] = (int32_t)(c->ctx - n);
+    fw_kv_cache cache;
+    memset(&cache, 0, sizeof cache);
+    cache.k = fw_tensor_contiguous(kd, c->dt, 4, ks);
+    cache.v = fw_tensor_contiguous(vd, c->dt, 4, ks);
+    cache.block_table = c->page ? bt : NULL;
+    cache.max_pages = per;
+    cache.seqlens = sl;
+    fw_tensor q = fw_tensor_contiguous(qd, c->dt, 3, qs), kn = fw_tensor_contiguous(knd, c->dt, 3, ns),
+              vn = fw_tensor_contiguous(vnd, c->dt, 3, ns), o = fw_tensor_contiguous(od, c->dt, 3, qs);
+    fw_attn_params p;
+    fw_attn_params_init(&p);
+    p.causal = 1;
+    p.threads = c->threads;
+    p.isa = c->isa;
+    double t[64];
+    int reps = c->reps > 64 ? 64 : c->reps, fail = 0;
+    for (int i = -1; i < reps && !fail; i++) {
+        double t0 = bench_now();
+        fw_status s = fw_attn_kvcache_fwd(&q, &kn, &vn, cuq, b, &cache, &o, NULL, &p);
+        double dt = bench_now() - t0;
+        if (s != FW_OK) {
+            fprintf(stderr, "bench kvcache: %s\n", fw_last_error());
+            fail = 1;
+        } else if (i >= 0) {
+            t[i] = dt;
+        }
+    }
+    if (!fail) {
+        const double sec = bench_median(t, reps);
+        if (decode) {
+            double bw = 0;
+            fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw);
+            const double bytes = (double)b * (double)c->ctx * (double)c->hkv * 2.0 * (double)c->d * (double)es;
+            const double gbs = bytes / sec * 1e-9;
+            if (c->json)
+                printf("{\"op\":\"kvcache_decode\",\"batch\":%lld,\"ctx\":%lld,\"hq\":%lld,\"hkv\":%lld,\"d\":%lld,"
+                       "\"dtype\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
+                       "\"us_per_step\":%.2f,\"kv_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f}\n",
+                       (long long)b, (long long)c->ctx, (long long)c->hq, (long long)c->hkv, (long long)c->d,
+                       fw_dtype_name(c->dt), (long long)c->page, c->threads, reps, sec, sec * 1e6, gbs, bw,
+                       100 * gbs / bw);
+            else
+                printf("decode    %-5s batch %-3lld ctx %-6lld h%lld:%lld d%lld page %-5lld thr=%d  %9.1f us/step  "
+                       "%6.1f GB/s K/V  %5.1f%% of %.1f GB/s read bandwidth\n",
+                       fw_dtype_name(c->dt), (long long)b, (long long)c->ctx, (long long)c->hq,
+                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->threads, sec * 1e6, gbs,
+                       100 * gbs / bw, bw);
+        } else {
+            /* pairs: row r of n sees keys [0, ctx - n + r] */
+            const double pairs = (double)b * (double)c->hq * ((double)n * (double)(c->ctx - n) + (double)n * (double)(n + 1) / 2);
+            const double gf = 2.0 * 2.0 * (double)c->d * pairs / sec * 1e-9;
+            /* the dense kernel on the same shape: q [b, n, hq, d] against the contiguous context */
+            int64_t dq[4] = {b, n, c->hq, c->d}, dk[4] = {b, c->ctx, c->hkv, c->d};
+            void *ck = malloc((size_t)(b * c->ctx * c->hkv * c->d) * es), *cv = malloc((size_t)(b * c->ctx * c->hkv * c->d) * es);
+            fill_bits(ck, (size_t)(b * c->ctx * c->hkv * c->d), c->dt);
+            fill_bits(cv, (size_t)(b * c->ctx * c->hkv * c->d), c->dt);
+            fw_tensor tq4 = fw_tensor_contiguous(qd, c->dt, 4, dq), tk4 = fw_tensor_contiguous(ck, c->dt, 4, dk),
+                      tv4 = fw_tensor_contiguous(cv, c->dt, 4, dk), to4 = fw_tensor_contiguous(od, c->dt, 4, dq);
+            double td[64];
+            for (int i = -1; i < reps; i++) {
+                double t0 = bench_now();
+                fw_attn_fwd(&tq4, &tk4, &tv4, &to4, NULL, &p);
+                if (i >= 0)
+                    td[i] = bench_now() - t0;
+            }
+            const double dsec = bench_median(td, reps), dgf = 2.0 * 2.0 * (double)c->d * pairs / dsec * 1e-9;
+            const double pk = peak_of(c->threads);
+            if (c->json)
+                printf("{\"op\":\"kvcache_prefill\",\"batch\":%lld,\"ctx\":%lld,\"new\":%lld,\"hq\":%lld,\"hkv\":%lld,"
+                       "\"d\":%lld,\"dtype\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
+                       "\"gflops\":%.2f,\"peak_gflops\":%.2f,\"pct_peak\":%.1f,\"dense_gflops\":%.2f,\"dense_pct_peak\":%.1f}\n",
+                       (long long)b, (long long)c->ctx, (long long)n, (long long)c->hq, (long long)c->hkv,
+                       (long long)c->d, fw_dtype_name(c->dt), (long long)c->page, c->threads, reps, sec, gf, pk,
+                       100 * gf / pk, dgf, 100 * dgf / pk);
+            else
+                printf("prefill   %-5s batch %-3lld %lld new on %lld cached h%lld:%lld d%lld page %-5lld thr=%d  %8.4f s  "
+                       "%6.1f GFLOP/s %5.1f%% of %.0f peak   dense kernel %6.1f GFLOP/s %5.1f%%\n",
+                       fw_dtype_name(c->dt), (long long)b, (long long)n, (long long)(c->ctx - n), (long long)c->hq,
+                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->threads, sec, gf, 100 * gf / pk,
+                       pk, dgf, 100 * dgf / pk);
+            free(ck);
+            free(cv);
+        }
+        fflush(stdout);
+    }
+    free(kd); free(vd); free(qd); free(knd); free(vnd); free(od); free(bt); free(cuq); free(sl);
+    return fail;
+}
+
+static int cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (n > 256 ? 256 : (int)n);
+}
+
+static kcfg kdefaults(void)
+{
+    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL};
+    c.threads = cpus();
+    return c;
+}
+
+int bench_kvcache_main(int argc, char **argv)
+{
+    kcfg c = kdefaults();
+    int mode = 0; /* 0: both sweeps, 1: decode, 2: prefill */
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT(name) (strcmp(a, name) == 0 && v && ++i)
+        if (OPT("--batch")) c.batch = atoll(v);
+        else if (OPT("--ctx")) c.ctx = atoll(v);
+        else if (OPT("--new")) c.nnew = atoll(v);
+        else if (OPT("--hq")) c.hq = atoll(v);
+        else if (OPT("--hkv")) c.hkv = atoll(v);
+        else if (OPT("--d")) c.d = atoll(v);
+        else if (OPT("--page")) c.page = atoll(v);
+        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : cpus();
+        else if (OPT("--reps")) c.reps = atoi(v) > 0 ? atoi(v) : 1;
+        else if (OPT("--isa")) c.isa = v;
+        else if (OPT("--dtype")) c.dt = !strcmp(v, "f32") ? FW_F32 : !strcmp(v, "f16") ? FW_F16 : FW_BF16;
+        else if (!strcmp(a, "--decode")) mode = 1;
+        else if (!strcmp(a, "--prefill")) mode = 2;
+        else if (!strcmp(a, "--json")) c.json = 1;
+        else {
+            printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
+                   "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
+                   "       --threads N --reps N --isa NAME --json]\n"
+                   "  with neither --decode nor --prefill: decode at batch 1 and 16 over contexts 1K..32K,\n"
+                   "  then 512 new tokens on an 8K prefix\n");
+            return strcmp(a, "--help") ? 2 : 0;
+        }
+#undef OPT
+    }
+    if (mode == 1)
+        return kv_run(&c, 1);
+    if (mode == 2)
+        return kv_run(&c, 0);
+    int fail = 0;
+    static const int64_t ctxs[] = {1024, 4096, 16384, 32768};
+    for (int bi = 0; bi < 2; bi++)
+        for (int i = 0; i < 4; i++) {
+            kcfg d = c;
+            d.batch = bi ? 16 : 1;
+            d.ctx = ctxs[i];
+            fail |= kv_run(&d, 1);
+        }
+    kcfg pf = c;
+    pf.ctx = 8192 + 512;
+    pf.nnew = 512;
+    pf.reps = 5;
+    fail |= kv_run(&pf, 0);
+    return fail;
+}
+
+/* The two lines of `make run`: decode at 32K and a chunked prefill on an 8K prefix. */
+int bench_kvcache_headline(void)
+{
+    kcfg c = kdefaults();
+    c.batch = 1;
+    c.ctx = 32768;
+    int fail = kv_run(&c, 1);
+    c.ctx = 8192 + 512;
+    c.nnew = 512;
+    c.reps = 5;
+    return fail | kv_run(&c, 0);
+}
