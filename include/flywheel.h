@@ -252,7 +252,7 @@ FW_API fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds
 
 /* Measured streaming read bandwidth in GB/s (1e9 bytes/s) on `threads` threads at once, each
  * reading its share of a `bytes` buffer (much larger than the caches) with the widest table's
- * vector loads; the median of 3 passes. */
+ * vector loads; the median of 5 passes. */
 FW_API fw_status fw_read_bandwidth(int32_t threads, size_t bytes, double *gbps);
 
 #ifdef __cplusplus

@@ -389,6 +389,15 @@ static void sweep_layouts_dtypes(void)
 
 static void sweep_techniques(void)
 {
+    /* decode-shaped calls (the decode kernel) under each switch */
+    static const uint32_t D[] = {0, FW_ATTN_ONLINE_SOFTMAX, FW_ATTN_NO_GQA_PACK, FW_ATTN_NO_TILE_SKIP};
+    for (int f = 0; f < 4; f++) {
+        shape s = base_shape();
+        s.sq = 3; s.sk = 2500; s.hq = 8; s.hkv = 2; s.causal = 1; s.wl = f == 3 ? 700 : -1;
+        s.softcap = f == 2 ? 25.0f : 0.0f;
+        s.dt = s.odt = FW_BF16;
+        run_shape(&s, D[f], 2);
+    }
     static const uint32_t F[] = {FW_ATTN_ONLINE_SOFTMAX, FW_ATTN_NO_GQA_PACK, FW_ATTN_NO_TILE_SKIP,
                                  FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_TILE_SKIP};
     for (int f = 0; f < 4; f++)
@@ -856,6 +865,64 @@ static void test_micro_kernels(void)
             case_check(a[0] == 3 && l[0] == 1, "a failing tile committed its state");
             free(ST); free(a); free(l); free(pend);
         }
+        /* decode kernels: pack_kt is a transpose; dec_qk and dec_pv are small GEMMs */
+        for (int dt = 0; dt < 3; dt++)
+            for (int nk = 1; nk <= FW_DEC_KEYS; nk += 21) {
+                const int d = dt == 1 ? 48 : 37 + nk % 5, dv = 40 + nk % 3, R = 1 + nk % 9;
+                const int64_t kdim = nk == 22 ? 2 : 1; /* one case with strided rows */
+                uint16_t *kraw = malloc(sizeof(uint32_t) * (size_t)(nk * d * kdim + 1));
+                float *Kt = malloc(sizeof(float) * (size_t)d * FW_DEC_KEYS), *Q = malloc(sizeof(float) * (size_t)(R * d));
+                float *S = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS)), *V = malloc(sizeof(float) * (size_t)(nk * dv));
+                float *O = calloc((size_t)(R * dv), sizeof(float));
+                const void *rows[FW_DEC_KEYS], *vrows[FW_DEC_KEYS];
+                const size_t es = fw_dtype_size((fw_dtype)dt);
+                for (int j = 0; j < nk; j++) {
+                    rows[j] = (char *)kraw + (size_t)(j * d * kdim) * es;
+                    for (int k = 0; k < d; k++) {
+                        float x = (float)rng_normal();
+                        if (dt == FW_F32) ((float *)rows[j])[k * kdim] = x;
+                        else if (dt == FW_BF16) ((uint16_t *)rows[j])[k * kdim] = fw_f32_to_bf16(x);
+                        else ((uint16_t *)rows[j])[k * kdim] = fw_f32_to_f16(x);
+                    }
+                }
+                kt->pack_kt(rows, (fw_dtype)dt, kdim, nk, d, Kt);
+                int same = 1;
+                for (int j = 0; j < nk; j++)
+                    for (int k = 0; k < d; k++) {
+                        float want;
+                        kt->to_f32((const char *)rows[j] + (size_t)(k * kdim) * es, (fw_dtype)dt, 1, 1, 1.0f, &want);
+                        same &= Kt[k * FW_DEC_KEYS + j] == want;
+                    }
+                case_check(same, "pack_kt %s nk %d d %d kdim %lld is not the transpose", dtn((fw_dtype)dt), nk, d,
+                           (long long)kdim);
+                for (int i = 0; i < R * d; i++) Q[i] = (float)rng_normal();
+                for (int i = 0; i < nk * dv; i++) V[i] = (float)rng_normal();
+                kt->dec_qk(R, nk, d, Q, Kt, S);
+                double worst = 0;
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < nk; j++) {
+                        double x = 0, a = 0;
+                        for (int k = 0; k < d; k++) {
+                            x += (double)Q[r * d + k] * Kt[k * FW_DEC_KEYS + j];
+                            a += fabs((double)Q[r * d + k] * Kt[k * FW_DEC_KEYS + j]);
+                        }
+                        worst = fmax(worst, fabs(S[r * FW_DEC_KEYS + j] - x) / (a * 1e-6 * (d + 1)));
+                    }
+                case_check(worst <= 1, "dec_qk R %d nk %d d %d: residual %.3g of bound", R, nk, d, worst);
+                for (int j = 0; j < nk; j++)
+                    vrows[j] = V + (size_t)j * dv;
+                kt->dec_pv(R, nk, dv, S, vrows, FW_F32, O);
+                worst = 0;
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < dv; c++) {
+                        double x = 0;
+                        for (int j = 0; j < nk; j++)
+                            x += (double)S[r * FW_DEC_KEYS + j] * V[j * dv + c];
+                        worst = fmax(worst, fabs(O[r * dv + c] - x) / (1e-5 * (1 + fabs(x)) * (nk + 1)));
+                    }
+                case_check(worst <= 1, "dec_pv R %d nk %d dv %d: residual %.3g of bound", R, nk, dv, worst);
+                free(kraw); free(Kt); free(Q); free(S); free(V); free(O);
+            }
         /* conversions: the table's vector paths equal the scalar functions */
         {
             uint16_t hb[100];

@@ -187,12 +187,12 @@ static kcfg kdefaults(void)
 int bench_kvcache_main(int argc, char **argv)
 {
     kcfg c = kdefaults();
-    int mode = 0; /* 0: both sweeps, 1: decode, 2: prefill */
+    int mode = 0, ctx_set = 0; /* mode 0: both sweeps, 1: decode, 2: prefill */
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (strcmp(a, name) == 0 && v && ++i)
         if (OPT("--batch")) c.batch = atoll(v);
-        else if (OPT("--ctx")) c.ctx = atoll(v);
+        else if (OPT("--ctx")) c.ctx = atoll(v), ctx_set = 1;
         else if (OPT("--new")) c.nnew = atoll(v);
         else if (OPT("--hq")) c.hq = atoll(v);
         else if (OPT("--hkv")) c.hkv = atoll(v);
@@ -209,6 +209,7 @@ int bench_kvcache_main(int argc, char **argv)
             printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
                    "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
                    "       --threads N --reps N --isa NAME --json]\n"
+                   "  --ctx is the context after the append (prefill default: 8192 + new)\n"
                    "  with neither --decode nor --prefill: decode at batch 1 and 16 over contexts 1K..32K,\n"
                    "  then 512 new tokens on an 8K prefix\n");
             return strcmp(a, "--help") ? 2 : 0;
@@ -217,8 +218,11 @@ int bench_kvcache_main(int argc, char **argv)
     }
     if (mode == 1)
         return kv_run(&c, 1);
-    if (mode == 2)
+    if (mode == 2) {
+        if (!ctx_set) /* 512 new tokens on an 8K prefix */
+            c.ctx = 8192 + c.nnew;
         return kv_run(&c, 0);
+    }
     int fail = 0;
     static const int64_t ctxs[] = {1024, 4096, 16384, 32768};
     for (int bi = 0; bi < 2; bi++)
