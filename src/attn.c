@@ -480,6 +480,7 @@ typedef struct {
     float qscale, cap2;
     item *items;
     float *part;       /* split partials: per split, M rows of (dv accumulators, a, l) */
+    unsigned *sink;    /* per thread (64 bytes apart): keeps the decode sweep's reads alive */
     char *ws;
     size_t ws_stride;
     ws_layout wl;
@@ -531,6 +532,23 @@ static void key_offsets(const fw_attn_prob *p, const fw_attn_seq *sq, int64_t t0
         koff[j - t0] = fw_attn_key(p, sq, j, 0);
         voff[j - t0] = fw_attn_key(p, sq, j, 1);
     }
+}
+
+/* Reads one byte of every cache line of the tile's token rows (all heads), K then V, in
+ * address order: sequential demand reads the hardware streamers follow, so the per-head
+ * kernels after it find the tile in L2. */
+static unsigned sweep_rows(const fw_attn_prob *p, const int64_t *koff, const int64_t *voff, int nk,
+                           int64_t span, size_t es)
+{
+    unsigned acc = 0;
+    const unsigned char *kb = p->k->data, *vb = p->v->data;
+    for (int j = 0; j < nk; j++)
+        for (int64_t b = 0; b < span; b += 64)
+            acc += kb[koff[j] * (int64_t)es + b];
+    for (int j = 0; j < nk; j++)
+        for (int64_t b = 0; b < span; b += 64)
+            acc += vb[voff[j] * (int64_t)es + b];
+    return acc;
 }
 
 /* Decode path: every K/V group ("unit": a K/V head, or a q head without GQA packing) of one
@@ -591,6 +609,7 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
     const int64_t vspan = ((p->hkv - 1) * p->vs[1] + p->dv * p->vs[2]) * (int64_t)es;
     const int64_t span = gqa && kspan == vspan && kspan <= 2 * p->hkv * kline ? kspan : 0;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
+    unsigned touch = 0;
     const int64_t tfirst = klo < khi ? klo / FW_DEC_KEYS * FW_DEC_KEYS : khi;
     if (tfirst < khi)
         key_offsets(p, sq, tfirst, fw_min64(sq->sk, tfirst + FW_DEC_KEYS), koff[0], voff[0]);
@@ -603,6 +622,8 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
             lo[r] = (float)fw_max64(0, fw_min64(nk, vlo[r] - t0));
             hi[r] = vhi[r] > vlo[r] ? (float)fw_max64(0, fw_min64(nk, vhi[r] - t0)) : 0.0f;
         }
+        if (span)
+            touch += sweep_rows(p, koff[cur], voff[cur], nk, span, es);
         for (int64_t u = 0; u < units; u++) {
             const int64_t kvh = gqa ? u : u / p->G;
             const char *kb = elem(p->k, kvh * p->ks[1]), *vb = elem(p->v, kvh * p->vs[1]);
@@ -646,6 +667,7 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
             kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, Ou);
         }
     }
+    c->sink[tid * 16] += touch;
     for (int64_t u = 0; u < units; u++)
         for (int g = 0; g < G; g++)
             for (int i = 0; i < n; i++) {
@@ -974,6 +996,8 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
     }
     c.ws = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
     c.wl = ws_plan(p->d, p->dv, ws_rows(p->G, kt, flags), units);
+    unsigned sink[256 * 16];
+    c.sink = sink;
     c.ws_stride = c.wl.total;
     n = nmerge = npart = 0;
     for (int64_t i = 0; i < p->batch; i++) {
