@@ -301,9 +301,11 @@ static void sweep_kvcache(void)
      * a sequence with no new token, and an empty one */
     static const int32_t old_mix[] = {700, 37, 1500, 0, 64, 0, 250};
     static const int32_t new_mix[] = {1, 4, 150, 90, 0, 0, 8};
-    static const int64_t pages[] = {8, 16, 64, 128, 1024};
-    static const int64_t R[][2] = {{8, 2}, {4, 1}, {6, 2}, {7, 7}, {16, 1}};
-    for (int i = 0; i < 5; i++) {
+    static const int64_t pages[] = {8, 16, 64, 128, 1024, 32, 256};
+    static const int64_t R[][2] = {{8, 2}, {4, 1}, {6, 2}, {7, 7}, {16, 1}, {32, 8}, {1, 1}};
+    for (int i = 0; i < 7; i++) {
+        if (quick_mode() && i >= 5)
+            break;
         kv_case t = {7, R[i][0], R[i][1], 64, i == 2 ? 48 : 64, pages[i], (fw_dtype)(i % 3), 1, 1, -1,
                      0.0f, old_mix, new_mix};
         if (i == 3) { t.wl = 100; t.softcap = 20.0f; }
