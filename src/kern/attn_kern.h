@@ -286,11 +286,26 @@ static int softmax(const fw_softmax_args *s)
  *   V  [nk][dv]           f32 value rows;  O [R][dv] accumulator
  */
 
+/* bf16 rows: transpose 32-bit words (pairs of dims) and split each pair with a shift and a
+ * mask, instead of widening first: 2.5x fewer shuffles per element. */
+static const uint16_t pack_zero[2 * VL];
+
 static void pack_kt(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt)
 {
     const int nkv = (nk + VL - 1) / VL * VL;
     for (int j0 = 0; j0 < nkv; j0 += VL) {
         int k0 = 0;
+        if (kdim == 1 && dt == FW_BF16)
+            for (; k0 + 2 * VL <= d; k0 += 2 * VL) {
+                vf r[VL];
+                for (int i = 0; i < VL; i++)
+                    r[i] = vload_bits(j0 + i < nk ? (const uint16_t *)rows[j0 + i] + k0 : pack_zero);
+                vtranspose(r);
+                for (int c = 0; c < VL; c++) {
+                    vstore(Kt + (size_t)(k0 + 2 * c) * FW_DEC_KEYS + j0, vbf16_even(r[c]));
+                    vstore(Kt + (size_t)(k0 + 2 * c + 1) * FW_DEC_KEYS + j0, vbf16_odd(r[c]));
+                }
+            }
         if (kdim == 1)
             for (; k0 + VL <= d; k0 += VL) {
                 vf r[VL];

@@ -74,6 +74,13 @@ static inline float vhmax(vf x)
     return _mm_cvtss_f32(m);
 }
 
+static inline vf vload_bits(const void *p) { return _mm256_loadu_ps(p); }
+static inline vf vbf16_even(vf w) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(w), 16)); }
+static inline vf vbf16_odd(vf w)
+{
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(w), _mm256_set1_epi32((int)0xffff0000u)));
+}
+
 /* In-register transpose of 8 rows of 8: unpack, shuffle pairs, swap 128-bit halves. */
 static inline void vtranspose(vf *r)
 {

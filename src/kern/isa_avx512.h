@@ -67,6 +67,15 @@ static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float sca
 
 static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 
+/* VL 32-bit words (here: pairs of bf16) as raw bits, and the two bf16 of each word as f32:
+ * the low half (even element) shifted up, the high half (odd element) masked. */
+static inline vf vload_bits(const void *p) { return _mm512_loadu_ps(p); }
+static inline vf vbf16_even(vf w) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(w), 16)); }
+static inline vf vbf16_odd(vf w)
+{
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(w), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 /* In-register transpose of 16 rows of 16: unpack within 128-bit lanes, shuffle pairs, then
  * two rounds of 128-bit-lane shuffles (64 shuffles in all). */
 static inline void vtranspose(vf *r)

@@ -71,6 +71,24 @@ static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float sca
 
 static inline float vhmax(vf x) { return x; }
 static inline void vtranspose(vf *r) { (void)r; } /* a 1 x 1 block */
+static inline vf vload_bits(const void *p)
+{
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+static inline vf vbf16_even(vf w)
+{
+    uint32_t u;
+    memcpy(&u, &w, 4);
+    return fw_bf16_to_f32((uint16_t)(u & 0xffffu));
+}
+static inline vf vbf16_odd(vf w)
+{
+    uint32_t u;
+    memcpy(&u, &w, 4);
+    return fw_bf16_to_f32((uint16_t)(u >> 16));
+}
 
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
 {
