@@ -243,6 +243,94 @@ FW_API fw_status fw_attn_kvcache_ref(const fw_tensor *q, const fw_tensor *k_new,
                                      const fw_tensor *out, const fw_tensor *lse,
                                      const fw_attn_params *params);
 
+/* ------------------------------------------------------- Gated DeltaNet -- */
+
+/*
+ * Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention), per value head j with state
+ * h in R^{dk x dv} (f32, row-major [dk][dv], fla's layout; h = S^T of the paper):
+ *   alpha_t = exp(g_t), delta_t = beta_t (v_t - alpha_t h^T k_t),
+ *   h_t = alpha_t h_{t-1} + k_t delta_t^T,   o_t = h_t^T q_t
+ * where q_t = scale * q / sqrt(|q|^2 + 1e-6) and k_t = k / sqrt(|k|^2 + 1e-6) when l2norm_qk
+ * is set (else q_t = scale * q, k_t = k). Value head j uses q/k head j / (HV / H).
+ * States: [N or slots, HV, dk, dv] f32, element (i, j, a, b) at i*HV*dk*dv + j*dk*dv + a*dv + b
+ * (contiguous; the layout is part of the contract).
+ */
+enum {
+    FW_GDN_FWD_SUBST = 1 << 0,   /* prefill: triangular inverse by forward substitution */
+    FW_GDN_RECURRENT = 1 << 1,   /* prefill: the plain recurrence, four passes over the state
+                                    per token (how ggml does it): the baseline */
+    FW_GDN_FUSED_RECURRENT = 1 << 2 /* prefill: the fused one-pass decode step per token */
+};
+
+typedef struct fw_gdn_params {
+    float scale;       /* 0 = 1/sqrt(dk) */
+    int32_t l2norm_qk; /* 1: l2-normalise q and k inside the kernel */
+    int32_t threads;   /* 0 = all online CPUs */
+    const char *isa;   /* NULL = fw_isa_default() */
+    uint32_t flags;    /* FW_GDN_* algorithm switches; 0 = chunked WY with the blocked inverse */
+} fw_gdn_params;
+
+FW_API void fw_gdn_params_init(fw_gdn_params *p);
+
+/*
+ * Chunked prefill over a packed batch of N sequences (cu_seqlens: int32, N + 1 entries, 0 to
+ * T, non-decreasing).
+ *   q, k  [T, H, dk]    f32 | bf16 | f16          g     [T, HV] f32, per-token log decay (<= 0)
+ *   v     [T, HV, dv]   same dtype as q           beta  [T, HV] f32
+ *   out   [T, HV, dv]   f32 | bf16 | f16
+ *   initial_state [N, HV, dk, dv] f32 or NULL (zeros); final_state [N, HV, dk, dv] f32 or NULL
+ *   (they may be the same buffer). A sequence of length 0 returns its initial state.
+ * Chunks of 64 tokens never span two sequences; all exponentials are of differences <= 0.
+ * Memory: per-thread workspace of O(64 x (dk + dv) + (HV/H) x dk x dv) floats, allocated
+ * inside the call (FW_ERR_NOMEM if that fails).
+ */
+FW_API fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                const fw_tensor *g, const fw_tensor *beta,
+                                const int32_t *cu_seqlens, int64_t n_seqs,
+                                const float *initial_state, float *final_state,
+                                const fw_tensor *out, const fw_gdn_params *params);
+
+/*
+ * Decode: one token for each of N sequences. q, k [N, H, dk]; v [N, HV, dv]; g, beta [N, HV]
+ * f32; out [N, HV, dv]. state: a slot array [slots, HV, dk, dv] f32; sequence i uses slot
+ * state_indices[i] (distinct, in [0, slots)) and it is updated in place.
+ */
+FW_API fw_status fw_gdn_decode(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                               const fw_tensor *g, const fw_tensor *beta, float *state,
+                               int64_t slots, const int32_t *state_indices,
+                               const fw_tensor *out, const fw_gdn_params *params);
+
+/*
+ * Speculative verify: n_i <= 64 tokens per sequence (cu_seqlens, as in prefill) from the
+ * committed state in slot state_indices[i], which is read, not changed. Writes out for every
+ * token and keeps, in the caller-owned `replay` buffer, what fw_gdn_commit needs to rebuild
+ * the state after any number m <= n_i of accepted tokens: per token and value head the
+ * written delta (dv floats) and the chunk-local log decay, and per token and q/k head the
+ * normalised key (dk floats). Size it with fw_gdn_replay_floats (T x (HV x (dv + 1) + H x dk)
+ * floats). The buffer belongs to the caller; the library keeps no state between the calls.
+ */
+FW_API size_t fw_gdn_replay_floats(int64_t T, int64_t H, int64_t HV, int64_t dk, int64_t dv);
+FW_API fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                               const fw_tensor *g, const fw_tensor *beta,
+                               const int32_t *cu_seqlens, int64_t n_seqs, const float *state,
+                               int64_t slots, const int32_t *state_indices, float *replay,
+                               size_t replay_floats, const fw_tensor *out,
+                               const fw_gdn_params *params);
+/* Commit accepted[i] (0 .. n_i) tokens of each sequence: slot state_indices[i] becomes exactly
+ * the state after those tokens, from the committed state and the replay buffer of the verify
+ * call with the same cu_seqlens, shapes and indices. */
+FW_API fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const int32_t *accepted,
+                               int64_t H, int64_t HV, int64_t dk, int64_t dv, float *state,
+                               int64_t slots, const int32_t *state_indices, const float *replay,
+                               size_t replay_floats, const fw_gdn_params *params);
+
+/* Float64 reference: the plain recurrence, token by token, over a packed batch (arguments as
+ * fw_gdn_prefill; out may be FW_F64). */
+FW_API fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                            const fw_tensor *g, const fw_tensor *beta, const int32_t *cu_seqlens,
+                            int64_t n_seqs, const float *initial_state, double *final_state,
+                            const fw_tensor *out, const fw_gdn_params *params);
+
 /* ------------------------------------------------------ machine benchmarks -- */
 
 /* Measured single-precision FMA throughput of this machine in GFLOP/s (2 flops per FMA lane)

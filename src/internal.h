@@ -90,6 +90,18 @@ typedef struct fw_kernels {
     /* Sum of n floats read with vector loads (several independent accumulators): the read
      * stream of the bandwidth microbenchmark. n is a multiple of 64. */
     float (*stream_sum)(const float *x, size_t n);
+    /* Gated DeltaNet (kern/attn_kern.h): x = 2^x; X = (I + A)^-1 for a strictly lower
+     * triangular L x L A (L <= 64), by forward substitution or in blocked matmul form; the
+     * fused decode step on a block of at most GDN_COLS = 64 state columns; the 4-pass
+     * recurrent step of the baseline (tmp: dv floats). */
+    void (*exp2_inplace)(float *x, int64_t n);
+    void (*tri_inv_fwd)(const float *A, int lda, int L, float *X, int ldx);
+    void (*tri_inv_blocked)(const float *A, int lda, int L, float *X, int ldx);
+    void (*gdn_dec_cols)(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+                         const float *k, const float *v, float alpha, float beta, float kq,
+                         float *o);
+    void (*gdn_step4)(float *h, int64_t ldh, int dk, int dv, const float *q, const float *k,
+                      const float *v, float alpha, float beta, float *o, float *tmp);
 } fw_kernels;
 
 /* The table by name (NULL = default). Sets an error and returns NULL if unknown/unsupported. */

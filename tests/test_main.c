@@ -8,6 +8,7 @@
 
 void test_attn_all(void);
 void test_kvcache_all(void);
+void test_gdn_all(void);
 
 static int print_default(void)
 {
@@ -58,6 +59,7 @@ int main(int argc, char **argv)
     test_isa_env(argv[0]);
     test_attn_all();
     test_kvcache_all();
+    test_gdn_all();
     tally_print();
     return tally_failed() ? 1 : 0;
 }

@@ -533,6 +533,176 @@ static void plain_row(const float *q, int d, int dv, fw_dtype dt, const void *K,
     *lo = l;
 }
 
+/* --------------------------------------------------------- Gated DeltaNet -- */
+
+/* x[i] = 2^x[i]. Arguments below -126 give 0 (callers mask with -1e30, never -inf). */
+static void exp2_inplace(float *x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL)
+        vstore(x + i, vexp2(vload(x + i)));
+    for (; i < n; i++)
+        x[i] = exp2f(x[i]);
+}
+
+/* X = (I + A)^-1 for A strictly lower triangular, L x L (row strides lda, ldx), by forward
+ * substitution: row i of X is e_i - sum_{m<i} A[i][m] X[m][:], vectors along the columns. */
+static void tri_inv_fwd(const float *A, int lda, int L, float *X, int ldx)
+{
+    for (int i = 0; i < L; i++) {
+        float *xi = X + (size_t)i * ldx;
+        for (int j = 0; j < L; j++)
+            xi[j] = j == i ? 1.0f : 0.0f;
+        for (int m = 0; m < i; m++) {
+            const vf a = vset1(-A[(size_t)i * lda + m]);
+            const float *xm = X + (size_t)m * ldx;
+            int j = 0;
+            for (; j + VL <= m + 1; j += VL)
+                vstore(xi + j, vfma(a, vload(xm + j), vload(xi + j)));
+            for (; j <= m; j++)
+                xi[j] += -A[(size_t)i * lda + m] * xm[j];
+        }
+    }
+}
+
+/* The same inverse in FlyWheel's matmul form: the 16 x 16 diagonal blocks by forward
+ * substitution, then block row I, column J < I as X_IJ = -X_II (sum_{M=J}^{I-1} A_IM X_MJ),
+ * in order of distance I - J, each a pair of 16 x 16 block products (broadcast FMAs along
+ * the block's 16 columns). L is padded to a multiple of 16 with identity rows, which leaves
+ * the inverse's first L rows and columns exact. */
+#define TRI_B 16
+static void tri_inv_blocked(const float *A, int lda, int L, float *X, int ldx)
+{
+    const int nb = (L + TRI_B - 1) / TRI_B, Lp = nb * TRI_B;
+    float Ap[64 * 64], tmp[TRI_B * TRI_B];
+    for (int i = 0; i < Lp; i++)
+        for (int j = 0; j < Lp; j++)
+            Ap[i * 64 + j] = i < L && j < L ? A[(size_t)i * lda + j] : 0.0f;
+    for (int i = 0; i < Lp; i++)
+        for (int j = 0; j < Lp; j++)
+            X[(size_t)i * ldx + j] = 0.0f;
+    for (int b = 0; b < nb; b++)
+        tri_inv_fwd(Ap + b * TRI_B * 64 + b * TRI_B, 64, TRI_B, X + (size_t)b * TRI_B * ldx + b * TRI_B, ldx);
+    for (int dist = 1; dist < nb; dist++)
+        for (int I = dist; I < nb; I++) {
+            const int J = I - dist;
+            for (int r = 0; r < TRI_B; r++) {
+                float *t = tmp + r * TRI_B;
+                for (int c = 0; c < TRI_B; c++)
+                    t[c] = 0.0f;
+                for (int mcol = J * TRI_B; mcol < I * TRI_B; mcol++) {
+                    const vf a = vset1(Ap[(I * TRI_B + r) * 64 + mcol]);
+                    const float *xm = X + (size_t)mcol * ldx + J * TRI_B;
+                    for (int c = 0; c < TRI_B; c += VL)
+                        vstore(t + c, vfma(a, vload(xm + c), vload(t + c)));
+                }
+            }
+            for (int r = 0; r < TRI_B; r++) {
+                float *xo = X + (size_t)(I * TRI_B + r) * ldx + J * TRI_B;
+                for (int c = 0; c < TRI_B; c++)
+                    xo[c] = 0.0f;
+                for (int q2 = 0; q2 <= r; q2++) {
+                    const vf a = vset1(-X[(size_t)(I * TRI_B + r) * ldx + I * TRI_B + q2]);
+                    for (int c = 0; c < TRI_B; c += VL)
+                        vstore(xo + c, vfma(a, vload(tmp + q2 * TRI_B + c), vload(xo + c)));
+                }
+            }
+        }
+}
+
+/* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most): first
+ * a = h^T k and b = h^T q over the rows, then delta = beta (v - alpha a),
+ * o = alpha b + delta (k . q), and the update h = alpha h + k delta^T on the second pass. The
+ * columns are independent, so threads can split them. */
+#define GDN_COLS 64
+static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+                         const float *k, const float *v, float alpha, float beta, float kq,
+                         float *o)
+{
+    float a[GDN_COLS], b[GDN_COLS], dl[GDN_COLS];
+    const int n = c1 - c0, nv = n / VL * VL;
+    for (int c = 0; c < n; c++)
+        a[c] = b[c] = 0.0f;
+    for (int r = 0; r < dk; r++) {
+        const float *hr = h + (size_t)r * ldh + c0;
+        const vf kr = vset1(k[r]), qr = vset1(q[r]);
+        int c = 0;
+        for (; c < nv; c += VL) {
+            const vf x = vload(hr + c);
+            vstore(a + c, vfma(kr, x, vload(a + c)));
+            vstore(b + c, vfma(qr, x, vload(b + c)));
+        }
+        for (; c < n; c++) {
+            a[c] += k[r] * hr[c];
+            b[c] += q[r] * hr[c];
+        }
+    }
+    for (int c = 0; c < n; c++) {
+        dl[c] = beta * (v[c0 + c] - alpha * a[c]);
+        o[c0 + c] = alpha * b[c] + dl[c] * kq;
+    }
+    const vf al = vset1(alpha);
+    for (int r = 0; r < dk; r++) {
+        float *hr = h + (size_t)r * ldh + c0;
+        const vf kr = vset1(k[r]);
+        int c = 0;
+        for (; c < nv; c += VL)
+            vstore(hr + c, vfma(kr, vload(dl + c), vmul(al, vload(hr + c))));
+        for (; c < n; c++)
+            hr[c] = k[r] * dl[c] + alpha * hr[c];
+    }
+}
+
+/* The plain recurrent step the baseline times: four separate passes over h, as ggml does:
+ * decay, a = h^T k, h += k delta^T, o = h^T q. */
+static void gdn_step4(float *h, int64_t ldh, int dk, int dv, const float *q, const float *k,
+                      const float *v, float alpha, float beta, float *o, float *tmp)
+{
+    const vf al = vset1(alpha);
+    const int nv = dv / VL * VL;
+    for (int r = 0; r < dk; r++) {
+        float *hr = h + (size_t)r * ldh;
+        int c = 0;
+        for (; c < nv; c += VL)
+            vstore(hr + c, vmul(al, vload(hr + c)));
+        for (; c < dv; c++)
+            hr[c] *= alpha;
+    }
+    for (int c = 0; c < dv; c++)
+        tmp[c] = 0.0f;
+    for (int r = 0; r < dk; r++) {
+        const float *hr = h + (size_t)r * ldh;
+        const vf kr = vset1(k[r]);
+        int c = 0;
+        for (; c < nv; c += VL)
+            vstore(tmp + c, vfma(kr, vload(hr + c), vload(tmp + c)));
+        for (; c < dv; c++)
+            tmp[c] += k[r] * hr[c];
+    }
+    for (int c = 0; c < dv; c++)
+        tmp[c] = beta * (v[c] - tmp[c]);
+    for (int r = 0; r < dk; r++) {
+        float *hr = h + (size_t)r * ldh;
+        const vf kr = vset1(k[r]);
+        int c = 0;
+        for (; c < nv; c += VL)
+            vstore(hr + c, vfma(kr, vload(tmp + c), vload(hr + c)));
+        for (; c < dv; c++)
+            hr[c] += k[r] * tmp[c];
+    }
+    for (int c = 0; c < dv; c++)
+        o[c] = 0.0f;
+    for (int r = 0; r < dk; r++) {
+        const float *hr = h + (size_t)r * ldh;
+        const vf qr = vset1(q[r]);
+        int c = 0;
+        for (; c < nv; c += VL)
+            vstore(o + c, vfma(qr, vload(hr + c), vload(o + c)));
+        for (; c < dv; c++)
+            o[c] += q[r] * hr[c];
+    }
+}
+
 /* ------------------------------------------------------------------- peak -- */
 
 /* PEAK_CHAINS independent FMA chains (more than FMA latency x pipes), each value pinned in a
@@ -578,5 +748,5 @@ static float stream_sum(const float *x, size_t n)
 
 const fw_kernels FW_TABLE = {
     ISA_NAME, VL, to_f32, from_f32, qk, softcap, softmax, pv, pack_kt, dec_qk, dec_softmax, dec_pv,
-    plain_row, peak, stream_sum,
+    plain_row, peak, stream_sum, exp2_inplace, tri_inv_fwd, tri_inv_blocked, gdn_dec_cols, gdn_step4,
 };

@@ -1,0 +1,414 @@
+/*
+ * test_gdn.c: Gated DeltaNet against the float64 recurrence (gdn.md section 9 (a)-(f)):
+ * chunked vs recurrent at T in {1, 63, 64, 65, 150, 1000}, dk != dv, HV/H in {1, 2, 3};
+ * varlen packing equals per-sequence runs; a state carried across a split at a non-multiple
+ * of 64 equals one run; decays near -50 per step stay finite; keys with cosine 0.9 keep the
+ * inverse error <= 1e-6; every m of a verify commit equals sequential decode. Every table,
+ * every dtype, both inverses, the recurrent baselines, thread counts, bad input.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "internal.h"
+#include "test_util.h"
+
+typedef struct {
+    int64_t T, H, HV, dk, dv;
+    fw_dtype dt;
+    int l2;
+    double gscale; /* g = -gscale * softplus(noise) */
+    double corr;   /* keys: mix of one shared direction with weight corr */
+} gcase;
+
+typedef struct {
+    gbuf bq, bk, bv, bg, bb;
+    fw_tensor q, k, v, g, beta;
+} ginputs;
+
+static void make_inputs(ginputs *in, const gcase *c, uint64_t seed)
+{
+    int64_t qs[3] = {c->T, c->H, c->dk}, vs[3] = {c->T, c->HV, c->dv}, gs[2] = {c->T, c->HV};
+    size_t es = fw_dtype_size(c->dt);
+    in->bq = gbuf_new((size_t)(c->T * c->H * c->dk) * es + 1);
+    in->bk = gbuf_new((size_t)(c->T * c->H * c->dk) * es + 1);
+    in->bv = gbuf_new((size_t)(c->T * c->HV * c->dv) * es + 1);
+    in->bg = gbuf_new((size_t)(c->T * c->HV) * 4 + 1);
+    in->bb = gbuf_new((size_t)(c->T * c->HV) * 4 + 1);
+    in->q = fw_tensor_contiguous(in->bq.p, c->dt, 3, qs);
+    in->k = fw_tensor_contiguous(in->bk.p, c->dt, 3, qs);
+    in->v = fw_tensor_contiguous(in->bv.p, c->dt, 3, vs);
+    in->g = fw_tensor_contiguous(in->bg.p, FW_F32, 2, gs);
+    in->beta = fw_tensor_contiguous(in->bb.p, FW_F32, 2, gs);
+    rng_seed(seed);
+    tfill_normal(&in->q, 1.0);
+    tfill_normal(&in->v, 1.0);
+    double *dir = malloc(sizeof(double) * (size_t)c->dk);
+    double n = 0;
+    for (int64_t x = 0; x < c->dk; x++) {
+        dir[x] = rng_normal();
+        n += dir[x] * dir[x];
+    }
+    for (int64_t t = 0; t < c->T; t++)
+        for (int64_t h = 0; h < c->H; h++) {
+            /* unit keys (unless l2 is done in the kernel): corr * dir + noise */
+            double kk[1024], s = 0;
+            for (int64_t x = 0; x < c->dk; x++) {
+                kk[x] = c->corr * dir[x] / sqrt(n) + (1 - c->corr) * rng_normal() / sqrt((double)c->dk);
+                s += kk[x] * kk[x];
+            }
+            for (int64_t x = 0; x < c->dk; x++) {
+                int64_t idx[3] = {t, h, x};
+                tset(&in->k, idx, c->l2 ? 3.0 * kk[x] : kk[x] / sqrt(s));
+            }
+        }
+    free(dir);
+    for (int64_t i = 0; i < c->T * c->HV; i++) {
+        double z = rng_normal();
+        ((float *)in->g.data)[i] = (float)(-c->gscale * log1p(exp(z)));
+        ((float *)in->beta.data)[i] = (float)(1.0 / (1.0 + exp(-rng_normal())));
+    }
+}
+
+static void free_inputs(ginputs *in)
+{
+    gbuf_free(&in->bq); gbuf_free(&in->bk); gbuf_free(&in->bv); gbuf_free(&in->bg); gbuf_free(&in->bb);
+}
+
+static double max_abs(const double *a, const double *b, int64_t n)
+{
+    double e = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs(a[i] - b[i]);
+        if (!(d <= e))
+            e = isnan(d) ? INFINITY : d;
+    }
+    return e;
+}
+
+static void out_to_double(const fw_tensor *o, double *dst, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = o->dtype == FW_F32 ? ((float *)o->data)[i]
+                 : o->dtype == FW_BF16 ? fw_bf16_to_f32(((uint16_t *)o->data)[i])
+                                       : fw_f16_to_f32(((uint16_t *)o->data)[i]);
+}
+
+/* Chunked (both inverses) and the two recurrent modes, every table, against the reference
+ * over a packed batch with the given sequence lengths; the recurrent-fused mode is the
+ * "plain same precision" comparison for the 2x bar. */
+static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t seed)
+{
+    int32_t cu[16] = {0};
+    for (int i = 0; i < nseq; i++)
+        cu[i + 1] = cu[i] + lens[i];
+    gcase cc = *c;
+    cc.T = cu[nseq];
+    case_begin("gdn T%lld (%d seqs) H%lld HV%lld dk%lld dv%lld %s l2 %d g x%.0f corr %.1f", (long long)cc.T,
+               nseq, (long long)c->H, (long long)c->HV, (long long)c->dk, (long long)c->dv,
+               fw_dtype_name(c->dt), c->l2, c->gscale, c->corr);
+    ginputs in;
+    make_inputs(&in, &cc, seed);
+    const int64_t no = cc.T * c->HV * c->dv, ns = (int64_t)nseq * c->HV * c->dk * c->dv;
+    int64_t os[3] = {cc.T, c->HV, c->dv};
+    float *init = malloc(sizeof(float) * (size_t)(ns + 1));
+    rng_seed(seed + 1);
+    for (int64_t i = 0; i < ns; i++)
+        init[i] = (float)(0.3 * rng_normal());
+    double *ro = malloc(sizeof(double) * (size_t)(no + 1)), *rs = malloc(sizeof(double) * (size_t)(ns + 1));
+    fw_tensor tro = fw_tensor_contiguous(ro, FW_F64, 3, os);
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    p.l2norm_qk = c->l2;
+    fw_status st = fw_gdn_ref(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, rs, &tro, &p);
+    case_check(st == FW_OK, "reference: %s", fw_last_error());
+    gbuf ob = gbuf_new((size_t)no * fw_dtype_size(c->dt) + 1);
+    fw_tensor to = fw_tensor_contiguous(ob.p, c->dt, 3, os);
+    double *got = malloc(sizeof(double) * (size_t)(no + 1));
+    float *fin = malloc(sizeof(float) * (size_t)(ns + 1));
+    double *fd = malloc(sizeof(double) * (size_t)(ns + 1));
+    static const uint32_t modes[] = {FW_GDN_FUSED_RECURRENT, 0, FW_GDN_FWD_SUBST, FW_GDN_RECURRENT};
+    unsigned char *first = malloc(ob.bytes);
+    for (int it = 0; it < fw_isa_count(); it++) {
+        if (!fw_isa_supported(fw_isa_name(it)))
+            continue;
+        double eplain = 0, esplain = 0;
+        for (int m = 0; m < 4; m++) {
+            p.isa = fw_isa_name(it);
+            p.flags = modes[m];
+            p.threads = m == 1 ? 3 : 2;
+            memset(ob.p, 0xA5, ob.bytes);
+            st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, fin, &to, &p);
+            case_check(st == FW_OK, "[%s mode %u] %s", p.isa, modes[m], fw_last_error());
+            case_check(gbuf_guards_ok(&ob), "[%s mode %u] out guards", p.isa, modes[m]);
+            out_to_double(&to, got, no);
+            for (int64_t i = 0; i < ns; i++)
+                fd[i] = fin[i];
+            const double eo = max_abs(got, ro, no), es = max_abs(fd, rs, ns);
+            if (m == 0) {
+                eplain = eo;
+                esplain = es;
+            } else {
+                case_check(eo <= 2 * eplain + 1e-5, "[%s mode %u] out error %.3g > 2 x plain %.3g + 1e-5", p.isa,
+                           modes[m], eo, eplain);
+                case_check(es <= 2 * esplain + 1e-5, "[%s mode %u] state error %.3g > 2 x plain %.3g + 1e-5",
+                           p.isa, modes[m], es, esplain);
+            }
+            if (m == 1) { /* thread-count invariance of the chunked kernel */
+                memcpy(first, ob.p, ob.bytes);
+                p.threads = 1;
+                fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, fin, &to, &p);
+                case_check(memcmp(first, ob.p, ob.bytes) == 0, "[%s] 1 and 3 threads differ", p.isa);
+            }
+        }
+    }
+    free(first); free(init); free(ro); free(rs); free(got); free(fin); free(fd);
+    gbuf_free(&ob);
+    free_inputs(&in);
+    case_end();
+}
+
+/* (c) state carried across a split at a non-multiple of 64 equals one run; (b) via lens */
+static void test_split_state(void)
+{
+    gcase c = {150, 2, 4, 32, 24, FW_F32, 1, 1.0, 0.2};
+    case_begin("gdn: state carried across a split at 100 equals one run");
+    ginputs in;
+    make_inputs(&in, &c, 5);
+    int64_t os[3] = {150, 4, 24};
+    float *o1 = malloc(sizeof(float) * 150 * 4 * 24), *o2 = malloc(sizeof(float) * 150 * 4 * 24);
+    float s1[4 * 32 * 24], s2[4 * 32 * 24];
+    fw_tensor t1 = fw_tensor_contiguous(o1, FW_F32, 3, os);
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    p.l2norm_qk = 1;
+    int32_t cu1[2] = {0, 150}, cuA[2] = {0, 100}, cuB[2] = {0, 50};
+    fw_status st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu1, 1, NULL, s1, &t1, &p);
+    /* first 100 tokens, then the last 50 from the carried state (views of the same inputs) */
+    fw_tensor qa = in.q, ka = in.k, va = in.v, ga = in.g, ba = in.beta, oa = fw_tensor_contiguous(o2, FW_F32, 3, os);
+    qa.shape[0] = ka.shape[0] = va.shape[0] = ga.shape[0] = ba.shape[0] = oa.shape[0] = 100;
+    st |= fw_gdn_prefill(&qa, &ka, &va, &ga, &ba, cuA, 1, NULL, s2, &oa, &p);
+    fw_tensor qb = qa, kb = ka, vb = va, gb = ga, bb = ba, ob = oa;
+    qb.shape[0] = kb.shape[0] = vb.shape[0] = gb.shape[0] = bb.shape[0] = ob.shape[0] = 50;
+    qb.data = (float *)in.q.data + 100 * 2 * 32;
+    kb.data = (float *)in.k.data + 100 * 2 * 32;
+    vb.data = (float *)in.v.data + 100 * 4 * 24;
+    gb.data = (float *)in.g.data + 100 * 4;
+    bb.data = (float *)in.beta.data + 100 * 4;
+    ob.data = o2 + 100 * 4 * 24;
+    st |= fw_gdn_prefill(&qb, &kb, &vb, &gb, &bb, cuB, 1, s2, s2, &ob, &p);
+    case_check(st == FW_OK, "status %s", fw_last_error());
+    double e = 0;
+    for (int i = 0; i < 150 * 4 * 24; i++)
+        e = fmax(e, fabs(o1[i] - o2[i]));
+    for (int i = 0; i < 4 * 32 * 24; i++)
+        e = fmax(e, fabs(s1[i] - s2[i]));
+    case_check(e <= 2e-5, "split vs one run differ by %.3g", e);
+    free(o1); free(o2);
+    free_inputs(&in);
+    case_end();
+}
+
+/* (e) correlated keys: the inverse stays within 1e-6 of the float64 inverse */
+static void test_inverse_stability(void)
+{
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        case_begin("gdn: triangular inverse with keys at cosine 0.9 [%s]", kt->name);
+        rng_seed(31);
+        const int L = 64, dk = 128;
+        double K[64][128], dir[128], n = 0;
+        for (int x = 0; x < dk; x++) { dir[x] = rng_normal(); n += dir[x] * dir[x]; }
+        for (int i = 0; i < L; i++) {
+            double s = 0;
+            for (int x = 0; x < dk; x++) {
+                K[i][x] = 0.9 * dir[x] / sqrt(n) + 0.1 * rng_normal() / sqrt((double)dk);
+                s += K[i][x] * K[i][x];
+            }
+            for (int x = 0; x < dk; x++)
+                K[i][x] /= sqrt(s);
+        }
+        static float A[64 * 64], X[64 * 64];
+        static double Ad[64][64], Xd[64][64];
+        double cmin = 1;
+        for (int i = 0; i < L; i++)
+            for (int j = 0; j < L; j++) {
+                double d = 0;
+                for (int x = 0; x < dk; x++)
+                    d += K[i][x] * K[j][x];
+                if (i != j)
+                    cmin = fmin(cmin, d);
+                Ad[i][j] = j < i ? 0.95 * d : 0;
+                A[i * 64 + j] = (float)Ad[i][j];
+            }
+        for (int i = 0; i < L; i++)
+            for (int j = 0; j < L; j++) {
+                double s = i == j;
+                for (int m = j; m < i; m++)
+                    s -= Ad[i][m] * Xd[m][j];
+                Xd[i][j] = j <= i ? s : 0;
+            }
+        case_check(cmin > 0.85, "keys are not correlated enough (min cosine %.2f)", cmin);
+        for (int method = 0; method < 2; method++) {
+            (method ? kt->tri_inv_blocked : kt->tri_inv_fwd)(A, 64, L, X, 64);
+            double e = 0;
+            for (int i = 0; i < L; i++)
+                for (int j = 0; j <= i; j++)
+                    e = fmax(e, fabs(X[i * 64 + j] - Xd[i][j]));
+            case_check(e <= 1e-6, "%s inverse error %.3g", method ? "blocked" : "forward", e);
+        }
+        case_end();
+    }
+}
+
+/* (f) verify + commit of every m equals sequential decode; decode equals the reference */
+static void test_verify_commit(void)
+{
+    const int64_t H = 2, HV = 4, dk = 32, dv = 40, n = 7, N = 2;
+    gcase c = {n * N, H, HV, dk, dv, FW_F32, 1, 1.0, 0.3};
+    ginputs in;
+    make_inputs(&in, &c, 17);
+    const int64_t slots = 5, ss = HV * dk * dv;
+    float *state = malloc(sizeof(float) * (size_t)(slots * ss)), *work = malloc(sizeof(float) * (size_t)(slots * ss));
+    rng_seed(3);
+    for (int64_t i = 0; i < slots * ss; i++)
+        state[i] = (float)(0.2 * rng_normal());
+    int32_t idx[2] = {3, 1}, cu[3] = {0, (int32_t)n, (int32_t)(2 * n)};
+    int64_t os[3] = {2 * n, HV, dv};
+    float *vo = malloc(sizeof(float) * (size_t)(2 * n * HV * dv)), *dob = malloc(sizeof(float) * (size_t)(HV * dv * 2));
+    fw_tensor tvo = fw_tensor_contiguous(vo, FW_F32, 3, os);
+    size_t rf = fw_gdn_replay_floats(2 * n, H, HV, dk, dv);
+    float *replay = malloc(sizeof(float) * rf);
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    p.l2norm_qk = 1;
+    case_begin("gdn: verify + commit for every m equals sequential decode");
+    fw_status st = fw_gdn_verify(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, state, slots, idx, replay, rf, &tvo, &p);
+    case_check(st == FW_OK, "verify: %s", fw_last_error());
+    double worst_o = 0, worst_s = 0;
+    for (int m = 0; m <= n; m++) {
+        /* sequential decode of the first m tokens of each sequence from the committed state */
+        memcpy(work, state, sizeof(float) * (size_t)(slots * ss));
+        for (int t = 0; t < m; t++) {
+            int64_t q1[3] = {N, H, dk}, v1[3] = {N, HV, dv}, g1[2] = {N, HV};
+            float qd[2 * 2 * 32], kd[2 * 2 * 32], vd[2 * 4 * 40], gd[8], bd[8];
+            for (int i = 0; i < N; i++) {
+                memcpy(qd + i * H * dk, (float *)in.q.data + (i * n + t) * H * dk, sizeof(float) * H * dk);
+                memcpy(kd + i * H * dk, (float *)in.k.data + (i * n + t) * H * dk, sizeof(float) * H * dk);
+                memcpy(vd + i * HV * dv, (float *)in.v.data + (i * n + t) * HV * dv, sizeof(float) * HV * dv);
+                memcpy(gd + i * HV, (float *)in.g.data + (i * n + t) * HV, sizeof(float) * HV);
+                memcpy(bd + i * HV, (float *)in.beta.data + (i * n + t) * HV, sizeof(float) * HV);
+            }
+            fw_tensor tq = fw_tensor_contiguous(qd, FW_F32, 3, q1), tk = fw_tensor_contiguous(kd, FW_F32, 3, q1),
+                      tv = fw_tensor_contiguous(vd, FW_F32, 3, v1), tg = fw_tensor_contiguous(gd, FW_F32, 2, g1),
+                      tb = fw_tensor_contiguous(bd, FW_F32, 2, g1), to = fw_tensor_contiguous(dob, FW_F32, 3, v1);
+            st = fw_gdn_decode(&tq, &tk, &tv, &tg, &tb, work, slots, idx, &to, &p);
+            case_check(st == FW_OK, "decode: %s", fw_last_error());
+            for (int i = 0; i < N; i++)
+                for (int64_t x = 0; x < HV * dv; x++)
+                    worst_o = fmax(worst_o, fabs(dob[i * HV * dv + x] - vo[(i * n + t) * HV * dv + x]));
+        }
+        float *com = malloc(sizeof(float) * (size_t)(slots * ss));
+        memcpy(com, state, sizeof(float) * (size_t)(slots * ss));
+        int32_t acc[2] = {m, m};
+        st = fw_gdn_commit(cu, N, acc, H, HV, dk, dv, com, slots, idx, replay, rf, &p);
+        case_check(st == FW_OK, "commit: %s", fw_last_error());
+        for (int64_t i = 0; i < slots * ss; i++)
+            worst_s = fmax(worst_s, fabs(com[i] - work[i]));
+        free(com);
+    }
+    case_check(worst_o <= 2e-5, "verify outputs differ from sequential decode by %.3g", worst_o);
+    case_check(worst_s <= 2e-5, "committed states differ from sequential decode by %.3g", worst_s);
+    case_end();
+    free(state); free(work); free(vo); free(dob); free(replay);
+    free_inputs(&in);
+}
+
+/* bad input: a status and a message; out and the state untouched */
+static void test_gdn_bad_input(void)
+{
+    gcase c = {10, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0};
+    ginputs in;
+    make_inputs(&in, &c, 2);
+    int64_t os[3] = {10, 4, 8};
+    gbuf ob = gbuf_new(10 * 4 * 8 * 4);
+    fw_tensor o = fw_tensor_contiguous(ob.p, FW_F32, 3, os);
+    float state[4 * 4 * 8 * 8];
+    for (int i = 0; i < 4 * 4 * 8 * 8; i++)
+        state[i] = 1.0f;
+    int32_t cu[3] = {0, 4, 10}, bad_cu[3] = {0, 6, 4}, idx[2] = {0, 1}, bad_idx[2] = {0, 7}, dup_idx[2] = {2, 2};
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    struct { const char *what; fw_status want; int which; } bad[] = {
+        {"null q", FW_ERR_NULL, 0}, {"HV not a multiple of H", FW_ERR_SHAPE, 1}, {"decreasing cu_seqlens", FW_ERR_SEQLENS, 2},
+        {"positive g", FW_ERR_ARG, 3}, {"g dtype f16", FW_ERR_DTYPE, 4}, {"state index out of range", FW_ERR_INDEX, 5},
+        {"two sequences on one slot", FW_ERR_INDEX, 6}, {"null state", FW_ERR_NULL, 7}, {"verify of 65 tokens", FW_ERR_SEQLENS, 8},
+        {"small replay buffer", FW_ERR_WORKSPACE, 9}, {"commit of more than verified", FW_ERR_ARG, 10},
+        {"unknown flag", FW_ERR_ARG, 11}, {"nan beta", FW_ERR_ARG, 12},
+    };
+    float replay[4096];
+    for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+        fw_tensor q = in.q, v = in.v, g = in.g;
+        fw_gdn_params pp = p;
+        float saved = 0;
+        memset(ob.p, 0xA5, ob.bytes);
+        fw_status st = FW_OK;
+        int32_t acc[2] = {1, 9};
+        switch (bad[b].which) {
+        case 0: st = fw_gdn_prefill(NULL, &in.k, &in.v, &in.g, &in.beta, cu, 2, NULL, NULL, &o, &pp); break;
+        case 1: v.shape[1] = 3; st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp); break;
+        case 2: st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, bad_cu, 2, NULL, NULL, &o, &pp); break;
+        case 3: saved = ((float *)g.data)[5]; ((float *)g.data)[5] = 0.5f;
+            st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp);
+            ((float *)g.data)[5] = saved; break;
+        case 4: g.dtype = FW_F16; st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp); break;
+        case 5: st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu, 2, state, 4, bad_idx, replay, 4096, &o, &pp); break;
+        case 6: st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu, 2, state, 4, dup_idx, replay, 4096, &o, &pp); break;
+        case 7: st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, 4, idx, replay, 4096, &o, &pp); break;
+        case 8: { int32_t cu65[2] = {0, 65}; st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu65, 1, state, 4, idx, replay, 4096, &o, &pp); break; }
+        case 9: st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu, 2, state, 4, idx, replay, 10, &o, &pp); break;
+        case 10: st = fw_gdn_commit(cu, 2, acc, 2, 4, 8, 8, state, 4, idx, replay, 4096, &pp); break;
+        case 11: pp.flags = 1u << 9; st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp); break;
+        case 12: saved = ((float *)in.beta.data)[3]; ((float *)in.beta.data)[3] = NAN;
+            st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp);
+            ((float *)in.beta.data)[3] = saved; break;
+        }
+        case_begin("gdn bad input: %s", bad[b].what);
+        case_check(st == bad[b].want, "status %s, expected %s (%s)", fw_status_string(st), fw_status_string(bad[b].want),
+                   fw_last_error());
+        case_check(strlen(fw_last_error()) > 10, "message \"%s\"", fw_last_error());
+        int clean = 1;
+        for (size_t i = 0; i < ob.bytes; i++)
+            clean &= ((unsigned char *)ob.p)[i] == 0xA5;
+        for (int i = 0; i < 4 * 4 * 8 * 8; i++)
+            clean &= state[i] == 1.0f;
+        case_check(clean, "out or state written");
+        case_end();
+    }
+    gbuf_free(&ob);
+    free_inputs(&in);
+}
+
+void test_gdn_all(void)
+{
+    test_gdn_bad_input();
+    test_inverse_stability();
+    test_verify_commit();
+    test_split_state();
+    static const int64_t T[] = {1, 63, 64, 65, 150, 1000};
+    for (int i = 0; i < 6; i++) {
+        if (quick_mode() && T[i] > 150)
+            continue;
+        /* HV/H in {1, 2, 3}, dk != dv, every dtype, l2norm in and out of the kernel */
+        gcase c = {0, 2, 2 * (1 + i % 3), 32, 24, (fw_dtype)(i % 3), i % 2, 1.0, 0.3};
+        int32_t len = (int32_t)T[i];
+        run_gcase(&c, &len, 1, 40 + i);
+    }
+    /* (b) varlen packing with empty sequences, (d) decays near -50 per step, correlated keys */
+    static const int32_t lens[] = {65, 0, 1, 130, 7};
+    gcase c = {0, 2, 4, 48, 40, FW_BF16, 1, 1.0, 0.5};
+    run_gcase(&c, lens, 5, 60);
+    gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9};
+    run_gcase(&strong, lens, 5, 61);
+}
