@@ -16,5 +16,7 @@ int bench_attn_main(int argc, char **argv);
 int bench_attn_headline(void);
 int bench_kvcache_main(int argc, char **argv);
 int bench_kvcache_headline(void);
+int bench_gdn_main(int argc, char **argv);
+int bench_gdn_headline(void);
 
 #endif

@@ -4,6 +4,7 @@
  *                                against the reference, with throughput and % of FMA peak
  *   flywheel bench attn [opts]   softmax attention benchmark (flywheel bench attn --help)
  *   flywheel bench kvcache       KV-cache append + attend: decode and chunked prefill
+ *   flywheel bench gdn           Gated DeltaNet prefill (with baselines) and decode
  *   flywheel peak [threads]      this machine's measured FMA peak
  *   flywheel info                kernel tables and the default
  */
@@ -49,7 +50,7 @@ double bench_peak(int threads)
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: flywheel run | bench attn|kvcache [options] | peak [threads] | info\n"
+            "usage: flywheel run | bench attn|kvcache|gdn [options] | peak [threads] | info\n"
             "  run          the headline set (causal prefill GQA 32:8 d=128 at T=1K/4K/16K in bf16\n"
             "               and f32, MHA d=256), checked against the reference on a slice of rows\n"
             "  bench attn   see `flywheel bench attn --help`\n");
@@ -62,6 +63,9 @@ int main(int argc, char **argv)
         printf("\nKV cache (append + attend, paged, page 256): decode K/V GB/s against the read bandwidth\n"
                "measured in the same run; chunked prefill next to the dense kernel on the same shape\n");
         fail |= bench_kvcache_headline();
+        printf("\nGated DeltaNet (Qwen3-Next shapes, bf16): chunked prefill against the plain 4-pass\n"
+               "recurrence and the fused recurrent step in the same run; decode against the read bandwidth\n");
+        fail |= bench_gdn_headline();
         printf(fail ? "main job: FAILED\n" : "main job: all checks passed\n");
         return fail;
     }
@@ -69,6 +73,8 @@ int main(int argc, char **argv)
         return bench_attn_main(argc - 3, argv + 3);
     if (argc >= 3 && strcmp(argv[1], "bench") == 0 && strcmp(argv[2], "kvcache") == 0)
         return bench_kvcache_main(argc - 3, argv + 3);
+    if (argc >= 3 && strcmp(argv[1], "bench") == 0 && strcmp(argv[2], "gdn") == 0)
+        return bench_gdn_main(argc - 3, argv + 3);
     if (argc >= 2 && strcmp(argv[1], "peak") == 0) {
         int t = argc >= 3 ? atoi(argv[2]) : 1;
         double g = bench_peak(t);

@@ -545,6 +545,53 @@ static void exp2_inplace(float *x, int64_t n)
         x[i] = exp2f(x[i]);
 }
 
+/* Row r of x [rows][n] times scale / sqrt(|x_r|^2 + 1e-6) (l2 = 1) or times scale (l2 = 0). */
+static void rows_l2scale(float *x, int rows, int n, float scale, int l2)
+{
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (size_t)r * n, s = scale;
+        if (l2) {
+            vf a0 = vzero(), a1 = vzero();
+            int i = 0;
+            for (; i + 2 * VL <= n; i += 2 * VL) {
+                const vf u = vload(xr + i), w = vload(xr + i + VL);
+                a0 = vfma(u, u, a0);
+                a1 = vfma(w, w, a1);
+            }
+            double ss = vhsum(vadd(a0, a1));
+            for (; i < n; i++)
+                ss += (double)xr[i] * xr[i];
+            s = (float)(scale / sqrt(ss + 1e-6));
+        }
+        const vf vs = vset1(s);
+        int i = 0;
+        for (; i + VL <= n; i += VL)
+            vstore(xr + i, vmul(vs, vload(xr + i)));
+        for (; i < n; i++)
+            xr[i] *= s;
+    }
+}
+
+/* The chunk's gate matrices, rows i < L, columns j < 64, gam[] in log2 units (read to 64):
+ *   A[i][j]  = beta[i] 2^(gam_i - gam_j) KK[i][j]  for j < i, else 0
+ *   G[i][j]  = 2^(gam_i - gam_j) QK[i][j]           for j <= i, j < L, else 0
+ * Masked differences become -1e30 before exp2 (never -inf: 2^(-inf) is NaN in some tables). */
+static void gdn_gates(int L, const float *gam, const float *beta, const float *KK, const float *QK,
+                      float *A, float *G, int ldg)
+{
+    const vf big = vset1(-1e30f);
+    for (int i = 0; i < L; i++) {
+        const vf gi = vset1(gam[i]), fi = vset1((float)i), fl = vset1((float)L), bi = vset1(beta[i]);
+        for (int j = 0; j < 64; j += VL) {
+            const vf jv = vload(dec_iota + j), dlt = vsub(gi, vload(gam + j));
+            const vf ea = vexp2(vsel(vlt(jv, fi), dlt, big));
+            const vf eg = vexp2(vsel(vmand(vlt(jv, vadd(fi, vset1(1.0f))), vlt(jv, fl)), dlt, big));
+            vstore(A + (size_t)i * 64 + j, vmul(vmul(ea, bi), vload(KK + (size_t)i * 64 + j)));
+            vstore(G + (size_t)i * ldg + j, vmul(eg, vload(QK + (size_t)i * 64 + j)));
+        }
+    }
+}
+
 /* X = (I + A)^-1 for A strictly lower triangular, L x L (row strides lda, ldx), by forward
  * substitution: row i of X is e_i - sum_{m<i} A[i][m] X[m][:], vectors along the columns. */
 static void tri_inv_fwd(const float *A, int lda, int L, float *X, int ldx)
@@ -748,5 +795,6 @@ static float stream_sum(const float *x, size_t n)
 
 const fw_kernels FW_TABLE = {
     ISA_NAME, VL, to_f32, from_f32, qk, softcap, softmax, pv, pack_kt, dec_qk, dec_softmax, dec_pv,
-    plain_row, peak, stream_sum, exp2_inplace, tri_inv_fwd, tri_inv_blocked, gdn_dec_cols, gdn_step4,
+    plain_row, peak, stream_sum, exp2_inplace, rows_l2scale, gdn_gates, tri_inv_fwd, tri_inv_blocked,
+    gdn_dec_cols, gdn_step4,
 };

@@ -1,0 +1,290 @@
+/*
+ * bench_gdn.c: `flywheel bench gdn`, Gated DeltaNet prefill and decode.
+ *
+ * FLOP formula (../shared/docs/gdn.md section 8, dense tiles, chunk C = 64): per token and
+ * value head, 2 x MACs with MACs = 3 dk dv + C (3 dk + 2 dv) + (C-1)(C-2)/6
+ * (dk = dv = 128: 181,526 FLOP). GFLOP/s = that x tokens x HV / seconds; % of the FMA peak
+ * measured in the same run. In the same run, on the same prefill: the chunked kernel with
+ * either triangular inverse, the plain recurrence with four passes over the state per token
+ * (how ggml does it) and the fused one-pass recurrent step; tokens/s for each.
+ * Decode: microseconds per step (one token for each of N sequences) and state bytes moved per
+ * second (N x HV x dk x dv x 4 bytes, read and written: x 2) against the read bandwidth
+ * measured in the same run.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "bench.h"
+
+typedef struct {
+    int64_t T, H, HV, dk, dv, nseq;
+    fw_dtype dt;
+    int threads, reps, json, baselines;
+    const char *isa;
+} gcfg;
+
+static double flop_per_token_head(int64_t dk, int64_t dv)
+{
+    const double C = 64;
+    return 2.0 * (3.0 * dk * dv + C * (3.0 * dk + 2.0 * dv) + (C - 1) * (C - 2) / 6.0);
+}
+
+static void fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed)
+{
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+        float x = (float)(((double)(s >> 11) * 0x1p-53 * 2.0 - 1.0) * scale);
+        if (dt == FW_F32) ((float *)p)[i] = x;
+        else if (dt == FW_BF16) ((uint16_t *)p)[i] = fw_f32_to_bf16(x);
+        else ((uint16_t *)p)[i] = fw_f32_to_f16(x);
+    }
+}
+
+typedef struct {
+    void *q, *k, *v, *o;
+    float *g, *b, *st;
+    fw_tensor tq, tk, tv, tg, tb, to;
+} gbufs;
+
+static int make(gbufs *B, const gcfg *c, int64_t T)
+{
+    const size_t es = fw_dtype_size(c->dt);
+    int64_t qs[3] = {T, c->H, c->dk}, vs[3] = {T, c->HV, c->dv}, gs[2] = {T, c->HV};
+    B->q = malloc((size_t)(T * c->H * c->dk) * es + 1);
+    B->k = malloc((size_t)(T * c->H * c->dk) * es + 1);
+    B->v = malloc((size_t)(T * c->HV * c->dv) * es + 1);
+    B->o = malloc((size_t)(T * c->HV * c->dv) * es + 1);
+    B->g = malloc(sizeof(float) * (size_t)(T * c->HV) + 1);
+    B->b = malloc(sizeof(float) * (size_t)(T * c->HV) + 1);
+    B->st = calloc((size_t)(c->nseq * c->HV * c->dk * c->dv) + 1, sizeof(float));
+    if (!B->q || !B->k || !B->v || !B->o || !B->g || !B->b || !B->st)
+        return 0;
+    fill(B->q, (size_t)(T * c->H * c->dk), c->dt, 1.0, 1);
+    fill(B->k, (size_t)(T * c->H * c->dk), c->dt, 1.0, 2);
+    fill(B->v, (size_t)(T * c->HV * c->dv), c->dt, 1.0, 3);
+    fill(B->g, (size_t)(T * c->HV), FW_F32, 0.5, 4);
+    fill(B->b, (size_t)(T * c->HV), FW_F32, 0.5, 5);
+    for (int64_t i = 0; i < T * c->HV; i++) {
+        B->g[i] = -0.05f - fabsf(B->g[i]);
+        B->b[i] = 0.5f + B->b[i] * 0.5f;
+    }
+    B->tq = fw_tensor_contiguous(B->q, c->dt, 3, qs);
+    B->tk = fw_tensor_contiguous(B->k, c->dt, 3, qs);
+    B->tv = fw_tensor_contiguous(B->v, c->dt, 3, vs);
+    B->to = fw_tensor_contiguous(B->o, c->dt, 3, vs);
+    B->tg = fw_tensor_contiguous(B->g, FW_F32, 2, gs);
+    B->tb = fw_tensor_contiguous(B->b, FW_F32, 2, gs);
+    return 1;
+}
+
+static void unmake(gbufs *B)
+{
+    free(B->q); free(B->k); free(B->v); free(B->o); free(B->g); free(B->b); free(B->st);
+}
+
+/* Median seconds of `reps` prefill calls (after a warm-up) with the given flags. */
+static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t flags, int reps)
+{
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    p.l2norm_qk = 1;
+    p.threads = c->threads;
+    p.isa = c->isa;
+    p.flags = flags;
+    double t[32];
+    reps = reps > 32 ? 32 : reps;
+    for (int i = -1; i < reps; i++) {
+        double t0 = bench_now();
+        if (fw_gdn_prefill(&B->tq, &B->tk, &B->tv, &B->tg, &B->tb, cu, c->nseq, NULL, B->st, &B->to, &p) != FW_OK) {
+            fprintf(stderr, "bench gdn: %s\n", fw_last_error());
+            return -1;
+        }
+        if (i >= 0)
+            t[i] = bench_now() - t0;
+    }
+    return bench_median(t, reps);
+}
+
+static int run_prefill(const gcfg *c)
+{
+    gbufs B;
+    if (!make(&B, c, c->T)) {
+        fprintf(stderr, "bench gdn: out of memory\n");
+        return 1;
+    }
+    /* the varlen batch: nseq sequences of uneven lengths summing to T */
+    int32_t *cu = malloc(sizeof(int32_t) * (size_t)(c->nseq + 1));
+    cu[0] = 0;
+    for (int64_t i = 1; i <= c->nseq; i++)
+        cu[i] = (int32_t)(c->T * i / c->nseq + (i < c->nseq ? (i % 2 ? 37 : -37) : 0));
+    const double fl = flop_per_token_head(c->dk, c->dv) * (double)c->T * (double)c->HV;
+    const double pk = bench_peak(c->threads);
+    static const struct { const char *name; uint32_t flags; } modes[] = {
+        {"chunked", 0}, {"chunked-fwdsubst", FW_GDN_FWD_SUBST},
+        {"recurrent-4pass", FW_GDN_RECURRENT}, {"recurrent-fused", FW_GDN_FUSED_RECURRENT},
+    };
+    double base = 0;
+    int fail = 0;
+    for (int m = 0; m < (c->baselines ? 4 : 2); m++) {
+        /* the recurrent baselines are slow: time them on fewer repetitions */
+        const double s = time_prefill(c, &B, cu, modes[m].flags, m < 2 ? c->reps : 3);
+        if (s < 0) {
+            fail = 1;
+            break;
+        }
+        if (m == 2)
+            base = (double)c->T / s;
+        const double gf = fl / s * 1e-9, tps = (double)c->T / s;
+        if (c->json)
+            printf("{\"op\":\"gdn_prefill\",\"variant\":\"%s\",\"T\":%lld,\"seqs\":%lld,\"H\":%lld,\"HV\":%lld,"
+                   "\"dk\":%lld,\"dv\":%lld,\"dtype\":\"%s\",\"threads\":%d,\"seconds_median\":%.6g,"
+                   "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_gflops\":%.2f,\"pct_peak\":%.1f}\n",
+                   modes[m].name, (long long)c->T, (long long)c->nseq, (long long)c->H, (long long)c->HV,
+                   (long long)c->dk, (long long)c->dv, fw_dtype_name(c->dt), c->threads, s, tps, gf, pk,
+                   100 * gf / pk);
+        else
+            printf("gdn prefill %-17s %-4s T=%-6lld seqs %-2lld H%lld HV%lld d%lld/%lld thr=%d  %8.4f s  %9.0f tok/s  "
+                   "%6.1f GFLOP/s  %5.1f%% of %.0f peak\n",
+                   modes[m].name, fw_dtype_name(c->dt), (long long)c->T, (long long)c->nseq, (long long)c->H,
+                   (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads, s, tps, gf, 100 * gf / pk, pk);
+        fflush(stdout);
+    }
+    if (c->baselines && base > 0 && !fail) {
+        const double s = time_prefill(c, &B, cu, 0, c->reps);
+        printf(c->json ? "{\"op\":\"gdn_prefill_ratio\",\"T\":%lld,\"chunked_over_recurrent_4pass\":%.2f}\n"
+                       : "gdn prefill T=%lld: chunked / recurrent-4pass tokens/s = %.2fx\n",
+               (long long)c->T, ((double)c->T / s) / base);
+    }
+    free(cu);
+    unmake(&B);
+    return fail;
+}
+
+static int run_decode(const gcfg *c, int64_t N)
+{
+    gcfg d = *c;
+    d.nseq = N;
+    gbufs B;
+    if (!make(&B, &d, N)) {
+        fprintf(stderr, "bench gdn: out of memory\n");
+        return 1;
+    }
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)N);
+    for (int64_t i = 0; i < N; i++)
+        idx[i] = (int32_t)(N - 1 - i);
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    p.l2norm_qk = 1;
+    p.threads = c->threads;
+    p.isa = c->isa;
+    double t[64];
+    const int reps = c->reps * 4 > 64 ? 64 : c->reps * 4;
+    for (int i = -1; i < reps; i++) {
+        double t0 = bench_now();
+        if (fw_gdn_decode(&B.tq, &B.tk, &B.tv, &B.tg, &B.tb, B.st, N, idx, &B.to, &p) != FW_OK) {
+            fprintf(stderr, "bench gdn: %s\n", fw_last_error());
+            free(idx);
+            unmake(&B);
+            return 1;
+        }
+        if (i >= 0)
+            t[i] = bench_now() - t0;
+    }
+    const double s = bench_median(t, reps);
+    const double bytes = 2.0 * (double)N * (double)c->HV * (double)c->dk * (double)c->dv * 4.0;
+    double bw = 0;
+    fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw);
+    if (c->json)
+        printf("{\"op\":\"gdn_decode\",\"seqs\":%lld,\"HV\":%lld,\"dk\":%lld,\"dv\":%lld,\"threads\":%d,"
+               "\"seconds_median\":%.6g,\"us_per_step\":%.2f,\"state_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f}\n",
+               (long long)N, (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads, s, s * 1e6,
+               bytes / s * 1e-9, bw, 100 * bytes / s * 1e-9 / bw);
+    else
+        printf("gdn decode  %lld seqs x %lld heads (%.0f MiB state) thr=%d  %9.1f us/step  %6.1f GB/s state moved  "
+               "%5.1f%% of %.1f GB/s read bandwidth\n",
+               (long long)N, (long long)c->HV, bytes / 2 / 1048576.0, c->threads, s * 1e6, bytes / s * 1e-9,
+               100 * bytes / s * 1e-9 / bw, bw);
+    fflush(stdout);
+    free(idx);
+    unmake(&B);
+    return 0;
+}
+
+static int cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (n > 256 ? 256 : (int)n);
+}
+
+static gcfg gdefaults(void)
+{
+    gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL};
+    c.threads = cpus();
+    return c;
+}
+
+int bench_gdn_main(int argc, char **argv)
+{
+    gcfg c = gdefaults();
+    int mode = 0; /* 0: the sweep, 1: prefill, 2: decode */
+    int64_t N = 64;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT(name) (strcmp(a, name) == 0 && v && ++i)
+        if (OPT("--t")) c.T = atoll(v);
+        else if (OPT("--seqs")) c.nseq = N = atoll(v);
+        else if (OPT("--h")) c.H = atoll(v);
+        else if (OPT("--hv")) c.HV = atoll(v);
+        else if (OPT("--dk")) c.dk = atoll(v);
+        else if (OPT("--dv")) c.dv = atoll(v);
+        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : cpus();
+        else if (OPT("--reps")) c.reps = atoi(v) > 0 ? atoi(v) : 1;
+        else if (OPT("--isa")) c.isa = v;
+        else if (OPT("--dtype")) c.dt = !strcmp(v, "f32") ? FW_F32 : !strcmp(v, "f16") ? FW_F16 : FW_BF16;
+        else if (!strcmp(a, "--prefill")) mode = 1;
+        else if (!strcmp(a, "--decode")) mode = 2;
+        else if (!strcmp(a, "--no-baselines")) c.baselines = 0;
+        else if (!strcmp(a, "--json")) c.json = 1;
+        else {
+            printf("usage: flywheel bench gdn [--prefill | --decode] [--t T --seqs N --h H --hv HV --dk D --dv D\n"
+                   "       --dtype f32|bf16|f16 --threads N --reps N --isa NAME --no-baselines --json]\n"
+                   "  with neither: prefill at T = 1K, 4K, 16K (one sequence, then a 4-sequence varlen batch)\n"
+                   "  with the recurrent baselines, then decode for 1 and 64 sequences\n");
+            return strcmp(a, "--help") ? 2 : 0;
+        }
+#undef OPT
+    }
+    if (mode == 1)
+        return run_prefill(&c);
+    if (mode == 2)
+        return run_decode(&c, N);
+    int fail = 0;
+    static const int64_t Ts[] = {1024, 4096, 16384};
+    for (int i = 0; i < 3; i++) {
+        gcfg p = c;
+        p.T = Ts[i];
+        p.nseq = 1;
+        p.baselines = c.baselines && Ts[i] <= 4096; /* the 4-pass baseline at 16K takes minutes */
+        fail |= run_prefill(&p);
+    }
+    gcfg vb = c;
+    vb.T = 4096;
+    vb.nseq = 4;
+    vb.baselines = 0;
+    fail |= run_prefill(&vb);
+    fail |= run_decode(&c, 1);
+    fail |= run_decode(&c, 64);
+    return fail;
+}
+
+/* `make run`: GDN prefill at T = 4K with the recurrent baseline, and decode for 64 sequences. */
+int bench_gdn_headline(void)
+{
+    gcfg c = gdefaults();
+    c.T = 4096;
+    int fail = run_prefill(&c);
+    return fail | run_decode(&c, 64);
+}
