@@ -220,15 +220,18 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
     }
     kt->rows_l2scale(K, L, dk, 1.0f, p->l2);
     kt->rows_l2scale(Q, L, dk, (float)p->scale, p->l2);
+    const void *krows[GDN_C];
     for (int i = 0; i < L; i++) {
-        for (int x = 0; x < dk; x++)
-            Kt[(size_t)x * GDN_C + i] = K[(size_t)i * dk + x];
+        krows[i] = K + (size_t)i * dk;
         if (c->replay)
             memcpy(c->replay + (size_t)p->T * p->HV * (p->dv + 1) + ((size_t)(t0 + i) * p->H + h) * dk,
                    K + (size_t)i * dk, (size_t)dk * sizeof(float));
     }
+    /* K^T [dk][64] by the decode kernels' transposing pack (FW_DEC_KEYS == GDN_C); the keys
+     * past L must read as zero, so clear the columns pack_kt leaves */
+    kt->pack_kt(krows, FW_F32, 1, L, dk, Kt);
     for (int x = 0; x < dk; x++)
-        for (int i = L; i < GDN_C; i++)
+        for (int i = (L + kt->vl - 1) / kt->vl * kt->vl; i < GDN_C; i++)
             Kt[(size_t)x * GDN_C + i] = 0.0f;
     /* the Gram matrices, once for all value heads of this q/k head */
     kt->qk(L, dk, GDN_C, K, dk, Kt, zero, KK);
@@ -261,16 +264,19 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
             /* right-hand side [beta 2^g K^ | beta V] in panels: pk panels of K, pv of V */
             for (int q = 0; q < np; q++) {
                 float *rh = RHS + ((size_t)q * GDN_C + i) * P;
-                for (int x = 0; x < P; x++)
-                    rh[x] = 0.0f;
+                int n;
                 if (q < w->pk) {
-                    for (int x = q * P; x < dk && x < (q + 1) * P; x++)
-                        rh[x - q * P] = b * ex[i] * K[(size_t)i * dk + x];
+                    n = dk - q * P < P ? dk - q * P : P;
+                    memcpy(rh, K + (size_t)i * dk + q * P, (size_t)n * sizeof(float));
+                    kt->rows_l2scale(rh, 1, n, b * ex[i], 0);
                 } else {
-                    const int v0 = (q - (int)w->pk) * P, n = dv - v0 < P ? dv - v0 : P;
+                    const int v0 = (q - (int)w->pk) * P;
+                    n = dv - v0 < P ? dv - v0 : P;
                     kt->to_f32(at(p->v, t0 + i, vh) + (size_t)(v0 * p->v->stride[2]) * fw_dtype_size(p->v->dtype),
                                p->v->dtype, p->v->stride[2], n, b, rh);
                 }
+                for (int x = n; x < P; x++)
+                    rh[x] = 0.0f;
             }
         }
         if (c->flags & FW_GDN_FWD_SUBST)
@@ -280,8 +286,9 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
         for (int q = 0; q < np; q++) /* [W | U] = T RHS, a panel at a time */
             kt->qk(L, L, P, Ti, GDN_C, RHS + (size_t)q * GDN_C * P, zero, WU + (size_t)q * GDN_C * P);
         for (int i = 0; i < L; i++) /* W row-major */
-            for (int x = 0; x < dk; x++)
-                Wr[(size_t)i * dk + x] = WU[((size_t)(x / P) * GDN_C + i) * P + x % P];
+            for (int q = 0; q < w->pk; q++)
+                memcpy(Wr + (size_t)i * dk + q * P, WU + ((size_t)q * GDN_C + i) * P,
+                       (size_t)(dk - q * P < P ? dk - q * P : P) * sizeof(float));
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e, q), *D = HD + (size_t)dk * P;
             const float *U = WU + ((size_t)(w->pk + q) * GDN_C) * P;
