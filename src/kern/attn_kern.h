@@ -657,11 +657,12 @@ static void tri_inv_blocked(const float *A, int lda, int L, float *X, int ldx)
         }
 }
 
-/* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most): first
+/* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most, so a
+ * whole row of any supported dv: rows are read front to back): first
  * a = h^T k and b = h^T q over the rows, then delta = beta (v - alpha a),
  * o = alpha b + delta (k . q), and the update h = alpha h + k delta^T on the second pass. The
  * columns are independent, so threads can split them. */
-#define GDN_COLS 64
+#define GDN_COLS 1024
 static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
                          const float *k, const float *v, float alpha, float beta, float kq,
                          float *o)
