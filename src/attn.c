@@ -71,6 +71,22 @@ static fw_status check_params(const fw_attn_params *params)
 }
 
 
+/* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
+ * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap and the mask (causal sets wr = 0). */
+static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params)
+{
+    if (lse && p->varlen) {
+        p->lse_b = lse->stride[1]; p->lse_h = lse->stride[0]; p->lse_r = lse->stride[1];
+    } else if (lse) {
+        p->lse_b = lse->stride[0]; p->lse_h = lse->stride[1]; p->lse_r = lse->stride[2];
+    }
+    p->scale = params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)p->d);
+    p->softcap = params->softcap;
+    p->causal = params->causal;
+    p->wl = params->window_left;
+    p->wr = params->causal ? 0 : params->window_right;
+}
+
 fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
                         const fw_tensor *v, const int32_t *cuq, const int32_t *cuk,
                         int64_t batch, int varlen, const fw_tensor *out, const fw_tensor *lse,
@@ -165,17 +181,11 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
             p->sq = fw_max64(p->sq, (int64_t)cuq[i + 1] - cuq[i]);
             p->sk = fw_max64(p->sk, (int64_t)cuk[i + 1] - cuk[i]);
         }
-        if (lse) { p->lse_b = lse->stride[1]; p->lse_h = lse->stride[0]; p->lse_r = lse->stride[1]; }
     } else {
         p->batch = q->shape[0]; p->sq = q->shape[1]; p->sk = k->shape[1];
         p->qb = q->stride[0]; p->kb = k->stride[0]; p->vb = v->stride[0]; p->ob = out->stride[0];
-        if (lse) { p->lse_b = lse->stride[0]; p->lse_h = lse->stride[1]; p->lse_r = lse->stride[2]; }
     }
-    p->scale = params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)d);
-    p->softcap = params->softcap;
-    p->causal = params->causal;
-    p->wl = params->window_left;
-    p->wr = params->causal ? 0 : params->window_right;
+    setup_common(p, lse, params);
     return FW_OK;
 }
 
@@ -358,12 +368,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         p->sq = fw_max64(p->sq, e.sq);
         p->sk = fw_max64(p->sk, e.sk);
     }
-    if (lse) { p->lse_b = lse->stride[1]; p->lse_h = lse->stride[0]; p->lse_r = lse->stride[1]; }
-    p->scale = params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)d);
-    p->softcap = params->softcap;
-    p->causal = params->causal;
-    p->wl = params->window_left;
-    p->wr = params->causal ? 0 : params->window_right;
+    setup_common(p, lse, params);
     return FW_OK;
 }
 
@@ -486,11 +491,6 @@ typedef struct {
     ws_layout wl;
 } run_ctx;
 
-static const char *elem(const fw_tensor *t, int64_t off)
-{
-    return (const char *)t->data + off * (int64_t)fw_dtype_size(t->dtype);
-}
-
 /* The key range a q tile needs: [lo, hi) is the union of its rows' visible ranges, and
  * [clo, chi) their intersection (empty if any row sees nothing): a K/V tile inside the
  * intersection needs no mask. */
@@ -507,7 +507,7 @@ static void store_row(const run_ctx *c, const fw_attn_seq *sq, int64_t h, int64_
     const float inv = l == 0.0f ? 0.0f : 1.0f / l;
     for (int64_t j = 0; j < p->dv; j++)
         o[j] *= inv;
-    c->kt->from_f32(o, p->dv, (void *)elem(p->out, sq->o0 + pos * p->os[0] + h * p->os[1]),
+    c->kt->from_f32(o, p->dv, (void *)fw_elem(p->out, sq->o0 + pos * p->os[0] + h * p->os[1]),
                     p->out->dtype, p->os[2]);
     if (p->lse)
         ((float *)p->lse->data)[sq->lse0 + h * p->lse_h + pos * p->lse_r] =
@@ -581,7 +581,7 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
         for (int g = 0; g < G; g++)
             for (int i = 0; i < n; i++) {
                 const int64_t r = u * R + g * n + i, h = gqa ? u * p->G + g : u;
-                kt->to_f32(elem(p->q, sq->q0 + i * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2],
+                kt->to_f32(fw_elem(p->q, sq->q0 + i * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2],
                            d, c->qscale, Q + (size_t)r * d);
                 A[r] = -INFINITY;
                 L[r] = 0.0f;
@@ -630,7 +630,7 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
             touch += sweep_rows(p, koff[cur], voff[cur], nk, span, es);
         for (int64_t u = 0; u < units; u++) {
             const int64_t kvh = gqa ? u : u / p->G;
-            const char *kb = elem(p->k, kvh * p->ks[1]), *vb = elem(p->v, kvh * p->vs[1]);
+            const char *kb = fw_elem(p->k, kvh * p->ks[1]), *vb = fw_elem(p->v, kvh * p->vs[1]);
             const int pf = gqa || u % p->G == 0;
             for (int j = 0; j < nk; j++) {
                 /* A steady stream of prefetches for the next tile, in address order: iteration
@@ -735,7 +735,7 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
             for (int i = 0; i < bq && p0 + (int64_t)r * bq + i < p1; i++) {
                 const int64_t pos = p0 + (int64_t)r * bq + i;
                 const int m = g * bq + i;
-                const char *src = elem(p->q, sq.q0 + pos * p->qs[0] + (h0 + g) * p->qs[1]);
+                const char *src = fw_elem(p->q, sq.q0 + pos * p->qs[0] + (h0 + g) * p->qs[1]);
                 kt->to_f32(src, p->q->dtype, p->qs[2], d, c->qscale, orow);
                 for (int k = 0; k < d; k++)
                     qt[(size_t)k * M + m] = orow[k];
@@ -767,8 +767,8 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
         for (int j = 0; j < nk; j++) {
             int64_t kr = fw_attn_key(p, &sq, t0 + j, 0) + kvh * p->ks[1];
             int64_t vr = fw_attn_key(p, &sq, t0 + j, 1) + kvh * p->vs[1];
-            kt->to_f32(elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
-            kt->to_f32(elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
+            kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
+            kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
         }
         for (int r = 0; r < nt; r++) {
             const tile_keys *t = &tk[r];
@@ -839,7 +839,7 @@ static void plain_item(void *vctx, int64_t idx, int tid)
     float *acc = (float *)(w + c->wl.ot);
     const int64_t r0 = it->chunk * PLAIN_ROWS, r1 = fw_min64(sq.sq, r0 + PLAIN_ROWS);
     for (int64_t r = r0; r < r1; r++) {
-        kt->to_f32(elem(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
+        kt->to_f32(fw_elem(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
                    c->qscale, qrow);
         int64_t lo, hi;
         fw_attn_visible(p, sq.sq, sq.sk, r, &lo, &hi);
@@ -849,15 +849,15 @@ static void plain_item(void *vctx, int64_t idx, int tid)
         /* runs of keys with a constant row stride: all of them, or one page at a time */
         for (int64_t j = lo; j < hi;) {
             const int64_t e = p->bt ? fw_min64(hi, ((j >> p->page_shift) + 1) << p->page_shift) : hi;
-            kt->plain_row(qrow, d, dv, p->k->dtype, elem(p->k, fw_attn_key(p, &sq, j, 0) + kvh * p->ks[1]),
-                          p->ks[0], p->ks[2], elem(p->v, fw_attn_key(p, &sq, j, 1) + kvh * p->vs[1]),
+            kt->plain_row(qrow, d, dv, p->k->dtype, fw_elem(p->k, fw_attn_key(p, &sq, j, 0) + kvh * p->ks[1]),
+                          p->ks[0], p->ks[2], fw_elem(p->v, fw_attn_key(p, &sq, j, 1) + kvh * p->vs[1]),
                           p->vs[0], p->vs[2], e - j, c->cap2, acc, &m, &l, scratch);
             j = e;
         }
         const float inv = l == 0.0f ? 0.0f : 1.0f / l;
         for (int j = 0; j < dv; j++)
             acc[j] *= inv;
-        kt->from_f32(acc, dv, (void *)elem(p->out, sq.o0 + r * p->os[0] + h * p->os[1]),
+        kt->from_f32(acc, dv, (void *)fw_elem(p->out, sq.o0 + r * p->os[0] + h * p->os[1]),
                      p->out->dtype, p->os[2]);
         if (p->lse)
             ((float *)p->lse->data)[sq.lse0 + h * p->lse_h + r * p->lse_r] =

@@ -6,29 +6,6 @@
 #include <string.h>
 #include "attn.h"
 
-static double load(const fw_tensor *t, int64_t off)
-{
-    const char *b = t->data;
-    switch (t->dtype) {
-    case FW_F32: return ((const float *)b)[off];
-    case FW_BF16: return fw_bf16_to_f32(((const uint16_t *)b)[off]);
-    case FW_F16: return fw_f16_to_f32(((const uint16_t *)b)[off]);
-    case FW_F64: return ((const double *)b)[off];
-    }
-    return 0.0;
-}
-
-static void store(const fw_tensor *t, int64_t off, double x)
-{
-    char *b = t->data;
-    switch (t->dtype) {
-    case FW_F32: ((float *)b)[off] = (float)x; break;
-    case FW_BF16: ((uint16_t *)b)[off] = fw_f32_to_bf16((float)x); break;
-    case FW_F16: ((uint16_t *)b)[off] = fw_f32_to_f16((float)x); break;
-    case FW_F64: ((double *)b)[off] = x; break;
-    }
-}
-
 /* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
  * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from
  * k_new/v_new (the cache itself is not read for them, nor written). */
@@ -43,11 +20,11 @@ static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, doub
             for (int64_t h = 0; h < p->hkv; h++)
                 for (int64_t x = 0; x < n; x++) {
                     if (j < cached) {
-                        dst[h * n + x] = load(v ? p->v : p->k, fw_attn_key(p, sq, j, v) + h * st[1] + x * st[2]);
+                        dst[h * n + x] = fw_load_f64(v ? p->v : p->k, fw_attn_key(p, sq, j, v) + h * st[1] + x * st[2]);
                     } else {
                         const fw_tensor *t = v ? p->vnew : p->knew;
                         const int64_t row = p->cuq[sq->index] + (j - cached);
-                        dst[h * n + x] = load(t, row * t->stride[0] + h * t->stride[1] + x * t->stride[2]);
+                        dst[h * n + x] = fw_load_f64(t, row * t->stride[0] + h * t->stride[1] + x * t->stride[2]);
                     }
                 }
         }
@@ -78,7 +55,7 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                 int64_t lo, hi;
                 fw_attn_visible(p, sq.sq, sq.sk, r, &lo, &hi);
                 for (int64_t x = 0; x < d; x++)
-                    q[x] = load(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]);
+                    q[x] = fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]);
                 double mx = -INFINITY;
                 for (int64_t j = lo; j < hi; j++) {
                     double dot = 0.0;
@@ -104,9 +81,9 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                 }
                 const int64_t orow = sq.o0 + r * p->os[0] + h * p->os[1];
                 for (int64_t x = 0; x < dv; x++)
-                    store(p->out, orow + x * p->os[2], hi > lo ? acc[x] / sum : 0.0);
+                    fw_store_f64(p->out, orow + x * p->os[2], hi > lo ? acc[x] / sum : 0.0);
                 if (p->lse)
-                    store(p->lse, sq.lse0 + h * p->lse_h + r * p->lse_r,
+                    fw_store_f64(p->lse, sq.lse0 + h * p->lse_h + r * p->lse_r,
                           hi > lo ? mx + log(sum) : -INFINITY);
             }
         }

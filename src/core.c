@@ -194,3 +194,26 @@ uint16_t fw_f32_to_f16(float f)
         h++;
     return (uint16_t)(sign | h);
 }
+
+double fw_load_f64(const fw_tensor *t, int64_t off)
+{
+    const char *b = t->data;
+    switch (t->dtype) {
+    case FW_F32: return ((const float *)b)[off];
+    case FW_BF16: return fw_bf16_to_f32(((const uint16_t *)b)[off]);
+    case FW_F16: return fw_f16_to_f32(((const uint16_t *)b)[off]);
+    case FW_F64: return ((const double *)b)[off];
+    }
+    return 0.0;
+}
+
+void fw_store_f64(const fw_tensor *t, int64_t off, double x)
+{
+    char *b = t->data;
+    switch (t->dtype) {
+    case FW_F32: ((float *)b)[off] = (float)x; break;
+    case FW_BF16: ((uint16_t *)b)[off] = fw_f32_to_bf16((float)x); break;
+    case FW_F16: ((uint16_t *)b)[off] = fw_f32_to_f16((float)x); break;
+    case FW_F64: ((double *)b)[off] = x; break;
+    }
+}

@@ -116,7 +116,7 @@ static fw_status gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, 
 
 static const char *at(const fw_tensor *t, int64_t i, int64_t j)
 {
-    return (const char *)t->data + (i * t->stride[0] + j * t->stride[1]) * (int64_t)fw_dtype_size(t->dtype);
+    return fw_elem(t, i * t->stride[0] + j * t->stride[1]);
 }
 
 static float scalar_at(const fw_tensor *t, int64_t i, int64_t j)
@@ -647,27 +647,10 @@ fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const int32_t
 
 /* --------------------------------------------------------------- reference -- */
 
-static double dget(const fw_tensor *t, int64_t i, int64_t j, int64_t x)
+/* Element (i, j, x) of a 3-D tensor, in double, and the store back. */
+static int64_t off3(const fw_tensor *t, int64_t i, int64_t j, int64_t x)
 {
-    const int64_t o = i * t->stride[0] + j * t->stride[1] + x * t->stride[2];
-    switch (t->dtype) {
-    case FW_F32: return ((const float *)t->data)[o];
-    case FW_BF16: return fw_bf16_to_f32(((const uint16_t *)t->data)[o]);
-    case FW_F16: return fw_f16_to_f32(((const uint16_t *)t->data)[o]);
-    case FW_F64: return ((const double *)t->data)[o];
-    }
-    return 0;
-}
-
-static void dset(const fw_tensor *t, int64_t i, int64_t j, int64_t x, double v)
-{
-    const int64_t o = i * t->stride[0] + j * t->stride[1] + x * t->stride[2];
-    switch (t->dtype) {
-    case FW_F32: ((float *)t->data)[o] = (float)v; break;
-    case FW_BF16: ((uint16_t *)t->data)[o] = fw_f32_to_bf16((float)v); break;
-    case FW_F16: ((uint16_t *)t->data)[o] = fw_f32_to_f16((float)v); break;
-    case FW_F64: ((double *)t->data)[o] = v; break;
-    }
+    return i * t->stride[0] + j * t->stride[1] + x * t->stride[2];
 }
 
 fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
@@ -695,8 +678,8 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
             for (int64_t t = cu_seqlens[i]; t < cu_seqlens[i + 1]; t++) {
                 double nq = 0, nk = 0;
                 for (int64_t x = 0; x < dk; x++) {
-                    qq[x] = dget(q, t, hh, x);
-                    kk[x] = dget(k, t, hh, x);
+                    qq[x] = fw_load_f64(q, off3(q, t, hh, x));
+                    kk[x] = fw_load_f64(k, off3(k, t, hh, x));
                     nq += qq[x] * qq[x];
                     nk += kk[x] * kk[x];
                 }
@@ -710,7 +693,7 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                     double acc = 0;
                     for (int64_t x = 0; x < dk; x++)
                         acc += h[x * dv + y] * kk[x];
-                    a[y] = be * (dget(v, t, vh, y) - al * acc); /* delta */
+                    a[y] = be * (fw_load_f64(v, off3(v, t, vh, y)) - al * acc); /* delta */
                 }
                 for (int64_t x = 0; x < dk; x++)
                     for (int64_t y = 0; y < dv; y++)
@@ -719,7 +702,7 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                     double o = 0;
                     for (int64_t x = 0; x < dk; x++)
                         o += h[x * dv + y] * qq[x];
-                    dset(out, t, vh, y, o);
+                    fw_store_f64(out, off3(out, t, vh, y), o);
                 }
             }
             if (final_state)

@@ -139,4 +139,13 @@ fw_status fw_check_tensor(const fw_tensor *t, const char *what, int ndim, unsign
 /* An output must not have two elements at one address. */
 fw_status fw_check_no_alias(const fw_tensor *t, const char *what);
 
+/* The address of element offset `off` of t, and any-dtype loads and stores in double (the
+ * float64 references read and write through these). */
+static inline const char *fw_elem(const fw_tensor *t, int64_t off)
+{
+    return (const char *)t->data + off * (int64_t)fw_dtype_size(t->dtype);
+}
+double fw_load_f64(const fw_tensor *t, int64_t off);
+void fw_store_f64(const fw_tensor *t, int64_t off, double x);
+
 #endif /* FW_INTERNAL_H */

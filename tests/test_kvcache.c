@@ -28,6 +28,33 @@ typedef struct {
 
 static size_t esz(fw_dtype t) { return fw_dtype_size(t); }
 
+/* The library's key addressing (fw_attn_key) for a cache, so the test writes and checks rows
+ * exactly where the kernel reads them. */
+static void addressing_of(const fw_kv_cache *c, fw_attn_prob *p)
+{
+    memset(p, 0, sizeof *p);
+    p->bt = c->block_table;
+    p->bt_stride = c->max_pages;
+    while (p->bt && ((int64_t)1 << p->page_shift) < c->k.shape[1])
+        p->page_shift++;
+    p->kpage = p->kb = c->k.stride[0];
+    p->vpage = p->vb = c->v.stride[0];
+    for (int i = 0; i < 3; i++) {
+        p->ks[i] = c->k.stride[i + 1];
+        p->vs[i] = c->v.stride[i + 1];
+    }
+}
+
+static fw_attn_seq seq_of(const fw_attn_prob *p, int64_t i)
+{
+    fw_attn_seq s;
+    memset(&s, 0, sizeof s);
+    s.index = i;
+    s.k0 = i * p->kb;
+    s.v0 = i * p->vb;
+    return s;
+}
+
 /* Logical context rows as doubles [b][cap][hkv][d] are not kept: both caches are written from
  * the same random draws, row by row. */
 static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, int32_t *seqlens,
@@ -67,26 +94,9 @@ static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, 
     /* the logical cached rows, drawn in the same order for both layouts */
     rng_seed(seed);
     fw_attn_prob p;
-    memset(&p, 0, sizeof p);
-    p.bt = cb->c.block_table;
-    p.bt_stride = cb->c.max_pages;
-    p.page_shift = 0;
-    while (paged && ((int64_t)1 << p.page_shift) < ps)
-        p.page_shift++;
-    p.kpage = cb->c.k.stride[0];
-    p.vpage = cb->c.v.stride[0];
-    p.kb = cb->c.k.stride[0];
-    p.vb = cb->c.v.stride[0];
-    for (int i = 0; i < 3; i++) {
-        p.ks[i] = cb->c.k.stride[i + 1];
-        p.vs[i] = cb->c.v.stride[i + 1];
-    }
+    addressing_of(&cb->c, &p);
     for (int64_t i = 0; i < t->b; i++) {
-        fw_attn_seq s;
-        memset(&s, 0, sizeof s);
-        s.index = i;
-        s.k0 = i * p.kb;
-        s.v0 = i * p.vb;
+        fw_attn_seq s = seq_of(&p, i);
         for (int64_t j = 0; j < t->old[i]; j++)
             for (int v = 0; v < 2; v++) {
                 const fw_tensor *tt = v ? &cb->c.v : &cb->c.k;
@@ -124,24 +134,9 @@ static int cache_image_ok(const kv_case *t, const cache_buf *before_k, const cac
     memcpy(ev, before_k->v.p, nv);
     if (kn) {
         fw_attn_prob p;
-        memset(&p, 0, sizeof p);
-        p.bt = after->c.block_table;
-        p.bt_stride = after->c.max_pages;
-        int64_t ps = after->c.k.shape[1];
-        while (p.bt && ((int64_t)1 << p.page_shift) < ps)
-            p.page_shift++;
-        p.kpage = p.kb = after->c.k.stride[0];
-        p.vpage = p.vb = after->c.v.stride[0];
-        for (int i = 0; i < 3; i++) {
-            p.ks[i] = after->c.k.stride[i + 1];
-            p.vs[i] = after->c.v.stride[i + 1];
-        }
+        addressing_of(&after->c, &p);
         for (int64_t i = 0; i < t->b; i++) {
-            fw_attn_seq s;
-            memset(&s, 0, sizeof s);
-            s.index = i;
-            s.k0 = i * p.kb;
-            s.v0 = i * p.vb;
+            fw_attn_seq s = seq_of(&p, i);
             for (int64_t r = 0; r < t->nnew[i]; r++)
                 for (int v = 0; v < 2; v++) {
                     const fw_tensor *src = v ? vn : kn;
