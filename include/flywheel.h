@@ -100,7 +100,9 @@ FW_API uint16_t fw_f32_to_f16(float f);
 FW_API int fw_isa_count(void);
 FW_API const char *fw_isa_name(int i);            /* NULL past the end */
 FW_API int fw_isa_supported(const char *name);    /* 1 if this CPU runs the table */
-FW_API const char *fw_isa_default(void);           /* the table used when params->isa is NULL */
+/* The table used when params->isa is NULL; NULL if FLYWHEEL_ISA names a table this CPU cannot
+ * run (then calls that use the default fail with FW_ERR_UNSUPPORTED and say why). */
+FW_API const char *fw_isa_default(void);
 
 /* ------------------------------------------------------ softmax attention -- */
 
