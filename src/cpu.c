@@ -1,5 +1,6 @@
 /* cpu.c: the kernel-table registry. The CPU is detected once; FLYWHEEL_ISA, read once, names
  * the default table. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -76,29 +77,31 @@ int fw_isa_supported(const char *name)
 }
 
 /* Detection result: an index into tables, or -1 if FLYWHEEL_ISA named a table this CPU cannot
- * run (then every call that uses the default fails with that message). Computed once;
- * concurrent first calls compute the same value, so a relaxed race is harmless. */
-static _Atomic int default_index = -2;
+ * run (then every call that uses the default fails with that message). Computed once, under
+ * pthread_once, so concurrent first calls are safe. */
+static int default_index;
 static char env_name[32];
+static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
 
-static int detect(void)
+static void detect_run(void)
 {
-    int d = default_index;
-    if (d != -2)
-        return d;
     const char *env = getenv("FLYWHEEL_ISA");
     if (env && *env) {
         const entry *e = find(env);
         strncpy(env_name, env, sizeof env_name - 1);
-        d = e && e->supported() ? (int)(e - tables) : -1;
-    } else {
-        d = 0;
-        for (int i = 0; i < NTABLES; i++)
-            if (tables[i].supported())
-                d = i;
+        default_index = e && e->supported() ? (int)(e - tables) : -1;
+        return;
     }
-    default_index = d;
-    return d;
+    default_index = 0;
+    for (int i = 0; i < NTABLES; i++)
+        if (tables[i].supported())
+            default_index = i;
+}
+
+static int detect(void)
+{
+    pthread_once(&detect_once, detect_run);
+    return default_index;
 }
 
 const char *fw_isa_default(void)
