@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all build run test test-asan bench clean
+.PHONY: all build run test test-asan test-tsan clean
 
 all: build
 
@@ -23,5 +23,11 @@ test-asan:
 	@cmake --build $(BUILD)-asan -j $(JOBS)
 	FW_TEST_QUICK=1 $(BUILD)-asan/test_flywheel
 
+# ThreadSanitizer: concurrent callers and every threaded path, on the smaller sweep.
+test-tsan:
+	@cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE_THREAD=ON >/dev/null
+	@cmake --build $(BUILD)-tsan -j $(JOBS) --target test_flywheel
+	FW_TEST_QUICK=1 $(BUILD)-tsan/test_flywheel
+
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan
