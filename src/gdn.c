@@ -587,6 +587,44 @@ fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
     return gdn_run(&c, &vp, n_seqs * p.H, chunked_item);
 }
 
+/* Commit item (sequence i, value head vh): h = 2^g_{m-1} h_0 + sum_{j<m} 2^(g_{m-1} - g_j) k_j delta_j^T
+ * with m = accepted[i] and g the chunk-local log decays (log2 units) kept by verify. */
+typedef struct {
+    const int32_t *cu, *accepted;
+    int64_t H, HV, dk, dv;
+    float *state;
+    const int32_t *idx;
+    const float *replay;
+    int64_t T;
+} commit_ctx;
+
+static void commit_item(void *vctx, int64_t it, int tid)
+{
+    const commit_ctx *c = vctx;
+    const int64_t i = it / c->HV, vh = it % c->HV, m = c->accepted[i], t0 = c->cu[i];
+    const int64_t dk = c->dk, dv = c->dv;
+    if (m == 0)
+        return;
+    const float *deltas = c->replay, *gams = c->replay + (size_t)c->T * c->HV * dv,
+                *keys = gams + (size_t)c->T * c->HV;
+    float *h = c->state + ((size_t)c->idx[i] * c->HV + vh) * (size_t)(dk * dv);
+    const float glast = gams[(size_t)(t0 + m - 1) * c->HV + vh];
+    const float al = exp2f(glast);
+    for (int64_t x = 0; x < dk * dv; x++)
+        h[x] *= al;
+    for (int64_t j = 0; j < m; j++) {
+        const float w = exp2f(glast - gams[(size_t)(t0 + j) * c->HV + vh]);
+        const float *kj = keys + ((size_t)(t0 + j) * c->H + vh / (c->HV / c->H)) * dk;
+        const float *dj = deltas + ((size_t)(t0 + j) * c->HV + vh) * dv;
+        for (int64_t x = 0; x < dk; x++) {
+            const float a = w * kj[x];
+            for (int64_t y = 0; y < dv; y++)
+                h[x * dv + y] += a * dj[y];
+        }
+    }
+    (void)tid;
+}
+
 fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const int32_t *accepted, int64_t H,
                         int64_t HV, int64_t dk, int64_t dv, float *state, int64_t slots,
                         const int32_t *state_indices, const float *replay, size_t replay_floats,
@@ -618,30 +656,10 @@ fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const int32_t
     if (replay_floats < fw_gdn_replay_floats(T, H, HV, dk, dv))
         return fw_fail(FW_ERR_WORKSPACE, "replay holds %zu floats; %zu expected", replay_floats,
                        fw_gdn_replay_floats(T, H, HV, dk, dv));
-    (void)params;
-    const float *deltas = replay, *gams = replay + (size_t)T * HV * dv, *keys = gams + (size_t)T * HV;
-    for (int64_t i = 0; i < n_seqs; i++) {
-        const int64_t m = accepted[i], t0 = cu_seqlens[i];
-        if (m == 0)
-            continue;
-        for (int64_t vh = 0; vh < HV; vh++) {
-            float *h = state + ((size_t)state_indices[i] * HV + vh) * (size_t)(dk * dv);
-            const float glast = gams[(size_t)(t0 + m - 1) * HV + vh];
-            const float al = exp2f(glast);
-            for (int64_t x = 0; x < dk * dv; x++)
-                h[x] *= al;
-            for (int64_t j = 0; j < m; j++) {
-                const float w = exp2f(glast - gams[(size_t)(t0 + j) * HV + vh]);
-                const float *kj = keys + ((size_t)(t0 + j) * H + vh / (HV / H)) * dk;
-                const float *dj = deltas + ((size_t)(t0 + j) * HV + vh) * dv;
-                for (int64_t x = 0; x < dk; x++) {
-                    const float a = w * kj[x];
-                    for (int64_t y = 0; y < dv; y++)
-                        h[x * dv + y] += a * dj[y];
-                }
-            }
-        }
-    }
+    if (params && (params->threads < 0 || params->threads > 256))
+        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256", (int)params->threads);
+    commit_ctx c = {cu_seqlens, accepted, H, HV, dk, dv, state, state_indices, replay, T};
+    fw_parallel(threads_of(params), n_seqs * HV, commit_item, &c);
     return FW_OK;
 }
 
