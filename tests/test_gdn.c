@@ -390,8 +390,84 @@ static void test_gdn_bad_input(void)
     free_inputs(&in);
 }
 
+/* The other entry points' bad input: decode (shapes, slots), the reference, and the machine
+ * benchmarks and workspace query. */
+static void test_more_bad_input(void)
+{
+    gcase c = {3, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0};
+    ginputs in;
+    make_inputs(&in, &c, 9);
+    int64_t os[3] = {3, 4, 8};
+    gbuf ob = gbuf_new(3 * 4 * 8 * 4);
+    fw_tensor o = fw_tensor_contiguous(ob.p, FW_F32, 3, os);
+    float state[4 * 4 * 8 * 8];
+    for (int i = 0; i < 4 * 4 * 8 * 8; i++)
+        state[i] = 1.0f;
+    int32_t idx[3] = {0, 1, 2}, oob[3] = {0, 1, 4}, dup[3] = {0, 2, 2}, cu[2] = {0, 3};
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    double fin[4 * 8 * 8];
+    for (int b = 0; b < 8; b++) {
+        fw_tensor q = in.q, beta = in.beta;
+        fw_status want, st;
+        const char *what;
+        memset(ob.p, 0xA5, ob.bytes);
+        switch (b) {
+        case 0: what = "decode: null state"; want = FW_ERR_NULL;
+            st = fw_gdn_decode(&q, &in.k, &in.v, &in.g, &beta, NULL, 4, idx, &o, &p); break;
+        case 1: what = "decode: slot out of range"; want = FW_ERR_INDEX;
+            st = fw_gdn_decode(&q, &in.k, &in.v, &in.g, &beta, state, 4, oob, &o, &p); break;
+        case 2: what = "decode: two sequences on one slot"; want = FW_ERR_INDEX;
+            st = fw_gdn_decode(&q, &in.k, &in.v, &in.g, &beta, state, 4, dup, &o, &p); break;
+        case 3: what = "decode: beta of the wrong shape"; want = FW_ERR_SHAPE; beta.shape[1] = 3;
+            st = fw_gdn_decode(&q, &in.k, &in.v, &in.g, &beta, state, 4, idx, &o, &p); break;
+        case 4: what = "decode: null state_indices"; want = FW_ERR_NULL;
+            st = fw_gdn_decode(&q, &in.k, &in.v, &in.g, &beta, state, 4, NULL, &o, &p); break;
+        case 5: what = "reference: q of rank 2"; want = FW_ERR_SHAPE; q.ndim = 2;
+            st = fw_gdn_ref(&q, &in.k, &in.v, &in.g, &beta, cu, 1, NULL, fin, &o, &p); break;
+        case 6: what = "reference: null cu_seqlens"; want = FW_ERR_NULL;
+            st = fw_gdn_ref(&q, &in.k, &in.v, &in.g, &beta, NULL, 1, NULL, fin, &o, &p); break;
+        default: what = "decode: threads 999"; want = FW_ERR_ARG; p.threads = 999;
+            st = fw_gdn_decode(&q, &in.k, &in.v, &in.g, &beta, state, 4, idx, &o, &p); p.threads = 0; break;
+        }
+        case_begin("gdn bad input: %s", what);
+        case_check(st == want, "status %s, expected %s (%s)", fw_status_string(st), fw_status_string(want),
+                   fw_last_error());
+        case_check(strlen(fw_last_error()) > 10, "message \"%s\"", fw_last_error());
+        int clean = 1;
+        for (size_t i = 0; i < ob.bytes; i++)
+            clean &= ((unsigned char *)ob.p)[i] == 0xA5;
+        for (int i = 0; i < 4 * 4 * 8 * 8; i++)
+            clean &= state[i] == 1.0f;
+        case_check(clean, "out or state written");
+        case_end();
+    }
+    gbuf_free(&ob);
+    free_inputs(&in);
+
+    case_begin("bad input: machine benchmarks and the workspace query");
+    double g = -1;
+    case_check(fw_peak_gflops(NULL, 0, 0.01, NULL) == FW_ERR_NULL, "peak: null result");
+    case_check(fw_peak_gflops(NULL, -3, 0.01, &g) == FW_ERR_ARG && g == -1, "peak: threads -3");
+    case_check(fw_peak_gflops(NULL, 1, 0.0, &g) == FW_ERR_ARG, "peak: zero seconds");
+    case_check(fw_peak_gflops("sve9", 1, 0.01, &g) == FW_ERR_UNSUPPORTED, "peak: unknown table");
+    case_check(fw_read_bandwidth(1, 100, &g) == FW_ERR_ARG && g == -1, "bandwidth: 100 bytes");
+    case_check(fw_read_bandwidth(300, (size_t)1 << 20, &g) == FW_ERR_ARG, "bandwidth: threads 300");
+    case_check(fw_read_bandwidth(1, (size_t)1 << 20, NULL) == FW_ERR_NULL, "bandwidth: null result");
+    size_t bytes = 0;
+    int64_t qs[4] = {1, 4, 6, 8}, ks[4] = {1, 4, 4, 8};
+    fw_tensor tq = fw_tensor_contiguous(NULL, FW_F32, 4, qs), tk = fw_tensor_contiguous(NULL, FW_F32, 4, ks);
+    case_check(fw_attn_workspace_size(&tq, &tk, &tk, NULL, &bytes) == FW_ERR_SHAPE && bytes == 0,
+               "workspace: 4 K/V heads do not divide 6");
+    case_check(fw_attn_workspace_size(&tq, &tk, &tk, NULL, NULL) == FW_ERR_NULL, "workspace: null result");
+    case_check(fw_peak_gflops(NULL, 1, 0.01, &g) == FW_OK && g > 0, "peak: a good call measures");
+    case_check(fw_read_bandwidth(1, (size_t)1 << 22, &g) == FW_OK && g > 0, "bandwidth: a good call measures");
+    case_end();
+}
+
 void test_gdn_all(void)
 {
+    test_more_bad_input();
     test_gdn_bad_input();
     test_inverse_stability();
     test_verify_commit();
