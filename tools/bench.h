@@ -5,7 +5,12 @@
 #include <stdint.h>
 #include "flywheel.h"
 
+#include <stddef.h>
+
 double bench_now(void);
+/* KV-cache-sized buffers: 2 MiB-aligned, asking for transparent huge pages as a serving
+ * engine's cache pool would (release with free()). */
+void *bench_alloc(size_t bytes);
 /* Median of n doubles (sorts them). */
 double bench_median(double *x, int n);
 /* The machine's FMA peak on `threads` threads: the median of 3 runs of the widest table's

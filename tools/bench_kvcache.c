@@ -9,27 +9,11 @@
  *   GFLOP/s = 2 (d + dv) x unmasked pairs / s and % of the FMA peak, next to the dense
  *   kernel (fw_attn_fwd) on the same shape in the same run.
  */
-#define _DEFAULT_SOURCE 1 /* madvise(MADV_HUGEPAGE) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 #include "bench.h"
-
-/* Cache-sized buffers on 2 MiB boundaries, asking for transparent huge pages as a serving
- * engine's KV-cache pool would: a decode step touches every page of the cache, and 4 KiB
- * pages cost a TLB miss every few rows. */
-static void *big_alloc(size_t bytes)
-{
-    const size_t huge = (size_t)2 << 20;
-    void *p = aligned_alloc(huge, (bytes + huge - 1) / huge * huge);
-#ifdef MADV_HUGEPAGE
-    if (p)
-        madvise(p, (bytes + huge - 1) / huge * huge, MADV_HUGEPAGE);
-#endif
-    return p;
-}
 
 typedef struct {
     int64_t batch, ctx, nnew, hq, hkv, d, page;
@@ -60,7 +44,7 @@ static int kv_run(const kcfg *c, int decode)
     const int64_t per = (c->ctx + ps - 1) / ps, pages = c->page ? b * per : b;
     int64_t ks[4] = {pages, ps, c->hkv, c->d}, qs[3] = {tq, c->hq, c->d}, ns[3] = {tq, c->hkv, c->d};
     const size_t kbytes = (size_t)(pages * ps * c->hkv * c->d) * es;
-    void *kd = big_alloc(kbytes), *vd = big_alloc(kbytes), *qd = malloc((size_t)(tq * c->hq * c->d) * es);
+    void *kd = bench_alloc(kbytes), *vd = bench_alloc(kbytes), *qd = malloc((size_t)(tq * c->hq * c->d) * es);
     void *knd = malloc((size_t)(tq * c->hkv * c->d) * es), *vnd = malloc((size_t)(tq * c->hkv * c->d) * es);
     void *od = malloc((size_t)(tq * c->hq * c->d) * es);
     int32_t *bt = malloc(sizeof(int32_t) * (size_t)(b * per)), *cuq = malloc(sizeof(int32_t) * (size_t)(b + 1)),

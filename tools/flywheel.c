@@ -8,8 +8,10 @@
  *   flywheel peak [threads]      this machine's measured FMA peak
  *   flywheel info                kernel tables and the default
  */
+#define _DEFAULT_SOURCE 1 /* madvise(MADV_HUGEPAGE) */
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 #include <time.h>
 #include "bench.h"
@@ -31,6 +33,17 @@ double bench_median(double *x, int n)
 {
     qsort(x, (size_t)n, sizeof *x, cmp_double);
     return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+void *bench_alloc(size_t bytes)
+{
+    const size_t huge = (size_t)2 << 20, n = (bytes + huge - 1) / huge * huge;
+    void *p = aligned_alloc(huge, n ? n : huge);
+#ifdef MADV_HUGEPAGE
+    if (p)
+        madvise(p, n ? n : huge, MADV_HUGEPAGE);
+#endif
+    return p;
 }
 
 double bench_peak(int threads)
