@@ -325,6 +325,24 @@ static void test_verify_commit(void)
     free_inputs(&in);
 }
 
+/* One bad-input case: the expected status with a message, and out (0xA5 bytes) and the state
+ * (all 1.0) untouched. */
+#define BAD_STATE (4 * 4 * 8 * 8)
+static void bad_verdict(const char *what, fw_status st, fw_status want, const gbuf *ob, const float *state)
+{
+    case_begin("gdn bad input: %s", what);
+    case_check(st == want, "status %s, expected %s (%s)", fw_status_string(st), fw_status_string(want),
+               fw_last_error());
+    case_check(strlen(fw_last_error()) > 10, "message \"%s\"", fw_last_error());
+    int clean = 1;
+    for (size_t i = 0; i < ob->bytes; i++)
+        clean &= ((unsigned char *)ob->p)[i] == 0xA5;
+    for (int i = 0; i < BAD_STATE; i++)
+        clean &= state[i] == 1.0f;
+    case_check(clean, "out or state written");
+    case_end();
+}
+
 /* bad input: a status and a message; out and the state untouched */
 static void test_gdn_bad_input(void)
 {
@@ -334,8 +352,8 @@ static void test_gdn_bad_input(void)
     int64_t os[3] = {10, 4, 8};
     gbuf ob = gbuf_new(10 * 4 * 8 * 4);
     fw_tensor o = fw_tensor_contiguous(ob.p, FW_F32, 3, os);
-    float state[4 * 4 * 8 * 8];
-    for (int i = 0; i < 4 * 4 * 8 * 8; i++)
+    float state[BAD_STATE];
+    for (int i = 0; i < BAD_STATE; i++)
         state[i] = 1.0f;
     int32_t cu[3] = {0, 4, 10}, bad_cu[3] = {0, 6, 4}, idx[2] = {0, 1}, bad_idx[2] = {0, 7}, dup_idx[2] = {2, 2};
     fw_gdn_params p;
@@ -374,17 +392,7 @@ static void test_gdn_bad_input(void)
             st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp);
             ((float *)in.beta.data)[3] = saved; break;
         }
-        case_begin("gdn bad input: %s", bad[b].what);
-        case_check(st == bad[b].want, "status %s, expected %s (%s)", fw_status_string(st), fw_status_string(bad[b].want),
-                   fw_last_error());
-        case_check(strlen(fw_last_error()) > 10, "message \"%s\"", fw_last_error());
-        int clean = 1;
-        for (size_t i = 0; i < ob.bytes; i++)
-            clean &= ((unsigned char *)ob.p)[i] == 0xA5;
-        for (int i = 0; i < 4 * 4 * 8 * 8; i++)
-            clean &= state[i] == 1.0f;
-        case_check(clean, "out or state written");
-        case_end();
+        bad_verdict(bad[b].what, st, bad[b].want, &ob, state);
     }
     gbuf_free(&ob);
     free_inputs(&in);
@@ -400,8 +408,8 @@ static void test_more_bad_input(void)
     int64_t os[3] = {3, 4, 8};
     gbuf ob = gbuf_new(3 * 4 * 8 * 4);
     fw_tensor o = fw_tensor_contiguous(ob.p, FW_F32, 3, os);
-    float state[4 * 4 * 8 * 8];
-    for (int i = 0; i < 4 * 4 * 8 * 8; i++)
+    float state[BAD_STATE];
+    for (int i = 0; i < BAD_STATE; i++)
         state[i] = 1.0f;
     int32_t idx[3] = {0, 1, 2}, oob[3] = {0, 1, 4}, dup[3] = {0, 2, 2}, cu[2] = {0, 3};
     fw_gdn_params p;
@@ -430,17 +438,7 @@ static void test_more_bad_input(void)
         default: what = "decode: threads 999"; want = FW_ERR_ARG; p.threads = 999;
             st = fw_gdn_decode(&q, &in.k, &in.v, &in.g, &beta, state, 4, idx, &o, &p); p.threads = 0; break;
         }
-        case_begin("gdn bad input: %s", what);
-        case_check(st == want, "status %s, expected %s (%s)", fw_status_string(st), fw_status_string(want),
-                   fw_last_error());
-        case_check(strlen(fw_last_error()) > 10, "message \"%s\"", fw_last_error());
-        int clean = 1;
-        for (size_t i = 0; i < ob.bytes; i++)
-            clean &= ((unsigned char *)ob.p)[i] == 0xA5;
-        for (int i = 0; i < 4 * 4 * 8 * 8; i++)
-            clean &= state[i] == 1.0f;
-        case_check(clean, "out or state written");
-        case_end();
+        bad_verdict(what, st, want, &ob, state);
     }
     gbuf_free(&ob);
     free_inputs(&in);
