@@ -124,20 +124,13 @@ static float scalar_at(const fw_tensor *t, int64_t i, int64_t j)
     return *(const float *)at(t, i, j);
 }
 
-/* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (eps inside the sqrt). */
+/* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (eps inside the
+ * sqrt), by the same table kernel as the chunked path. */
 static void load_qk(const fw_kernels *kt, const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t h,
                     double scale, float *dst)
 {
     kt->to_f32(at(x, t, h), x->dtype, x->stride[2], p->dk, 1.0f, dst);
-    double s = scale;
-    if (p->l2) {
-        double ss = 0;
-        for (int64_t i = 0; i < p->dk; i++)
-            ss += (double)dst[i] * dst[i];
-        s /= sqrt(ss + 1e-6);
-    }
-    for (int64_t i = 0; i < p->dk; i++)
-        dst[i] = (float)(dst[i] * s);
+    kt->rows_l2scale(dst, 1, (int)p->dk, (float)scale, p->l2);
 }
 
 /* ------------------------------------------------------------- workspace -- */
