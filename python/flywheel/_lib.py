@@ -1,0 +1,162 @@
+"""ctypes declarations of include/flywheel.h, and the status -> exception mapping.
+
+The shared library is the libflywheel.so installed next to this file by `pip install .`;
+the environment variable FLYWHEEL_LIBRARY names another one (an in-tree build, say).
+ctypes releases the GIL for the length of every call, so calls from several Python threads
+run at once (the C library is thread-safe).
+"""
+
+import ctypes
+import os
+
+_MAX_DIMS = 4
+
+F32, BF16, F16, F64 = 0, 1, 2, 3
+
+ERR_NOMEM = 8
+ERR_UNSUPPORTED = 10
+
+ATTN_PLAIN = 1 << 3
+GDN_FWD_SUBST = 1 << 0
+GDN_RECURRENT = 1 << 1
+GDN_FUSED_RECURRENT = 1 << 2
+
+
+class _Settings:
+    threads = 0  # worker threads of every call; 0 = all online CPUs
+
+
+settings = _Settings()
+
+
+def set_num_threads(n):
+    """Worker threads for every later call (0 = all online CPUs, the default)."""
+    n = int(n)
+    if n < 0:
+        raise ValueError("threads must be >= 0")
+    settings.threads = n
+
+
+def get_num_threads():
+    """The thread count set by set_num_threads (0 = all online CPUs)."""
+    return settings.threads
+
+
+class FlywheelError(ValueError):
+    """A call the C library refused. `status` is the fw_status name ("FW_ERR_SHAPE"), the
+    message is the library's own (fw_last_error)."""
+
+    def __init__(self, status, message):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * _MAX_DIMS),
+        ("stride", ctypes.c_int64 * _MAX_DIMS),
+    ]
+
+
+class AttnParams(ctypes.Structure):
+    _fields_ = [
+        ("scale", ctypes.c_float),
+        ("causal", ctypes.c_int32),
+        ("window_left", ctypes.c_int64),
+        ("window_right", ctypes.c_int64),
+        ("softcap", ctypes.c_float),
+        ("threads", ctypes.c_int32),
+        ("isa", ctypes.c_char_p),
+        ("flags", ctypes.c_uint32),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
+class KVCache(ctypes.Structure):
+    _fields_ = [
+        ("k", Tensor),
+        ("v", Tensor),
+        ("block_table", ctypes.c_void_p),
+        ("max_pages", ctypes.c_int64),
+        ("block_table_stride", ctypes.c_int64),
+        ("seqlens", ctypes.c_void_p),
+    ]
+
+
+class GdnParams(ctypes.Structure):
+    _fields_ = [
+        ("scale", ctypes.c_float),
+        ("l2norm_qk", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("isa", ctypes.c_char_p),
+        ("flags", ctypes.c_uint32),
+    ]
+
+
+def _find_library():
+    path = os.environ.get("FLYWHEEL_LIBRARY")
+    if path:
+        return path
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "libflywheel.so")
+    if not os.path.exists(path):
+        raise ImportError(
+            f"libflywheel.so is not next to {__file__}: install the package with "
+            "`pip install .` from the repository root, or point FLYWHEEL_LIBRARY at a build "
+            "(build/libflywheel.so after `make`)")
+    return path
+
+
+lib = ctypes.CDLL(_find_library())
+
+_P = ctypes.POINTER
+_T = _P(Tensor)
+_i64 = ctypes.c_int64
+_vp = ctypes.c_void_p
+_sz = ctypes.c_size_t
+
+_SIGNATURES = {
+    "fw_status_string": (ctypes.c_char_p, [ctypes.c_int]),
+    "fw_last_error": (ctypes.c_char_p, []),
+    "fw_isa_count": (ctypes.c_int, []),
+    "fw_isa_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "fw_isa_supported": (ctypes.c_int, [ctypes.c_char_p]),
+    "fw_isa_default": (ctypes.c_char_p, []),
+    "fw_attn_fwd": (ctypes.c_int, [_T, _T, _T, _T, _T, _P(AttnParams)]),
+    "fw_attn_varlen_fwd": (ctypes.c_int, [_T, _T, _T, _vp, _vp, _i64, _T, _T, _P(AttnParams)]),
+    "fw_attn_workspace_size": (ctypes.c_int, [_T, _T, _T, _P(AttnParams), _P(_sz)]),
+    "fw_attn_kvcache_fwd": (ctypes.c_int, [_T, _T, _T, _vp, _i64, _P(KVCache), _T, _T,
+                                           _P(AttnParams)]),
+    "fw_gdn_prefill": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _vp, _T,
+                                      _P(GdnParams)]),
+    "fw_gdn_decode": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _T, _P(GdnParams)]),
+    "fw_gdn_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
+    "fw_gdn_verify": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _i64, _vp, _vp, _sz,
+                                     _T, _P(GdnParams)]),
+    "fw_gdn_commit": (ctypes.c_int, [_vp, _i64, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _vp,
+                                     _vp, _sz, _P(GdnParams)]),
+    "fw_peak_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,
+                                      _P(ctypes.c_double)]),
+    "fw_read_bandwidth": (ctypes.c_int, [ctypes.c_int32, _sz, _P(ctypes.c_double)]),
+}
+for _name, (_res, _args) in _SIGNATURES.items():
+    _fn = getattr(lib, _name)
+    _fn.restype = _res
+    _fn.argtypes = _args
+
+
+def check(status):
+    """Raise the exception for a non-zero fw_status, with the C library's message."""
+    if status == 0:
+        return
+    name = lib.fw_status_string(status).decode().split(":")[0]
+    message = lib.fw_last_error().decode()
+    if status == ERR_NOMEM:
+        raise MemoryError(f"{name}: {message}")
+    if status == ERR_UNSUPPORTED:
+        raise NotImplementedError(f"{name}: {message}")
+    raise FlywheelError(name, message)

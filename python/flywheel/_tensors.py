@@ -1,0 +1,161 @@
+"""numpy arrays and torch CPU tensors as fw_tensor descriptors, without copies.
+
+A descriptor points into the caller's memory with the caller's strides. Copies happen only
+where the C API cannot express the layout: numpy views with negative strides or strides that
+are not whole elements (np.ascontiguousarray), and the small int32 index arrays and float32
+gate arrays when they come in another dtype. Each public function says which of its
+arguments may be copied.
+"""
+
+import sys
+
+import numpy as np
+
+from . import _lib
+
+try:
+    import ml_dtypes
+
+    _NP_BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # bf16 numpy arrays need ml_dtypes; torch.bfloat16 does not
+    _NP_BF16 = None
+
+_NP_CODES = {np.dtype(np.float32): _lib.F32, np.dtype(np.float16): _lib.F16,
+             np.dtype(np.float64): _lib.F64}
+if _NP_BF16 is not None:
+    _NP_CODES[_NP_BF16] = _lib.BF16
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x):
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_code(t):
+    torch = _torch()
+    return {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16,
+            torch.float64: _lib.F64}.get(t.dtype)
+
+
+def _check_grad(t, name):
+    torch = _torch()
+    if t.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{name} requires grad: flywheel has forward kernels only (no backward); call "
+            "under torch.no_grad() or torch.inference_mode(), or pass .detach()")
+
+
+def float_array(x, name, inplace=False):
+    """Accept a float tensor/array as is (torch CPU tensor or numpy array); a numpy view whose
+    strides fw_tensor cannot express is copied, unless `inplace` (the library writes into it),
+    which raises instead. Lists and scalars are not accepted."""
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"{name} is on {x.device}: the CPU library takes CPU "
+                                      "tensors only")
+        if _torch_code(x) is None:
+            raise TypeError(f"{name}: dtype {x.dtype} is not supported "
+                            "(torch.float32, torch.bfloat16, torch.float16)")
+        _check_grad(x, name)
+        return x
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, "
+                        f"got {type(x).__name__}")
+    if x.dtype not in _NP_CODES:
+        hint = " (bfloat16 numpy arrays need the ml_dtypes package)" if _NP_BF16 is None else ""
+        raise TypeError(f"{name}: dtype {x.dtype} is not supported "
+                        f"(float32, bfloat16, float16){hint}")
+    if any(s < 0 or s % x.itemsize for s in x.strides):
+        if inplace:
+            raise ValueError(f"{name} is written in place, but its strides {x.strides} are "
+                             "negative or not whole elements")
+        x = np.ascontiguousarray(x)
+    return x
+
+
+def describe(x):
+    """An fw_tensor over x (a result of float_array, or an output array): pointer, dtype,
+    shape and element strides. The caller keeps x alive for the length of the call."""
+    t = _lib.Tensor()
+    if is_torch(x):
+        t.data = x.data_ptr() or None
+        t.dtype = _torch_code(x)
+        shape, strides = tuple(x.shape), tuple(x.stride())
+    else:
+        t.data = x.ctypes.data or None
+        t.dtype = _NP_CODES[x.dtype]
+        shape, strides = x.shape, tuple(s // x.itemsize for s in x.strides)
+    if len(shape) > 4:
+        raise ValueError(f"tensor of rank {len(shape)}: at most 4 dimensions")
+    t.ndim = len(shape)
+    for i, (n, s) in enumerate(zip(shape, strides)):
+        t.shape[i] = n
+        t.stride[i] = s
+    return t
+
+
+def empty_like_family(ref, shape, dtype=None):
+    """An uninitialised contiguous output of the same family (numpy or torch) as ref, with
+    ref's dtype unless `dtype` ("float32") is given."""
+    if is_torch(ref):
+        torch = _torch()
+        dt = ref.dtype if dtype is None else getattr(torch, dtype)
+        return torch.empty(shape, dtype=dt)
+    dt = ref.dtype if dtype is None else np.dtype(dtype)
+    return np.empty(shape, dtype=dt)
+
+
+def to_numpy_f32(x, name):
+    """A small float32 operand (gates, beta, states) as a contiguous float32 numpy array,
+    sharing memory when it already is one (torch tensors included)."""
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"{name} is on {x.device}: CPU tensors only")
+        _check_grad(x, name)
+        torch = _torch()
+        x = x.detach().to(torch.float32).contiguous().numpy()
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def index_array(x, name):
+    """An int32 index operand (cu_seqlens, block tables, lengths, slots) as a contiguous int32
+    numpy array; a copy unless it already is one. Accepts lists, numpy and torch."""
+    if is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
+    if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+        raise OverflowError(f"{name}: values do not fit in int32")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def ptr(a):
+    """The data pointer of a numpy array (None for an empty one)."""
+    return a.ctypes.data if a is not None and a.size else None
+
+
+def raw_ptr(x):
+    """The data pointer of a numpy array or torch tensor (None for None or empty)."""
+    if x is None:
+        return None
+    if is_torch(x):
+        return x.data_ptr() or None
+    return x.ctypes.data or None
+
+
+def merge_leading(x):
+    """x [b, s, ...] as [b*s, ...]: a view when the strides allow, else a copy (torch
+    .reshape or numpy reshape semantics)."""
+    return x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]))
+
+
+def swap01_contiguous(x):
+    """x [a, b, ...] as a contiguous [b, a, ...] copy."""
+    if is_torch(x):
+        return x.transpose(0, 1).contiguous()
+    return np.ascontiguousarray(x.swapaxes(0, 1))

@@ -1,0 +1,221 @@
+"""Softmax attention with flash-attn's names, arguments and layouts (forward only).
+
+Shapes (b batch, s sequence, h heads, d head dim; hkv divides hq: GQA/MQA):
+    flash_attn_func          q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv]
+                             -> out [b, sq, hq, dv] (+ lse [b, hq, sq] float32)
+    flash_attn_varlen_func   q [total_q, hq, d], k/v [total_k, hkv, d|dv], cu_seqlens int32
+                             -> out [total_q, hq, dv] (+ lse [hq, total_q])
+    flash_attn_with_kvcache  q [b, sq, hq, d], caches [b, S, hkv, d] or paged
+                             [num_blocks, page_size, hkv, d] with block_table [b, max_pages]
+                             -> out [b, sq, hq, dv] (+ lse [b, hq, sq])
+Causal masks and windows are aligned bottom-right, as in flash-attn >= 2.1. Rows that see no
+key give 0 (and lse -inf). Inputs are numpy arrays or torch CPU tensors in float32, bfloat16
+(ml_dtypes.bfloat16 or torch.bfloat16) or float16, with any non-negative element strides;
+they are read in place. Outputs have q's dtype and family (numpy or torch) and are
+contiguous. Accumulation is float32.
+"""
+
+import numpy as np
+
+from . import _lib
+from . import _tensors as T
+
+def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=False):
+    p = _lib.AttnParams()
+    d = q.shape[-1]
+    if softmax_scale is None:
+        scale = 1.0 / float(d) ** 0.5
+    else:
+        scale = float(softmax_scale)
+        if scale == 0.0:
+            raise NotImplementedError("softmax_scale=0 (uniform attention) is not supported")
+    p.scale = scale
+    p.causal = 1 if causal else 0
+    left, right = window_size
+    p.window_left = -1 if left is None or left < 0 else int(left)
+    p.window_right = -1 if right is None or right < 0 else int(right)
+    p.softcap = float(softcap or 0.0)
+    p.threads = _lib.settings.threads
+    p.isa = isa.encode() if isa else None
+    p.flags = _lib.ATTN_PLAIN if plain else 0
+    return p
+
+
+def _unsupported(dropout_p=0.0, alibi_slopes=None, **named):
+    if dropout_p:
+        raise NotImplementedError("dropout_p > 0: flywheel is an inference library (no dropout)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes are not supported")
+    for name, value in named.items():
+        if value is not None:
+            raise NotImplementedError(f"{name} is not supported")
+
+
+def _pack(out, lse, return_lse, return_attn_probs):
+    if return_attn_probs:
+        return out, lse, None
+    if return_lse:
+        return out, lse
+    return out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, return_softmax_lse=False, isa=None, plain=False):
+    """Dense attention forward, flash-attn's `flash_attn_func`.
+
+    q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] -> out [b, sq, hq, dv].
+    causal: query i sees key j <= i + sk - sq. window_size (left, right), -1 = unbounded.
+    softcap > 0: scores become softcap * tanh(score / softcap).
+    return_softmax_lse=True returns (out, lse [b, hq, sq] float32); return_attn_probs=True
+    returns (out, lse, None) like flash-attn without dropout. Results do not depend on
+    `deterministic` (always deterministic). No copies of q, k, v (see module docstring).
+    isa names a kernel table ("portable", "avx2", "avx512"); plain=True runs the plain
+    row-at-a-time baseline kernel. Not supported (NotImplementedError): dropout, ALiBi,
+    tensors that require grad with grad enabled, non-CPU tensors.
+    """
+    _unsupported(dropout_p, alibi_slopes)
+    q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    if q.ndim != 4:
+        raise ValueError(f"q must be [b, sq, hq, d], got shape {tuple(q.shape)}")
+    b, sq, hq, _ = q.shape
+    dv = v.shape[-1]
+    out = T.empty_like_family(q, (b, sq, hq, dv))
+    lse = T.empty_like_family(q, (b, hq, sq), "float32")
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
+    want_lse = return_softmax_lse or return_attn_probs
+    tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
+    tl = T.describe(lse) if want_lse else None
+    _lib.check(_lib.lib.fw_attn_fwd(tq, tk, tv, to, tl, p))
+    return _pack(out, lse, return_softmax_lse, return_attn_probs)
+
+
+def _max_len(cu):
+    return int(np.max(np.diff(cu))) if cu.size > 1 else 0
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           return_softmax_lse=False, isa=None):
+    """Packed variable-length attention, flash-attn's `flash_attn_varlen_func`.
+
+    q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv]; cu_seqlens_q/k: batch + 1
+    int32 offsets (any integer array; copied to int32 if needed). Masks are per sequence,
+    aligned bottom-right; no key of another sequence is seen. max_seqlen_q/k must be at least
+    the longest sequence (checked). Returns out [total_q, hq, dv], and lse [hq, total_q]
+    float32 with return_softmax_lse / return_attn_probs. block_table (paged K/V) is not
+    supported here: use flash_attn_with_kvcache.
+    """
+    _unsupported(dropout_p, alibi_slopes, block_table=block_table)
+    q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    cq = T.index_array(cu_seqlens_q, "cu_seqlens_q")
+    ck = T.index_array(cu_seqlens_k, "cu_seqlens_k")
+    if cq.ndim != 1 or ck.ndim != 1 or cq.size != ck.size or cq.size < 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with batch + 1 entries each")
+    if max_seqlen_q < _max_len(cq) or max_seqlen_k < _max_len(ck):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} are below "
+                         f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [total_q, hq, d], got shape {tuple(q.shape)}")
+    total_q, hq, _ = q.shape
+    out = T.empty_like_family(q, (total_q, hq, v.shape[-1]))
+    lse = T.empty_like_family(q, (hq, total_q), "float32")
+    want_lse = return_softmax_lse or return_attn_probs
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa)
+    tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
+    tl = T.describe(lse) if want_lse else None
+    _lib.check(_lib.lib.fw_attn_varlen_fwd(tq, tk, tv, T.ptr(cq), T.ptr(ck), cq.size - 1, to,
+                                           tl, p))
+    return _pack(out, lse, return_softmax_lse, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, cu_seqlens_q=None, isa=None):
+    """Append to a K/V cache and attend, flash-attn's `flash_attn_with_kvcache`.
+
+    q [b, sq, hq, d] (sq = 1 is decode; more is chunked prefill or speculative decode).
+    k_cache/v_cache: contiguous [b, S, hkv, d|dv], or paged [num_blocks, page_size, hkv, d|dv]
+    with block_table [b, max_pages] int32 (page_size a power of two from 8 to 1024).
+    cache_seqlens: int or [b] ints, the tokens each sequence already holds (required).
+    k, v [b, sq, hkv, d|dv] (optional): new tokens, written **in place** into the caches at
+    positions cache_seqlens[i] .. before attending; then the context is cache_seqlens[i] + sq.
+    cache_seqlens is not changed (add sq yourself, as with flash-attn).
+    Extension (flash-attn 3): cu_seqlens_q [b + 1] makes q (and k, v) packed
+    [total_q, hq, d] with a different number of new tokens per sequence.
+    Returns out [b, sq, hq, dv] (or [total_q, hq, dv]), and lse [b, hq, sq]
+    ([hq, total_q]) float32 with return_softmax_lse. Long contexts are split into fixed
+    FW_KV_SPLIT ranges whatever num_splits says (the result never depends on the thread
+    count). Copies: q/k/v when [b, sq] cannot be merged into one stride (not for contiguous
+    or sq = 1 inputs), and the int32 index arrays. Not supported (NotImplementedError):
+    rotary embedding, cache_batch_idx, cache_leftpad, ALiBi, k without v.
+    """
+    _unsupported(0.0, alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+    if (k is None) != (v is None):
+        raise NotImplementedError("k and v must be given together")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is required (the tokens each sequence already holds)")
+    q = T.float_array(q, "q")
+    kc = T.float_array(k_cache, "k_cache", inplace=True)
+    vc = T.float_array(v_cache, "v_cache", inplace=True)
+    packed = cu_seqlens_q is not None
+    if packed:
+        cu = T.index_array(cu_seqlens_q, "cu_seqlens_q")
+        if q.ndim != 3:
+            raise ValueError(f"with cu_seqlens_q, q must be [total_q, hq, d], got {tuple(q.shape)}")
+        batch = cu.size - 1
+        q3 = q
+    else:
+        if q.ndim != 4:
+            raise ValueError(f"q must be [b, sq, hq, d], got shape {tuple(q.shape)}")
+        batch, sq = q.shape[0], q.shape[1]
+        cu = np.arange(batch + 1, dtype=np.int32) * sq
+        q3 = T.merge_leading(q)
+    if np.ndim(cache_seqlens) == 0:
+        seqlens = np.full(batch, int(cache_seqlens), dtype=np.int32)
+    else:
+        seqlens = T.index_array(cache_seqlens, "cache_seqlens")
+        if seqlens.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have {batch} entries, got {seqlens.shape}")
+    kn = vn = None
+    if k is not None:
+        kn, vn = T.float_array(k, "k"), T.float_array(v, "v")
+        if not packed:
+            if kn.ndim != 4 or vn.ndim != 4 or kn.shape[1] != q.shape[1] or vn.shape[1] != q.shape[1]:
+                raise NotImplementedError(
+                    f"k/v must be [b, sq, hkv, d] with the sq of q ({q.shape[1]}), got "
+                    f"{tuple(kn.shape)} and {tuple(vn.shape)}")
+            kn, vn = T.merge_leading(kn), T.merge_leading(vn)
+    cache = _lib.KVCache()
+    cache.k, cache.v = T.describe(kc), T.describe(vc)
+    bt = None
+    if block_table is not None:
+        bt = T.index_array(block_table, "block_table")
+        if bt.ndim != 2:
+            raise ValueError(f"block_table must be [b, max_pages], got shape {bt.shape}")
+        cache.block_table = T.ptr(bt)
+        cache.max_pages = bt.shape[1]
+        cache.block_table_stride = bt.shape[1]
+    cache.seqlens = T.ptr(seqlens)
+    total_q, hq = q3.shape[0], q3.shape[1]
+    out = T.empty_like_family(q, (total_q, hq, vc.shape[-1]))
+    lse = T.empty_like_family(q, (hq, total_q), "float32")
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa)
+    tk = T.describe(kn) if kn is not None else None
+    tv = T.describe(vn) if vn is not None else None
+    tl = T.describe(lse) if return_softmax_lse else None
+    _lib.check(_lib.lib.fw_attn_kvcache_fwd(T.describe(q3), tk, tv, T.ptr(cu), batch, cache,
+                                            T.describe(out), tl, p))
+    if not packed:
+        b, sq = q.shape[0], q.shape[1]
+        out = out.reshape(b, sq, hq, vc.shape[-1])
+        lse = T.swap01_contiguous(lse.reshape(hq, b, sq))
+    if return_softmax_lse:
+        return out, lse
+    return out

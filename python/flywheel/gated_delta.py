@@ -1,0 +1,257 @@
+"""Gated DeltaNet with flash-linear-attention's names, arguments and layouts (forward only).
+
+Per value head, with state h [K, V] float32 (fla's layout):
+    h_t = exp(g_t) h_{t-1} + k_t beta_t (v_t - exp(g_t) h_{t-1}^T k_t)^T,   o_t = h_t^T (scale q_t)
+Shapes (GVA: HV a multiple of H; value head j uses q/k head j // (HV // H)):
+    q, k [B, T, H, K]   v [B, T, HV, V]   g, beta [B, T, HV]   states [N, HV, K, V] float32
+With cu_seqlens (N + 1 offsets), B must be 1 and the N sequences are packed along T.
+q, k, v may be float32, bfloat16 or float16 (numpy or torch CPU) and are read in place when
+[B, T] merges into one stride (any contiguous input); g and beta are used as float32 (a copy
+when they come in another dtype or layout); states as contiguous float32 (a copy otherwise,
+except where a state is updated in place, which then must already be one).
+"""
+
+import numpy as np
+
+from . import _lib
+from . import _tensors as T
+
+
+def _params(q, scale, l2norm, flags=0, isa=None):
+    p = _lib.GdnParams()
+    p.scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
+    if p.scale == 0.0:
+        raise NotImplementedError("scale=0 is not supported")
+    p.l2norm_qk = 1 if l2norm else 0
+    p.threads = _lib.settings.threads
+    p.isa = isa.encode() if isa else None
+    p.flags = flags
+    return p
+
+
+def _unsupported(kwargs, **named):
+    for name, value in named.items():
+        if value:
+            raise NotImplementedError(f"{name} is not supported")
+    for name in kwargs:
+        raise NotImplementedError(f"argument {name!r} is not supported")
+
+
+def _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+           allow_neg_eigval):
+    """g and beta as float32 numpy arrays, with fla's optional in-kernel activations applied
+    here (g = -exp(A_log) * softplus(g + dt_bias); beta = sigmoid(beta), doubled with
+    allow_neg_eigval)."""
+    g = T.to_numpy_f32(g, "g")
+    beta = T.to_numpy_f32(beta, "beta")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log")
+        x = g + (0.0 if dt_bias is None else T.to_numpy_f32(dt_bias, "dt_bias"))
+        softplus = np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+        g = np.ascontiguousarray(-np.exp(T.to_numpy_f32(A_log, "A_log")) * softplus,
+                                 dtype=np.float32)
+    if use_beta_sigmoid_in_kernel:
+        beta = (1.0 / (1.0 + np.exp(-beta))).astype(np.float32)
+        if allow_neg_eigval:
+            beta = beta * np.float32(2.0)
+    return g, beta
+
+
+def _flatten(q, k, v, g, beta, cu_seqlens):
+    """[B, T, ...] operands as packed [B*T, ...] views plus int32 cu_seqlens."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, K] / [B, T, HV, V], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, Tn = q.shape[0], q.shape[1]
+    if g.shape != tuple(v.shape[:3]) or beta.shape != tuple(v.shape[:3]):
+        raise ValueError(f"g and beta must be [B, T, HV] = {tuple(v.shape[:3])}, got "
+                         f"{g.shape} and {beta.shape}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
+        cu = T.index_array(cu_seqlens, "cu_seqlens")
+    else:
+        cu = np.arange(B + 1, dtype=np.int32) * Tn
+    return (T.merge_leading(q), T.merge_leading(k), T.merge_leading(v),
+            g.reshape(B * Tn, g.shape[2]), beta.reshape(B * Tn, beta.shape[2]), cu)
+
+
+def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                 cu_seqlens, flags, isa, gate_args):
+    q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    g, beta = _gates(g, beta, *gate_args)
+    q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
+    B, Tn, HV, V = v.shape
+    n = cu.size - 1
+    K = q.shape[-1]
+    h0 = None
+    if initial_state is not None:
+        h0 = T.to_numpy_f32(initial_state, "initial_state")
+        if h0.shape != (n, HV, K, V):
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, HV, K, V)}, got "
+                             f"{h0.shape}")
+    o = T.empty_like_family(v, (B, Tn, HV, V))
+    ht = T.empty_like_family(q, (n, HV, K, V), "float32") if output_final_state else None
+    p = _params(q, scale, use_qk_l2norm, flags, isa)
+    o2 = T.merge_leading(o)
+    _lib.check(_lib.lib.fw_gdn_prefill(T.describe(q2), T.describe(k2), T.describe(v2),
+                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
+                                       T.ptr(h0), T.raw_ptr(ht), T.describe(o2), p))
+    return o, ht
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False,
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                           chunk_indices=None, cp_context=None, *, use_gate_in_kernel=False,
+                           A_log=None, dt_bias=None, isa=None, inverse="blocked", **kwargs):
+    """Chunked (WY/UT form, 64-token chunks) prefill, fla's `chunk_gated_delta_rule`.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay, <= 0) and beta [B, T, HV];
+    initial_state [N, HV, K, V]; cu_seqlens [N + 1] with B = 1 for packed sequences
+    (cu_seqlens_cpu and chunk_indices are accepted and not needed).
+    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+    use_gate_in_kernel / A_log / dt_bias and use_beta_sigmoid_in_kernel / allow_neg_eigval
+    are applied to the small gate arrays before the call. inverse="fwd_subst" selects the
+    forward-substitution triangular inverse. Not supported (NotImplementedError):
+    state_v_first, cp_context, other fla keyword arguments.
+    """
+    _unsupported(kwargs, state_v_first=state_v_first, cp_context=cp_context)
+    if inverse not in ("blocked", "fwd_subst"):
+        raise ValueError("inverse must be 'blocked' or 'fwd_subst'")
+    flags = _lib.GDN_FWD_SUBST if inverse == "fwd_subst" else 0
+    return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens, flags, isa,
+                        (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval))
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                     initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                                     allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, *, isa=None, **kwargs):
+    """Token-by-token recurrence (one fused pass over the state per token),
+    fla's `fused_recurrent_gated_delta_rule`; arguments and results as
+    chunk_gated_delta_rule. For decode into a slot array in place, see
+    gated_delta_rule_decode. Not supported (NotImplementedError): per-channel gates gk / gv
+    (KDA), state_v_first.
+    """
+    _unsupported(kwargs, gk=gk is not None, gv=gv is not None, state_v_first=state_v_first)
+    if g is None or beta is None:
+        raise NotImplementedError("g and beta are required (a scalar gate per token and head)")
+    return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens, _lib.GDN_FUSED_RECURRENT, isa,
+                        (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                         allow_neg_eigval))
+
+
+def _state_slots(state, HV, K, V):
+    if T.is_torch(state):
+        torch = T._torch()
+        ok = state.dtype == torch.float32 and state.is_contiguous() and state.device.type == "cpu"
+    else:
+        ok = isinstance(state, np.ndarray) and state.dtype == np.float32 and \
+            state.flags.c_contiguous
+    if not ok or state.ndim != 4 or tuple(state.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state must be a contiguous float32 [slots, HV, K, V] = "
+                         f"[slots, {HV}, {K}, {V}] array (it is updated in place), got "
+                         f"{type(state).__name__} {tuple(state.shape)} {state.dtype}")
+    return state.shape[0]
+
+
+def _indices(state_indices, n):
+    if state_indices is None:
+        return np.arange(n, dtype=np.int32)
+    idx = T.index_array(state_indices, "state_indices")
+    if idx.shape != (n,):
+        raise ValueError(f"state_indices must have {n} entries, got {idx.shape}")
+    return idx
+
+
+def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=None,
+                            use_qk_l2norm_in_kernel=False, *, isa=None):
+    """One decode step for N sequences, updating their states in a slot array in place.
+
+    q, k [N, H, K] (or [N, 1, H, K]); v [N, HV, V] (or [N, 1, HV, V]); g, beta [N, HV]
+    (or [N, 1, HV]); state [slots, HV, K, V] contiguous float32 (numpy or torch), sequence i
+    using slot state_indices[i] (default i; distinct). Returns o with v's shape and dtype.
+    """
+    q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    squeeze = v.ndim == 4
+    if squeeze:
+        if q.shape[1] != 1 or v.shape[1] != 1:
+            raise ValueError("4-D decode inputs must be [N, 1, ...]: one token per sequence")
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    if v.ndim != 3:
+        raise ValueError(f"v must be [N, HV, V], got {tuple(v.shape)}")
+    N, HV, V = v.shape
+    g = T.to_numpy_f32(g, "g").reshape(N, -1)
+    beta = T.to_numpy_f32(beta, "beta").reshape(N, -1)
+    slots = _state_slots(state, HV, q.shape[-1], V)
+    idx = _indices(state_indices, N)
+    o = T.empty_like_family(v, (N, HV, V))
+    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
+    _lib.check(_lib.lib.fw_gdn_decode(T.describe(q), T.describe(k), T.describe(v),
+                                      T.describe(g), T.describe(beta), T.raw_ptr(state), slots,
+                                      T.ptr(idx), T.describe(o), p))
+    return o.reshape(N, 1, HV, V) if squeeze else o
+
+
+class GDNReplay:
+    """What gated_delta_rule_verify keeps for gated_delta_rule_commit: per token and value head
+    the written delta and chunk-local log decay, per token and q/k head the normalised key
+    (a float32 buffer of fw_gdn_replay_floats entries), with the batch layout it was made
+    for."""
+
+    def __init__(self, buffer, cu, idx, H, HV, K, V):
+        self.buffer, self.cu_seqlens, self.state_indices = buffer, cu, idx
+        self.H, self.HV, self.K, self.V = H, HV, K, V
+
+
+def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None,
+                            scale=None, use_qk_l2norm_in_kernel=False, *, isa=None):
+    """Speculative verify: up to 64 draft tokens per sequence from the committed states, which
+    are read and not changed.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
+    state [slots, HV, K, V] contiguous float32; state_indices [N] (default 0..N-1).
+    Returns (o [B, T, HV, V], replay); pass replay to gated_delta_rule_commit with the number
+    of accepted tokens per sequence.
+    """
+    q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    g, beta = _gates(g, beta, False, None, None, False, False)
+    q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
+    n = cu.size - 1
+    B, Tn, HV, V = v.shape
+    H, K = q.shape[2], q.shape[3]
+    slots = _state_slots(state, HV, K, V)
+    idx = _indices(state_indices, n)
+    floats = _lib.lib.fw_gdn_replay_floats(B * Tn, H, HV, K, V)
+    replay = np.empty(max(floats, 1), dtype=np.float32)
+    o = T.empty_like_family(v, (B, Tn, HV, V))
+    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
+    _lib.check(_lib.lib.fw_gdn_verify(T.describe(q2), T.describe(k2), T.describe(v2),
+                                      T.describe(g2), T.describe(b2), T.ptr(cu), n,
+                                      T.raw_ptr(state), slots, T.ptr(idx), T.ptr(replay),
+                                      floats, T.describe(T.merge_leading(o)), p))
+    return o, GDNReplay(replay, cu, idx, H, HV, K, V)
+
+
+def gated_delta_rule_commit(replay, accepted, state):
+    """Commit accepted[i] (0 .. n_i) tokens of each sequence of a verify call: slot
+    replay.state_indices[i] of `state` becomes the state after those tokens, in place."""
+    r = replay
+    acc = T.index_array(accepted, "accepted")
+    if acc.shape != (r.cu_seqlens.size - 1,):
+        raise ValueError(f"accepted must have {r.cu_seqlens.size - 1} entries, got {acc.shape}")
+    slots = _state_slots(state, r.HV, r.K, r.V)
+    p = _lib.GdnParams()
+    p.threads = _lib.settings.threads
+    _lib.check(_lib.lib.fw_gdn_commit(T.ptr(r.cu_seqlens), r.cu_seqlens.size - 1, T.ptr(acc),
+                                      r.H, r.HV, r.K, r.V, T.raw_ptr(state), slots,
+                                      T.ptr(r.state_indices), T.ptr(r.buffer), r.buffer.size,
+                                      p))
