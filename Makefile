@@ -1,9 +1,19 @@
-# Thin wrapper over CMake. `make run`: the main job; `make test`: every test.
+# Thin wrapper over CMake. `make run`: the main job; `make test`: every test (C, then Python);
+# `make compare`: flywheel side by side with its peers.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all build run test test-asan test-tsan clean
+# The Python tests and the comparison run in a virtual environment, .venv, made with the first
+# Python >= 3.12 found (current JAX and the original FlyWheel need it), else python3.
+VENV ?= .venv
+PYTHON ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) \
+                  python3.13 python3; do \
+                  $$p -c 'import sys; assert sys.version_info >= (3, 9)' 2>/dev/null && \
+                  { command -v $$p; break; }; done)
+PYTEST_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
+
+.PHONY: all build run test test-c test-python test-asan test-tsan compare clean
 
 all: build
 
@@ -14,8 +24,30 @@ build:
 run: build
 	$(BUILD)/flywheel run
 
-test: build
+test: test-c test-python
+
+test-c: build
 	$(BUILD)/test_flywheel
+
+# The package from the tree, on the library just built (pytest, numpy, torch, fla in .venv).
+test-python: build $(VENV)/.test-deps
+	$(PYTEST_ENV) $(VENV)/bin/python -m pytest -q python/tests
+
+$(VENV)/.test-deps: python/requirements-test.txt
+	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r python/requirements-test.txt
+	@touch $@
+
+$(VENV)/.compare-deps: $(VENV)/.test-deps python/requirements-compare.txt
+	$(VENV)/bin/pip install -q -r python/requirements-compare.txt
+	$(VENV)/bin/pip install -q flywheel-tpu || \
+	  echo "make: flywheel-tpu could not be installed; the comparison says why"
+	@touch $@
+
+# Every peer in one process on the same inputs: docs/compare/compare.md and PNG plots.
+compare: build $(VENV)/.compare-deps
+	$(PYTEST_ENV) $(VENV)/bin/python python/compare.py --out docs/compare
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:

@@ -1,0 +1,103 @@
+"""Shared helpers: float64 numpy references and input makers for numpy and torch."""
+
+import numpy as np
+import pytest
+
+import flywheel
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+try:
+    import torch
+except ImportError:
+    torch = None
+
+FAMILIES = ["numpy"] + (["torch"] if torch is not None else [])
+DTYPES = ["float32", "bfloat16", "float16"]
+
+# max |error| allowed against the float64 reference on O(1) outputs: the output rounding of
+# the dtype (bf16 2^-9, f16 2^-12 relative) plus float32 accumulation.
+TOL = {"float32": 2e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
+
+
+def make(rng, shape, dtype, family, scale=1.0):
+    """A random tensor in the given family and dtype, and its exact float64 value."""
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if family == "torch":
+        t = torch.from_numpy(x).to(getattr(torch, dtype))
+        return t, t.to(torch.float64).numpy()
+    if dtype == "bfloat16":
+        if ml_dtypes is None:
+            pytest.skip("bfloat16 numpy arrays need ml_dtypes")
+        a = x.astype(ml_dtypes.bfloat16)
+    else:
+        a = x.astype(dtype)
+    return a, a.astype(np.float64)
+
+
+def as64(x):
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.to(torch.float64).numpy()
+    return np.asarray(x).astype(np.float64)
+
+
+def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
+    """float64 attention for one sequence: q [sq, hq, d], k [sk, hkv, d], v [sk, hkv, dv]
+    -> out [sq, hq, dv], lse [hq, sq]; masks aligned bottom-right, empty rows give 0 / -inf."""
+    sq, hq, _ = q.shape
+    sk, hkv, _ = k.shape
+    g = hq // hkv
+    kk = np.repeat(k, g, axis=1)
+    vv = np.repeat(v, g, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, kk) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    i = np.arange(sq)[:, None] + sk - sq
+    j = np.arange(sk)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    allowed = np.ones((sq, sk), dtype=bool)
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    s = np.where(allowed[None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    den = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("hqk,khd->qhd", p / np.where(den > 0, den, 1.0), vv)
+    lse = np.where(den[..., 0] > 0, np.log(np.where(den[..., 0] > 0, den[..., 0], 1.0)) +
+                   m[..., 0], -np.inf)
+    return out, lse
+
+
+def ref_gdn(q, k, v, g, beta, scale, h0=None, l2norm=False):
+    """float64 Gated DeltaNet recurrence for one sequence: q, k [T, H, K], v [T, HV, V],
+    g, beta [T, HV], h0 [HV, K, V] -> o [T, HV, V], h [HV, K, V]."""
+    Tn, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    r = HV // H
+    if l2norm:
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    h = np.zeros((HV, K, V)) if h0 is None else h0.astype(np.float64).copy()
+    o = np.zeros((Tn, HV, V))
+    for t in range(Tn):
+        for j in range(HV):
+            kt, qt = k[t, j // r], q[t, j // r] * scale
+            h[j] *= np.exp(g[t, j])
+            delta = beta[t, j] * (v[t, j] - h[j].T @ kt)
+            h[j] += np.outer(kt, delta)
+            o[t, j] = h[j].T @ qt
+    return o, h
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    flywheel.set_num_threads(2)
+    yield
+    flywheel.set_num_threads(0)

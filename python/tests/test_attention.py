@@ -1,0 +1,298 @@
+"""flash_attn_func / flash_attn_varlen_func / flash_attn_with_kvcache against a float64 numpy
+reference, torch's scaled_dot_product_attention, and each class of bad input."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import flywheel
+from flywheel import FlywheelError
+from conftest import DTYPES, FAMILIES, TOL, as64, make, ref_attention, torch
+
+SHAPES = [  # (b, sq, sk, hq, hkv, d, dv)
+    (1, 1, 1, 4, 4, 64, 64),
+    (2, 17, 33, 8, 2, 64, 64),
+    (1, 100, 37, 6, 1, 128, 128),
+    (1, 130, 130, 4, 2, 32, 48),
+    (2, 65, 200, 2, 2, 256, 256),
+]
+MASKS = [  # (causal, window, softcap)
+    (False, (-1, -1), 0.0),
+    (True, (-1, -1), 0.0),
+    (True, (20, -1), 0.0),
+    (False, (7, 3), 30.0),
+]
+
+
+def check(out, lse, q, k, v, scale, causal, window, softcap, dtype):
+    b = q.shape[0]
+    for i in range(b):
+        ro, rl = ref_attention(q[i], k[i], v[i], scale, causal, window, softcap)
+        err = np.abs(as64(out)[i] - ro).max() if ro.size else 0.0
+        assert err <= TOL[dtype], f"batch {i}: max error {err} over {TOL[dtype]}"
+        if lse is not None:
+            got = as64(lse)[i]
+            assert np.array_equal(np.isinf(got), np.isinf(rl))
+            fin = np.isfinite(rl)
+            assert np.abs(got[fin] - rl[fin]).max(initial=0) <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mask", MASKS)
+def test_dense_matches_reference(family, dtype, shape, mask):
+    b, sq, sk, hq, hkv, d, dv = shape
+    causal, window, softcap = mask
+    rng = np.random.default_rng(sum(shape))
+    q, q64 = make(rng, (b, sq, hq, d), dtype, family)
+    k, k64 = make(rng, (b, sk, hkv, d), dtype, family)
+    v, v64 = make(rng, (b, sk, hkv, dv), dtype, family)
+    out, lse = flywheel.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                        softcap=softcap, return_softmax_lse=True)
+    assert type(out) is type(q) and out.dtype == q.dtype and tuple(out.shape) == (b, sq, hq, dv)
+    assert tuple(lse.shape) == (b, hq, sq)
+    check(out, lse, q64, k64, v64, d ** -0.5, causal, window, softcap, dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_strided_views_are_read_in_place(family):
+    """q as a permuted [b, h, s, d] buffer, k/v as every other row of a larger buffer."""
+    rng = np.random.default_rng(1)
+    qb, qb64 = make(rng, (2, 4, 50, 64), "float32", family)
+    kb, kb64 = make(rng, (2, 80, 2, 64), "float32", family)
+    vb, vb64 = make(rng, (2, 80, 2, 64), "float32", family)
+    if family == "torch":
+        q = qb.permute(0, 2, 1, 3)
+    else:
+        q = qb.transpose(0, 2, 1, 3)
+    k, v = kb[:, ::2], vb[:, ::2]
+    out = flywheel.flash_attn_func(q, k, v, causal=True, softmax_scale=0.1)
+    check(out, None, qb64.transpose(0, 2, 1, 3), kb64[:, ::2], vb64[:, ::2], 0.1, True,
+          (-1, -1), 0.0, "float32")
+
+
+def test_negative_numpy_strides_are_copied():
+    rng = np.random.default_rng(2)
+    q, q64 = make(rng, (1, 20, 2, 32), "float32", "numpy")
+    k, k64 = make(rng, (1, 20, 2, 32), "float32", "numpy")
+    v, v64 = make(rng, (1, 20, 2, 32), "float32", "numpy")
+    out = flywheel.flash_attn_func(q[:, ::-1], k, v, causal=True)
+    check(out, None, q64[:, ::-1], k64, v64, 32 ** -0.5, True, (-1, -1), 0.0, "float32")
+
+
+def test_return_attn_probs_like_flash_attn():
+    rng = np.random.default_rng(3)
+    q, _ = make(rng, (1, 9, 2, 16), "float32", "numpy")
+    out, lse, probs = flywheel.flash_attn_func(q, q, q, return_attn_probs=True)
+    assert probs is None and lse.shape == (1, 2, 9) and out.shape == (1, 9, 2, 16)
+
+
+def test_every_kernel_table_and_the_plain_kernel_agree():
+    rng = np.random.default_rng(4)
+    q, q64 = make(rng, (1, 70, 4, 64), "float32", "numpy")
+    k, k64 = make(rng, (1, 90, 2, 64), "float32", "numpy")
+    v, v64 = make(rng, (1, 90, 2, 64), "float32", "numpy")
+    for isa in flywheel.isa_tables():
+        for plain in (False, True):
+            out = flywheel.flash_attn_func(q, k, v, causal=True, isa=isa, plain=plain)
+            check(out, None, q64, k64, v64, 64 ** -0.5, True, (-1, -1), 0.0, "float32")
+
+
+def test_thread_counts_give_the_same_bits():
+    rng = np.random.default_rng(5)
+    q, _ = make(rng, (2, 300, 8, 64), "bfloat16", "numpy")
+    k, _ = make(rng, (2, 300, 2, 64), "bfloat16", "numpy")
+    outs = []
+    for n in (1, 3):
+        flywheel.set_num_threads(n)
+        outs.append(flywheel.flash_attn_func(q, k, k, causal=True))
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+def test_python_threads_call_at_once():
+    rng = np.random.default_rng(6)
+    q, _ = make(rng, (1, 200, 4, 64), "float32", "numpy")
+    want = flywheel.flash_attn_func(q, q, q, causal=True)
+    got, errors = [], []
+
+    def work():
+        try:
+            for _ in range(5):
+                got.append(flywheel.flash_attn_func(q, q, q, causal=True))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 20
+    assert all(np.array_equal(g, want) for g in got)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_varlen_matches_reference(family, dtype):
+    rng = np.random.default_rng(7)
+    lq, lk = [5, 0, 64, 33, 1], [9, 4, 64, 120, 1]
+    cq, ck = np.cumsum([0] + lq), np.cumsum([0] + lk)
+    q, q64 = make(rng, (cq[-1], 6, 64), dtype, family)
+    k, k64 = make(rng, (ck[-1], 2, 64), dtype, family)
+    v, v64 = make(rng, (ck[-1], 2, 64), dtype, family)
+    cu_q = torch.tensor(cq, dtype=torch.int32) if family == "torch" else cq.astype(np.int32)
+    out, lse = flywheel.flash_attn_varlen_func(q, k, v, cu_q, ck, max(lq), max(lk), causal=True,
+                                               return_softmax_lse=True)
+    assert tuple(lse.shape) == (6, cq[-1])
+    for i in range(len(lq)):
+        sl, kl = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        ro, rl = ref_attention(q64[sl], k64[kl], v64[kl], 0.125, causal=True)
+        if ro.size:
+            assert np.abs(as64(out)[sl] - ro).max() <= TOL[dtype]
+            fin = np.isfinite(rl)
+            assert np.abs(as64(lse)[:, sl][fin] - rl[fin]).max(initial=0) <= 1e-4
+
+
+def test_varlen_checks_max_seqlen_and_block_table():
+    q = np.zeros((10, 2, 16), np.float32)
+    cu = np.array([0, 4, 10], np.int32)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        flywheel.flash_attn_varlen_func(q, q, q, cu, cu, 5, 6)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flywheel.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, block_table=np.zeros((2, 1)))
+
+
+def _paged(cache, page, order):
+    """A contiguous cache [b, S, h, d] as pages placed by the permutation `order`, plus the
+    block table."""
+    b, per = cache.shape[0], cache.shape[1] // page
+    pages = np.zeros((b * per, page) + cache.shape[2:], dtype=cache.dtype)
+    table = order.reshape(b, per).astype(np.int32)
+    for i in range(b):
+        for p in range(per):
+            pages[table[i, p]] = cache[i, p * page:(p + 1) * page]
+    return pages, table
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sq", [1, 4, 40])
+def test_kvcache_appends_in_place_and_attends(family, paged, sq):
+    rng = np.random.default_rng(8 + sq)
+    b, S, hq, hkv, d = 3, 256, 8, 2, 64
+    lens = np.array([0, 100, 256 - sq], np.int32)
+    kc, kc64 = make(rng, (b, S, hkv, d), "float32", "numpy")
+    vc, vc64 = make(rng, (b, S, hkv, d), "float32", "numpy")
+    q, q64 = make(rng, (b, sq, hq, d), "float32", family)
+    kn, kn64 = make(rng, (b, sq, hkv, d), "float32", family)
+    vn, vn64 = make(rng, (b, sq, hkv, d), "float32", family)
+    table = None
+    if paged:
+        order = rng.permutation(b * S // 16)
+        kc, table = _paged(kc, 16, order)
+        vc, _ = _paged(vc, 16, order)
+    if family == "torch":
+        kc, vc = torch.from_numpy(kc), torch.from_numpy(vc)
+    out, lse = flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                                block_table=table, causal=True,
+                                                return_softmax_lse=True)
+    assert tuple(out.shape) == (b, sq, hq, d) and tuple(lse.shape) == (b, hq, sq)
+    for i in range(b):
+        L = lens[i] + sq
+        kctx = np.concatenate([kc64[i, :lens[i]], kn64[i]])
+        vctx = np.concatenate([vc64[i, :lens[i]], vn64[i]])
+        ro, rl = ref_attention(q64[i], kctx, vctx, d ** -0.5, causal=True)
+        assert np.abs(as64(out)[i] - ro).max() <= TOL["float32"]
+        assert np.abs(as64(lse)[i] - rl).max() <= 1e-4
+        # the new rows are in the cache, in place
+        kcache = as64(kc)
+        if paged:
+            rows = [kcache[table[i, t // 16], t % 16] for t in range(lens[i], L)]
+        else:
+            rows = [kcache[i, t] for t in range(lens[i], L)]
+        assert np.array_equal(np.stack(rows), kn64[i])
+
+
+def test_kvcache_packed_queries_and_scalar_seqlens():
+    rng = np.random.default_rng(9)
+    kc, kc64 = make(rng, (2, 64, 1, 32), "float32", "numpy")
+    q, q64 = make(rng, (3, 4, 32), "float32", "numpy")
+    out = flywheel.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=50,
+                                           cu_seqlens_q=[0, 1, 3])
+    for i, (a, z) in enumerate([(0, 1), (1, 3)]):
+        ro, _ = ref_attention(q64[a:z], kc64[i, :50], kc64[i, :50], 32 ** -0.5)
+        assert np.abs(out[a:z] - ro).max() <= TOL["float32"]
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_against_torch_sdpa(dtype):
+    """sq == sk, so torch's top-left causal mask equals flash-attn's bottom-right one."""
+    rng = np.random.default_rng(10)
+    q, _ = make(rng, (2, 150, 8, 64), dtype, "torch")
+    k, _ = make(rng, (2, 150, 2, 64), dtype, "torch")
+    v, _ = make(rng, (2, 150, 2, 64), dtype, "torch")
+    ours = flywheel.flash_attn_func(q, k, v, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+        is_causal=True, enable_gqa=True).transpose(1, 2)
+    assert (ours.float() - want).abs().max().item() <= TOL[dtype]
+
+
+def test_bad_inputs_raise_with_the_c_message():
+    q = np.zeros((1, 8, 6, 32), np.float32)
+    k = np.zeros((1, 8, 4, 32), np.float32)  # 4 does not divide 6
+    with pytest.raises(FlywheelError) as e:
+        flywheel.flash_attn_func(q, k, k)
+    assert e.value.status == "FW_ERR_SHAPE" and "does not divide" in str(e.value)
+    with pytest.raises(FlywheelError) as e:
+        flywheel.flash_attn_func(q, q.astype(np.float16), q)
+    assert e.value.status == "FW_ERR_DTYPE"
+    with pytest.raises(FlywheelError, match="FW_ERR_ARG"):
+        flywheel.flash_attn_func(q, q, q, softcap=-1.0)
+    with pytest.raises(FlywheelError, match="FW_ERR_SEQLENS"):
+        flywheel.flash_attn_varlen_func(q[0], q[0], q[0], [0, 9], [0, 8], 9, 8)
+    with pytest.raises(TypeError, match="dtype int64"):
+        flywheel.flash_attn_func(np.zeros((1, 2, 2, 4), np.int64), q, q)
+    with pytest.raises(TypeError, match="numpy array or a torch"):
+        flywheel.flash_attn_func([[1.0]], q, q)
+    with pytest.raises(NotImplementedError, match="unknown kernel table"):
+        flywheel.flash_attn_func(q, q, q, isa="sve")
+
+
+def test_kvcache_bad_page_index_leaves_the_cache_untouched():
+    kc = np.zeros((4, 16, 1, 32), np.float32)
+    before = kc.copy()
+    q = np.ones((1, 1, 1, 32), np.float32)
+    with pytest.raises(FlywheelError) as e:
+        flywheel.flash_attn_with_kvcache(q, kc, kc, q, q, cache_seqlens=[3],
+                                         block_table=[[7]])
+    assert e.value.status == "FW_ERR_INDEX"
+    assert np.array_equal(kc, before)
+    with pytest.raises(ValueError, match="cache_seqlens is required"):
+        flywheel.flash_attn_with_kvcache(q, kc, kc)
+
+
+def test_unsupported_options_raise_not_implemented():
+    q = np.zeros((1, 4, 2, 16), np.float32)
+    for kw in ({"dropout_p": 0.1}, {"alibi_slopes": np.zeros(2, np.float32)}):
+        with pytest.raises(NotImplementedError):
+            flywheel.flash_attn_func(q, q, q, **kw)
+    kc = np.zeros((1, 16, 2, 16), np.float32)
+    with pytest.raises(NotImplementedError, match="rotary_cos"):
+        flywheel.flash_attn_with_kvcache(q, kc, kc, rotary_cos=q, cache_seqlens=1)
+    with pytest.raises(NotImplementedError, match="cache_batch_idx"):
+        flywheel.flash_attn_with_kvcache(q, kc, kc, cache_batch_idx=[0], cache_seqlens=1)
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_torch_grad_and_device_are_refused():
+    q = torch.zeros(1, 4, 2, 16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward"):
+        flywheel.flash_attn_func(q, q, q)
+    with torch.no_grad():
+        assert flywheel.flash_attn_func(q, q, q).shape == (1, 4, 2, 16)
+    with pytest.raises(NotImplementedError, match="meta"):
+        flywheel.flash_attn_func(q.detach().to("meta"), q, q)

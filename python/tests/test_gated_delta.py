@@ -1,0 +1,174 @@
+"""chunk_gated_delta_rule / fused_recurrent_gated_delta_rule / decode / verify + commit against
+a float64 numpy recurrence, fla's torch reference, and bad input."""
+
+import numpy as np
+import pytest
+
+import flywheel
+from flywheel import FlywheelError
+from conftest import FAMILIES, as64, make, ref_gdn, torch
+
+try:
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+except Exception:  # fla not installed, or it fails to import on this machine
+    naive_recurrent_gated_delta_rule = None
+
+# max |error| against the float64 recurrence: outputs are O(1); bf16 output rounding dominates
+GTOL = {"float32": 2e-4, "bfloat16": 2e-2}
+
+
+def inputs(rng, B, Tn, H, HV, K, V, dtype, family):
+    q, q64 = make(rng, (B, Tn, H, K), dtype, family)
+    k, k64 = make(rng, (B, Tn, H, K), dtype, family)
+    v, v64 = make(rng, (B, Tn, HV, V), dtype, family)
+    g64 = -np.abs(rng.standard_normal((B, Tn, HV))) * 0.3
+    b64 = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, Tn, HV))))
+    g, beta = g64.astype(np.float32), b64.astype(np.float32)
+    if family == "torch":
+        g, beta = torch.from_numpy(g), torch.from_numpy(beta)
+    return (q, k, v, g, beta), (q64, k64, v64, g.astype(np.float64) if family == "numpy"
+                                else g64.astype(np.float32).astype(np.float64),
+                                as64(beta))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("Tn", [1, 63, 64, 65, 150])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 3)])
+@pytest.mark.parametrize("fn", ["chunk", "fused"])
+def test_prefill_matches_reference(family, dtype, Tn, heads, fn):
+    H, HV = heads
+    K, V = 32, 48
+    rng = np.random.default_rng(Tn * 7 + HV)
+    (q, k, v, g, beta), (q64, k64, v64, g64, b64) = inputs(rng, 2, Tn, H, HV, K, V, dtype,
+                                                         family)
+    h0 = rng.standard_normal((2, HV, K, V)).astype(np.float32) * 0.1
+    f = flywheel.chunk_gated_delta_rule if fn == "chunk" else \
+        flywheel.fused_recurrent_gated_delta_rule
+    o, ht = f(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+              use_qk_l2norm_in_kernel=True)
+    assert tuple(o.shape) == (2, Tn, HV, V) and o.dtype == v.dtype
+    assert tuple(ht.shape) == (2, HV, K, V) and str(ht.dtype).endswith("float32")
+    for i in range(2):
+        ro, rh = ref_gdn(q64[i], k64[i], v64[i], g64[i], b64[i], K ** -0.5, h0[i], True)
+        assert np.abs(as64(o)[i] - ro).max() <= GTOL[dtype]
+        assert np.abs(as64(ht)[i] - rh).max() <= 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_varlen_with_empty_sequences(family):
+    rng = np.random.default_rng(11)
+    lens = [70, 0, 5, 130]
+    cu = np.cumsum([0] + lens)
+    (q, k, v, g, beta), (q64, k64, v64, g64, b64) = inputs(rng, 1, cu[-1], 2, 4, 64, 64,
+                                                         "float32", family)
+    h0 = rng.standard_normal((4, 4, 64, 64)).astype(np.float32) * 0.1
+    o, ht = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, scale=0.2, initial_state=h0,
+                                            output_final_state=True, cu_seqlens=cu,
+                                            use_qk_l2norm_in_kernel=True)
+    for i in range(4):
+        s = slice(cu[i], cu[i + 1])
+        ro, rh = ref_gdn(q64[0, s], k64[0, s], v64[0, s], g64[0, s], b64[0, s], 0.2, h0[i],
+                         True)
+        assert np.abs(as64(o)[0, s] - ro).max(initial=0) <= 5e-4
+        assert np.abs(as64(ht)[i] - rh).max() <= 1e-3
+
+
+def test_gate_and_beta_activations_like_fla():
+    rng = np.random.default_rng(12)
+    (q, k, v, g, beta), _ = inputs(rng, 1, 40, 2, 2, 32, 32, "float32", "numpy")
+    raw_g, raw_b = rng.standard_normal((1, 40, 2)).astype(np.float32), \
+        rng.standard_normal((1, 40, 2)).astype(np.float32)
+    A_log, dt_bias = np.array([0.1, -0.5], np.float32), np.array([0.3, 0.0], np.float32)
+    o1, _ = flywheel.chunk_gated_delta_rule(q, k, v, raw_g, raw_b, use_gate_in_kernel=True,
+                                            A_log=A_log, dt_bias=dt_bias,
+                                            use_beta_sigmoid_in_kernel=True)
+    gg = (-np.exp(A_log) * np.log1p(np.exp(raw_g + dt_bias))).astype(np.float32)
+    bb = (1 / (1 + np.exp(-raw_b))).astype(np.float32)
+    o2, _ = flywheel.chunk_gated_delta_rule(q, k, v, gg, bb)
+    assert np.abs(o1 - o2).max() <= 1e-5
+
+
+@pytest.mark.skipif(naive_recurrent_gated_delta_rule is None, reason="fla is not installed")
+def test_against_fla_torch_reference():
+    rng = np.random.default_rng(13)
+    (q, k, v, g, beta), _ = inputs(rng, 2, 100, 4, 4, 64, 64, "float32", "torch")
+    k = torch.nn.functional.normalize(k, dim=-1)  # the naive reference has no l2norm option
+    h0 = torch.randn(2, 4, 64, 64) * 0.1
+    want, want_h = naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0,
+                                                    output_final_state=True)
+    for f in (flywheel.chunk_gated_delta_rule, flywheel.fused_recurrent_gated_delta_rule):
+        o, ht = f(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)
+        assert (o - want).abs().max().item() <= 1e-3
+        assert (ht - want_h).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_equal_the_recurrence(family):
+    rng = np.random.default_rng(14)
+    (q, k, v, g, beta), _ = inputs(rng, 3, 6, 2, 4, 32, 32, "float32", family)
+    h0 = (rng.standard_normal((3, 4, 32, 32)) * 0.1).astype(np.float32)
+    want, want_h = flywheel.fused_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)
+    slots = np.zeros((5, 4, 32, 32), np.float32)
+    idx = np.array([4, 0, 2], np.int32)
+    slots[idx] = h0
+    if family == "torch":
+        slots = torch.from_numpy(slots)
+    for t in range(6):
+        o = flywheel.gated_delta_rule_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t],
+                                             slots, idx)
+        assert np.abs(as64(o) - as64(want)[:, t]).max() <= 1e-5
+    assert np.abs(as64(slots)[idx] - as64(want_h)).max() <= 1e-5
+
+
+@pytest.mark.parametrize("accepted", [[0, 3], [5, 1], [2, 2]])
+def test_verify_then_commit_equals_decoding_the_accepted_tokens(accepted):
+    rng = np.random.default_rng(15)
+    lens = [5, 3]
+    cu = np.cumsum([0] + lens)
+    (q, k, v, g, beta), _ = inputs(rng, 1, cu[-1], 2, 4, 32, 32, "float32", "numpy")
+    state = (rng.standard_normal((3, 4, 32, 32)) * 0.1).astype(np.float32)
+    idx = np.array([2, 0], np.int32)
+    o, replay = flywheel.gated_delta_rule_verify(q, k, v, g, beta, state, idx, cu_seqlens=cu)
+    committed = state.copy()
+    want_o, _ = flywheel.fused_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=state[idx], cu_seqlens=cu)
+    assert np.abs(o - want_o).max() <= 1e-4
+    flywheel.gated_delta_rule_commit(replay, accepted, state)
+    for i, m in enumerate(accepted):
+        s = slice(cu[i], cu[i] + m)
+        _, h = flywheel.fused_recurrent_gated_delta_rule(
+            q[:, s], k[:, s], v[:, s], g=g[:, s], beta=beta[:, s],
+            initial_state=committed[idx[i]][None], output_final_state=True)
+        assert np.abs(state[idx[i]] - h[0]).max() <= 1e-4
+    assert np.array_equal(state[1], committed[1])  # the slot nobody uses
+
+
+def test_bad_inputs():
+    rng = np.random.default_rng(16)
+    (q, k, v, g, beta), _ = inputs(rng, 1, 8, 2, 4, 16, 16, "float32", "numpy")
+    with pytest.raises(FlywheelError) as e:
+        flywheel.chunk_gated_delta_rule(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
+    assert e.value.status == "FW_ERR_SHAPE"
+    with pytest.raises(FlywheelError, match="FW_ERR_SEQLENS"):
+        flywheel.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=[0, 9])
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        flywheel.chunk_gated_delta_rule(*(np.concatenate([x, x]) for x in (q, k, v, g, beta)),
+                                        cu_seqlens=[0, 8])
+    with pytest.raises(ValueError, match="initial_state"):
+        flywheel.chunk_gated_delta_rule(q, k, v, g, beta,
+                                        initial_state=np.zeros((2, 4, 16, 16), np.float32))
+    with pytest.raises(NotImplementedError, match="gk"):
+        flywheel.fused_recurrent_gated_delta_rule(q, k, v, gk=g, beta=beta)
+    with pytest.raises(NotImplementedError, match="state_v_first"):
+        flywheel.chunk_gated_delta_rule(q, k, v, g, beta, state_v_first=True)
+    with pytest.raises(NotImplementedError, match="'foo'"):
+        flywheel.chunk_gated_delta_rule(q, k, v, g, beta, foo=1)
+    slots = np.zeros((2, 4, 16, 16), np.float32)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                         slots.astype(np.float64))
+    with pytest.raises(FlywheelError, match="FW_ERR_INDEX|FW_ERR_ARG"):
+        flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], slots,
+                                         [5])
