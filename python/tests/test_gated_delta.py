@@ -172,3 +172,22 @@ def test_bad_inputs():
     with pytest.raises(FlywheelError, match="FW_ERR_INDEX|FW_ERR_ARG"):
         flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], slots,
                                          [5])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_views_into_a_packed_qkv_buffer_on_every_table(family):
+    """q, k, v as head slices of one [B, T, 2H + HV, K] projection output (no copies)."""
+    rng = np.random.default_rng(17)
+    B, Tn, H, HV, K = 2, 70, 2, 4, 32
+    buf, buf64 = make(rng, (B, Tn, 2 * H + HV, K), "float32", family)
+    q, k, v = buf[:, :, :H], buf[:, :, H:2 * H], buf[:, :, 2 * H:]
+    g = -np.abs(rng.standard_normal((B, Tn, HV))).astype(np.float32) * 0.2
+    beta = np.full((B, Tn, HV), 0.6, np.float32)
+    for isa in flywheel.isa_tables():
+        o, _ = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                               isa=isa)
+        for i in range(B):
+            ro, _ = ref_gdn(buf64[i, :, :H], buf64[i, :, H:2 * H], buf64[i, :, 2 * H:],
+                            g[i].astype(np.float64), beta[i].astype(np.float64), K ** -0.5,
+                            None, True)
+            assert np.abs(as64(o)[i] - ro).max() <= GTOL["float32"], isa

@@ -1,0 +1,616 @@
+"""`make compare`: flywheel side by side with its peers, in one process, on the same inputs.
+
+Dense causal prefill and decode: PyTorch CPU SDPA (f32, bf16), JAX
+jax.nn.dot_product_attention (XLA CPU; f32, bf16), ggml flash_attn_ext (ggml-python; K/V f16,
+as llama.cpp's default cache). Gated DeltaNet prefill and decode: ggml gated_delta_net and
+fla's torch reference (naive_chunk_gated_delta_rule / naive_recurrent_gated_delta_rule).
+flywheel-tpu (the original FlyWheel, JAX Pallas) runs in interpret mode on small shapes as a
+correctness oracle for the softmax kernels; it is not timed.
+
+Every system gets the same input values: they are drawn once, rounded to bf16, and handed to
+each system in its own layout and dtype outside the timed region. Timings are medians of
+--reps runs after one warm-up. The diff column is the max |peer - flywheel| over the output,
+against flywheel's f32 result.
+
+FLOP formulas: attention 2 (d + dv) per visible (query, key) pair and query head;
+Gated DeltaNet 2 (3 dk dv + 64 (3 dk + 2 dv) + 63 * 62 / 6) per token and value head
+(gdn.md section 8). Decode: GB/s of K/V (attention) or of state read and written (GDN).
+
+Usage: python python/compare.py [--out docs/compare] [--threads N] [--reps R] [--quick]
+"""
+
+import argparse
+import ctypes
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import flywheel
+from flywheel import _lib
+
+HQ, HKV, D = 32, 8, 128                 # make run's attention shape (Llama-3-8B-like GQA)
+GH, GHV, GD = 16, 32, 128               # make run's GDN shape (Qwen3-Next)
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def median_time(fn, reps):
+    fn()  # warm-up (compiles JAX, touches memory)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bf16_values(rng, shape, scale=1.0):
+    """float32 values exactly representable in bf16, so every dtype sees the same numbers."""
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+class Row:
+    def __init__(self, op, system, dtype, size, seconds=None, value=None, unit="", diff=None,
+                 note=""):
+        self.op, self.system, self.dtype, self.size = op, system, dtype, size
+        self.seconds, self.value, self.unit, self.diff, self.note = (seconds, value, unit, diff,
+                                                                     note)
+
+
+# ------------------------------------------------------------------------------ peers --
+
+class Peers:
+    """Imports each peer once; a peer that cannot be imported is recorded with the reason."""
+
+    def __init__(self, threads):
+        self.missing = {}
+        self.threads = threads
+        try:
+            import torch
+            torch.set_num_threads(threads)
+            self.torch = torch
+        except Exception as e:
+            self.torch = None
+            self.missing["torch"] = f"import torch failed: {e}"
+        try:
+            import jax
+            jax.config.update("jax_platforms", "cpu")
+            self.jax = jax
+        except Exception as e:
+            self.jax = None
+            self.missing["jax"] = f"import jax failed: {e}"
+        try:
+            import ggml
+            self.ggml = ggml
+        except Exception as e:
+            self.ggml = None
+            self.missing["ggml"] = f"import ggml (ggml-python) failed: {e}"
+        try:
+            from fla.ops.gated_delta_rule import naive
+            self.fla = naive
+        except Exception as e:
+            self.fla = None
+            self.missing["fla"] = f"import fla failed: {e}"
+        try:
+            import flywheel_tpu
+            self.fwtpu = flywheel_tpu
+        except Exception as e:
+            self.fwtpu = None
+            why = ("it needs Python >= 3.12 and jax >= 0.11" if sys.version_info < (3, 12)
+                   else str(e))
+            self.missing["flywheel-tpu"] = f"not installed here: {why}"
+
+
+class GgmlGraph:
+    """One ggml context holding input tensors, one op and its graph, computed on demand."""
+
+    def __init__(self, ggml, mem_bytes):
+        self.g = ggml
+        params = ggml.ggml_init_params(mem_size=int(mem_bytes), mem_buffer=None, no_alloc=False)
+        self.ctx = ggml.ggml_init(params)
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+
+    def tensor(self, gtype, ne, data=None):
+        g = self.g
+        t = g.ggml_new_tensor(self.ctx, gtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
+        if data is not None:
+            ctypes.memmove(g.ggml_get_data(t), data.ctypes.data, data.nbytes)
+        return t
+
+    def build(self, out):
+        self.out = out
+        self.graph = self.g.ggml_new_graph(self.ctx)
+        self.g.ggml_build_forward_expand(self.graph, out)
+
+    def compute(self, threads):
+        self.g.ggml_graph_compute_with_ctx(self.ctx, self.graph, threads)
+
+    def result(self, count):
+        p = ctypes.cast(self.g.ggml_get_data(self.out), ctypes.POINTER(ctypes.c_float))
+        return np.ctypeslib.as_array(p, shape=(count,)).copy()
+
+    def free(self):
+        self.g.ggml_free(self.ctx)
+
+
+def ggml_attention(ggml, q, k, v, causal, threads):
+    """ggml_flash_attn_ext with f32 Q and f16 K/V; q [sq, hq, d], k/v [sk, hkv, d] numpy f32.
+    Returns (run, result) closures."""
+    sq, hq, d = q.shape
+    sk, hkv, _ = k.shape
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    mask = None
+    if causal:
+        rows = (sq + 63) // 64 * 64
+        i = np.arange(rows)[:, None] + sk - sq
+        j = np.arange(sk)[None, :]
+        mask = np.where(j <= i, 0.0, -np.inf).astype(np.float16)
+    mem = q.nbytes * 2 + k16.nbytes + v16.nbytes + (mask.nbytes if mask is not None else 0)
+    gg = GgmlGraph(ggml, mem + (256 << 20))
+    tq = gg.tensor(ggml.GGML_TYPE_F32, [d, hq, sq], np.ascontiguousarray(q))
+    tk = gg.tensor(ggml.GGML_TYPE_F16, [d, hkv, sk], np.ascontiguousarray(k16))
+    tv = gg.tensor(ggml.GGML_TYPE_F16, [d, hkv, sk], np.ascontiguousarray(v16))
+    tm = gg.tensor(ggml.GGML_TYPE_F16, [sk, mask.shape[0]], mask) if mask is not None else None
+    pq = ggml.ggml_permute(gg.ctx, tq, 0, 2, 1, 3)  # [d, sq, hq]
+    pk = ggml.ggml_permute(gg.ctx, tk, 0, 2, 1, 3)
+    pv = ggml.ggml_permute(gg.ctx, tv, 0, 2, 1, 3)
+    out = ggml.ggml_flash_attn_ext(gg.ctx, pq, pk, pv, tm, d ** -0.5, 0.0, 0.0)
+    ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+    gg.build(out)  # result [dv, hq, sq]: the [sq, hq, dv] layout
+    return (lambda: gg.compute(threads),
+            lambda: gg.result(sq * hq * v.shape[-1]).reshape(sq, hq, -1), gg)
+
+
+def ggml_gdn(ggml, q, k, v, g, beta, state, threads):
+    """ggml_gated_delta_net over n_seqs sequences of n_tokens: q, k [n, t, HV, dk] (already
+    l2-normalised and expanded to the value heads, since ggml maps heads by modulo),
+    v [n, t, HV, dv], g/beta [n, t, HV], state [n, HV, dk, dv] (fla layout; ggml holds each
+    head's state transposed). ggml scales q by 1/sqrt(dv) itself."""
+    n, t, hv, dk = q.shape
+    dv = v.shape[-1]
+    st = np.ascontiguousarray(state.transpose(0, 1, 3, 2))
+    mem = q.nbytes * 2 + v.nbytes * 2 + st.nbytes * 2 + g.nbytes * 2
+    gg = GgmlGraph(ggml, mem + (64 << 20))
+    f32 = ggml.GGML_TYPE_F32
+    tq = gg.tensor(f32, [dk, hv, t, n], np.ascontiguousarray(q))
+    tk = gg.tensor(f32, [dk, hv, t, n], np.ascontiguousarray(k))
+    tv = gg.tensor(f32, [dv, hv, t, n], np.ascontiguousarray(v))
+    tg = gg.tensor(f32, [1, hv, t, n], np.ascontiguousarray(g))
+    tb = gg.tensor(f32, [1, hv, t, n], np.ascontiguousarray(beta))
+    ts = gg.tensor(f32, [dv, dv, hv, n], st)
+    out = ggml.ggml_gated_delta_net(gg.ctx, tq, tk, tv, tg, tb, ts, 1)
+    gg.build(out)
+    return (lambda: gg.compute(threads),
+            lambda: gg.result(n * t * hv * dv).reshape(n, t, hv, dv), gg)
+
+
+# ------------------------------------------------------------------------ benchmarks --
+
+def attn_flop(sq, sk, causal):
+    if not causal:
+        pairs = sq * sk
+    else:
+        pairs = sum(min(sk, i + sk - sq + 1) for i in range(sq))
+    return 2.0 * (D + D) * pairs * HQ
+
+
+def run_peer(rows, op, system, dtype, size, fn, result, ref, reps, work, unit, note=""):
+    """Time fn, compare result() with ref, and append a row; a failing peer gets a row that
+    says why."""
+    try:
+        sec = median_time(fn, reps)
+        out = np.asarray(result(), dtype=np.float64)
+        diff = float(np.abs(out.reshape(ref.shape) - ref).max())
+        rows.append(Row(op, system, dtype, size, sec, work / sec, unit, diff, note))
+    except Exception as e:
+        log(f"{system} {op} {size}: {e}")
+        traceback.print_exc(file=sys.stderr)
+        rows.append(Row(op, system, dtype, size, note=f"failed: {type(e).__name__}: {e}"))
+
+
+def bench_prefill(P, rows, T, reps):
+    rng = np.random.default_rng(T)
+    q, k, v = (bf16_values(rng, (1, T, h, D)) for h in (HQ, HKV, HKV))
+    flop = attn_flop(T, T, True)
+    torch = P.torch
+    size = f"T={T}"
+    op = "attn prefill"
+    ref = flywheel.flash_attn_func(q, k, v, causal=True)[0].astype(np.float64)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    for dt in ("float32", "bfloat16"):
+        a = [x.to(getattr(torch, dt)) for x in (tq, tk, tv)]
+        box = {}
+
+        def ours(a=a, box=box):
+            box["o"] = flywheel.flash_attn_func(*a, causal=True)
+        run_peer(rows, op, "flywheel", dt, size, ours, lambda box=box: box["o"][0].float().numpy(),
+                 ref, reps, flop, "GFLOP/s")
+    if torch is not None:
+        for dt in ("float32", "bfloat16"):
+            a = [x.to(getattr(torch, dt)).transpose(1, 2).contiguous() for x in (tq, tk, tv)]
+            box = {}
+
+            def sdpa(a=a, box=box):
+                box["o"] = torch.nn.functional.scaled_dot_product_attention(
+                    *a, is_causal=True, enable_gqa=True)
+            run_peer(rows, op, "torch SDPA", dt, size, sdpa,
+                     lambda box=box: box["o"][0].transpose(0, 1).float().numpy(), ref, reps,
+                     flop, "GFLOP/s")
+    if P.jax is not None:
+        jax, jnp = P.jax, P.jax.numpy
+        for dt in ("float32", "bfloat16"):
+            a = [jnp.asarray(x, dtype=getattr(jnp, dt)) for x in (q, k, v)]
+            f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                     implementation="xla"))
+            box = {}
+
+            def xla(a=a, f=f, box=box):
+                box["o"] = f(*a).block_until_ready()
+            run_peer(rows, op, "JAX XLA", dt, size, xla,
+                     lambda box=box: np.asarray(box["o"][0].astype(jnp.float32)), ref, reps,
+                     flop, "GFLOP/s")
+    if P.ggml is not None:
+        try:
+            run, res, gg = ggml_attention(P.ggml, q[0], k[0], v[0], True, P.threads)
+            run_peer(rows, op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size, run, res, ref,
+                     reps, flop, "GFLOP/s")
+            gg.free()
+        except Exception as e:
+            rows.append(Row(op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size,
+                            note=f"failed: {e}"))
+
+
+def bench_decode(P, rows, L, reps):
+    rng = np.random.default_rng(L + 1)
+    q = bf16_values(rng, (1, 1, HQ, D))
+    k, v = (bf16_values(rng, (1, L, HKV, D)) for _ in range(2))
+    torch = P.torch
+    size = f"ctx={L}"
+    op = "attn decode"
+    ref = flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=L)[0].astype(np.float64)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    for dt, es in (("float32", 4), ("bfloat16", 2)):
+        a = [x.to(getattr(torch, dt)) for x in (tq, tk, tv)]
+        box = {}
+
+        def ours(a=a, box=box):
+            box["o"] = flywheel.flash_attn_with_kvcache(*a, cache_seqlens=L)
+        run_peer(rows, op, "flywheel", dt, size, ours, lambda box=box: box["o"][0].float().numpy(),
+                 ref, reps, 2 * L * HKV * D * es, "GB/s K/V")
+    if torch is not None:
+        for dt, es in (("float32", 4), ("bfloat16", 2)):
+            a = [x.to(getattr(torch, dt)).transpose(1, 2).contiguous() for x in (tq, tk, tv)]
+            box = {}
+
+            def sdpa(a=a, box=box):
+                box["o"] = torch.nn.functional.scaled_dot_product_attention(*a, enable_gqa=True)
+            run_peer(rows, op, "torch SDPA", dt, size, sdpa,
+                     lambda box=box: box["o"][0].transpose(0, 1).float().numpy(), ref, reps,
+                     2 * L * HKV * D * es, "GB/s K/V")
+    if P.jax is not None:
+        jax, jnp = P.jax, P.jax.numpy
+        for dt, es in (("float32", 4), ("bfloat16", 2)):
+            a = [jnp.asarray(x, dtype=getattr(jnp, dt)) for x in (q, k, v)]
+            f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                     implementation="xla"))
+            box = {}
+
+            def xla(a=a, f=f, box=box):
+                box["o"] = f(*a).block_until_ready()
+            run_peer(rows, op, "JAX XLA", dt, size, xla,
+                     lambda box=box: np.asarray(box["o"][0].astype(jnp.float32)), ref, reps,
+                     2 * L * HKV * D * es, "GB/s K/V")
+    if P.ggml is not None:
+        try:
+            run, res, gg = ggml_attention(P.ggml, q[0], k[0], v[0], False, P.threads)
+            run_peer(rows, op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size, run, res, ref,
+                     reps, 2 * L * HKV * D * 2, "GB/s K/V")
+            gg.free()
+        except Exception as e:
+            rows.append(Row(op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size,
+                            note=f"failed: {e}"))
+
+
+def gdn_inputs(rng, n, T):
+    q, k = (bf16_values(rng, (n, T, GH, GD)) for _ in range(2))
+    q /= np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)  # pre-normalised: ggml has no l2norm
+    k /= np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    v = bf16_values(rng, (n, T, GHV, GD))
+    g = (-np.abs(rng.standard_normal((n, T, GHV))) * 0.1).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((n, T, GHV))))).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def gdn_flop(T):
+    C = 64
+    return 2.0 * (3 * GD * GD + C * (3 * GD + 2 * GD) + (C - 1) * (C - 2) / 6.0) * T * GHV
+
+
+def bench_gdn_prefill(P, rows, T, reps, fla_max_T):
+    rng = np.random.default_rng(T + 2)
+    q, k, v, g, beta = gdn_inputs(rng, 1, T)
+    op, size = "GDN prefill", f"T={T}"
+    ref = flywheel.chunk_gated_delta_rule(q, k, v, g, beta)[0][0].astype(np.float64)
+    flop = gdn_flop(T)
+    torch = P.torch
+    for dt in ("float32", "bfloat16"):
+        if torch is not None:
+            a = [torch.from_numpy(x).to(getattr(torch, dt)) for x in (q, k, v)]
+            gb = [torch.from_numpy(g), torch.from_numpy(beta)]
+        else:
+            a, gb = [q, k, v], [g, beta]
+        box = {}
+
+        def ours(a=a, gb=gb, box=box):
+            box["o"] = flywheel.chunk_gated_delta_rule(*a, *gb)[0]
+        run_peer(rows, op, "flywheel chunk", dt, size, ours,
+                 lambda box=box: np.asarray(box["o"][0].float() if torch is not None
+                                            else box["o"][0]), ref, reps, flop, "GFLOP/s")
+    box = {}
+
+    def fused():
+        box["o"] = flywheel.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta)[0]
+    run_peer(rows, op, "flywheel fused recurrent", "float32", size, fused,
+             lambda: box["o"][0], ref, max(1, reps // 2), flop, "GFLOP/s")
+    r = GHV // GH
+    if P.ggml is not None:
+        try:
+            qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
+            run, res, gg = ggml_gdn(P.ggml, qe, ke, v, g, beta,
+                                    np.zeros((1, GHV, GD, GD), np.float32), P.threads)
+            run_peer(rows, op, "ggml gated_delta_net", "float32", size, run,
+                     lambda: res()[0], ref, max(1, reps // 2), flop, "GFLOP/s")
+            gg.free()
+        except Exception as e:
+            rows.append(Row(op, "ggml gated_delta_net", "float32", size, note=f"failed: {e}"))
+    if P.fla is not None and torch is not None and T <= fla_max_T:
+        a = [torch.from_numpy(np.repeat(x, r, axis=2) if x.shape[2] == GH else x)
+             for x in (q, k, v)]
+        tg, tb = torch.from_numpy(g), torch.from_numpy(beta)
+        box = {}
+
+        def fla():
+            box["o"] = P.fla.naive_chunk_gated_delta_rule(*a, tg, tb)[0]
+        run_peer(rows, op, "fla naive chunk (torch)", "float32", size, fla,
+                 lambda: box["o"][0].numpy(), ref, 1, flop, "GFLOP/s")
+
+
+def bench_gdn_decode(P, rows, n, reps):
+    rng = np.random.default_rng(n + 3)
+    q, k, v, g, beta = gdn_inputs(rng, n, 1)
+    state0 = (rng.standard_normal((n, GHV, GD, GD)) * 0.05).astype(np.float32)
+    op, size = "GDN decode", f"{n} seqs"
+    moved = 2.0 * n * GHV * GD * GD * 4
+    st = state0.copy()
+    ref = flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                           st).astype(np.float64)
+    box = {}
+
+    def ours():  # the state advances each call, as in serving; the diff uses the first call
+        box["o"] = flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                                    beta[:, 0], st)
+    run_peer(rows, op, "flywheel", "float32", size, ours, lambda: ref, ref, reps, moved,
+             "GB/s state")
+    r = GHV // GH
+    if P.ggml is not None:
+        try:
+            qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
+            run, res, gg = ggml_gdn(P.ggml, qe, ke, v, g, beta, state0, P.threads)
+            run_peer(rows, op, "ggml gated_delta_net", "float32", size, run,
+                     lambda: res()[:, 0], ref, reps, moved, "GB/s state")
+            gg.free()
+        except Exception as e:
+            rows.append(Row(op, "ggml gated_delta_net", "float32", size, note=f"failed: {e}"))
+    torch = P.torch
+    if P.fla is not None and torch is not None:
+        a = [torch.from_numpy(np.repeat(x, r, axis=2) if x.shape[2] == GH else x)
+             for x in (q, k, v)]
+        tg, tb, h0 = torch.from_numpy(g), torch.from_numpy(beta), torch.from_numpy(state0)
+        box = {}
+
+        def fla():
+            box["o"] = P.fla.naive_recurrent_gated_delta_rule(*a, tb, tg, initial_state=h0,
+                                                              output_final_state=True)[0]
+        run_peer(rows, op, "fla naive recurrent (torch)", "float32", size, fla,
+                 lambda: box["o"][:, 0].numpy(), ref, reps, moved, "GB/s state")
+
+
+def oracle(P, rows):
+    """flywheel-tpu's Pallas kernels in interpret mode against flywheel on small shapes."""
+    if P.fwtpu is None:
+        rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16", "-",
+                        note=P.missing["flywheel-tpu"]))
+        return
+    jnp = P.jax.numpy
+    rng = np.random.default_rng(5)
+    cases = [("causal GQA", 256, 256, dict(causal=True)),
+             ("window (64, 0) + softcap 20", 256, 256, dict(causal=True, window_size=(64, 0),
+                                                            softcap=20.0)),
+             ("causal, sq < sk", 100, 256, dict(causal=True))]
+    for name, sq, sk, kw in cases:
+        q = bf16_values(rng, (1, sq, 8, 128))
+        k, v = (bf16_values(rng, (1, sk, 2, 128)) for _ in range(2))
+        ours = flywheel.flash_attn_func(q, k, v, **kw).astype(np.float64)
+        try:
+            hm = [jnp.asarray(x.transpose(0, 2, 1, 3), dtype=jnp.bfloat16) for x in (q, k, v)]
+            t0 = time.perf_counter()
+            theirs = P.fwtpu.flash_attn_func(*hm, interpret=True, **kw)
+            theirs = np.asarray(theirs.astype(jnp.float32)).transpose(0, 2, 1, 3)
+            sec = time.perf_counter() - t0
+            diff = float(np.abs(theirs - ours).max())
+            rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16",
+                            f"{name}, sq={sq} sk={sk}", diff=diff,
+                            note=f"interpret mode, {sec:.1f} s (not a timing)"))
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16", name,
+                            note=f"failed: {type(e).__name__}: {e}"))
+    # decode against a contiguous cache
+    q = bf16_values(rng, (2, 1, 8, 128))
+    kc, vc = (bf16_values(rng, (2, 512, 2, 128)) for _ in range(2))
+    lens = np.array([300, 512], np.int32)
+    ours = flywheel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens).astype(np.float64)
+    try:
+        a = [jnp.asarray(x, dtype=jnp.bfloat16) for x in (q, kc, vc)]
+        theirs = P.fwtpu.flash_attn_with_kvcache(*a, cache_seqlens=jnp.asarray(lens),
+                                                 interpret=True)
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+        diff = float(np.abs(np.asarray(theirs.astype(jnp.float32)) - ours).max())
+        rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16",
+                        "kvcache decode, ctx 300/512", diff=diff, note="interpret mode"))
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16", "kvcache decode",
+                        note=f"failed: {type(e).__name__}: {e}"))
+
+
+# --------------------------------------------------------------------------- report --
+
+def fmt_table(rows, peak):
+    out = ["| op | size | system | dtype | median time | throughput | vs flywheel | "
+           "max abs diff from flywheel | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    best = {}
+    for r in rows:  # flywheel's best figure per (op, size): the ratio's denominator
+        if r.system.startswith("flywheel") and "tpu" not in r.system and r.value:
+            key = (r.op, r.size)
+            best[key] = max(best.get(key, 0.0), r.value)
+    for r in rows:
+        t = f"{r.seconds * 1e3:.2f} ms" if r.seconds else "-"
+        thr = "-"
+        if r.value:
+            thr = f"{r.value / 1e9:.1f} {r.unit}"
+            if r.unit == "GFLOP/s":
+                thr += f" ({100 * r.value / 1e9 / peak:.0f}% of peak)"
+        ratio = "-"
+        if r.value and best.get((r.op, r.size)):
+            ratio = f"{r.value / best[(r.op, r.size)]:.2f}x"
+        diff = f"{r.diff:.2e}" if r.diff is not None else "-"
+        out.append(f"| {r.op} | {r.size} | {r.system} | {r.dtype} | {t} | {thr} | {ratio} | "
+                   f"{diff} | {r.note} |")
+    return "\n".join(out)
+
+
+def plot(rows, outdir, peak):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    files = []
+    for op, xlabel, fname in (("attn prefill", "sequence length T (causal)", "attn_prefill.png"),
+                              ("attn decode", "context length", "attn_decode.png"),
+                              ("GDN prefill", "sequence length T", "gdn_prefill.png")):
+        sel = [r for r in rows if r.op == op and r.value]
+        if not sel:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key in sorted({(r.system, r.dtype) for r in sel}):
+            pts = sorted((int(r.size.split("=")[1]), r.value / 1e9) for r in sel
+                         if (r.system, r.dtype) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"{key[0]} ({key[1]})")
+        if sel[0].unit == "GFLOP/s":
+            ax.axhline(peak, color="gray", linestyle="--", linewidth=1)
+            ax.text(ax.get_xlim()[0], peak, " FMA peak (measured)", va="bottom", fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(sel[0].unit)
+        ax.set_title(f"{op}: throughput, {P_THREADS[0]} threads, {platform.machine()}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, fname), dpi=110)
+        plt.close(fig)
+        files.append(fname)
+    return files
+
+
+P_THREADS = [0]
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="docs/compare")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small sweep (a smoke test)")
+    args = ap.parse_args()
+    P_THREADS[0] = args.threads
+    flywheel.set_num_threads(args.threads)
+    P = Peers(args.threads)
+    peak = ctypes.c_double()
+    _lib.check(_lib.lib.fw_peak_gflops(None, args.threads, 0.5, ctypes.byref(peak)))
+    peak = peak.value
+    rows = []
+    prefill_T = [256, 512] if args.quick else [512, 1024, 2048, 4096]
+    decode_L = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
+    gdn_T = [256, 512] if args.quick else [512, 1024, 2048, 4096]
+    gdn_n = [4] if args.quick else [1, 64]
+    for T in prefill_T:
+        log(f"attention prefill T={T}")
+        bench_prefill(P, rows, T, args.reps)
+    for L in decode_L:
+        log(f"attention decode ctx={L}")
+        bench_decode(P, rows, L, max(args.reps, 5))
+    for T in gdn_T:
+        log(f"GDN prefill T={T}")
+        bench_gdn_prefill(P, rows, T, args.reps, fla_max_T=2048)
+    for n in gdn_n:
+        log(f"GDN decode {n} seqs")
+        bench_gdn_decode(P, rows, n, max(args.reps, 5))
+    log("flywheel-tpu oracle")
+    oracle(P, rows)
+    for name, why in P.missing.items():
+        if name != "flywheel-tpu":
+            rows.append(Row("-", name, "-", "-", note=why))
+
+    os.makedirs(args.out, exist_ok=True)
+    table = fmt_table(rows, peak)
+    plots = plot(rows, args.out, peak)
+    versions = []
+    for mod in ("torch", "jax", "ggml", "fla", "flywheel_tpu"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            versions.append(f"{mod} {getattr(m, '__version__', '?')}")
+    header = (f"# flywheel and its peers, side by side\n\n"
+              f"Measured {datetime.date.today().isoformat()} on {cpu_name()}, "
+              f"{os.cpu_count()} CPUs, {args.threads} threads for every system "
+              f"(torch.set_num_threads, ggml n_threads, flywheel threads; XLA's CPU pool is "
+              f"sized to the machine). FMA peak measured in the same run: {peak:.0f} GFLOP/s. "
+              f"Python {platform.python_version()}; {', '.join(versions)}. "
+              f"Command: `make compare` (`python python/compare.py`), medians of "
+              f"{args.reps} runs (decode: {max(args.reps, 5)}).\n\n"
+              f"Shapes: attention hq={HQ}, hkv={HKV}, d={D}, batch 1 (prefill causal; decode one "
+              f"query token against a cache of `ctx` tokens); GDN H={GH}, HV={GHV}, "
+              f"dk=dv={GD}. Inputs are the same values for everyone (bf16-representable). "
+              f"`vs flywheel` divides by flywheel's best dtype for that op and size.\n\n")
+    body = header + table + "\n\n" + "".join(f"![{p}]({p})\n" for p in plots)
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(body)
+    print(table)
+    print(f"\nwrote {os.path.join(args.out, 'compare.md')} and {len(plots)} plots")
+
+
+if __name__ == "__main__":
+    main()
