@@ -109,6 +109,34 @@ def empty_like_family(ref, shape, dtype=None):
     return np.empty(shape, dtype=dt)
 
 
+def output(out, ref, shape, dtype=None, name="out"):
+    """The array a call writes: a new contiguous one of ref's family (and dtype, unless given),
+    or the caller's `out`, written in place; the library checks its shape and dtype."""
+    if out is None:
+        return empty_like_family(ref, shape, dtype)
+    return float_array(out, name, inplace=True)
+
+
+def merged_view(x, name):
+    """x [b, s, ...] as a [b*s, ...] view of the same memory (for arrays the library writes);
+    ValueError if the strides do not allow one."""
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dimensions, got shape {tuple(x.shape)}")
+    shape = (x.shape[0] * x.shape[1],) + tuple(x.shape[2:])
+    if is_torch(x):
+        try:
+            return x.view(shape)
+        except RuntimeError:
+            pass
+    else:
+        (b, n), (sb, sn) = x.shape[:2], x.strides[:2]
+        if b == 1 or n == 1 or sb == n * sn:
+            lead = sn if n > 1 else sb
+            return np.lib.stride_tricks.as_strided(x, shape, (lead,) + x.strides[2:])
+    raise ValueError(f"{name}: its first two dimensions cannot be merged into one stride "
+                     f"(strides {tuple(x.stride()) if is_torch(x) else x.strides})")
+
+
 def to_numpy_f32(x, name):
     """A small float32 operand (gates, beta, states) as a contiguous float32 numpy array,
     sharing memory when it already is one (torch tensors included)."""

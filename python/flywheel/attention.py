@@ -61,7 +61,8 @@ def _pack(out, lse, return_lse, return_attn_probs):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, return_softmax_lse=False, isa=None, plain=False):
+                    return_attn_probs=False, *, return_softmax_lse=False, out=None, isa=None,
+                    plain=False):
     """Dense attention forward, flash-attn's `flash_attn_func`.
 
     q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] -> out [b, sq, hq, dv].
@@ -70,6 +71,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return_softmax_lse=True returns (out, lse [b, hq, sq] float32); return_attn_probs=True
     returns (out, lse, None) like flash-attn without dropout. Results do not depend on
     `deterministic` (always deterministic). No copies of q, k, v (see module docstring).
+    out: an existing [b, sq, hq, dv] array or tensor to write (and return) instead of a new
+    one, which saves the allocation and first-touch page faults of large outputs.
     isa names a kernel table ("portable", "avx2", "avx512"); plain=True runs the plain
     row-at-a-time baseline kernel. Not supported (NotImplementedError): dropout, ALiBi,
     tensors that require grad with grad enabled, non-CPU tensors.
@@ -80,7 +83,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         raise ValueError(f"q must be [b, sq, hq, d], got shape {tuple(q.shape)}")
     b, sq, hq, _ = q.shape
     dv = v.shape[-1]
-    out = T.empty_like_family(q, (b, sq, hq, dv))
+    out = T.output(out, q, (b, sq, hq, dv))
     lse = T.empty_like_family(q, (b, hq, sq), "float32")
     p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
     want_lse = return_softmax_lse or return_attn_probs
@@ -98,15 +101,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           return_softmax_lse=False, isa=None):
+                           return_softmax_lse=False, out=None, isa=None):
     """Packed variable-length attention, flash-attn's `flash_attn_varlen_func`.
 
     q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv]; cu_seqlens_q/k: batch + 1
     int32 offsets (any integer array; copied to int32 if needed). Masks are per sequence,
     aligned bottom-right; no key of another sequence is seen. max_seqlen_q/k must be at least
     the longest sequence (checked). Returns out [total_q, hq, dv], and lse [hq, total_q]
-    float32 with return_softmax_lse / return_attn_probs. block_table (paged K/V) is not
-    supported here: use flash_attn_with_kvcache.
+    float32 with return_softmax_lse / return_attn_probs. out: an existing [total_q, hq, dv]
+    output to write instead of a new one. block_table (paged K/V) is not supported here: use
+    flash_attn_with_kvcache.
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -120,7 +124,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if q.ndim != 3:
         raise ValueError(f"q must be [total_q, hq, d], got shape {tuple(q.shape)}")
     total_q, hq, _ = q.shape
-    out = T.empty_like_family(q, (total_q, hq, v.shape[-1]))
+    out = T.output(out, q, (total_q, hq, v.shape[-1]))
     lse = T.empty_like_family(q, (hq, total_q), "float32")
     want_lse = return_softmax_lse or return_attn_probs
     p = _params(q, softmax_scale, causal, window_size, softcap, isa)
@@ -136,7 +140,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, cu_seqlens_q=None, isa=None):
+                            return_softmax_lse=False, *, cu_seqlens_q=None, out=None,
+                            isa=None):
     """Append to a K/V cache and attend, flash-attn's `flash_attn_with_kvcache`.
 
     q [b, sq, hq, d] (sq = 1 is decode; more is chunked prefill or speculative decode).
@@ -151,7 +156,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out [b, sq, hq, dv] (or [total_q, hq, dv]), and lse [b, hq, sq]
     ([hq, total_q]) float32 with return_softmax_lse. Long contexts are split into fixed
     FW_KV_SPLIT ranges whatever num_splits says (the result never depends on the thread
-    count). Copies: q/k/v when [b, sq] cannot be merged into one stride (not for contiguous
+    count). out: an existing output ([b, sq, hq, dv], whose [b, sq] merge into one stride, or
+    [total_q, hq, dv]) to write instead of a new one.
+    Copies: q/k/v when [b, sq] cannot be merged into one stride (not for contiguous
     or sq = 1 inputs), and the int32 index arrays. Not supported (NotImplementedError):
     rotary embedding, cache_batch_idx, cache_leftpad, ALiBi, k without v.
     """
@@ -204,18 +211,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache.block_table_stride = bt.shape[1]
     cache.seqlens = T.ptr(seqlens)
     total_q, hq = q3.shape[0], q3.shape[1]
-    out = T.empty_like_family(q, (total_q, hq, vc.shape[-1]))
+    if packed:
+        out = out3 = T.output(out, q, (total_q, hq, vc.shape[-1]))
+    else:
+        out = T.output(out, q, (q.shape[0], q.shape[1], hq, vc.shape[-1]))
+        out3 = T.merged_view(out, "out")
     lse = T.empty_like_family(q, (hq, total_q), "float32")
     p = _params(q, softmax_scale, causal, window_size, softcap, isa)
     tk = T.describe(kn) if kn is not None else None
     tv = T.describe(vn) if vn is not None else None
     tl = T.describe(lse) if return_softmax_lse else None
     _lib.check(_lib.lib.fw_attn_kvcache_fwd(T.describe(q3), tk, tv, T.ptr(cu), batch, cache,
-                                            T.describe(out), tl, p))
+                                            T.describe(out3), tl, p))
     if not packed:
-        b, sq = q.shape[0], q.shape[1]
-        out = out.reshape(b, sq, hq, vc.shape[-1])
-        lse = T.swap01_contiguous(lse.reshape(hq, b, sq))
+        lse = T.swap01_contiguous(lse.reshape(hq, q.shape[0], q.shape[1]))
     if return_softmax_lse:
         return out, lse
     return out

@@ -78,7 +78,7 @@ def _flatten(q, k, v, g, beta, cu_seqlens):
 
 
 def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                 cu_seqlens, flags, isa, gate_args):
+                 cu_seqlens, flags, isa, gate_args, out):
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, *gate_args)
     q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
@@ -91,10 +91,10 @@ def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use
         if h0.shape != (n, HV, K, V):
             raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, HV, K, V)}, got "
                              f"{h0.shape}")
-    o = T.empty_like_family(v, (B, Tn, HV, V))
+    o = T.output(out, v, (B, Tn, HV, V))
     ht = T.empty_like_family(q, (n, HV, K, V), "float32") if output_final_state else None
     p = _params(q, scale, use_qk_l2norm, flags, isa)
-    o2 = T.merge_leading(o)
+    o2 = T.merged_view(o, "out")
     _lib.check(_lib.lib.fw_gdn_prefill(T.describe(q2), T.describe(k2), T.describe(v2),
                                        T.describe(g2), T.describe(b2), T.ptr(cu), n,
                                        T.ptr(h0), T.raw_ptr(ht), T.describe(o2), p))
@@ -106,7 +106,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                            chunk_indices=None, cp_context=None, *, use_gate_in_kernel=False,
-                           A_log=None, dt_bias=None, isa=None, inverse="blocked", **kwargs):
+                           A_log=None, dt_bias=None, out=None, isa=None, inverse="blocked",
+                           **kwargs):
     """Chunked (WY/UT form, 64-token chunks) prefill, fla's `chunk_gated_delta_rule`.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay, <= 0) and beta [B, T, HV];
@@ -114,7 +115,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     (cu_seqlens_cpu and chunk_indices are accepted and not needed).
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
     use_gate_in_kernel / A_log / dt_bias and use_beta_sigmoid_in_kernel / allow_neg_eigval
-    are applied to the small gate arrays before the call. inverse="fwd_subst" selects the
+    are applied to the small gate arrays before the call. out: an existing [B, T, HV, V]
+    output to write instead of a new one (saves the allocation and page faults of large
+    outputs). inverse="fwd_subst" selects the
     forward-substitution triangular inverse. Not supported (NotImplementedError):
     state_v_first, cp_context, other fla keyword arguments.
     """
@@ -125,7 +128,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, flags, isa,
                         (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval))
+                         allow_neg_eigval), out)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
@@ -133,7 +136,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                                      A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, *, isa=None, **kwargs):
+                                     cu_seqlens=None, *, out=None, isa=None, **kwargs):
     """Token-by-token recurrence (one fused pass over the state per token),
     fla's `fused_recurrent_gated_delta_rule`; arguments and results as
     chunk_gated_delta_rule. For decode into a slot array in place, see
@@ -146,7 +149,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, _lib.GDN_FUSED_RECURRENT, isa,
                         (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval))
+                         allow_neg_eigval), out)
 
 
 def _state_slots(state, HV, K, V):

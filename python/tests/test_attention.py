@@ -296,3 +296,24 @@ def test_torch_grad_and_device_are_refused():
         assert flywheel.flash_attn_func(q, q, q).shape == (1, 4, 2, 16)
     with pytest.raises(NotImplementedError, match="meta"):
         flywheel.flash_attn_func(q.detach().to("meta"), q, q)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_out_buffers_are_written_in_place(family):
+    rng = np.random.default_rng(11)
+    q, _ = make(rng, (2, 30, 4, 32), "float32", family)
+    k, _ = make(rng, (2, 30, 2, 32), "float32", family)
+    want = flywheel.flash_attn_func(q, k, k, causal=True)
+    buf = flywheel.flash_attn_func(q, k, k)  # any array of the right shape and dtype
+    got = flywheel.flash_attn_func(q, k, k, causal=True, out=buf)
+    assert got is buf and np.array_equal(as64(buf), as64(want))
+    kc = np.zeros((2, 64, 2, 32), np.float32)
+    want = flywheel.flash_attn_with_kvcache(q, kc.copy(), kc.copy(), k, k, cache_seqlens=3)
+    got = flywheel.flash_attn_with_kvcache(q, kc, kc.copy(), k, k, cache_seqlens=3, out=buf)
+    assert got is buf and np.array_equal(as64(buf), as64(want))
+    with pytest.raises(FlywheelError, match="FW_ERR_SHAPE"):
+        flywheel.flash_attn_func(q, k, k, out=buf[:, :5])
+    swapped = flywheel.flash_attn_func(q.swapaxes(0, 1), k.swapaxes(0, 1),
+                                       k.swapaxes(0, 1)).swapaxes(0, 1)  # [b, s] strides swapped
+    with pytest.raises(ValueError, match="cannot be merged"):
+        flywheel.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3, out=swapped)

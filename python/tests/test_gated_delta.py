@@ -191,3 +191,15 @@ def test_views_into_a_packed_qkv_buffer_on_every_table(family):
                             g[i].astype(np.float64), beta[i].astype(np.float64), K ** -0.5,
                             None, True)
             assert np.abs(as64(o)[i] - ro).max() <= GTOL["float32"], isa
+
+
+def test_out_buffer_is_written_in_place():
+    rng = np.random.default_rng(18)
+    (q, k, v, g, beta), _ = inputs(rng, 2, 40, 2, 4, 32, 32, "float32", "numpy")
+    want, _ = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    buf = np.full_like(want, np.nan)
+    got, _ = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                             out=buf)
+    assert got is buf and np.array_equal(buf, want)
+    with pytest.raises(FlywheelError, match="FW_ERR_SHAPE"):
+        flywheel.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, out=buf[:, :, :2])
