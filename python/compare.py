@@ -589,10 +589,11 @@ def main():
     table = fmt_table(rows, peak)
     plots = plot(rows, args.out, peak)
     versions = []
-    for mod in ("torch", "jax", "ggml", "fla", "flywheel_tpu"):
+    for mod, label in (("torch", "torch"), ("jax", "jax"), ("ggml", "ggml-python"),
+                       ("fla", "fla"), ("flywheel_tpu", "flywheel-tpu")):
         m = sys.modules.get(mod)
         if m is not None:
-            versions.append(f"{mod} {getattr(m, '__version__', '?')}")
+            versions.append(f"{label} {getattr(m, '__version__', '?')}")
     header = (f"# flywheel and its peers, side by side\n\n"
               f"Measured {datetime.date.today().isoformat()} on {cpu_name()}, "
               f"{os.cpu_count()} CPUs, {args.threads} threads for every system "
