@@ -336,7 +336,7 @@ def gdn_flop(T):
     return 2.0 * (3 * GD * GD + C * (3 * GD + 2 * GD) + (C - 1) * (C - 2) / 6.0) * T * GHV
 
 
-def bench_gdn_prefill(P, rows, T, reps, fla_max_T):
+def bench_gdn_prefill(P, rows, T, reps):
     rng = np.random.default_rng(T + 2)
     q, k, v, g, beta = gdn_inputs(rng, 1, T)
     op, size = "GDN prefill", f"T={T}"
@@ -373,7 +373,7 @@ def bench_gdn_prefill(P, rows, T, reps, fla_max_T):
             gg.free()
         except Exception as e:
             rows.append(Row(op, "ggml gated_delta_net", "float32", size, note=f"failed: {e}"))
-    if P.fla is not None and torch is not None and T <= fla_max_T:
+    if P.fla is not None and torch is not None:
         a = [torch.from_numpy(np.repeat(x, r, axis=2) if x.shape[2] == GH else x)
              for x in (q, k, v)]
         tg, tb = torch.from_numpy(g), torch.from_numpy(beta)
@@ -575,7 +575,7 @@ def main():
         bench_decode(P, rows, L, max(args.reps, 5))
     for T in gdn_T:
         log(f"GDN prefill T={T}")
-        bench_gdn_prefill(P, rows, T, args.reps, fla_max_T=2048)
+        bench_gdn_prefill(P, rows, T, args.reps)
     for n in gdn_n:
         log(f"GDN decode {n} seqs")
         bench_gdn_decode(P, rows, n, max(args.reps, 5))

@@ -204,8 +204,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     bt = None
     if block_table is not None:
         bt = T.index_array(block_table, "block_table")
-        if bt.ndim != 2:
-            raise ValueError(f"block_table must be [b, max_pages], got shape {bt.shape}")
+        if bt.ndim != 2 or bt.shape[0] != batch:
+            raise ValueError(f"block_table must be [b, max_pages] with b = {batch}, got shape "
+                             f"{bt.shape}")
         cache.block_table = T.ptr(bt)
         cache.max_pages = bt.shape[1]
         cache.block_table_stride = bt.shape[1]
@@ -223,8 +224,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tl = T.describe(lse) if return_softmax_lse else None
     _lib.check(_lib.lib.fw_attn_kvcache_fwd(T.describe(q3), tk, tv, T.ptr(cu), batch, cache,
                                             T.describe(out3), tl, p))
+    if not return_softmax_lse:
+        return out
     if not packed:
         lse = T.swap01_contiguous(lse.reshape(hq, q.shape[0], q.shape[1]))
-    if return_softmax_lse:
-        return out, lse
-    return out
+    return out, lse

@@ -273,6 +273,9 @@ def test_kvcache_bad_page_index_leaves_the_cache_untouched():
     assert np.array_equal(kc, before)
     with pytest.raises(ValueError, match="cache_seqlens is required"):
         flywheel.flash_attn_with_kvcache(q, kc, kc)
+    with pytest.raises(ValueError, match="block_table must be"):  # fewer rows than sequences
+        flywheel.flash_attn_with_kvcache(np.ones((2, 1, 1, 32), np.float32), kc, kc,
+                                         cache_seqlens=[1, 1], block_table=[[0]])
 
 
 def test_unsupported_options_raise_not_implemented():
