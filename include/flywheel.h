@@ -5,7 +5,9 @@
  *   - Every function returns an fw_status. On failure, fw_last_error() gives a message for
  *     the calling thread that says exactly what is wrong, and nothing was written.
  *   - The library never exits, aborts or prints. It is safe to call from several threads at
- *     once (no mutable global state besides the once-only CPU detection).
+ *     once. Global state: the once-only CPU detection, and a pool of worker threads that
+ *     one call at a time uses (a call that finds it in use starts its own threads). The
+ *     pool's threads stay for the life of the process; a forked child starts without them.
  *   - Tensors are plain descriptors with explicit element strides (see fw_tensor).
  *   - Memory: attention allocates per-thread workspace whose size does not depend on the
  *     sequence lengths (never O(sq*sk)). Ask its size with fw_attn_workspace_size(); pass a
