@@ -230,7 +230,7 @@ typedef struct fw_kv_cache {
  * Memory: the per-thread workspace of fw_attn_fwd, plus the split partial results (about
  * (dv + 2) floats per query row per split), both allocated inside the call.
  */
-#define FW_KV_SPLIT 2048
+#define FW_KV_SPLIT 512
 FW_API fw_status fw_attn_kvcache_fwd(const fw_tensor *q, const fw_tensor *k_new,
                                      const fw_tensor *v_new, const int32_t *cu_seqlens_q,
                                      int64_t batch, const fw_kv_cache *cache,

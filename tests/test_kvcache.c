@@ -309,7 +309,7 @@ static void sweep_kvcache(void)
     /* no append: attend to what is cached (non-causal too) */
     kv_case t = {7, 8, 2, 32, 32, 32, FW_BF16, 0, 0, -1, 0.0f, old_mix, new_mix};
     run_kv_case(&t, 20);
-    /* long contexts: decode over up to 5000 keys crosses the split size (2048) */
+    /* long contexts: decode over up to 5000 keys crosses the split size (512) many times */
     static const int32_t old_long[] = {5000, 4095, 4097, 0, 2000};
     static const int32_t new_long[] = {1, 1, 3, 1, 8};
     for (int i = 0; i < 3; i++) {
@@ -413,9 +413,10 @@ static void test_kvcache_bad_input(void)
 static void test_split_heuristic(void)
 {
     case_begin("split-KV heuristic");
-    case_check(fw_attn_kv_splits(32768) == 16, "32K keys");
-    case_check(fw_attn_kv_splits(2048) == 1, "2K keys");
-    case_check(fw_attn_kv_splits(2049) == 2, "2K + 1 keys");
+    case_check(fw_attn_kv_splits(32768) == 64, "32K keys");
+    case_check(fw_attn_kv_splits(2048) == 4, "2K keys");
+    case_check(fw_attn_kv_splits(512) == 1, "512 keys");
+    case_check(fw_attn_kv_splits(513) == 2, "512 + 1 keys");
     case_check(fw_attn_kv_splits(0) == 1, "no keys");
     case_end();
 }
