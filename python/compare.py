@@ -22,6 +22,7 @@ Usage: python python/compare.py [--out docs/compare] [--threads N] [--reps R] [-
 import argparse
 import ctypes
 import datetime
+import importlib
 import os
 import platform
 import statistics
@@ -74,40 +75,25 @@ class Peers:
     def __init__(self, threads):
         self.missing = {}
         self.threads = threads
+        self.torch = self._load("torch", "torch", lambda m: m.set_num_threads(threads))
+        self.jax = self._load("jax", "jax",
+                              lambda m: m.config.update("jax_platforms", "cpu"))
+        self.ggml = self._load("ggml", "ggml (ggml-python)")
+        self.fla = self._load("fla.ops.gated_delta_rule.naive", "fla")
+        self.fwtpu = self._load("flywheel_tpu", "flywheel-tpu")
+        if self.fwtpu is None and sys.version_info < (3, 12):
+            self.missing["flywheel-tpu"] = ("not installed here: it needs Python >= 3.12 and "
+                                            "jax >= 0.11")
+
+    def _load(self, module, label, setup=None):
         try:
-            import torch
-            torch.set_num_threads(threads)
-            self.torch = torch
+            m = importlib.import_module(module)
+            if setup is not None:
+                setup(m)
+            return m
         except Exception as e:
-            self.torch = None
-            self.missing["torch"] = f"import torch failed: {e}"
-        try:
-            import jax
-            jax.config.update("jax_platforms", "cpu")
-            self.jax = jax
-        except Exception as e:
-            self.jax = None
-            self.missing["jax"] = f"import jax failed: {e}"
-        try:
-            import ggml
-            self.ggml = ggml
-        except Exception as e:
-            self.ggml = None
-            self.missing["ggml"] = f"import ggml (ggml-python) failed: {e}"
-        try:
-            from fla.ops.gated_delta_rule import naive
-            self.fla = naive
-        except Exception as e:
-            self.fla = None
-            self.missing["fla"] = f"import fla failed: {e}"
-        try:
-            import flywheel_tpu
-            self.fwtpu = flywheel_tpu
-        except Exception as e:
-            self.fwtpu = None
-            why = ("it needs Python >= 3.12 and jax >= 0.11" if sys.version_info < (3, 12)
-                   else str(e))
-            self.missing["flywheel-tpu"] = f"not installed here: {why}"
+            self.missing[label.split()[0]] = f"import {label} failed: {e}"
+            return None
 
 
 class GgmlGraph:
@@ -218,107 +204,70 @@ def run_peer(rows, op, system, dtype, size, fn, result, ref, reps, work, unit, n
         rows.append(Row(op, system, dtype, size, note=f"failed: {type(e).__name__}: {e}"))
 
 
-def bench_prefill(P, rows, T, reps):
-    rng = np.random.default_rng(T)
-    q, k, v = (bf16_values(rng, (1, T, h, D)) for h in (HQ, HKV, HKV))
-    flop = attn_flop(T, T, True)
+def bench_attention(P, rows, op, size, q, k, v, causal, ours_fn, work, unit, reps):
+    """flywheel (ours_fn) and the attention peers on q [1, sq, HQ, D], k/v [1, sk, HKV, D];
+    work(bytes per element) is the FLOP or byte count of one call."""
     torch = P.torch
-    size = f"T={T}"
-    op = "attn prefill"
-    ref = flywheel.flash_attn_func(q, k, v, causal=True)[0].astype(np.float64)
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-    for dt in ("float32", "bfloat16"):
-        a = [x.to(getattr(torch, dt)) for x in (tq, tk, tv)]
-        box = {}
-
-        def ours(a=a, box=box):
-            box["o"] = flywheel.flash_attn_func(*a, causal=True)
-        run_peer(rows, op, "flywheel", dt, size, ours, lambda box=box: box["o"][0].float().numpy(),
-                 ref, reps, flop, "GFLOP/s")
-    if torch is not None:
-        for dt in ("float32", "bfloat16"):
-            a = [x.to(getattr(torch, dt)).transpose(1, 2).contiguous() for x in (tq, tk, tv)]
-            box = {}
-
-            def sdpa(a=a, box=box):
-                box["o"] = torch.nn.functional.scaled_dot_product_attention(
-                    *a, is_causal=True, enable_gqa=True)
-            run_peer(rows, op, "torch SDPA", dt, size, sdpa,
-                     lambda box=box: box["o"][0].transpose(0, 1).float().numpy(), ref, reps,
-                     flop, "GFLOP/s")
-    if P.jax is not None:
-        jax, jnp = P.jax, P.jax.numpy
-        for dt in ("float32", "bfloat16"):
-            a = [jnp.asarray(x, dtype=getattr(jnp, dt)) for x in (q, k, v)]
-            f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                     implementation="xla"))
-            box = {}
-
-            def xla(a=a, f=f, box=box):
-                box["o"] = f(*a).block_until_ready()
-            run_peer(rows, op, "JAX XLA", dt, size, xla,
-                     lambda box=box: np.asarray(box["o"][0].astype(jnp.float32)), ref, reps,
-                     flop, "GFLOP/s")
-    if P.ggml is not None:
-        try:
-            run, res, gg = ggml_attention(P.ggml, q[0], k[0], v[0], True, P.threads)
-            run_peer(rows, op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size, run, res, ref,
-                     reps, flop, "GFLOP/s")
-            gg.free()
-        except Exception as e:
-            rows.append(Row(op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size,
-                            note=f"failed: {e}"))
-
-
-def bench_decode(P, rows, L, reps):
-    rng = np.random.default_rng(L + 1)
-    q = bf16_values(rng, (1, 1, HQ, D))
-    k, v = (bf16_values(rng, (1, L, HKV, D)) for _ in range(2))
-    torch = P.torch
-    size = f"ctx={L}"
-    op = "attn decode"
-    ref = flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=L)[0].astype(np.float64)
+    ref = ours_fn(q, k, v)[0].astype(np.float64)
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     for dt, es in (("float32", 4), ("bfloat16", 2)):
         a = [x.to(getattr(torch, dt)) for x in (tq, tk, tv)]
         box = {}
 
         def ours(a=a, box=box):
-            box["o"] = flywheel.flash_attn_with_kvcache(*a, cache_seqlens=L)
+            box["o"] = ours_fn(*a)
         run_peer(rows, op, "flywheel", dt, size, ours, lambda box=box: box["o"][0].float().numpy(),
-                 ref, reps, 2 * L * HKV * D * es, "GB/s K/V")
-    if torch is not None:
-        for dt, es in (("float32", 4), ("bfloat16", 2)):
-            a = [x.to(getattr(torch, dt)).transpose(1, 2).contiguous() for x in (tq, tk, tv)]
-            box = {}
+                 ref, reps, work(es), unit)
+    for dt, es in (("float32", 4), ("bfloat16", 2)):
+        a = [x.to(getattr(torch, dt)).transpose(1, 2).contiguous() for x in (tq, tk, tv)]
+        box = {}
 
-            def sdpa(a=a, box=box):
-                box["o"] = torch.nn.functional.scaled_dot_product_attention(*a, enable_gqa=True)
-            run_peer(rows, op, "torch SDPA", dt, size, sdpa,
-                     lambda box=box: box["o"][0].transpose(0, 1).float().numpy(), ref, reps,
-                     2 * L * HKV * D * es, "GB/s K/V")
+        def sdpa(a=a, box=box):
+            box["o"] = torch.nn.functional.scaled_dot_product_attention(
+                *a, is_causal=causal, enable_gqa=True)
+        run_peer(rows, op, "torch SDPA", dt, size, sdpa,
+                 lambda box=box: box["o"][0].transpose(0, 1).float().numpy(), ref, reps,
+                 work(es), unit)
     if P.jax is not None:
         jax, jnp = P.jax, P.jax.numpy
         for dt, es in (("float32", 4), ("bfloat16", 2)):
             a = [jnp.asarray(x, dtype=getattr(jnp, dt)) for x in (q, k, v)]
-            f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
-                                                                     implementation="xla"))
+            f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="xla"))
             box = {}
 
             def xla(a=a, f=f, box=box):
                 box["o"] = f(*a).block_until_ready()
             run_peer(rows, op, "JAX XLA", dt, size, xla,
                      lambda box=box: np.asarray(box["o"][0].astype(jnp.float32)), ref, reps,
-                     2 * L * HKV * D * es, "GB/s K/V")
+                     work(es), unit)
     if P.ggml is not None:
         try:
-            run, res, gg = ggml_attention(P.ggml, q[0], k[0], v[0], False, P.threads)
+            run, res, gg = ggml_attention(P.ggml, q[0], k[0], v[0], causal, P.threads)
             run_peer(rows, op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size, run, res, ref,
-                     reps, 2 * L * HKV * D * 2, "GB/s K/V")
+                     reps, work(2), unit)
             gg.free()
         except Exception as e:
             rows.append(Row(op, "ggml flash_attn_ext", "f32 Q, f16 K/V", size,
                             note=f"failed: {e}"))
+
+
+def bench_prefill(P, rows, T, reps):
+    rng = np.random.default_rng(T)
+    q, k, v = (bf16_values(rng, (1, T, h, D)) for h in (HQ, HKV, HKV))
+    flop = attn_flop(T, T, True)
+    bench_attention(P, rows, "attn prefill", f"T={T}", q, k, v, True,
+                    lambda q, k, v: flywheel.flash_attn_func(q, k, v, causal=True),
+                    lambda es: flop, "GFLOP/s", reps)
+
+
+def bench_decode(P, rows, L, reps):
+    rng = np.random.default_rng(L + 1)
+    q = bf16_values(rng, (1, 1, HQ, D))
+    k, v = (bf16_values(rng, (1, L, HKV, D)) for _ in range(2))
+    bench_attention(P, rows, "attn decode", f"ctx={L}", q, k, v, False,
+                    lambda q, k, v: flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=L),
+                    lambda es: 2 * L * HKV * D * es, "GB/s K/V", reps)
 
 
 def gdn_inputs(rng, n, T):
@@ -344,18 +293,14 @@ def bench_gdn_prefill(P, rows, T, reps):
     flop = gdn_flop(T)
     torch = P.torch
     for dt in ("float32", "bfloat16"):
-        if torch is not None:
-            a = [torch.from_numpy(x).to(getattr(torch, dt)) for x in (q, k, v)]
-            gb = [torch.from_numpy(g), torch.from_numpy(beta)]
-        else:
-            a, gb = [q, k, v], [g, beta]
+        a = [torch.from_numpy(x).to(getattr(torch, dt)) for x in (q, k, v)]
+        gb = [torch.from_numpy(g), torch.from_numpy(beta)]
         box = {}
 
         def ours(a=a, gb=gb, box=box):
             box["o"] = flywheel.chunk_gated_delta_rule(*a, *gb)[0]
         run_peer(rows, op, "flywheel chunk", dt, size, ours,
-                 lambda box=box: np.asarray(box["o"][0].float() if torch is not None
-                                            else box["o"][0]), ref, reps, flop, "GFLOP/s")
+                 lambda box=box: box["o"][0].float().numpy(), ref, reps, flop, "GFLOP/s")
     box = {}
 
     def fused():
@@ -373,7 +318,7 @@ def bench_gdn_prefill(P, rows, T, reps):
             gg.free()
         except Exception as e:
             rows.append(Row(op, "ggml gated_delta_net", "float32", size, note=f"failed: {e}"))
-    if P.fla is not None and torch is not None:
+    if P.fla is not None:
         a = [torch.from_numpy(np.repeat(x, r, axis=2) if x.shape[2] == GH else x)
              for x in (q, k, v)]
         tg, tb = torch.from_numpy(g), torch.from_numpy(beta)
@@ -412,7 +357,7 @@ def bench_gdn_decode(P, rows, n, reps):
         except Exception as e:
             rows.append(Row(op, "ggml gated_delta_net", "float32", size, note=f"failed: {e}"))
     torch = P.torch
-    if P.fla is not None and torch is not None:
+    if P.fla is not None:
         a = [torch.from_numpy(np.repeat(x, r, axis=2) if x.shape[2] == GH else x)
              for x in (q, k, v)]
         tg, tb, h0 = torch.from_numpy(g), torch.from_numpy(beta), torch.from_numpy(state0)
@@ -559,6 +504,8 @@ def main():
     P_THREADS[0] = args.threads
     flywheel.set_num_threads(args.threads)
     P = Peers(args.threads)
+    if P.torch is None:  # the inputs are handed to every system through torch tensors
+        sys.exit(f"compare: {P.missing['torch']}")
     peak = ctypes.c_double()
     _lib.check(_lib.lib.fw_peak_gflops(None, args.threads, 0.5, ctypes.byref(peak)))
     peak = peak.value
