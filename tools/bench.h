@@ -8,6 +8,10 @@
 #include <stddef.h>
 
 double bench_now(void);
+/* Online CPUs, 1 .. 256: every benchmark's default thread count. */
+int bench_cpus(void);
+/* The dtype named "f32", "bf16" or "f16" into *dt; 0 (and *dt untouched) for any other name. */
+int bench_dtype(const char *name, fw_dtype *dt);
 /* KV-cache-sized buffers: 2 MiB-aligned, asking for transparent huge pages as a serving
  * engine's cache pool would (release with free()). */
 void *bench_alloc(size_t bytes);

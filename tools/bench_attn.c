@@ -18,7 +18,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include "bench.h"
 
 typedef struct {
@@ -297,11 +296,6 @@ static int run_cfg(const cfg *c)
     return fail;
 }
 
-static int bench_cpus(void)
-{
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : (n > 256 ? 256 : (int)n);
-}
 
 static cfg defaults(void)
 {
@@ -345,10 +339,7 @@ int bench_attn_main(int argc, char **argv)
             if (sscanf(v, "%lld,%lld", &l, &r) != 2) { attn_usage(); return 2; }
             c.wl = l; c.wr = r;
         } else if (OPT("--dtype")) {
-            if (!strcmp(v, "f32")) c.dt = FW_F32;
-            else if (!strcmp(v, "bf16")) c.dt = FW_BF16;
-            else if (!strcmp(v, "f16")) c.dt = FW_F16;
-            else { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
+            if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
         }
         else if (!strcmp(a, "--online")) c.flags |= FW_ATTN_ONLINE_SOFTMAX;
         else if (!strcmp(a, "--no-gqa-pack")) c.flags |= FW_ATTN_NO_GQA_PACK;

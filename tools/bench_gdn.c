@@ -15,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include "bench.h"
 
 typedef struct {
@@ -213,16 +212,11 @@ static int run_decode(const gcfg *c, int64_t N)
     return 0;
 }
 
-static int cpus(void)
-{
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : (n > 256 ? 256 : (int)n);
-}
 
 static gcfg gdefaults(void)
 {
     gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL};
-    c.threads = cpus();
+    c.threads = bench_cpus();
     return c;
 }
 
@@ -240,10 +234,12 @@ int bench_gdn_main(int argc, char **argv)
         else if (OPT("--hv")) c.HV = atoll(v);
         else if (OPT("--dk")) c.dk = atoll(v);
         else if (OPT("--dv")) c.dv = atoll(v);
-        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : cpus();
+        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : bench_cpus();
         else if (OPT("--reps")) c.reps = atoi(v) > 0 ? atoi(v) : 1;
         else if (OPT("--isa")) c.isa = v;
-        else if (OPT("--dtype")) c.dt = !strcmp(v, "f32") ? FW_F32 : !strcmp(v, "f16") ? FW_F16 : FW_BF16;
+        else if (OPT("--dtype")) {
+            if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
+        }
         else if (!strcmp(a, "--prefill")) mode = 1;
         else if (!strcmp(a, "--decode")) mode = 2;
         else if (!strcmp(a, "--no-baselines")) c.baselines = 0;

@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include "bench.h"
 
 typedef struct {
@@ -155,16 +154,11 @@ static int kv_run(const kcfg *c, int decode)
     return fail;
 }
 
-static int cpus(void)
-{
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : (n > 256 ? 256 : (int)n);
-}
 
 static kcfg kdefaults(void)
 {
     kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL};
-    c.threads = cpus();
+    c.threads = bench_cpus();
     return c;
 }
 
@@ -182,10 +176,12 @@ int bench_kvcache_main(int argc, char **argv)
         else if (OPT("--hkv")) c.hkv = atoll(v);
         else if (OPT("--d")) c.d = atoll(v);
         else if (OPT("--page")) c.page = atoll(v);
-        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : cpus();
+        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : bench_cpus();
         else if (OPT("--reps")) c.reps = atoi(v) > 0 ? atoi(v) : 1;
         else if (OPT("--isa")) c.isa = v;
-        else if (OPT("--dtype")) c.dt = !strcmp(v, "f32") ? FW_F32 : !strcmp(v, "f16") ? FW_F16 : FW_BF16;
+        else if (OPT("--dtype")) {
+            if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
+        }
         else if (!strcmp(a, "--decode")) mode = 1;
         else if (!strcmp(a, "--prefill")) mode = 2;
         else if (!strcmp(a, "--json")) c.json = 1;

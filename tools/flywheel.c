@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include "bench.h"
 
 double bench_now(void)
@@ -21,6 +22,24 @@ double bench_now(void)
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+int bench_cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (n > 256 ? 256 : (int)n);
+}
+
+int bench_dtype(const char *name, fw_dtype *dt)
+{
+    static const struct { const char *name; fw_dtype dt; } names[] = {
+        {"f32", FW_F32}, {"bf16", FW_BF16}, {"f16", FW_F16}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i].name)) {
+            *dt = names[i].dt;
+            return 1;
+        }
+    return 0;
 }
 
 static int cmp_double(const void *a, const void *b)
