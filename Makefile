@@ -11,7 +11,8 @@ PYTHON ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/b
                   python3.13 python3; do \
                   $$p -c 'import sys; assert sys.version_info >= (3, 9)' 2>/dev/null && \
                   { command -v $$p; break; }; done)
-PYTEST_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
+# the package from the tree, on the library just built
+TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
 .PHONY: all build run test test-c test-python test-asan test-tsan compare clean
 
@@ -31,7 +32,7 @@ test-c: build
 
 # The package from the tree, on the library just built (pytest, numpy, torch, fla in .venv).
 test-python: build $(VENV)/.test-deps
-	$(PYTEST_ENV) $(VENV)/bin/python -m pytest -q python/tests
+	$(TREE_ENV) $(VENV)/bin/python -m pytest -q python/tests
 
 $(VENV)/.test-deps: python/requirements-test.txt
 	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
@@ -47,7 +48,7 @@ $(VENV)/.compare-deps: $(VENV)/.test-deps python/requirements-compare.txt
 
 # Every peer in one process on the same inputs: docs/compare/compare.md and PNG plots.
 compare: build $(VENV)/.compare-deps
-	$(PYTEST_ENV) $(VENV)/bin/python python/compare.py --out docs/compare
+	$(TREE_ENV) $(VENV)/bin/python python/compare.py --out docs/compare
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:

@@ -514,18 +514,15 @@ def main():
     decode_L = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
     gdn_T = [256, 512] if args.quick else [512, 1024, 2048, 4096]
     gdn_n = [4] if args.quick else [1, 64]
-    for T in prefill_T:
-        log(f"attention prefill T={T}")
-        bench_prefill(P, rows, T, args.reps)
-    for L in decode_L:
-        log(f"attention decode ctx={L}")
-        bench_decode(P, rows, L, max(args.reps, 5))
-    for T in gdn_T:
-        log(f"GDN prefill T={T}")
-        bench_gdn_prefill(P, rows, T, args.reps)
-    for n in gdn_n:
-        log(f"GDN decode {n} seqs")
-        bench_gdn_decode(P, rows, n, max(args.reps, 5))
+    decode_reps = max(args.reps, 5)
+    for label, sizes, bench, reps in (("attention prefill T=", prefill_T, bench_prefill, args.reps),
+                                      ("attention decode ctx=", decode_L, bench_decode, decode_reps),
+                                      ("GDN prefill T=", gdn_T, bench_gdn_prefill, args.reps),
+                                      ("GDN decode, sequences: ", gdn_n, bench_gdn_decode,
+                                       decode_reps)):
+        for x in sizes:
+            log(f"{label}{x}")
+            bench(P, rows, x, reps)
     log("flywheel-tpu oracle")
     oracle(P, rows)
     for name, why in P.missing.items():
@@ -548,7 +545,7 @@ def main():
               f"sized to the machine). FMA peak measured in the same run: {peak:.0f} GFLOP/s. "
               f"Python {platform.python_version()}; {', '.join(versions)}. "
               f"Command: `make compare` (`python python/compare.py`), medians of "
-              f"{args.reps} runs (decode: {max(args.reps, 5)}).\n\n"
+              f"{args.reps} runs (decode: {decode_reps}).\n\n"
               f"Shapes: attention hq={HQ}, hkv={HKV}, d={D}, batch 1 (prefill causal; decode one "
               f"query token against a cache of `ctx` tokens); GDN H={GH}, HV={GHV}, "
               f"dk=dv={GD}. Inputs are the same values for everyone (bf16-representable). "

@@ -162,18 +162,13 @@ def index_array(x, name):
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
-def ptr(a):
-    """The data pointer of a numpy array (None for an empty one)."""
-    return a.ctypes.data if a is not None and a.size else None
-
-
-def raw_ptr(x):
-    """The data pointer of a numpy array or torch tensor (None for None or empty)."""
+def ptr(x):
+    """The data pointer of a numpy array or torch tensor (None for None or an empty one)."""
     if x is None:
         return None
     if is_torch(x):
-        return x.data_ptr() or None
-    return x.ctypes.data or None
+        return x.data_ptr() if x.numel() else None
+    return x.ctypes.data if x.size else None
 
 
 def merge_leading(x):

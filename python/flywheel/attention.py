@@ -84,9 +84,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     b, sq, hq, _ = q.shape
     dv = v.shape[-1]
     out = T.output(out, q, (b, sq, hq, dv))
-    lse = T.empty_like_family(q, (b, hq, sq), "float32")
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
     want_lse = return_softmax_lse or return_attn_probs
+    lse = T.empty_like_family(q, (b, hq, sq), "float32") if want_lse else None
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
     _lib.check(_lib.lib.fw_attn_fwd(tq, tk, tv, to, tl, p))
@@ -125,8 +125,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"q must be [total_q, hq, d], got shape {tuple(q.shape)}")
     total_q, hq, _ = q.shape
     out = T.output(out, q, (total_q, hq, v.shape[-1]))
-    lse = T.empty_like_family(q, (hq, total_q), "float32")
     want_lse = return_softmax_lse or return_attn_probs
+    lse = T.empty_like_family(q, (hq, total_q), "float32") if want_lse else None
     p = _params(q, softmax_scale, causal, window_size, softcap, isa)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
@@ -217,7 +217,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         out = T.output(out, q, (q.shape[0], q.shape[1], hq, vc.shape[-1]))
         out3 = T.merged_view(out, "out")
-    lse = T.empty_like_family(q, (hq, total_q), "float32")
+    lse = T.empty_like_family(q, (hq, total_q), "float32") if return_softmax_lse else None
     p = _params(q, softmax_scale, causal, window_size, softcap, isa)
     tk = T.describe(kn) if kn is not None else None
     tv = T.describe(vn) if vn is not None else None

@@ -97,7 +97,7 @@ def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use
     o2 = T.merged_view(o, "out")
     _lib.check(_lib.lib.fw_gdn_prefill(T.describe(q2), T.describe(k2), T.describe(v2),
                                        T.describe(g2), T.describe(b2), T.ptr(cu), n,
-                                       T.ptr(h0), T.raw_ptr(ht), T.describe(o2), p))
+                                       T.ptr(h0), T.ptr(ht), T.describe(o2), p))
     return o, ht
 
 
@@ -199,7 +199,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     o = T.empty_like_family(v, (N, HV, V))
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
     _lib.check(_lib.lib.fw_gdn_decode(T.describe(q), T.describe(k), T.describe(v),
-                                      T.describe(g), T.describe(beta), T.raw_ptr(state), slots,
+                                      T.describe(g), T.describe(beta), T.ptr(state), slots,
                                       T.ptr(idx), T.describe(o), p))
     return o.reshape(N, 1, HV, V) if squeeze else o
 
@@ -239,7 +239,7 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
     _lib.check(_lib.lib.fw_gdn_verify(T.describe(q2), T.describe(k2), T.describe(v2),
                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
-                                      T.raw_ptr(state), slots, T.ptr(idx), T.ptr(replay),
+                                      T.ptr(state), slots, T.ptr(idx), T.ptr(replay),
                                       floats, T.describe(T.merge_leading(o)), p))
     return o, GDNReplay(replay, cu, idx, H, HV, K, V)
 
@@ -255,6 +255,6 @@ def gated_delta_rule_commit(replay, accepted, state):
     p = _lib.GdnParams()
     p.threads = _lib.settings.threads
     _lib.check(_lib.lib.fw_gdn_commit(T.ptr(r.cu_seqlens), r.cu_seqlens.size - 1, T.ptr(acc),
-                                      r.H, r.HV, r.K, r.V, T.raw_ptr(state), slots,
+                                      r.H, r.HV, r.K, r.V, T.ptr(state), slots,
                                       T.ptr(r.state_indices), T.ptr(r.buffer), r.buffer.size,
                                       p))
