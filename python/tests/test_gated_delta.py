@@ -203,3 +203,22 @@ def test_out_buffer_is_written_in_place():
     assert got is buf and np.array_equal(buf, want)
     with pytest.raises(FlywheelError, match="FW_ERR_SHAPE"):
         flywheel.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, out=buf[:, :, :2])
+
+
+def test_serving_calls_reject_bad_input():
+    rng = np.random.default_rng(19)
+    cu = np.array([0, 3, 70])  # the second sequence has 67 draft tokens: more than 64
+    (q, k, v, g, beta), _ = inputs(rng, 1, 70, 2, 4, 16, 16, "float32", "numpy")
+    state = np.zeros((2, 4, 16, 16), np.float32)
+    with pytest.raises(FlywheelError):
+        flywheel.gated_delta_rule_verify(q, k, v, g, beta, state, cu_seqlens=cu)
+    _, replay = flywheel.gated_delta_rule_verify(q[:, :5], k[:, :5], v[:, :5], g[:, :5],
+                                                 beta[:, :5], state, cu_seqlens=[0, 3, 5])
+    with pytest.raises(ValueError, match="accepted must have 2 entries"):
+        flywheel.gated_delta_rule_commit(replay, [1], state)
+    with pytest.raises(FlywheelError):  # more accepted tokens than the sequence drafted
+        flywheel.gated_delta_rule_commit(replay, [4, 0], state)
+    assert not state.any()  # refused calls leave the states alone
+    with pytest.raises(ValueError, match="one token per sequence"):
+        flywheel.gated_delta_rule_decode(q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2],
+                                         state)
