@@ -96,8 +96,10 @@ FW_API uint16_t fw_f32_to_f16(float f);
 
 /* ---------------------------------------------------------- kernel tables -- */
 
-/* Kernel tables by name: "portable" (plain C, always present), "avx2" (AVX2+FMA+F16C) and
- * "avx512" (AVX-512 F/BW/DQ/VL) on x86-64. The default is the best table this CPU runs, or
+/* Kernel tables by name: "portable" (plain C, always present), "avx2" (AVX2+FMA+F16C),
+ * "avx512" (AVX-512 F/BW/DQ/VL) and "avx512bf16" (AVX-512 with AVX512_BF16: bf16 products on
+ * vdpbf16ps) on x86-64. Every table runs both product precisions (fw_precision); tables
+ * without a bf16 dot product emulate it with f32 FMAs on the same rounded operands. The default is the best table this CPU runs, or
  * the one named by the environment variable FLYWHEEL_ISA (read once). */
 FW_API int fw_isa_count(void);
 FW_API const char *fw_isa_name(int i);            /* NULL past the end */
@@ -116,6 +118,16 @@ enum {
     FW_ATTN_PLAIN = 1 << 3           /* the plain row-at-a-time online-softmax kernel (the baseline) */
 };
 
+/* Precision of the matrix products (QK^T and PV). */
+typedef enum fw_precision {
+    FW_PREC_AUTO = 0, /* bf16 products when q is bf16, else f32 products */
+    FW_PREC_F32 = 1,  /* operands converted to f32, f32 FMAs (any input dtype) */
+    FW_PREC_BF16 = 2  /* bf16 operands (q, k, v as given when bf16, else rounded to bf16), f32
+                         accumulation; the probabilities P are rounded to bf16 before PV, the
+                         softmax scale is applied in f32 to the scores, never to a bf16 operand.
+                         flash-attn's and every CPU peer's bf16 arithmetic. */
+} fw_precision;
+
 typedef struct fw_attn_params {
     float scale;           /* softmax scale; 0 means 1/sqrt(d). Must be finite. */
     int32_t causal;        /* 1: query i sees key j only when j <= i + sk - sq (bottom-right) */
@@ -128,9 +140,12 @@ typedef struct fw_attn_params {
     uint32_t flags;        /* FW_ATTN_* technique switches */
     void *workspace;       /* optional caller buffer, see fw_attn_workspace_size() */
     size_t workspace_bytes;
+    int32_t precision;     /* fw_precision; FW_PREC_AUTO by default. The plain kernel
+                              (FW_ATTN_PLAIN) always uses f32 products. */
 } fw_attn_params;
 
-/* Defaults: scale 0 (1/sqrt(d)), non-causal, windows -1, softcap 0, threads 0, isa NULL. */
+/* Defaults: scale 0 (1/sqrt(d)), non-causal, windows -1, softcap 0, threads 0, isa NULL,
+ * precision FW_PREC_AUTO. */
 FW_API void fw_attn_params_init(fw_attn_params *p);
 
 /*
@@ -169,7 +184,11 @@ FW_API fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k,
 
 /*
  * Float64 references: the same contracts, computed row by row with float64 accumulation
- * and exp(). out may also be FW_F64. Only rows [row_begin, row_end) of every sequence
+ * and exp(). With bf16 products (params->precision, FW_PREC_AUTO resolved as in the kernels)
+ * the reference makes the same roundings as the kernel and nothing else: q, k, v rounded to
+ * bf16 (a no-op for bf16 inputs), each probability exp(s - max) rounded to bf16 before it
+ * multiplies V (the denominator sums them unrounded), then the output rounded to its dtype.
+ * Pass precision FW_PREC_F32 for the exact result of the given inputs. out may also be FW_F64. Only rows [row_begin, row_end) of every sequence
  * (dense: of sq; varlen: of each sequence's own length, clamped) and head are written, so
  * a caller can check a slice of a large problem; pass 0, INT64_MAX for all rows.
  * params->threads, isa, flags and workspace are ignored; the reference runs on one thread.
@@ -341,6 +360,11 @@ FW_API fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_ten
  * on `threads` threads at once, using the widest FMA the named table has (NULL = the widest
  * table this CPU runs). Runs for about `seconds`. */
 FW_API fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, double *gflops);
+
+/* The same for bf16 pair products (vdpbf16ps on "avx512bf16": 4 flops per 32-bit lane; a
+ * table without it measures its f32 emulation). This is the peak of FW_PREC_BF16 runs. */
+FW_API fw_status fw_peak_bf16_gflops(const char *isa, int32_t threads, double seconds,
+                                     double *gflops);
 
 /* Measured streaming read bandwidth in GB/s (1e9 bytes/s) on `threads` threads at once, each
  * reading its share of a `bytes` buffer (much larger than the caches) with the widest table's

@@ -64,6 +64,9 @@ static fw_status check_params(const fw_attn_params *params)
     if (params->threads < 0 || params->threads > 256)
         return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256",
                        (int)params->threads);
+    if (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16)
+        return fw_fail(FW_ERR_ARG, "precision is %d; it must be FW_PREC_AUTO (0), FW_PREC_F32 (1) "
+                       "or FW_PREC_BF16 (2)", (int)params->precision);
     if (params->flags & ~(uint32_t)(FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_GQA_PACK |
                                     FW_ATTN_NO_TILE_SKIP | FW_ATTN_PLAIN))
         return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
@@ -71,8 +74,14 @@ static fw_status check_params(const fw_attn_params *params)
 }
 
 
+int fw_attn_bf16_products(fw_dtype q, int32_t precision)
+{
+    return precision == FW_PREC_BF16 || (precision == FW_PREC_AUTO && q == FW_BF16);
+}
+
 /* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
- * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap and the mask (causal sets wr = 0). */
+ * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0) and the
+ * product precision. */
 static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params)
 {
     if (lse && p->varlen) {
@@ -85,6 +94,7 @@ static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_pa
     p->causal = params->causal;
     p->wl = params->window_left;
     p->wr = params->causal ? 0 : params->window_right;
+    p->bf16 = fw_attn_bf16_products(p->q->dtype, params->precision);
 }
 
 fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
@@ -391,14 +401,18 @@ int fw_attn_chunk_tiles(int64_t total_tiles, int threads)
 /* ------------------------------------------------------------- workspace -- */
 
 typedef struct {
-    size_t qt, ot, al, rng, vec, st, kf, vf, row, dec, total; /* byte offsets in a thread's part */
+    size_t qt, ot, al, rng, vec, st, kf, vf, row, dec; /* byte offsets in a thread's part */
+    size_t qw, kw, vw, pw;                             /* bf16 products' panels (pair layout) */
+    size_t total;
 } ws_layout;
 
 static size_t up64(size_t x) { return (x + 63) & ~(size_t)63; }
 
 /* Per-thread layout for tiles of M rows (the largest M any sequence length gives) and a
- * decode state for `units` K/V groups of up to FW_DEC_ROWS rows each. */
-static ws_layout ws_plan(int64_t d, int64_t dv, int M, int64_t units)
+ * decode state for `units` K/V groups of up to FW_DEC_ROWS rows each; with bf16 products
+ * also the pair-layout panels of the q tiles, one K/V tile and one P tile (kern/attn_kern.h):
+ * for d = dv = 128, M = 64: 256 + 16 + 16 + 8 KiB. */
+static ws_layout ws_plan(int64_t d, int64_t dv, int M, int64_t units, int bf16)
 {
     ws_layout w;
     size_t f = sizeof(float), C = FW_ATTN_CHUNK_MAX, BK = FW_ATTN_BK;
@@ -412,7 +426,12 @@ static ws_layout ws_plan(int64_t d, int64_t dv, int M, int64_t units)
     w.vf = w.kf + up64(BK * (size_t)d * f);
     w.row = w.vf + up64(BK * (size_t)dv * f);     /* q row (d) and output row (dv) */
     w.dec = w.row + up64(((size_t)d + dv) * f);   /* per unit and row: q, o, a, l */
-    w.total = w.dec + up64((size_t)units * FW_DEC_ROWS * ((size_t)d + dv + 2) * f);
+    w.qw = w.dec + up64((size_t)units * FW_DEC_ROWS * ((size_t)d + dv + 2) * f);
+    const size_t dw = bf16 ? ((size_t)d + 1) / 2 : 0, wsz = sizeof(uint32_t);
+    w.kw = w.qw + up64(C * dw * M * wsz);
+    w.vw = w.kw + up64(BK * dw * wsz);
+    w.pw = w.vw + up64(bf16 ? BK / 2 * (size_t)dv * wsz : 0);
+    w.total = w.pw + up64(bf16 ? BK / 2 * (size_t)M * wsz : 0);
     return w;
 }
 
@@ -434,9 +453,11 @@ static int64_t ws_units(int64_t hq, int64_t hkv, uint32_t flags)
 
 /* Whole workspace: one part per thread, plus slack to align the first to 64 bytes. */
 static size_t ws_bytes(int64_t hq, int64_t hkv, int64_t d, int64_t dv, const fw_kernels *kt,
-                       int threads, uint32_t flags)
+                       int threads, uint32_t flags, int bf16)
 {
-    return (size_t)threads * ws_plan(d, dv, ws_rows(hq / hkv, kt, flags), ws_units(hq, hkv, flags)).total + 64;
+    const int tiles_bf16 = bf16 && !(flags & FW_ATTN_PLAIN);
+    return (size_t)threads * ws_plan(d, dv, ws_rows(hq / hkv, kt, flags), ws_units(hq, hkv, flags),
+                                     tiles_bf16).total + 64;
 }
 
 static int eff_threads(const fw_attn_params *params)
@@ -457,13 +478,16 @@ fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const f
     if (hq < 1 || hkv < 1 || hq % hkv || d < 1 || d > 1024 || dv < 1 || dv > 1024 || hq > 65536)
         return fw_fail(FW_ERR_SHAPE, "heads %lld/%lld or head dims %lld/%lld are invalid",
                        (long long)hq, (long long)hkv, (long long)d, (long long)dv);
-    if (params && (params->threads < 0 || params->threads > 256))
-        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256",
-                       (int)params->threads);
+    fw_attn_params dflt;
+    fw_attn_params_init(&dflt);
+    fw_status s = check_params(params ? params : &dflt);
+    if (s)
+        return s;
     const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
     if (!kt)
         return FW_ERR_UNSUPPORTED;
-    *bytes = ws_bytes(hq, hkv, d, dv, kt, eff_threads(params), params ? params->flags : 0);
+    *bytes = ws_bytes(hq, hkv, d, dv, kt, eff_threads(params), params ? params->flags : 0,
+                      fw_attn_bf16_products(q->dtype, params ? params->precision : FW_PREC_AUTO));
     return FW_OK;
 }
 
@@ -683,6 +707,41 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
             }
 }
 
+/* A q tile's operands in the precision of the call: f32 (QT scaled, K rows Kf) or bf16
+ * pairs (QW unscaled, K words KW, V words VW; P goes through PW). */
+typedef struct {
+    const float *QT, *Kf, *Vf;
+    const uint32_t *QW, *KW, *VW;
+    uint32_t *PW;
+} tile_ops;
+
+/* ST = bias + scores of the tile's nk keys against its M rows, in log2 units. */
+static void tile_qk(const run_ctx *c, const tile_ops *o, int nk, int M, const float *bias, float *ST)
+{
+    const int d = (int)c->p->d, dw = (d + 1) / 2;
+    if (c->p->bf16)
+        c->kt->qk_bf16(nk, dw, M, o->KW, dw, o->QW, c->qscale, bias, ST);
+    else
+        c->kt->qk(nk, d, M, o->Kf, d, o->QT, bias, ST);
+    if (c->cap2 > 0.0f)
+        c->kt->softcap(nk, M, ST, c->cap2);
+}
+
+/* OT += P V over the tile's nk keys; bf16 products round P to bf16 pairs first. */
+static void tile_pv(const run_ctx *c, const tile_ops *o, int nk, int M, const float *ST, float *OT)
+{
+    const int dv = (int)c->p->dv;
+    if (!c->p->bf16) {
+        c->kt->pv(nk, dv, M, o->Vf, dv, ST, OT);
+        return;
+    }
+    const int nw = (nk + 1) / 2;
+    for (int w = 0; w < nw; w++)
+        c->kt->pack_pairs(ST + (size_t)2 * w * M, 2 * w + 1 < nk ? ST + (size_t)(2 * w + 1) * M : NULL,
+                          M, o->PW + (size_t)w * M);
+    c->kt->pv_bf16(nw, dv, M, o->VW, o->PW, OT);
+}
+
 static void chunk_item(void *vctx, int64_t idx, int tid)
 {
     const run_ctx *c = vctx;
@@ -710,6 +769,10 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
           *pending = hi + M;
     float *ST = (float *)(w + c->wl.st), *Kf = (float *)(w + c->wl.kf), *Vf = (float *)(w + c->wl.vf);
     float *orow = (float *)(w + c->wl.row);
+    uint32_t *QW = (uint32_t *)(w + c->wl.qw), *KW = (uint32_t *)(w + c->wl.kw);
+    uint32_t *VW = (uint32_t *)(w + c->wl.vw);
+    const int bf16 = p->bf16, dw = (d + 1) / 2;
+    tile_ops ops = {NULL, Kf, Vf, NULL, KW, VW, (uint32_t *)(w + c->wl.pw)};
     tile_keys tk[FW_ATTN_CHUNK_MAX];
 
     const int64_t p0 = it->chunk * (int64_t)c->chunk * bq;
@@ -718,8 +781,8 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
     int64_t klo = INT64_MAX, khi = INT64_MIN;
 
     /* Pack the chunk's q tiles: QT[r][k][m] for row m = g * bq + t (head h0 + g, position
-     * p0 + r * bq + t), scaled so scores come out in log2 units. Padding rows are zero and see
-     * no key. */
+     * p0 + r * bq + t), scaled so scores come out in log2 units (f32 products), or unscaled
+     * and then paired into QW[r] (bf16 products). Padding rows are zero and see no key. */
     memset(zero, 0, (size_t)M * sizeof(float));
     for (int r = 0; r < nt; r++) {
         float *qt = QT + (size_t)r * d * M;
@@ -736,7 +799,7 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
                 const int64_t pos = p0 + (int64_t)r * bq + i;
                 const int m = g * bq + i;
                 const char *src = fw_elem(p->q, sq.q0 + pos * p->qs[0] + (h0 + g) * p->qs[1]);
-                kt->to_f32(src, p->q->dtype, p->qs[2], d, c->qscale, orow);
+                kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, orow);
                 for (int k = 0; k < d; k++)
                     qt[(size_t)k * M + m] = orow[k];
                 int64_t vlo, vhi;
@@ -753,6 +816,10 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
         tk[r] = t;
         klo = fw_min64(klo, t.lo);
         khi = fw_max64(khi, t.hi);
+        if (bf16)
+            for (int x = 0; x < dw; x++)
+                kt->pack_pairs(qt + (size_t)2 * x * M, 2 * x + 1 < d ? qt + (size_t)(2 * x + 1) * M : NULL,
+                               M, QW + ((size_t)r * dw + x) * M);
     }
     if (!skip) {
         klo = 0;
@@ -769,7 +836,17 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
             int64_t vr = fw_attn_key(p, &sq, t0 + j, 1) + kvh * p->vs[1];
             kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
             kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
+            if (bf16) {
+                uint16_t *kw = (uint16_t *)(KW + (size_t)j * dw);
+                kt->from_f32(Kf + (size_t)j * d, d, kw, FW_BF16, 1);
+                if (d & 1)
+                    kw[d] = 0;
+            }
         }
+        if (bf16)
+            for (int x = 0; x < (nk + 1) / 2; x++)
+                kt->pack_pairs(Vf + (size_t)2 * x * dv, 2 * x + 1 < nk ? Vf + (size_t)(2 * x + 1) * dv : NULL,
+                               dv, VW + (size_t)x * dv);
         for (int r = 0; r < nt; r++) {
             const tile_keys *t = &tk[r];
             int boundary = 1;
@@ -780,7 +857,6 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
             }
             const int64_t *rlo = RLO + r * M, *rhi = RHI + r * M;
             float *A_r = A + r * M, *L_r = L + r * M, *OT_r = OT + (size_t)r * dv * M;
-            const float *QT_r = QT + (size_t)r * d * M;
             if (boundary)
                 for (int m = 0; m < M; m++) {
                     lo[m] = (float)fw_max64(0, fw_min64(nk, rlo[m] - t0));
@@ -788,21 +864,19 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
                 }
             for (int m = 0; m < M; m++)
                 bias[m] = folded && A_r[m] != -INFINITY ? -A_r[m] : 0.0f;
-            kt->qk(nk, d, M, Kf, d, QT_r, bias, ST);
-            if (c->cap2 > 0.0f)
-                kt->softcap(nk, M, ST, c->cap2);
+            ops.QT = QT + (size_t)r * d * M;
+            ops.QW = QW + (size_t)r * dw * M;
+            tile_qk(c, &ops, nk, M, bias, ST);
             fw_softmax_args sa = {nk, M, ST, A_r, L_r, boundary ? lo : NULL, boundary ? hi : NULL,
                                   folded, online, OT_r, dv, pending};
             if (kt->softmax(&sa)) {
                 /* the static anchor's bound failed: replay this tile exactly, online */
-                kt->qk(nk, d, M, Kf, d, QT_r, zero, ST);
-                if (c->cap2 > 0.0f)
-                    kt->softcap(nk, M, ST, c->cap2);
+                tile_qk(c, &ops, nk, M, zero, ST);
                 sa.folded = 0;
                 sa.online = 1;
                 kt->softmax(&sa);
             }
-            kt->pv(nk, dv, M, Vf, dv, ST, OT_r);
+            tile_pv(c, &ops, nk, M, ST, OT_r);
         }
     }
     /* Normalise and store (or keep a split's partials); rows are gathered from OT's columns. */
@@ -948,6 +1022,8 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
     c.flags = flags;
     c.G = (int)((flags & FW_ATTN_NO_GQA_PACK) ? 1 : p->G);
     c.cap2 = p->softcap > 0 ? (float)(p->softcap * FW_LOG2E) : 0.0f;
+    /* scores come out in log2 units (or divided by the softcap): f32 products fold this
+     * into q; bf16 products apply it to the f32 scores */
     c.qscale = (float)(p->softcap > 0 ? p->scale / p->softcap : p->scale * FW_LOG2E);
     const int64_t heads = (plain || (flags & FW_ATTN_NO_GQA_PACK)) ? p->hq : p->hkv;
 
@@ -979,7 +1055,7 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
     }
     if (n == 0)
         return FW_OK;
-    const size_t need = ws_bytes(p->hq, p->hkv, p->d, p->dv, kt, threads, flags);
+    const size_t need = ws_bytes(p->hq, p->hkv, p->d, p->dv, kt, threads, flags, p->bf16);
     if (params && params->workspace && params->workspace_bytes < need)
         return fw_fail(FW_ERR_WORKSPACE, "workspace has %zu bytes; this call needs %zu",
                        params->workspace_bytes, need);
@@ -999,7 +1075,7 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
                        "%lld split partials", need, (long long)n, (long long)npart);
     }
     c.ws = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
-    c.wl = ws_plan(p->d, p->dv, ws_rows(p->G, kt, flags), units);
+    c.wl = ws_plan(p->d, p->dv, ws_rows(p->G, kt, flags), units, p->bf16 && !plain);
     unsigned sink[256 * 16];
     c.sink = sink;
     c.ws_stride = c.wl.total;

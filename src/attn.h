@@ -30,7 +30,11 @@ typedef struct fw_attn_prob {
     double softcap;                     /* 0 = off */
     int causal;
     int64_t wl, wr;                     /* -1 = unbounded; causal sets wr = 0 */
+    int bf16;                           /* bf16 products (params->precision resolved) */
 } fw_attn_prob;
+
+/* Whether a call with q of dtype `q` and params->precision `precision` uses bf16 products. */
+int fw_attn_bf16_products(fw_dtype q, int32_t precision);
 
 /* One sequence of the batch: where its rows start and how many there are. */
 typedef struct {

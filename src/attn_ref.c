@@ -1,6 +1,9 @@
 /* attn_ref.c: the float64 reference for softmax attention. Each sequence's K/V context is
  * gathered into contiguous float64 rows; then row by row, scores in double, exp() from libm,
- * two passes (max, then sum and output). O(sk * hkv * (d + dv)) scratch, one thread. */
+ * two passes (max, then sum and output). O(sk * hkv * (d + dv)) scratch, one thread.
+ * With bf16 products it makes the kernel's roundings and no others: q, k, v to bf16, and
+ * each probability to bf16 before it multiplies V (the sum stays unrounded, as in the
+ * kernels, which sum the f32 probabilities). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,6 +12,9 @@
 /* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
  * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from
  * k_new/v_new (the cache itself is not read for them, nor written). */
+/* x rounded to bf16 (nearest even) when `on`, else x. */
+static double rnd(double x, int on) { return on ? (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)) : x; }
+
 static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, double *V)
 {
     const int64_t cached = p->kvcache && p->append ? p->cache_len[sq->index] : sq->sk;
@@ -26,6 +32,7 @@ static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, doub
                         const int64_t row = p->cuq[sq->index] + (j - cached);
                         dst[h * n + x] = fw_load_f64(t, row * t->stride[0] + h * t->stride[1] + x * t->stride[2]);
                     }
+                    dst[h * n + x] = rnd(dst[h * n + x], p->bf16);
                 }
         }
 }
@@ -55,7 +62,7 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                 int64_t lo, hi;
                 fw_attn_visible(p, sq.sq, sq.sk, r, &lo, &hi);
                 for (int64_t x = 0; x < d; x++)
-                    q[x] = fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]);
+                    q[x] = rnd(fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]), p->bf16);
                 double mx = -INFINITY;
                 for (int64_t j = lo; j < hi; j++) {
                     double dot = 0.0;
@@ -73,11 +80,11 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                 for (int64_t x = 0; x < dv; x++)
                     acc[x] = 0.0;
                 for (int64_t j = lo; j < hi; j++) {
-                    const double e = exp(s[j] - mx);
+                    const double e = exp(s[j] - mx), ep = rnd(e, p->bf16);
                     const double *vr = V + (j * p->hkv + kvh) * dv;
                     sum += e;
                     for (int64_t x = 0; x < dv; x++)
-                        acc[x] += e * vr[x];
+                        acc[x] += ep * vr[x];
                 }
                 const int64_t orow = sq.o0 + r * p->os[0] + h * p->os[1];
                 for (int64_t x = 0; x < dv; x++)

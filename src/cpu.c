@@ -46,6 +46,14 @@ static int has_avx512(void)
     const unsigned f = 1u << 16, dq = 1u << 17, bw = 1u << 30, vl = 1u << 31;
     return (b & (f | dq | bw | vl)) == (f | dq | bw | vl);
 }
+
+static int has_avx512bf16(void)
+{
+    unsigned a, b, c, d;
+    if (!has_avx512() || !__get_cpuid_count(7, 1, &a, &b, &c, &d))
+        return 0;
+    return (a >> 5) & 1u; /* CPUID.(EAX=7,ECX=1):EAX bit 5: AVX512_BF16 */
+}
 #endif
 
 /* Best last: the default is the last supported entry. */
@@ -54,6 +62,7 @@ static const entry tables[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     {&fw_kernels_avx2, has_avx2},
     {&fw_kernels_avx512, has_avx512},
+    {&fw_kernels_avx512bf16, has_avx512bf16},
 #endif
 };
 #define NTABLES ((int)(sizeof tables / sizeof tables[0]))
@@ -117,14 +126,14 @@ const fw_kernels *fw_kernels_get(const char *name)
         if (d < 0) {
             fw_fail(FW_ERR_UNSUPPORTED,
                     "FLYWHEEL_ISA=%s names no kernel table this CPU runs (tables: portable, avx2, "
-                    "avx512)", env_name);
+                    "avx512, avx512bf16)", env_name);
             return NULL;
         }
         return tables[d].k;
     }
     const entry *e = find(name);
     if (!e) {
-        fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: portable, avx2, avx512)", name);
+        fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: portable, avx2, avx512, avx512bf16)", name);
         return NULL;
     }
     if (!e->supported()) {
@@ -137,17 +146,18 @@ const fw_kernels *fw_kernels_get(const char *name)
 typedef struct {
     const fw_kernels *k;
     double seconds;
+    int bf16;
     double gflops[256];
 } peak_ctx;
 
 static void peak_item(void *ctx, int64_t item, int tid)
 {
     peak_ctx *p = ctx;
-    p->gflops[item] = p->k->peak(p->seconds);
+    p->gflops[item] = p->bf16 ? p->k->peak_bf16(p->seconds) : p->k->peak(p->seconds);
     (void)tid;
 }
 
-fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, double *gflops)
+static fw_status peak_run(const char *isa, int32_t threads, double seconds, int bf16, double *gflops)
 {
     fw_clear_error();
     if (!gflops)
@@ -172,6 +182,7 @@ fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, doubl
         return fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes", sizeof *p);
     p->k = k;
     p->seconds = seconds;
+    p->bf16 = bf16;
     /* one item per thread, so all n run at once (items are taken as threads come free) */
     fw_parallel(n, n, peak_item, p);
     double s = 0;
@@ -180,6 +191,16 @@ fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, doubl
     free(p);
     *gflops = s;
     return FW_OK;
+}
+
+fw_status fw_peak_gflops(const char *isa, int32_t threads, double seconds, double *gflops)
+{
+    return peak_run(isa, threads, seconds, 0, gflops);
+}
+
+fw_status fw_peak_bf16_gflops(const char *isa, int32_t threads, double seconds, double *gflops)
+{
+    return peak_run(isa, threads, seconds, 1, gflops);
 }
 
 typedef struct {

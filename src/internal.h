@@ -67,6 +67,16 @@ typedef struct fw_kernels {
     int (*softmax)(const fw_softmax_args *s);
     /* OT[c][m] += sum_j V[j][c] * PT[j][m], c < dv, m < M. */
     void (*pv)(int nk, int dv, int M, const float *V, int64_t ldv, const float *PT, float *OT);
+    /* bf16 products on operands in pair layout (two bf16 of adjacent reduction elements per
+     * 32-bit word; panels described in attn_kern.h): the tables own this packing.
+     * pack_pairs: dst[i] = (even[i], odd[i]) rounded to bf16, i < n (odd NULL: zeros).
+     * qk_bf16: ST[j][m] = bias[m] + scale * (K row j . q row m) over dw words, K rows ldkw
+     * words apart, QW [dw][M]. pv_bf16: OT[c][m] += sum_w VW[w][c] . PW[w][m], VW [nw][dv],
+     * PW [nw][M]. */
+    void (*pack_pairs)(const float *even, const float *odd, int n, uint32_t *dst);
+    void (*qk_bf16)(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
+                    float scale, const float *bias, float *ST);
+    void (*pv_bf16)(int nw, int dv, int M, const uint32_t *VW, const uint32_t *PW, float *OT);
     /* Decode kernels (keys along the lanes; layouts in attn_kern.h). pack_kt converts nk <= 64
      * key rows (rows[j] points at key j, head applied; kdim = stride within a row) into
      * Kt[d][FW_DEC_KEYS], transposed, zero past nk to a whole vector. dec_pv reads value rows
@@ -85,8 +95,10 @@ typedef struct fw_kernels {
     void (*plain_row)(const float *q, int d, int dv, fw_dtype dt, const void *K, int64_t ldk,
                       int64_t kdim, const void *V, int64_t ldv, int64_t vdim, int64_t n,
                       float cap2, float *acc, float *m, float *l, float *scratch);
-    /* FMA throughput of one thread in GFLOP/s over about `seconds`. */
+    /* FMA throughput of one thread in GFLOP/s over about `seconds`; peak_bf16: the same for
+     * bf16 pair products (vdpbf16ps where the table has it, else its emulation). */
     double (*peak)(double seconds);
+    double (*peak_bf16)(double seconds);
     /* Sum of n floats read with vector loads (several independent accumulators): the read
      * stream of the bandwidth microbenchmark. n is a multiple of 64. */
     float (*stream_sum)(const float *x, size_t n);
@@ -114,6 +126,7 @@ extern const fw_kernels fw_kernels_portable;
 #if defined(__x86_64__) || defined(_M_X64)
 extern const fw_kernels fw_kernels_avx2;
 extern const fw_kernels fw_kernels_avx512;
+extern const fw_kernels fw_kernels_avx512bf16;
 #endif
 
 /* ---------------------------------------------------------------- threads -- */

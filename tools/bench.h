@@ -20,6 +20,12 @@ double bench_median(double *x, int n);
 /* The machine's FMA peak on `threads` threads: the median of 3 runs of the widest table's
  * microbenchmark, each about 0.25 s. Measured once per thread count per process. */
 double bench_peak(int threads);
+/* The same for bf16 pair products (fw_peak_bf16_gflops): the peak of bf16-product runs. */
+double bench_peak_bf16(int threads);
+/* 1 when a call with inputs of dtype dt and this fw_precision uses bf16 products. */
+int bench_bf16_products(fw_dtype dt, int precision);
+/* "auto", "f32" or "bf16" into *prec (an fw_precision); 0 for any other name. */
+int bench_precision(const char *name, int *prec);
 
 int bench_attn_main(int argc, char **argv);
 int bench_attn_headline(void);

@@ -7,12 +7,17 @@
  *   seconds_median   median over --reps timed calls (after one untimed warm-up call)
  *   peak_gflops      the machine's FMA peak for the same thread count (fw_peak_gflops, the
  *                    widest kernel table, median of 3)
+ *   peak_bf16_gflops the bf16 dot-product peak, the same way (fw_peak_bf16_gflops)
+ *   pct_peak         against the peak of the precision in use: bf16 products (bf16 inputs
+ *                    by default, --precision bf16) against peak_bf16_gflops, else peak_gflops
  *   baseline_gflops  the plain row-at-a-time online-softmax kernel (FW_ATTN_PLAIN), same
  *                    formula, timed on the last baseline_rows = clamp(sq/16, 64, 256) query
  *                    rows (which see the same keys as in the full problem: bottom-right
  *                    alignment), median of 3
  * --check compares the last 32 query rows (those that see the most keys) against the float64
- * reference, next to the plain kernel's error on the same rows (bar: error <= 2 x plain + 1e-5).
+ * reference, next to the plain kernel's error on the same rows (bar: error <= 2 x plain + 1e-5);
+ * with bf16 products the bar is 2 x the error of the same-roundings float64 reference (q, k, v
+ * as given, P rounded to bf16 before PV, output rounded to its dtype) + 1e-5.
  */
 #include <math.h>
 #include <stdio.h>
@@ -30,6 +35,7 @@ typedef struct {
     const char *isa;
     uint32_t flags;
     int json, check, baseline, techniques;
+    int prec; /* fw_precision */
 } cfg;
 
 typedef struct {
@@ -112,6 +118,7 @@ static void params_of(const cfg *c, fw_attn_params *p, uint32_t flags, int threa
     p->threads = threads;
     p->isa = c->isa;
     p->flags = flags;
+    p->precision = c->prec;
 }
 
 /* Median seconds of `reps` calls on query rows [r0, sq) (a bottom-right-aligned view). */
@@ -143,9 +150,9 @@ static double time_calls(const cfg *c, bufs *B, uint32_t flags, int64_t r0, int 
 }
 
 typedef struct {
-    double sec, gflops, peak, base_gflops, err, perr;
+    double sec, gflops, peak, peak_f32, peak_bf16, base_gflops, err, perr, srerr, bar;
     int64_t base_rows;
-    int checked, ok;
+    int bf16, checked, ok;
 } result;
 
 /* Output rows [r0, sq) of every batch as doubles, [b][rows][hq][dv]. */
@@ -189,7 +196,10 @@ static result measure(const cfg *c, bufs *B, uint32_t flags, int with_baseline, 
     if (!r.ok)
         return r;
     r.gflops = flop_per_pair * P / r.sec * 1e-9;
-    r.peak = bench_peak(c->threads);
+    r.bf16 = !(flags & FW_ATTN_PLAIN) && bench_bf16_products(c->dt, c->prec);
+    r.peak_f32 = bench_peak(c->threads);
+    r.peak_bf16 = bench_peak_bf16(c->threads);
+    r.peak = r.bf16 ? r.peak_bf16 : r.peak_f32;
     double *mine = check ? rows_of(c, B, c->sq - nchk) : NULL;
     int ok = 1;
     if (with_baseline) {
@@ -213,15 +223,31 @@ static result measure(const cfg *c, bufs *B, uint32_t flags, int with_baseline, 
         fw_tensor tr = fw_tensor_contiguous(ref, FW_F64, 4, os);
         tr.stride[0] = nchk * c->hq * c->dv;
         tr.data = ref - (c->sq - nchk) * tr.stride[1];
-        fw_attn_params p;
+        double *sr = malloc(sizeof(double) * (size_t)(n + 1));
+        fw_tensor ts = tr;
+        ts.data = sr - (c->sq - nchk) * tr.stride[1];
+        fw_attn_params p, ps;
         params_of(c, &p, 0, c->threads);
-        if (fw_attn_ref(&B->tq, &B->tk, &B->tv, &tr, NULL, &p, c->sq - nchk, c->sq) == FW_OK) {
+        p.precision = FW_PREC_F32;
+        params_of(c, &ps, 0, c->threads);
+        ps.precision = FW_PREC_BF16;
+        if (fw_attn_ref(&B->tq, &B->tk, &B->tv, &tr, NULL, &p, c->sq - nchk, c->sq) == FW_OK &&
+            (!r.bf16 || fw_attn_ref(&B->tq, &B->tk, &B->tv, &ts, NULL, &ps, c->sq - nchk, c->sq) == FW_OK)) {
             r.checked = 1;
             r.err = max_abs_diff(mine, ref, n);
             r.perr = max_abs_diff(plain, ref, n);
+            if (r.bf16) {
+                for (int64_t i = 0; i < n; i++) /* the same-roundings result rounded to out's dtype */
+                    sr[i] = c->dt == FW_F32 ? (float)sr[i]
+                            : c->dt == FW_BF16 ? fw_bf16_to_f32(fw_f32_to_bf16((float)sr[i]))
+                                               : fw_f16_to_f32(fw_f32_to_f16((float)sr[i]));
+                r.srerr = max_abs_diff(sr, ref, n);
+            }
+            r.bar = 2 * (r.bf16 ? r.srerr : r.perr) + 1e-5;
         } else {
             fprintf(stderr, "bench: reference: %s\n", fw_last_error());
         }
+        free(sr);
         free(ref);
         free(plain);
     }
@@ -235,33 +261,41 @@ static void print_result(const cfg *c, const char *variant, const result *r)
         printf("{\"op\":\"attn\",\"variant\":\"%s\",\"isa\":\"%s\",\"b\":%lld,\"sq\":%lld,\"sk\":%lld,"
                "\"hq\":%lld,\"hkv\":%lld,\"d\":%lld,\"dv\":%lld,\"dtype\":\"%s\",\"causal\":%s,"
                "\"window\":[%lld,%lld],\"softcap\":%g,\"threads\":%d,\"reps\":%d,"
-               "\"seconds_median\":%.6g,\"gflops\":%.2f,\"peak_gflops\":%.2f,\"pct_peak\":%.1f",
+               "\"products\":\"%s\",\"seconds_median\":%.6g,\"gflops\":%.2f,\"peak_gflops\":%.2f,"
+               "\"peak_bf16_gflops\":%.2f,\"pct_peak\":%.1f",
                variant, c->isa ? c->isa : fw_isa_default(), (long long)c->b, (long long)c->sq,
                (long long)c->sk, (long long)c->hq, (long long)c->hkv, (long long)c->d,
                (long long)c->dv, fw_dtype_name(c->dt), c->causal ? "true" : "false",
                (long long)c->wl, (long long)c->wr, (double)c->softcap, c->threads, c->reps,
-               r->sec, r->gflops, r->peak, 100.0 * r->gflops / r->peak);
+               r->bf16 ? "bf16" : "f32", r->sec, r->gflops, r->peak_f32, r->peak_bf16,
+               100.0 * r->gflops / r->peak);
         if (r->base_gflops > 0) /* only figures that were measured */
             printf(",\"baseline_gflops\":%.2f,\"baseline_rows\":%lld,\"speedup_vs_baseline\":%.2f",
                    r->base_gflops, (long long)r->base_rows, r->gflops / r->base_gflops);
         else
             printf(",\"baseline_gflops\":null");
-        if (r->checked)
-            printf(",\"max_err\":%.3g,\"plain_err\":%.3g,\"check\":\"%s\"", r->err, r->perr,
-                   r->err <= 2 * r->perr + 1e-5 ? "pass" : "FAIL");
+        if (r->checked) {
+            printf(",\"max_err\":%.3g,\"plain_err\":%.3g", r->err, r->perr);
+            if (r->bf16)
+                printf(",\"same_roundings_err\":%.3g", r->srerr);
+            printf(",\"check\":\"%s\"", r->err <= r->bar ? "pass" : "FAIL");
+        }
         printf("}\n");
     } else {
-        printf("%-10s %-5s T=%-6lld h%lld:%lld d%lld/%lld %s%s thr=%d  %8.4f s  %7.1f GFLOP/s  "
-               "%5.1f%% of %.0f peak",
-               variant, fw_dtype_name(c->dt), (long long)c->sq, (long long)c->hq,
-               (long long)c->hkv, (long long)c->d, (long long)c->dv, c->causal ? "causal" : "full",
-               c->softcap > 0 ? " cap" : "", c->threads, r->sec, r->gflops,
-               100.0 * r->gflops / r->peak, r->peak);
+        printf("%-10s %-5s x%-4s T=%-6lld h%lld:%lld d%lld/%lld %s%s thr=%d  %8.4f s  %7.1f GFLOP/s  "
+               "%5.1f%% of %.0f %s peak",
+               variant, fw_dtype_name(c->dt), r->bf16 ? "bf16" : "f32", (long long)c->sq,
+               (long long)c->hq, (long long)c->hkv, (long long)c->d, (long long)c->dv,
+               c->causal ? "causal" : "full", c->softcap > 0 ? " cap" : "", c->threads, r->sec,
+               r->gflops, 100.0 * r->gflops / r->peak, r->peak, r->bf16 ? "bf16" : "FMA");
         if (r->base_gflops > 0)
             printf("  plain %.1f (x%.1f)", r->base_gflops, r->gflops / r->base_gflops);
-        if (r->checked)
-            printf("  err %.2g (plain %.2g) %s", r->err, r->perr,
-                   r->err <= 2 * r->perr + 1e-5 ? "ok" : "FAIL");
+        if (r->checked) {
+            printf("  err %.2g (plain %.2g", r->err, r->perr);
+            if (r->bf16)
+                printf(", same-roundings %.2g", r->srerr);
+            printf(") %s", r->err <= r->bar ? "ok" : "FAIL");
+        }
         printf("\n");
     }
     fflush(stdout);
@@ -289,7 +323,7 @@ static int run_cfg(const cfg *c)
             break;
         }
         if (c->check && i == 0)
-            fail |= !(r.checked && r.err <= 2 * r.perr + 1e-5);
+            fail |= !(r.checked && r.err <= r.bar);
         print_result(c, name, &r);
     }
     bufs_free(&B);
@@ -299,7 +333,8 @@ static int run_cfg(const cfg *c)
 
 static cfg defaults(void)
 {
-    cfg c = {1, 4096, 4096, 32, 8, 128, 128, FW_BF16, 1, -1, -1, 0.0f, 0, 5, NULL, 0, 0, 0, 1, 0};
+    cfg c = {1, 4096, 4096, 32, 8, 128, 128, FW_BF16, 1, -1, -1, 0.0f, 0, 5, NULL, 0, 0, 0, 1, 0,
+             FW_PREC_AUTO};
     return c;
 }
 
@@ -308,7 +343,8 @@ static void attn_usage(void)
     printf("usage: flywheel bench attn [options]\n"
            "  --b N --t T (sq = sk = T) --sq N --sk N --hq N --hkv N --d N --dv N\n"
            "  --dtype f32|bf16|f16   --causal 0|1   --window L,R   --softcap C\n"
-           "  --threads N (0 = all)  --reps N (median)   --isa portable|avx2|avx512\n"
+           "  --threads N (0 = all)  --reps N (median)   --isa portable|avx2|avx512|avx512bf16\n"
+           "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs)\n"
            "  --online --no-gqa-pack --no-skip --plain   technique switches\n"
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"
@@ -338,6 +374,8 @@ int bench_attn_main(int argc, char **argv)
             long long l, r;
             if (sscanf(v, "%lld,%lld", &l, &r) != 2) { attn_usage(); return 2; }
             c.wl = l; c.wr = r;
+        } else if (OPT("--precision")) {
+            if (!bench_precision(v, &c.prec)) { fprintf(stderr, "unknown precision %s\n", v); return 2; }
         } else if (OPT("--dtype")) {
             if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
         }
@@ -366,8 +404,11 @@ int bench_attn_headline(void)
     const int all = bench_cpus();
     printf("FlyWheel-C main job: softmax attention forward, causal prefill (bottom-right), "
            "kernel table %s, %d thread(s)\n", fw_isa_default(), all);
-    printf("GFLOP/s = 2*(d+dv)*unmasked_pairs/s; peak = measured FMA peak (same run); plain = "
-           "row-at-a-time online softmax (same run); err = max|out-ref| on the last 32 rows vs float64\n");
+    printf("GFLOP/s = 2*(d+dv)*unmasked_pairs/s; xbf16 = bf16 products (the default for bf16 "
+           "inputs), %% of the measured bf16 dot-product peak; xf32 = f32 products, %% of the measured "
+           "FMA peak (same run); plain = row-at-a-time online softmax, f32 (same run); err = "
+           "max|out-ref| on the last 32 rows vs float64 (bf16 products: bar = 2 x the same-roundings "
+           "reference's error)\n");
     static const struct { int64_t t, hq, hkv, d; fw_dtype dt; int threads; } set[] = {
         {1024, 32, 8, 128, FW_BF16, 0}, {4096, 32, 8, 128, FW_BF16, 0},
         {16384, 32, 8, 128, FW_BF16, 0}, {1024, 32, 8, 128, FW_F32, 0},

@@ -42,6 +42,23 @@ int bench_dtype(const char *name, fw_dtype *dt)
     return 0;
 }
 
+int bench_precision(const char *name, int *prec)
+{
+    static const struct { const char *name; int prec; } names[] = {
+        {"auto", FW_PREC_AUTO}, {"f32", FW_PREC_F32}, {"bf16", FW_PREC_BF16}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i].name)) {
+            *prec = names[i].prec;
+            return 1;
+        }
+    return 0;
+}
+
+int bench_bf16_products(fw_dtype dt, int precision)
+{
+    return precision == FW_PREC_BF16 || (precision == FW_PREC_AUTO && dt == FW_BF16);
+}
+
 static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -65,19 +82,23 @@ void *bench_alloc(size_t bytes)
     return p;
 }
 
-double bench_peak(int threads)
+/* Median of 3 runs of one peak microbenchmark on `threads` threads, cached per thread count. */
+static double peak_of(int threads, int bf16)
 {
-    static double cache[257];
+    static double cache[2][257];
     if (threads < 1 || threads > 256)
         return 0;
-    if (cache[threads] > 0)
-        return cache[threads];
+    if (cache[bf16][threads] > 0)
+        return cache[bf16][threads];
     double g[3];
     for (int i = 0; i < 3; i++)
-        if (fw_peak_gflops(NULL, threads, 0.25, &g[i]) != FW_OK)
+        if ((bf16 ? fw_peak_bf16_gflops : fw_peak_gflops)(NULL, threads, 0.25, &g[i]) != FW_OK)
             return 0;
-    return cache[threads] = bench_median(g, 3);
+    return cache[bf16][threads] = bench_median(g, 3);
 }
+
+double bench_peak(int threads) { return peak_of(threads, 0); }
+double bench_peak_bf16(int threads) { return peak_of(threads, 1); }
 
 static void usage(FILE *f)
 {
@@ -109,12 +130,14 @@ int main(int argc, char **argv)
         return bench_gdn_main(argc - 3, argv + 3);
     if (argc >= 2 && strcmp(argv[1], "peak") == 0) {
         int t = argc >= 3 ? atoi(argv[2]) : 1;
-        double g = bench_peak(t);
-        if (g <= 0) {
+        double g = bench_peak(t), gb = bench_peak_bf16(t);
+        if (g <= 0 || gb <= 0) {
             fprintf(stderr, "flywheel: peak: %s\n", fw_last_error());
             return 1;
         }
         printf("FMA peak on %d thread(s): %.1f GFLOP/s (f32, widest table)\n", t, g);
+        printf("bf16 dot-product peak on %d thread(s): %.1f GFLOP/s (widest table%s)\n", t, gb,
+               fw_isa_supported("avx512bf16") ? ", vdpbf16ps" : ": no bf16 dot product, f32 emulation");
         return 0;
     }
     if (argc >= 2 && strcmp(argv[1], "info") == 0) {

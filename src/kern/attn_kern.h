@@ -179,6 +179,154 @@ static void pv(int nk, int dv, int M, const float *V, int64_t ldv, const float *
     }
 }
 
+/* ------------------------------------------------------------ bf16 products --
+ *
+ * "Pair layout": bf16 operands hold two adjacent elements of the reduction in one 32-bit
+ * word, the even one in the low half. It is the operand layout of vdpbf16ps (one word per
+ * f32 lane), of AMX-BF16 B tiles (pair-interleaved rows) and of Arm's BFDOT/BFMMLA, so a
+ * table for any of them packs the same panels:
+ *   QW [dw][M]           the q tile, unscaled: QW[w][m] = (q_m[2w], q_m[2w+1]), dw = ceil(d/2)
+ *   K  [nk][2 ldkw]      bf16 key rows as they lie, zero past d: word w = (K[j][2w], K[j][2w+1])
+ *   PW [ceil(nk/2)][M]   probabilities: PW[w][m] = (P[2w][m], P[2w+1][m])
+ *   VW [ceil(nk/2)][dv]  value rows in pairs of keys: VW[w][c] = (V[2w][c], V[2w+1][c])
+ * Products are exact in f32 and accumulate in f32, so the error is the f32 kernel's plus
+ * the rounding of the operands to bf16. The scale is applied in f32 after the reduction,
+ * never folded into a bf16 operand. Each accumulator chain runs over the words in order, as
+ * in the f32 kernels. */
+
+/* dst[i] = (even[i], odd[i]) rounded to bf16, i < n; odd = NULL gives zeros there. */
+static void pack_pairs(const float *even, const float *odd, int n, uint32_t *dst)
+{
+    int i = 0;
+    if (odd)
+        for (; i + VL <= n; i += VL)
+            vstore((float *)dst + i, vbf16_pair(vload(even + i), vload(odd + i)));
+    else
+        for (; i + VL <= n; i += VL)
+            vstore((float *)dst + i, vbf16_pair(vload(even + i), vzero()));
+    for (; i < n; i++)
+        dst[i] = (uint32_t)fw_f32_to_bf16(even[i]) | (uint32_t)(odd ? fw_f32_to_bf16(odd[i]) : 0) << 16;
+}
+
+FW_INLINE void qkb_tile(const int tj, const int tm, int dw, int M, const uint32_t *K, int64_t ldkw,
+                        const uint32_t *QW, float scale, const float *bias, float *ST)
+{
+    vf tot[QK_TJ][TM], acc[QK_TJ][TM];
+    for (int j = 0; j < tj; j++)
+        for (int m = 0; m < tm; m++)
+            tot[j][m] = vzero();
+    /* two-level sum over blocks of QK_KB words, as in qk_tile */
+    for (int w0 = 0; w0 < dw; w0 += QK_KB) {
+        const int wn = dw - w0 < QK_KB ? dw - w0 : QK_KB;
+        for (int j = 0; j < tj; j++)
+            for (int m = 0; m < tm; m++)
+                acc[j][m] = vzero();
+        for (int w = w0; w < w0 + (wn == QK_KB ? QK_KB : wn); w++) {
+            vf q[TM];
+            for (int m = 0; m < tm; m++)
+                q[m] = vkeep(vload((const float *)QW + (int64_t)w * M + m * VL));
+            for (int j = 0; j < tj; j++) {
+                vf kb = vbcast_word(K + j * ldkw + w);
+                for (int m = 0; m < tm; m++)
+                    acc[j][m] = vdpbf(acc[j][m], q[m], kb);
+            }
+        }
+        for (int j = 0; j < tj; j++)
+            for (int m = 0; m < tm; m++)
+                tot[j][m] = vadd(tot[j][m], acc[j][m]);
+    }
+    const vf sc = vset1(scale);
+    for (int m = 0; m < tm; m++) {
+        vf b = vload(bias + m * VL);
+        for (int j = 0; j < tj; j++)
+            vstore(ST + (int64_t)j * M + m * VL, vfma(tot[j][m], sc, b));
+    }
+}
+
+static __attribute__((noinline)) void qkb_tile_tail(int tj, int tm, int dw, int M, const uint32_t *K,
+                                                    int64_t ldkw, const uint32_t *QW, float scale,
+                                                    const float *bias, float *ST)
+{
+    qkb_tile(tj, tm, dw, M, K, ldkw, QW, scale, bias, ST);
+}
+
+/* ST[j][m] = bias[m] + scale * sum_w dot(K[j] word w, QW[w][m]), j < nk, m < M. */
+static void qk_bf16(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
+                    float scale, const float *bias, float *ST)
+{
+    for (int m0 = 0; m0 < M; m0 += TM * VL) {
+        int tm = (M - m0) / VL < TM ? (M - m0) / VL : TM;
+        for (int j0 = 0; j0 < nk; j0 += QK_TJ) {
+            int tj = nk - j0 < QK_TJ ? nk - j0 : QK_TJ;
+            const uint32_t *Kj = K + j0 * ldkw, *Q = QW + m0;
+            const float *b = bias + m0;
+            float *S = ST + (int64_t)j0 * M + m0;
+            if (tm < TM)
+                qkb_tile_tail(tj, tm, dw, M, Kj, ldkw, Q, scale, b, S);
+            else if (tj == QK_TJ)
+                qkb_tile(QK_TJ, TM, dw, M, Kj, ldkw, Q, scale, b, S);
+            else if (tj == 2)
+                qkb_tile(2, TM, dw, M, Kj, ldkw, Q, scale, b, S);
+            else
+                qkb_tile(1, TM, dw, M, Kj, ldkw, Q, scale, b, S);
+        }
+    }
+}
+
+FW_INLINE void pvb_tile(const int tc, const int tm, int nw, int M, const uint32_t *VW, int ldvw,
+                        const uint32_t *PW, float *OT)
+{
+    vf acc[TJ][TM];
+    for (int c = 0; c < tc; c++)
+        for (int m = 0; m < tm; m++)
+            acc[c][m] = vload(OT + (int64_t)c * M + m * VL);
+    for (int w = 0; w < nw; w++) {
+        vf p[TM];
+        for (int m = 0; m < tm; m++)
+            p[m] = vkeep(vload((const float *)PW + (int64_t)w * M + m * VL));
+        const uint32_t *vr = VW + (int64_t)w * ldvw;
+        for (int c = 0; c < tc; c++) {
+            vf vb = vbcast_word(vr + c);
+            for (int m = 0; m < tm; m++)
+                acc[c][m] = vdpbf(acc[c][m], p[m], vb);
+        }
+    }
+    for (int c = 0; c < tc; c++)
+        for (int m = 0; m < tm; m++)
+            vstore(OT + (int64_t)c * M + m * VL, acc[c][m]);
+}
+
+static __attribute__((noinline)) void pvb_tile_tail(int tc, int tm, int nw, int M, const uint32_t *VW,
+                                                    int ldvw, const uint32_t *PW, float *OT)
+{
+    pvb_tile(tc, tm, nw, M, VW, ldvw, PW, OT);
+}
+
+/* OT[c][m] += sum_w dot(VW[w][c], PW[w][m]), c < dv, m < M, over nw word rows. */
+static void pv_bf16(int nw, int dv, int M, const uint32_t *VW, const uint32_t *PW, float *OT)
+{
+    for (int m0 = 0; m0 < M; m0 += TM * VL) {
+        int tm = (M - m0) / VL < TM ? (M - m0) / VL : TM;
+        for (int c0 = 0; c0 < dv; c0 += TJ) {
+            int tc = dv - c0 < TJ ? dv - c0 : TJ;
+            const uint32_t *Vc = VW + c0, *P = PW + m0;
+            float *O = OT + (int64_t)c0 * M + m0;
+            if (tm < TM) {
+                pvb_tile_tail(tc, tm, nw, M, Vc, dv, P, O);
+                continue;
+            }
+            switch (tc) {
+            case 6: pvb_tile(6, TM, nw, M, Vc, dv, P, O); break;
+            case 5: pvb_tile(5, TM, nw, M, Vc, dv, P, O); break;
+            case 4: pvb_tile(4, TM, nw, M, Vc, dv, P, O); break;
+            case 3: pvb_tile(3, TM, nw, M, Vc, dv, P, O); break;
+            case 2: pvb_tile(2, TM, nw, M, Vc, dv, P, O); break;
+            default: pvb_tile(1, TM, nw, M, Vc, dv, P, O); break;
+            }
+        }
+    }
+}
+
 /* ----------------------------------------------------------------- softmax -- */
 
 /* tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): inf and 0 at the ends give exactly +-1. */
@@ -782,6 +930,36 @@ static double peak(double seconds)
     return (double)iters * PEAK_CHAINS * VL * 2.0 / t * 1e-9;
 }
 
+/* bf16 pair-product throughput of one thread in GFLOP/s (4 flops per word lane: two
+ * products and their sums), the same chains as peak(); emulated tables measure what their
+ * emulation sustains. */
+static double peak_bf16(double seconds)
+{
+    vf acc[PEAK_CHAINS];
+    const uint32_t one = 0x3f803f80u; /* (1, 1) */
+    const vf b = vkeep(vbcast_word(&one)), c = vkeep(vbcast_word(&one));
+    for (int i = 0; i < PEAK_CHAINS; i++)
+        acc[i] = vkeep(vset1((float)i * (float)seconds));
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t;
+    int64_t iters = 0;
+    do {
+        for (int r = 0; r < 4096; r++)
+            for (int i = 0; i < PEAK_CHAINS; i++)
+                acc[i] = vkeep(vdpbf(acc[i], b, c));
+        iters += 4096;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    } while (t < seconds);
+    vf s = acc[0];
+    for (int i = 1; i < PEAK_CHAINS; i++)
+        s = vadd(s, acc[i]);
+    volatile float sink = vhsum(s);
+    (void)sink;
+    return (double)iters * PEAK_CHAINS * VL * 4.0 / t * 1e-9;
+}
+
 static float stream_sum(const float *x, size_t n)
 {
     vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
@@ -795,7 +973,30 @@ static float stream_sum(const float *x, size_t n)
 }
 
 const fw_kernels FW_TABLE = {
-    ISA_NAME, VL, to_f32, from_f32, qk, softcap, softmax, pv, pack_kt, dec_qk, dec_softmax, dec_pv,
-    plain_row, peak, stream_sum, exp2_inplace, rows_l2scale, gdn_gates, tri_inv_fwd, tri_inv_blocked,
-    gdn_dec_cols, gdn_step4,
+    .name = ISA_NAME,
+    .vl = VL,
+    .to_f32 = to_f32,
+    .from_f32 = from_f32,
+    .qk = qk,
+    .softcap = softcap,
+    .softmax = softmax,
+    .pv = pv,
+    .pack_pairs = pack_pairs,
+    .qk_bf16 = qk_bf16,
+    .pv_bf16 = pv_bf16,
+    .pack_kt = pack_kt,
+    .dec_qk = dec_qk,
+    .dec_softmax = dec_softmax,
+    .dec_pv = dec_pv,
+    .plain_row = plain_row,
+    .peak = peak,
+    .peak_bf16 = peak_bf16,
+    .stream_sum = stream_sum,
+    .exp2_inplace = exp2_inplace,
+    .rows_l2scale = rows_l2scale,
+    .gdn_gates = gdn_gates,
+    .tri_inv_fwd = tri_inv_fwd,
+    .tri_inv_blocked = tri_inv_blocked,
+    .gdn_dec_cols = gdn_dec_cols,
+    .gdn_step4 = gdn_step4,
 };

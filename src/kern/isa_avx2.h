@@ -122,6 +122,31 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
     }
 }
 
+/* ---- bf16 pairs (see "bf16 products" in attn_kern.h), emulated with f32 FMAs. */
+static inline vf vbcast_word(const uint32_t *p) { return _mm256_castsi256_ps(_mm256_set1_epi32((int)*p)); }
+
+static inline vf vdpbf(vf acc, vf a, vf b)
+{
+    return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
+}
+
+/* x rounded to bf16 (nearest even; NaN stays NaN), as f32 bits with a zero low half. */
+static inline __m256i vround_bf16_bits(vf x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+static inline vf vbf16_pair(vf even, vf odd)
+{
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(vround_bf16_bits(even), 16),
+                                               vround_bf16_bits(odd)));
+}
+
 static inline float vhsum(vf x)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

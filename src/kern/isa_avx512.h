@@ -1,7 +1,13 @@
-/* isa_avx512.h: the thin vector layer for AVX-512 (F, BW, DQ, VL). 16 floats per vector. */
+/* isa_avx512.h: the thin vector layer for AVX-512 (F, BW, DQ, VL). 16 floats per vector.
+ * Compiled with AVX512_BF16 too (avx512bf16.c), the bf16 pair products and conversions use
+ * vdpbf16ps and vcvtne2ps2bf16; without, they are emulated with f32 FMAs on the same pairs. */
 #include <immintrin.h>
 
+#ifdef __AVX512BF16__
+#define ISA_NAME "avx512bf16"
+#else
 #define ISA_NAME "avx512"
+#endif
 #define VL 16
 #define TM 4 /* vectors of query rows per register tile: 4 x 16 = 64 rows */
 #define QK_TJ 3 /* keys per qk register tile: 3 x 4 x 2 sets = 24 accumulators */
@@ -121,6 +127,52 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
 }
+
+/* ---- bf16 pairs (see "bf16 products" in attn_kern.h): a vf holding VL 32-bit words, each
+ * two bf16 of adjacent reduction elements, the even one in the low half. */
+
+/* One word broadcast to every lane. */
+static inline vf vbcast_word(const uint32_t *p) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)*p)); }
+
+#ifdef __AVX512BF16__
+/* acc + a.odd b.odd + a.even b.even per lane (bf16 products are exact in f32) */
+static inline vf vdpbf(vf acc, vf a, vf b)
+{
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_castps_si512(b));
+}
+
+/* Words (even[i], odd[i]) rounded to nearest even: one conversion of both vectors, then
+ * one word shuffle that interleaves them. */
+static inline vf vbf16_pair(vf even, vf odd)
+{
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even in 0..15, odd in 16..31 */
+    return _mm512_castsi512_ps(_mm512_permutexvar_epi16(idx, both));
+}
+#else
+static inline vf vdpbf(vf acc, vf a, vf b)
+{
+    return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
+}
+
+/* x rounded to bf16 (nearest even; NaN stays NaN), as f32 bits with a zero low half. */
+static inline __m512i vround_bf16_bits(vf x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+static inline vf vbf16_pair(vf even, vf odd)
+{
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(vround_bf16_bits(even), 16),
+                                               vround_bf16_bits(odd)));
+}
+#endif
 
 /* Horizontal sum, for the plain baseline's dot products. */
 static inline float vhsum(vf x) { return _mm512_reduce_add_ps(x); }

@@ -102,4 +102,18 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
 
 static inline float vhsum(vf x) { return x; }
 
+/* ---- bf16 pairs (see "bf16 products" in attn_kern.h): one word, moved as a float's bits. */
+static inline vf vbcast_word(const uint32_t *p) { return vload_bits(p); }
+static inline vf vdpbf(vf acc, vf a, vf b)
+{
+    return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
+}
+static inline vf vbf16_pair(vf even, vf odd)
+{
+    uint32_t u = (uint32_t)fw_f32_to_bf16(even) | (uint32_t)fw_f32_to_bf16(odd) << 16;
+    vf w;
+    memcpy(&w, &u, 4);
+    return w;
+}
+
 #define PEAK_CHAINS 12
