@@ -2,8 +2,13 @@
  * test_attn.c: softmax attention against the float64 reference, on every kernel table the
  * host runs: shapes, GQA ratios, head dims, dtypes, masks, softcap, varlen, strides, guard
  * bytes, NaN/inf, forced overflow replay, thread-count invariance, bad input.
- * Accuracy bar: max |kernel - ref| <= 2 * max |plain - ref| + 1e-5, where plain is the
- * row-at-a-time online-softmax kernel in the same precision (FW_ATTN_PLAIN).
+ * Every case runs in both product precisions. Accuracy bar against the exact float64
+ * reference: f32 products: max |kernel - ref| <= 2 * max |plain - ref| + 1e-5, where plain is
+ * the row-at-a-time online-softmax kernel in f32 (FW_ATTN_PLAIN); bf16 products: <= 2 * the
+ * error of the same-roundings float64 reference (q, k, v rounded to bf16, P rounded to bf16
+ * before PV, output rounded to its dtype) + 1e-5. lse: the same with + 1e-4; for bf16
+ * products 2 * (same-roundings + plain) + 1e-4, since both precisions sum the scores in f32
+ * and the float64 same-roundings reference does not.
  */
 #include <math.h>
 #include <pthread.h>
@@ -189,17 +194,19 @@ static result gather(const problem *P)
     return r;
 }
 
-static fw_status run_kernel(problem *P, const char *isa, int threads, uint32_t flags)
+static fw_status run_kernel(problem *P, const char *isa, int threads, uint32_t flags, int prec)
 {
     fw_attn_params p;
     params_of(&P->s, &p, isa, threads, flags);
+    p.precision = prec;
     memset(P->out.p, 0xA5, P->out.bytes);
     memset(P->lse.p, 0xA5, P->lse.bytes);
     return fw_attn_fwd(&P->q, &P->k, &P->v, &P->o, &P->l, &p);
 }
 
-/* The reference for rows [r0, r1) (all if r1 <= 0), as doubles. */
-static result reference(const problem *P, int64_t r0, int64_t r1)
+/* The reference for rows [r0, r1) (all if r1 <= 0), as doubles: exact (FW_PREC_F32), or with
+ * the roundings of bf16 products (FW_PREC_BF16), then the output rounded to its dtype. */
+static result reference(const problem *P, int64_t r0, int64_t r1, int prec)
 {
     const shape *s = &P->s;
     int64_t os[4] = {s->b, s->sq, s->hq, s->dv}, ls[3] = {s->b, s->hq, s->sq};
@@ -211,9 +218,30 @@ static result reference(const problem *P, int64_t r0, int64_t r1)
     fw_tensor o = fw_tensor_contiguous(r.o, FW_F64, 4, os), l = fw_tensor_contiguous(r.l, FW_F64, 3, ls);
     fw_attn_params p;
     params_of(s, &p, NULL, 1, 0);
+    p.precision = prec;
     fw_status st = fw_attn_ref(&P->q, &P->k, &P->v, &o, &l, &p, r0, r1 > 0 ? r1 : INT64_MAX);
     case_check(st == FW_OK, "reference failed: %s", fw_last_error());
+    if (prec == FW_PREC_BF16)
+        for (int64_t i = 0; i < r.no; i++)
+            r.o[i] = round_to(s->odt, r.o[i]);
     return r;
+}
+
+/* The exact reference and the same-roundings one of bf16 products. */
+typedef struct {
+    result exact, sr;
+} refs;
+
+static refs references(const problem *P, int64_t r0, int64_t r1)
+{
+    refs R = {reference(P, r0, r1, FW_PREC_F32), reference(P, r0, r1, FW_PREC_BF16)};
+    return R;
+}
+
+static void refs_free(refs *R)
+{
+    result_free(&R->exact);
+    result_free(&R->sr);
 }
 
 static int row_in(int64_t row, int64_t r0, int64_t r1) { return row >= r0 && (r1 <= 0 || row < r1); }
@@ -241,31 +269,40 @@ static void max_err(const shape *s, const result *x, const result *ref, int64_t 
     }
 }
 
-/* Run kernel and plain on one table and check both against the reference. */
-static void check_problem(problem *P, const char *isa, int threads, uint32_t flags,
-                          const result *ref, int64_t r0, int64_t r1)
+/* Run plain, then the kernel in both product precisions on one table, and check them against
+ * the exact reference with the bar of each precision. */
+static void check_problem(problem *P, const char *isa, int threads, uint32_t flags, const refs *R,
+                          int64_t r0, int64_t r1)
 {
-    fw_status st = run_kernel(P, isa, threads, flags);
-    case_check(st == FW_OK, "kernel returned %s: %s", fw_status_string(st), fw_last_error());
-    case_check(untouched_outside(&P->out, &P->o), "out: bytes outside the view or guards written");
-    case_check(untouched_outside(&P->lse, &P->l), "lse: bytes outside the view or guards written");
-    result k = gather(P);
-    st = run_kernel(P, isa, 1, FW_ATTN_PLAIN);
+    fw_status st = run_kernel(P, isa, 1, FW_ATTN_PLAIN, FW_PREC_AUTO);
     case_check(st == FW_OK, "plain returned %s: %s", fw_status_string(st), fw_last_error());
     result pl = gather(P);
-    double ek, elk, ep, elp;
-    max_err(&P->s, &k, ref, r0, r1, &ek, &elk);
-    max_err(&P->s, &pl, ref, r0, r1, &ep, &elp);
-    case_check(ek <= 2 * ep + 1e-5, "[%s flags %u] out error %.3g > 2 x plain %.3g + 1e-5", isa,
-               flags, ek, ep);
-    case_check(elk <= 2 * elp + 1e-4, "[%s flags %u] lse error %.3g > 2 x plain %.3g + 1e-4", isa,
-               flags, elk, elp);
-    for (int64_t i = 0; i < k.no; i++)
-        if (!isfinite(k.o[i])) {
-            case_check(0, "[%s] out[%lld] = %g is not finite", isa, (long long)i, k.o[i]);
-            break;
-        }
-    result_free(&k);
+    double ep, elp, esr, elsr;
+    max_err(&P->s, &pl, &R->exact, r0, r1, &ep, &elp);
+    max_err(&P->s, &R->sr, &R->exact, r0, r1, &esr, &elsr);
+    for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
+        const char *pn = prec == FW_PREC_BF16 ? "bf16" : "f32";
+        st = run_kernel(P, isa, threads, flags, prec);
+        case_check(st == FW_OK, "kernel returned %s: %s", fw_status_string(st), fw_last_error());
+        case_check(untouched_outside(&P->out, &P->o), "out: bytes outside the view or guards written");
+        case_check(untouched_outside(&P->lse, &P->l), "lse: bytes outside the view or guards written");
+        result k = gather(P);
+        double ek, elk;
+        max_err(&P->s, &k, &R->exact, r0, r1, &ek, &elk);
+        /* the lse of bf16 products also carries the f32 accumulation of the scores, which the
+         * float64 same-roundings reference has not: its bar adds plain's lse error */
+        const double bo = prec == FW_PREC_BF16 ? esr : ep, bl = prec == FW_PREC_BF16 ? elsr + elp : elp;
+        case_check(ek <= 2 * bo + 1e-5, "[%s %s products, flags %u] out error %.3g > 2 x %s %.3g + 1e-5",
+                   isa, pn, flags, ek, prec == FW_PREC_BF16 ? "same-roundings" : "plain", bo);
+        case_check(elk <= 2 * bl + 1e-4, "[%s %s products, flags %u] lse error %.3g > 2 x %s %.3g + 1e-4",
+                   isa, pn, flags, elk, prec == FW_PREC_BF16 ? "same-roundings" : "plain", bl);
+        for (int64_t i = 0; i < k.no; i++)
+            if (!isfinite(k.o[i])) {
+                case_check(0, "[%s %s] out[%lld] = %g is not finite", isa, pn, (long long)i, k.o[i]);
+                break;
+            }
+        result_free(&k);
+    }
     result_free(&pl);
 }
 
@@ -287,11 +324,11 @@ static void run_shape(const shape *s, uint32_t flags, int threads)
         r0 = s->sq > 48 ? s->sq - 48 : 0;
         r1 = 0;
     }
-    result ref = reference(&P, r0, r1);
+    refs R = references(&P, r0, r1);
     for (int t = 0; t < ntables(); t++)
         if (table(t))
-            check_problem(&P, table(t), threads, flags, &ref, r0, r1);
-    result_free(&ref);
+            check_problem(&P, table(t), threads, flags, &R, r0, r1);
+    refs_free(&R);
     problem_free(&P);
     case_end();
 }
@@ -435,17 +472,17 @@ static void test_overflow_replay(void)
             double x = 1.0 + 0.25 * fabs(tget(&P.k, idx));
             tset(&P.k, idx, idx[1] >= 64 ? 40.0 * x : x);
         } while (tnext(&P.k, idx));
-        result ref = reference(&P, 0, 0);
+        refs R = references(&P, 0, 0);
         double maxlse = 0;
-        for (int64_t i = 0; i < ref.nl; i++)
-            maxlse = fmax(maxlse, ref.l[i]);
+        for (int64_t i = 0; i < R.exact.nl; i++)
+            maxlse = fmax(maxlse, R.exact.l[i]);
         case_check(maxlse > 5e3, "the test's logits only reach %g", maxlse);
         for (int i = 0; i < ntables(); i++)
             if (table(i)) {
-                check_problem(&P, table(i), 2, 0, &ref, 0, 0);
-                check_problem(&P, table(i), 2, FW_ATTN_ONLINE_SOFTMAX, &ref, 0, 0);
+                check_problem(&P, table(i), 2, 0, &R, 0, 0);
+                check_problem(&P, table(i), 2, FW_ATTN_ONLINE_SOFTMAX, &R, 0, 0);
             }
-        result_free(&ref);
+        refs_free(&R);
         problem_free(&P);
         case_end();
     }
@@ -456,17 +493,19 @@ static void test_threads_identical(void)
     for (int i = 0; i < ntables(); i++) {
         if (!table(i))
             continue;
-        for (int c = 0; c < 2; c++) {
+        for (int c = 0; c < 4; c++) {
+            const int prec = c < 2 ? FW_PREC_BF16 : FW_PREC_F32;
             shape s = base_shape();
             s.b = 2; s.sq = 333; s.sk = 400; s.hq = 12; s.hkv = 4; s.d = 80; s.dv = 96;
-            s.causal = c; s.dt = s.odt = FW_BF16; s.wl = c ? -1 : 100;
-            case_begin("threads 1/2/3 bit-identical [%s] causal %d", table(i), c);
+            s.causal = c & 1; s.dt = s.odt = FW_BF16; s.wl = c & 1 ? -1 : 100;
+            case_begin("threads 1/2/3 bit-identical [%s] causal %d, %s products", table(i), c & 1,
+                       prec == FW_PREC_BF16 ? "bf16" : "f32");
             problem P;
             problem_make(&P, &s, 5);
             size_t n = P.out.bytes, nl = P.lse.bytes;
             unsigned char *first = malloc(n), *firstl = malloc(nl);
             for (int th = 1; th <= 3; th++) {
-                fw_status st = run_kernel(&P, table(i), th, 0);
+                fw_status st = run_kernel(&P, table(i), th, 0, prec);
                 case_check(st == FW_OK, "status %d", st);
                 if (th == 1) {
                     memcpy(first, P.out.p, n);
@@ -570,44 +609,48 @@ static void test_fork_child(void)
     case_end();
 }
 
-/* Caller workspace: the same bits as internal allocation; too small is refused. */
+/* Caller workspace: the same bits as internal allocation; too small is refused. Both product
+ * precisions (the bf16 panels make the workspace larger). */
 static void test_workspace(void)
 {
-    shape s = base_shape();
-    s.sq = 100; s.sk = 120; s.hq = 8; s.hkv = 2; s.causal = 1;
-    problem P;
-    problem_make(&P, &s, 11);
-    case_begin("caller workspace");
-    fw_attn_params p;
-    params_of(&s, &p, NULL, 2, 0);
-    size_t bytes = 0;
-    fw_status st = fw_attn_workspace_size(&P.q, &P.k, &P.v, &p, &bytes);
-    case_check(st == FW_OK && bytes > 0, "workspace size: %d %zu", st, bytes);
-    case_check(bytes < (size_t)64 << 20, "workspace %zu bytes is not small", bytes);
-    run_kernel(&P, NULL, 2, 0);
-    unsigned char *ref = malloc(P.out.bytes);
-    memcpy(ref, P.out.p, P.out.bytes);
-    gbuf ws = gbuf_new(bytes);
-    p.workspace = ws.p;
-    p.workspace_bytes = bytes;
-    memset(P.out.p, 0xA5, P.out.bytes);
-    st = fw_attn_fwd(&P.q, &P.k, &P.v, &P.o, &P.l, &p);
-    case_check(st == FW_OK, "with workspace: %s", fw_last_error());
-    case_check(memcmp(ref, P.out.p, P.out.bytes) == 0, "workspace run differs");
-    case_check(gbuf_guards_ok(&ws), "workspace guards overwritten");
-    p.workspace_bytes = bytes - 1;
-    memset(P.out.p, 0xA5, P.out.bytes);
-    st = fw_attn_fwd(&P.q, &P.k, &P.v, &P.o, &P.l, &p);
-    case_check(st == FW_ERR_WORKSPACE && strstr(fw_last_error(), "workspace"),
-               "small workspace: %d %s", st, fw_last_error());
-    int clean = 1;
-    for (size_t i = 0; i < P.out.bytes; i++)
-        clean &= ((unsigned char *)P.out.p)[i] == 0xA5;
-    case_check(clean, "out written although the workspace was refused");
-    gbuf_free(&ws);
-    free(ref);
-    problem_free(&P);
-    case_end();
+    for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
+        shape s = base_shape();
+        s.sq = 100; s.sk = 120; s.hq = 8; s.hkv = 2; s.causal = 1;
+        problem P;
+        problem_make(&P, &s, 11);
+        case_begin("caller workspace, %s products", prec == FW_PREC_BF16 ? "bf16" : "f32");
+        fw_attn_params p;
+        params_of(&s, &p, NULL, 2, 0);
+        p.precision = prec;
+        size_t bytes = 0;
+        fw_status st = fw_attn_workspace_size(&P.q, &P.k, &P.v, &p, &bytes);
+        case_check(st == FW_OK && bytes > 0, "workspace size: %d %zu", st, bytes);
+        case_check(bytes < (size_t)64 << 20, "workspace %zu bytes is not small", bytes);
+        run_kernel(&P, NULL, 2, 0, prec);
+        unsigned char *ref = malloc(P.out.bytes);
+        memcpy(ref, P.out.p, P.out.bytes);
+        gbuf ws = gbuf_new(bytes);
+        p.workspace = ws.p;
+        p.workspace_bytes = bytes;
+        memset(P.out.p, 0xA5, P.out.bytes);
+        st = fw_attn_fwd(&P.q, &P.k, &P.v, &P.o, &P.l, &p);
+        case_check(st == FW_OK, "with workspace: %s", fw_last_error());
+        case_check(memcmp(ref, P.out.p, P.out.bytes) == 0, "workspace run differs");
+        case_check(gbuf_guards_ok(&ws), "workspace guards overwritten");
+        p.workspace_bytes = bytes - 1;
+        memset(P.out.p, 0xA5, P.out.bytes);
+        st = fw_attn_fwd(&P.q, &P.k, &P.v, &P.o, &P.l, &p);
+        case_check(st == FW_ERR_WORKSPACE && strstr(fw_last_error(), "workspace"),
+                   "small workspace: %d %s", st, fw_last_error());
+        int clean = 1;
+        for (size_t i = 0; i < P.out.bytes; i++)
+            clean &= ((unsigned char *)P.out.p)[i] == 0xA5;
+        case_check(clean, "out written although the workspace was refused");
+        gbuf_free(&ws);
+        free(ref);
+        problem_free(&P);
+        case_end();
+    }
 }
 
 /* ------------------------------------------------------------------ varlen -- */
@@ -644,8 +687,24 @@ static void test_varlen(void)
             fw_attn_params_init(&p);
             p.causal = c == 1;
             if (c == 2) { p.window_left = 10; p.window_right = 3; p.softcap = 15; }
+            p.precision = FW_PREC_F32;
             fw_status st = fw_attn_varlen_ref(&q, &k, &v, cuq, cuk, B, &fo, &fl, &p, 0, INT64_MAX);
             case_check(st == FW_OK, "ref: %s", fw_last_error());
+            /* the same-roundings reference of bf16 products, and its error */
+            double *so_ = calloc((size_t)(tq * hq * dv) + 1, 8), *sl_ = calloc((size_t)(hq * tq) + 1, 8);
+            fw_tensor sfo = fw_tensor_contiguous(so_, FW_F64, 3, os), sfl = fw_tensor_contiguous(sl_, FW_F64, 2, ls);
+            p.precision = FW_PREC_BF16;
+            st = fw_attn_varlen_ref(&q, &k, &v, cuq, cuk, B, &sfo, &sfl, &p, 0, INT64_MAX);
+            case_check(st == FW_OK, "same-roundings ref: %s", fw_last_error());
+            double sre = 0, srl = 0;
+            for (int64_t x = 0; x < tq * hq * dv; x++)
+                sre = fmax(sre, fabs(round_to(dt, so_[x]) - ro[x]));
+            for (int64_t x = 0; x < tq * hq; x++)
+                if (!(isinf(sl_[x]) && sl_[x] == rl[x]))
+                    srl = fmax(srl, fabs(sl_[x] - rl[x]));
+            free(so_);
+            free(sl_);
+            p.precision = FW_PREC_F32;
             /* the varlen reference equals the dense reference of each sequence on its own */
             for (int i = 0; i < B; i++) {
                 int64_t q1[4] = {1, lq[i], hq, d}, k1[4] = {1, lk[i], hkv, d}, v1[4] = {1, lk[i], hkv, dv},
@@ -670,10 +729,12 @@ static void test_varlen(void)
             for (int it = 0; it < ntables(); it++) {
                 if (!table(it))
                     continue;
-                double err[2][2];
-                for (int pass = 0; pass < 2; pass++) {
+                /* pass 0: f32 products, 1: plain, 2: bf16 products */
+                double err[3][2];
+                for (int pass = 0; pass < 3; pass++) {
                     p.isa = table(it);
-                    p.flags = pass ? FW_ATTN_PLAIN : 0;
+                    p.flags = pass == 1 ? FW_ATTN_PLAIN : 0;
+                    p.precision = pass == 2 ? FW_PREC_BF16 : FW_PREC_F32;
                     p.threads = 3;
                     memset(bo.p, 0xA5, bo.bytes);
                     memset(bl.p, 0xA5, bl.bytes);
@@ -699,6 +760,11 @@ static void test_varlen(void)
                            table(it), err[0][0], err[1][0]);
                 case_check(err[0][1] <= 2 * err[1][1] + 1e-4, "[%s] varlen lse error %.3g vs plain %.3g",
                            table(it), err[0][1], err[1][1]);
+                case_check(err[2][0] <= 2 * sre + 1e-5, "[%s] varlen bf16 products: out error %.3g vs "
+                           "same-roundings %.3g", table(it), err[2][0], sre);
+                case_check(err[2][1] <= 2 * (srl + err[1][1]) + 1e-4, "[%s] varlen bf16 products: lse "
+                           "error %.3g vs same-roundings %.3g + plain %.3g", table(it), err[2][1], srl,
+                           err[1][1]);
             }
             free(ro); free(rl);
             gbuf_free(&bq); gbuf_free(&bk); gbuf_free(&bv); gbuf_free(&bo); gbuf_free(&bl);

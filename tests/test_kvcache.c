@@ -227,8 +227,26 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
     p.softcap = t->softcap;
     double *ro = calloc((size_t)(tq * t->hq * t->dv) + 1, 8), *rl = calloc((size_t)(tq * t->hq) + 1, 8);
     fw_tensor fro = fw_tensor_contiguous(ro, FW_F64, 3, os), frl = fw_tensor_contiguous(rl, FW_F64, 2, ls);
+    p.precision = FW_PREC_F32;
     fw_status st = fw_attn_kvcache_ref(&q, pk, pv, cuq, t->b, &cont.c, &fro, &frl, &p);
     case_check(st == FW_OK, "reference: %s", fw_last_error());
+    /* the same-roundings reference of bf16 products: its error is the bf16 bar */
+    double sre = 0, srl = 0;
+    {
+        double *so = calloc((size_t)(tq * t->hq * t->dv) + 1, 8), *sl = calloc((size_t)(tq * t->hq) + 1, 8);
+        fw_tensor fso = fw_tensor_contiguous(so, FW_F64, 3, os), fsl = fw_tensor_contiguous(sl, FW_F64, 2, ls);
+        p.precision = FW_PREC_BF16;
+        st = fw_attn_kvcache_ref(&q, pk, pv, cuq, t->b, &cont.c, &fso, &fsl, &p);
+        case_check(st == FW_OK, "same-roundings reference: %s", fw_last_error());
+        for (int64_t x = 0; x < tq * t->hq * t->dv; x++)
+            sre = fmax(sre, fabs(round_to(t->dt, so[x]) - ro[x]));
+        for (int64_t x = 0; x < tq * t->hq; x++)
+            if (!(isinf(sl[x]) && sl[x] == rl[x]))
+                srl = fmax(srl, fabs(sl[x] - rl[x]));
+        free(so);
+        free(sl);
+        p.precision = FW_PREC_F32;
+    }
     if (t->page) {
         double *ro2 = calloc((size_t)(tq * t->hq * t->dv) + 1, 8);
         fw_tensor f2 = fw_tensor_contiguous(ro2, FW_F64, 3, os);
@@ -242,14 +260,16 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
     gbuf out = gbuf_new(ob + 1), lse = gbuf_new(lb + 1);
     fw_tensor o = fw_tensor_contiguous(out.p, t->dt, 3, os), l = fw_tensor_contiguous(lse.p, FW_F32, 2, ls);
     unsigned char *first = malloc(ob + 1), *firstl = malloc(lb + 1);
-    for (int it = 0; it < fw_isa_count(); it++) {
-        const char *isa = fw_isa_name(it);
+    for (int it = 0; it < 2 * fw_isa_count(); it++) {
+        const char *isa = fw_isa_name(it / 2);
+        const int prec = it % 2 ? FW_PREC_BF16 : FW_PREC_F32;
         if (!fw_isa_supported(isa))
             continue;
         p.isa = isa;
         double err[2] = {0, 0}, lerr[2] = {0, 0};
         /* plain, then the kernel on 1 and 3 threads (contiguous), then paged */
         for (int run = 0; run < 4; run++) {
+            p.precision = run == 0 ? FW_PREC_F32 : prec;
             if (run == 3 && !t->page)
                 break;
             const cache_buf *src = run == 3 ? &pag : &cont;
@@ -277,10 +297,17 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
             }
             cache_copy_free(&work);
         }
-        case_check(err[1] <= 2 * err[0] + 1e-5, "[%s] out error %.3g > 2 x plain %.3g + 1e-5", isa,
-                   err[1], err[0]);
-        case_check(lerr[1] <= 2 * lerr[0] + 1e-4, "[%s] lse error %.3g > 2 x plain %.3g + 1e-4", isa,
-                   lerr[1], lerr[0]);
+        if (prec == FW_PREC_BF16) {
+            case_check(err[1] <= 2 * sre + 1e-5, "[%s bf16 products] out error %.3g > 2 x same-roundings "
+                       "%.3g + 1e-5", isa, err[1], sre);
+            case_check(lerr[1] <= 2 * (srl + lerr[0]) + 1e-4, "[%s bf16 products] lse error %.3g > 2 x "
+                       "(same-roundings %.3g + plain %.3g) + 1e-4", isa, lerr[1], srl, lerr[0]);
+        } else {
+            case_check(err[1] <= 2 * err[0] + 1e-5, "[%s] out error %.3g > 2 x plain %.3g + 1e-5", isa,
+                       err[1], err[0]);
+            case_check(lerr[1] <= 2 * lerr[0] + 1e-4, "[%s] lse error %.3g > 2 x plain %.3g + 1e-4", isa,
+                       lerr[1], lerr[0]);
+        }
     }
     free(first); free(firstl); free(ro); free(rl);
     gbuf_free(&out); gbuf_free(&lse); gbuf_free(&bq); gbuf_free(&bkn); gbuf_free(&bvn);

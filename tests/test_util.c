@@ -146,3 +146,13 @@ void tfill_normal(const fw_tensor *t, double scale)
         tset(t, idx, scale * rng_normal());
     while (tnext(t, idx));
 }
+
+double round_to(fw_dtype dt, double x)
+{
+    switch (dt) {
+    case FW_F32: return (float)x;
+    case FW_BF16: return fw_bf16_to_f32(fw_f32_to_bf16((float)x));
+    case FW_F16: return fw_f16_to_f32(fw_f32_to_f16((float)x));
+    default: return x;
+    }
+}

@@ -38,6 +38,8 @@ void tset(const fw_tensor *t, const int64_t *idx, double x);
 int64_t toffset(const fw_tensor *t, const int64_t *idx);
 /* Iterate over every index of t: returns 0 when done. */
 int tnext(const fw_tensor *t, int64_t *idx);
+/* x rounded to dt (f32, bf16 or f16; f64 unchanged), nearest even. */
+double round_to(fw_dtype dt, double x);
 /* Store x rounded to t's dtype (values are rounded to the dtype first, so every table sees
  * exactly the same inputs). */
 void tfill_normal(const fw_tensor *t, double scale);
