@@ -827,6 +827,8 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
     }
     klo = fw_max64(klo, it->kb); /* a split item covers its range of keys only */
     khi = fw_min64(khi, it->ke);
+    const int64_t es = (int64_t)fw_dtype_size(p->k->dtype);
+    const int64_t kline = ((d - 1) * p->ks[2] + 1) * es, vline = ((dv - 1) * p->vs[2] + 1) * es;
     for (int64_t t0 = klo < khi ? klo / FW_ATTN_BK * FW_ATTN_BK : khi; t0 < khi; t0 += FW_ATTN_BK) {
         const int64_t t1 = fw_min64(sq.sk, t0 + FW_ATTN_BK);
         const int nk = (int)(t1 - t0);
@@ -847,6 +849,17 @@ static void chunk_item(void *vctx, int64_t idx, int tid)
             for (int x = 0; x < (nk + 1) / 2; x++)
                 kt->pack_pairs(Vf + (size_t)2 * x * dv, 2 * x + 1 < nk ? Vf + (size_t)(2 * x + 1) * dv : NULL,
                                dv, VW + (size_t)x * dv);
+        /* Ask for the next tile's K and V rows now: they arrive while this tile's products run.
+         * Without it the conversion above waited on memory for 10% of the time of a 4K causal
+         * bf16 prefill (1 thread; rows 2 KiB apart defeat the hardware prefetcher). */
+        for (int64_t j = t1; j < fw_min64(khi, t1 + FW_ATTN_BK); j++) {
+            const char *kr = fw_elem(p->k, fw_attn_key(p, &sq, j, 0) + kvh * p->ks[1]);
+            const char *vr = fw_elem(p->v, fw_attn_key(p, &sq, j, 1) + kvh * p->vs[1]);
+            for (int64_t b = 0; b < kline; b += 64)
+                __builtin_prefetch(kr + b, 0, 2);
+            for (int64_t b = 0; b < vline; b += 64)
+                __builtin_prefetch(vr + b, 0, 2);
+        }
         for (int r = 0; r < nt; r++) {
             const tile_keys *t = &tk[r];
             int boundary = 1;
