@@ -599,14 +599,23 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
     float *A = O + (size_t)units * R * dv, *L = A + units * R;
     float *lo = (float *)(w + c->wl.vec), *hi = lo + FW_DEC_ROWS;
     float *S = (float *)(w + c->wl.st), *Kt = (float *)(w + c->wl.kf), *Vf = (float *)(w + c->wl.vf);
+    /* bf16 products: query words in Q's place, key words in Kt's, P words in the P panel */
+    const int bf16 = p->bf16, dw = (d + 1) / 2;
+    uint32_t *QW = (uint32_t *)Q, *KtW = (uint32_t *)Kt, *PW = (uint32_t *)(w + c->wl.pw);
+    float *qrow = (float *)(w + c->wl.row);
     int64_t vlo[FW_DEC_ROWS], vhi[FW_DEC_ROWS], klo = INT64_MAX, khi = INT64_MIN;
     const void *rows[FW_DEC_KEYS], *vrows[FW_DEC_KEYS];
     for (int64_t u = 0; u < units; u++)
         for (int g = 0; g < G; g++)
             for (int i = 0; i < n; i++) {
                 const int64_t r = u * R + g * n + i, h = gqa ? u * p->G + g : u;
-                kt->to_f32(fw_elem(p->q, sq->q0 + i * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2],
-                           d, c->qscale, Q + (size_t)r * d);
+                const char *src = fw_elem(p->q, sq->q0 + i * p->qs[0] + h * p->qs[1]);
+                if (bf16) {
+                    kt->to_f32(src, p->q->dtype, p->qs[2], d, 1.0f, qrow);
+                    kt->pack_row_pairs(qrow, d, QW + (size_t)r * dw);
+                } else {
+                    kt->to_f32(src, p->q->dtype, p->qs[2], d, c->qscale, Q + (size_t)r * d);
+                }
                 A[r] = -INFINITY;
                 L[r] = 0.0f;
             }
@@ -686,13 +695,21 @@ static void decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
                     vrows[j] = Vf + (size_t)j * dv;
                 }
             }
-            kt->pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
             float *Ou = O + (size_t)u * R * dv;
-            kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, S);
+            if (bf16) {
+                kt->pack_kt_bf16(rows, p->k->dtype, p->ks[2], nk, d, KtW);
+                kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
+            } else {
+                kt->pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
+                kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, S);
+            }
             if (c->cap2 > 0.0f)
                 kt->softcap(R, FW_DEC_KEYS, S, c->cap2);
             kt->dec_softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
-            kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, Ou);
+            if (bf16)
+                kt->dec_pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, PW, Ou);
+            else
+                kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, Ou);
         }
     }
     c->sink[tid * 16] += touch;

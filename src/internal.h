@@ -74,6 +74,8 @@ typedef struct fw_kernels {
      * words apart, QW [dw][M]. pv_bf16: OT[c][m] += sum_w VW[w][c] . PW[w][m], VW [nw][dv],
      * PW [nw][M]. */
     void (*pack_pairs)(const float *even, const float *odd, int n, uint32_t *dst);
+    /* dst[w] = (x[2w], x[2w+1]) rounded to bf16, w < ceil(n/2), zero past n. */
+    void (*pack_row_pairs)(const float *x, int n, uint32_t *dst);
     void (*qk_bf16)(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
                     float scale, const float *bias, float *ST);
     void (*pv_bf16)(int nw, int dv, int M, const uint32_t *VW, const uint32_t *PW, float *OT);
@@ -87,6 +89,15 @@ typedef struct fw_kernels {
                         float *l, float *O, int dv);
     void (*dec_pv)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
                    float *O);
+    /* The decode kernels with bf16 products (layouts in attn_kern.h): pack_kt_bf16 gives
+     * KtW [ceil(d/2)][FW_DEC_KEYS] key words; dec_qk_bf16 S = scale * QW . KtW; dec_pv_bf16
+     * rounds P to bf16 pairs in PW [R][FW_DEC_KEYS / 2] and adds P V to O. */
+    void (*pack_kt_bf16)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d,
+                         uint32_t *KtW);
+    void (*dec_qk_bf16)(int R, int nk, int dw, const uint32_t *QW, const uint32_t *KtW, float scale,
+                        float *S);
+    void (*dec_pv_bf16)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
+                        uint32_t *PW, float *O);
     /* Plain baseline: one query row against n keys, one key at a time with online softmax:
      * convert the key and value rows on use (like ggml's vector path), dot, scalar exp2,
      * axpy. q is f32 in log2 units (scaled by scale*log2(e), or by 1/softcap with cap2 > 0).

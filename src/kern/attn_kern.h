@@ -208,6 +208,13 @@ static void pack_pairs(const float *even, const float *odd, int n, uint32_t *dst
         dst[i] = (uint32_t)fw_f32_to_bf16(even[i]) | (uint32_t)(odd ? fw_f32_to_bf16(odd[i]) : 0) << 16;
 }
 
+/* dst[w] = (x[2w], x[2w+1]) rounded to bf16 for w < ceil(n/2), zero past n. */
+static void pack_pairs_strided(const float *x, int n, uint32_t *dst)
+{
+    for (int w = 0; w < (n + 1) / 2; w++)
+        dst[w] = (uint32_t)fw_f32_to_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_f32_to_bf16(x[2 * w + 1]) : 0) << 16;
+}
+
 FW_INLINE void qkb_tile(const int tj, const int tm, int dw, int M, const uint32_t *K, int64_t ldkw,
                         const uint32_t *QW, float scale, const float *bias, float *ST)
 {
@@ -630,6 +637,162 @@ static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, 
     }
 }
 
+/* ---- decode with bf16 products (pair layout, see "bf16 products"):
+ *   KtW [dw][FW_DEC_KEYS]  key words transposed: KtW[w][j] = (K[j][2w], K[j][2w+1])
+ *   QW  [R][dw]            query words, unscaled; the scale is applied to the f32 scores
+ *   PW  [R][FW_DEC_KEYS/2] probability words (P[r][2w], P[r][2w+1])
+ * A bf16 key row already is its words, so the transpose moves words and never splits them. */
+static void pack_kt_bf16(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, uint32_t *KtW)
+{
+    const int nkv = (nk + VL - 1) / VL * VL, dw = (d + 1) / 2;
+    for (int j0 = 0; j0 < nkv; j0 += VL) {
+        int w0 = 0;
+        if (kdim == 1 && dt == FW_BF16)
+            for (; w0 + VL <= d / 2; w0 += VL) {
+                vf r[VL];
+                for (int i = 0; i < VL; i++)
+                    r[i] = vload_bits(j0 + i < nk ? (const uint16_t *)rows[j0 + i] + 2 * w0 : pack_zero);
+                vtranspose(r);
+                for (int c = 0; c < VL; c++)
+                    vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
+            }
+        for (; w0 < dw; w0++)
+            for (int i = 0; i < VL; i++) {
+                float x[2] = {0.0f, 0.0f};
+                for (int e = 0; e < 2 && j0 + i < nk && 2 * w0 + e < d; e++)
+                    to_f32((const char *)rows[j0 + i] + (size_t)((2 * w0 + e) * kdim) * (dt == FW_F32 ? 4 : 2),
+                           dt, 1, 1, 1.0f, &x[e]);
+                KtW[(size_t)w0 * FW_DEC_KEYS + j0 + i] =
+                    (uint32_t)fw_f32_to_bf16(x[0]) | (uint32_t)fw_f32_to_bf16(x[1]) << 16;
+            }
+    }
+}
+
+FW_INLINE void decb_qk_tile(const int rt, const int kv, int dw, const uint32_t *QW, const uint32_t *KtW,
+                            float scale, float *S)
+{
+    vf tot[DEC_RT][2], acc[DEC_RT][2];
+    for (int r = 0; r < rt; r++)
+        for (int x = 0; x < kv; x++)
+            tot[r][x] = vzero();
+    for (int w0 = 0; w0 < dw; w0 += QK_KB) {
+        const int wn = dw - w0 < QK_KB ? dw - w0 : QK_KB;
+        for (int r = 0; r < rt; r++)
+            for (int x = 0; x < kv; x++)
+                acc[r][x] = vzero();
+        for (int w = w0; w < w0 + (wn == QK_KB ? QK_KB : wn); w++) {
+            vf kt[2];
+            for (int x = 0; x < kv; x++)
+                kt[x] = vkeep(vload((const float *)KtW + (size_t)w * FW_DEC_KEYS + x * VL));
+            for (int r = 0; r < rt; r++) {
+                vf qb = vbcast_word(QW + (size_t)r * dw + w);
+                for (int x = 0; x < kv; x++)
+                    acc[r][x] = vdpbf(acc[r][x], kt[x], qb);
+            }
+        }
+        for (int r = 0; r < rt; r++)
+            for (int x = 0; x < kv; x++)
+                tot[r][x] = vadd(tot[r][x], acc[r][x]);
+    }
+    const vf sc = vset1(scale);
+    for (int r = 0; r < rt; r++)
+        for (int x = 0; x < kv; x++)
+            vstore(S + (size_t)r * FW_DEC_KEYS + x * VL, vmul(tot[r][x], sc));
+}
+
+static __attribute__((noinline)) void decb_qk_tail(int rt, int kv, int dw, const uint32_t *QW,
+                                                   const uint32_t *KtW, float scale, float *S)
+{
+    decb_qk_tile(rt, kv, dw, QW, KtW, scale, S);
+}
+
+/* S[r][j] = scale * sum_w dot(QW[r][w], KtW[w][j]) for r < R and the key vectors holding keys. */
+static void dec_qk_bf16(int R, int nk, int dw, const uint32_t *QW, const uint32_t *KtW, float scale,
+                        float *S)
+{
+    const int nkv = (nk + VL - 1) / VL;
+    for (int r0 = 0; r0 < R; r0 += DEC_RT)
+        for (int x0 = 0; x0 < nkv; x0 += 2) {
+            const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT, kv = nkv - x0 < 2 ? nkv - x0 : 2;
+            const uint32_t *q = QW + (size_t)r0 * dw, *kt = KtW + x0 * VL;
+            float *sp = S + (size_t)r0 * FW_DEC_KEYS + x0 * VL;
+            if (rt == DEC_RT && kv == 2)
+                decb_qk_tile(DEC_RT, 2, dw, q, kt, scale, sp);
+            else
+                decb_qk_tail(rt, kv, dw, q, kt, scale, sp);
+        }
+}
+
+/* VL words (row0[i + l], row1[i + l]) of two value rows of dtype dt, rounded to bf16; row1
+ * NULL gives zeros in the high halves. */
+FW_INLINE vf vload_pair_rows(const void *row0, const void *row1, fw_dtype dt, int64_t i)
+{
+    return vbf16_pair(vload_in(row0, dt, i), row1 ? vload_in(row1, dt, i) : vzero());
+}
+
+FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const uint32_t *PW,
+                            const void *const *V, fw_dtype dt, float *O, int dv)
+{
+    vf acc[DEC_RT][4];
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < cv; c++)
+            acc[r][c] = vload(O + (size_t)r * dv + c0 + c * VL);
+    for (int j = 0; j < nk; j += 2) {
+        vf vv[4];
+        for (int c = 0; c < cv; c++)
+            vv[c] = vkeep(vload_pair_rows(V[j], j + 1 < nk ? V[j + 1] : NULL, dt, c0 + c * VL));
+        for (int r = 0; r < rt; r++) {
+            vf pb = vbcast_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + j / 2);
+            for (int c = 0; c < cv; c++)
+                acc[r][c] = vdpbf(acc[r][c], vv[c], pb);
+        }
+    }
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < cv; c++)
+            vstore(O + (size_t)r * dv + c0 + c * VL, acc[r][c]);
+}
+
+static __attribute__((noinline)) void decb_pv_tail(int rt, int cv, int nk, int c0, const uint32_t *PW,
+                                                   const void *const *V, fw_dtype dt, float *O, int dv)
+{
+    decb_pv_tile(rt, cv, nk, c0, PW, V, dt, O, dv);
+}
+
+/* O[r][c] += sum_j P[r][j] V[j][c] with P rounded to bf16 pairs (into PW, R x FW_DEC_KEYS / 2
+ * words) and V rows read in place, paired two keys at a time in registers. */
+static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
+                        uint32_t *PW, float *O)
+{
+    const int dvv = dv / VL * VL, nw = (nk + 1) / 2;
+    for (int r = 0; r < R; r++)
+        pack_pairs_strided(P + (size_t)r * FW_DEC_KEYS, nk, PW + (size_t)r * (FW_DEC_KEYS / 2));
+    for (int r0 = 0; r0 < R; r0 += DEC_RT) {
+        const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT;
+        const uint32_t *pr = PW + (size_t)r0 * (FW_DEC_KEYS / 2);
+        float *o = O + (size_t)r0 * dv;
+        for (int c0 = 0; c0 < dvv; c0 += 4 * VL) {
+            const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
+            if (rt == DEC_RT && cv == 4)
+                decb_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv);
+            else
+                decb_pv_tail(rt, cv, nk, c0, pr, V, dt, o, dv);
+        }
+        for (int r = 0; r < rt; r++)
+            for (int c = dvv; c < dv; c++) {
+                float a = o[(size_t)r * dv + c], x[2];
+                for (int w = 0; w < nw; w++) {
+                    const uint32_t pw = pr[(size_t)r * (FW_DEC_KEYS / 2) + w];
+                    for (int e = 0; e < 2 && 2 * w + e < nk; e++) {
+                        to_f32((const char *)V[2 * w + e] + (size_t)c * (dt == FW_F32 ? 4 : 2), dt, 1, 1, 1.0f, &x[e]);
+                        a += fw_bf16_to_f32((uint16_t)(pw >> (16 * e))) *
+                             fw_bf16_to_f32(fw_f32_to_bf16(x[e]));
+                    }
+                }
+                o[(size_t)r * dv + c] = a;
+            }
+    }
+}
+
 /* ------------------------------------------------------------ plain baseline -- */
 
 static float dot(const float *x, const float *y, int n)
@@ -982,12 +1145,16 @@ const fw_kernels FW_TABLE = {
     .softmax = softmax,
     .pv = pv,
     .pack_pairs = pack_pairs,
+    .pack_row_pairs = pack_pairs_strided,
     .qk_bf16 = qk_bf16,
     .pv_bf16 = pv_bf16,
     .pack_kt = pack_kt,
     .dec_qk = dec_qk,
     .dec_softmax = dec_softmax,
     .dec_pv = dec_pv,
+    .pack_kt_bf16 = pack_kt_bf16,
+    .dec_qk_bf16 = dec_qk_bf16,
+    .dec_pv_bf16 = dec_pv_bf16,
     .plain_row = plain_row,
     .peak = peak,
     .peak_bf16 = peak_bf16,
