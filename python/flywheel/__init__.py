@@ -28,7 +28,8 @@ __all__ = [
 
 
 def isa_tables():
-    """The kernel tables this CPU runs, best last ("portable", "avx2", "avx512")."""
+    """The kernel tables this CPU runs, best last ("portable", "avx2", "avx512",
+    "avx512bf16")."""
     names = (_clib.fw_isa_name(i) for i in range(_clib.fw_isa_count()))
     return [n.decode() for n in names if _clib.fw_isa_supported(n)]
 

@@ -17,6 +17,9 @@ ERR_NOMEM = 8
 ERR_UNSUPPORTED = 10
 
 ATTN_PLAIN = 1 << 3
+PREC_AUTO = 0  # fw_precision: bf16 products when q is bf16, else f32
+PREC_F32 = 1
+PREC_BF16 = 2
 GDN_FWD_SUBST = 1 << 0
 GDN_RECURRENT = 1 << 1
 GDN_FUSED_RECURRENT = 1 << 2
@@ -73,6 +76,7 @@ class AttnParams(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
+        ("precision", ctypes.c_int32),
     ]
 
 
@@ -141,6 +145,8 @@ _SIGNATURES = {
                                      _vp, _sz, _P(GdnParams)]),
     "fw_peak_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,
                                       _P(ctypes.c_double)]),
+    "fw_peak_bf16_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,
+                                           _P(ctypes.c_double)]),
     "fw_read_bandwidth": (ctypes.c_int, [ctypes.c_int32, _sz, _P(ctypes.c_double)]),
 }
 for _name, (_res, _args) in _SIGNATURES.items():

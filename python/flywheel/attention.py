@@ -20,7 +20,19 @@ import numpy as np
 from . import _lib
 from . import _tensors as T
 
-def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=False):
+_PRECISIONS = {"auto": _lib.PREC_AUTO, "f32": _lib.PREC_F32, "bf16": _lib.PREC_BF16}
+
+
+def _precision(precision):
+    if precision is None:
+        return _lib.PREC_AUTO
+    if isinstance(precision, str) and precision in _PRECISIONS:
+        return _PRECISIONS[precision]
+    raise ValueError(f"precision must be None, 'auto', 'f32' or 'bf16', got {precision!r}")
+
+
+def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=False,
+            precision=None):
     p = _lib.AttnParams()
     d = q.shape[-1]
     if softmax_scale is None:
@@ -38,6 +50,7 @@ def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=Fals
     p.threads = _lib.settings.threads
     p.isa = isa.encode() if isa else None
     p.flags = _lib.ATTN_PLAIN if plain else 0
+    p.precision = _precision(precision)
     return p
 
 
@@ -62,7 +75,7 @@ def _pack(out, lse, return_lse, return_attn_probs):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_softmax_lse=False, out=None, isa=None,
-                    plain=False):
+                    plain=False, precision=None):
     """Dense attention forward, flash-attn's `flash_attn_func`.
 
     q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] -> out [b, sq, hq, dv].
@@ -73,9 +86,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     `deterministic` (always deterministic). No copies of q, k, v (see module docstring).
     out: an existing [b, sq, hq, dv] array or tensor to write (and return) instead of a new
     one, which saves the allocation and first-touch page faults of large outputs.
-    isa names a kernel table ("portable", "avx2", "avx512"); plain=True runs the plain
-    row-at-a-time baseline kernel. Not supported (NotImplementedError): dropout, ALiBi,
-    tensors that require grad with grad enabled, non-CPU tensors.
+    isa names a kernel table ("portable", "avx2", "avx512", "avx512bf16"); plain=True runs
+    the plain row-at-a-time baseline kernel (always f32 products).
+    precision of the products QK^T and PV: None or "auto" (bf16 for bfloat16 q, else f32),
+    "f32", or "bf16" (q, k, v and the probabilities P rounded to bf16, f32 accumulation).
+    Not supported (NotImplementedError): dropout, ALiBi, tensors that require grad with grad
+    enabled, non-CPU tensors.
     """
     _unsupported(dropout_p, alibi_slopes)
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -86,7 +102,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     out = T.output(out, q, (b, sq, hq, dv))
     want_lse = return_softmax_lse or return_attn_probs
     lse = T.empty_like_family(q, (b, hq, sq), "float32") if want_lse else None
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
     _lib.check(_lib.lib.fw_attn_fwd(tq, tk, tv, to, tl, p))
@@ -101,7 +117,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           return_softmax_lse=False, out=None, isa=None):
+                           return_softmax_lse=False, out=None, isa=None, precision=None):
     """Packed variable-length attention, flash-attn's `flash_attn_varlen_func`.
 
     q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv]; cu_seqlens_q/k: batch + 1
@@ -109,7 +125,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     aligned bottom-right; no key of another sequence is seen. max_seqlen_q/k must be at least
     the longest sequence (checked). Returns out [total_q, hq, dv], and lse [hq, total_q]
     float32 with return_softmax_lse / return_attn_probs. out: an existing [total_q, hq, dv]
-    output to write instead of a new one. block_table (paged K/V) is not supported here: use
+    output to write instead of a new one. precision: None/"auto", "f32" or "bf16" products, as
+    in flash_attn_func. block_table (paged K/V) is not supported here: use
     flash_attn_with_kvcache.
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
@@ -127,7 +144,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out = T.output(out, q, (total_q, hq, v.shape[-1]))
     want_lse = return_softmax_lse or return_attn_probs
     lse = T.empty_like_family(q, (hq, total_q), "float32") if want_lse else None
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
     _lib.check(_lib.lib.fw_attn_varlen_fwd(tq, tk, tv, T.ptr(cq), T.ptr(ck), cq.size - 1, to,
@@ -141,7 +158,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, cu_seqlens_q=None, out=None,
-                            isa=None):
+                            isa=None, precision=None):
     """Append to a K/V cache and attend, flash-attn's `flash_attn_with_kvcache`.
 
     q [b, sq, hq, d] (sq = 1 is decode; more is chunked prefill or speculative decode).
@@ -157,7 +174,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ([hq, total_q]) float32 with return_softmax_lse. Long contexts are split into fixed
     FW_KV_SPLIT ranges whatever num_splits says (the result never depends on the thread
     count). out: an existing output ([b, sq, hq, dv], whose [b, sq] merge into one stride, or
-    [total_q, hq, dv]) to write instead of a new one.
+    [total_q, hq, dv]) to write instead of a new one. precision: None/"auto", "f32" or "bf16"
+    products, as in flash_attn_func.
     Copies: q/k/v when [b, sq] cannot be merged into one stride (not for contiguous
     or sq = 1 inputs), and the int32 index arrays. Not supported (NotImplementedError):
     rotary embedding, cache_batch_idx, cache_leftpad, ALiBi, k without v.
@@ -218,7 +236,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = T.output(out, q, (q.shape[0], q.shape[1], hq, vc.shape[-1]))
         out3 = T.merged_view(out, "out")
     lse = T.empty_like_family(q, (hq, total_q), "float32") if return_softmax_lse else None
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision)
     tk = T.describe(kn) if kn is not None else None
     tv = T.describe(vn) if vn is not None else None
     tl = T.describe(lse) if return_softmax_lse else None

@@ -43,9 +43,30 @@ def as64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
+def round_bf16(x):
+    """float64 values rounded to bfloat16 (through float32, nearest even, as the C library
+    does), returned as float64."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def round_to(x, dtype):
+    """float64 values rounded to an output dtype ("float32", "bfloat16", "float16")."""
+    if dtype == "bfloat16":
+        return round_bf16(x)
+    return np.asarray(x).astype(dtype).astype(np.float64)
+
+
+def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0,
+                  bf16_products=False):
     """float64 attention for one sequence: q [sq, hq, d], k [sk, hkv, d], v [sk, hkv, dv]
-    -> out [sq, hq, dv], lse [hq, sq]; masks aligned bottom-right, empty rows give 0 / -inf."""
+    -> out [sq, hq, dv], lse [hq, sq]; masks aligned bottom-right, empty rows give 0 / -inf.
+    bf16_products=True makes the roundings of the kernels' bf16 products and no others: q, k,
+    v rounded to bf16, and each probability exp(s - max) rounded to bf16 before it multiplies
+    V while the denominator sums them unrounded (the output is not rounded: see round_to)."""
+    if bf16_products:
+        q, k, v = round_bf16(q), round_bf16(k), round_bf16(v)
     sq, hq, _ = q.shape
     sk, hkv, _ = k.shape
     g = hq // hkv
@@ -69,7 +90,8 @@ def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     den = p.sum(axis=-1, keepdims=True)
-    out = np.einsum("hqk,khd->qhd", p / np.where(den > 0, den, 1.0), vv)
+    pv = round_bf16(p) if bf16_products else p
+    out = np.einsum("hqk,khd->qhd", pv / np.where(den > 0, den, 1.0), vv)
     lse = np.where(den[..., 0] > 0, np.log(np.where(den[..., 0] > 0, den[..., 0], 1.0)) +
                    m[..., 0], -np.inf)
     return out, lse

@@ -8,7 +8,7 @@ import pytest
 
 import flywheel
 from flywheel import FlywheelError
-from conftest import DTYPES, FAMILIES, TOL, as64, make, ref_attention, torch
+from conftest import DTYPES, FAMILIES, TOL, as64, make, ref_attention, round_to, torch
 
 SHAPES = [  # (b, sq, sk, hq, hkv, d, dv)
     (1, 1, 1, 4, 4, 64, 64),
@@ -320,3 +320,146 @@ def test_out_buffers_are_written_in_place(family):
                                        k.swapaxes(0, 1)).swapaxes(0, 1)  # [b, s] strides swapped
     with pytest.raises(ValueError, match="cannot be merged"):
         flywheel.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3, out=swapped)
+
+
+# Product precision (precision=): bf16 products round q, k, v and the probabilities P to bf16
+# and accumulate in f32. Bar against the exact float64 reference: at most twice the error of
+# the float64 reference that makes the same roundings (then rounds to the output dtype), plus
+# 1e-5. The default is bf16 products for bfloat16 inputs and f32 products otherwise.
+
+PRODUCT_CASES = [  # (b, sq, sk, hq, hkv, d, dv), causal, window
+    ((2, 17, 33, 8, 2, 64, 64), True, (-1, -1)),
+    ((1, 37, 101, 6, 2, 128, 128), False, (24, 3)),
+    ((1, 45, 45, 4, 1, 32, 48), True, (13, -1)),
+]
+
+
+def bf16_products(dtype, precision):
+    return precision == "bf16" or (precision is None and dtype == "bfloat16")
+
+
+def refs(q, k, v, scale, causal, window, dtype, precision):
+    """The exact reference of one sequence and the same-roundings one, rounded to dtype."""
+    exact, _ = ref_attention(q, k, v, scale, causal, window)
+    same, _ = ref_attention(q, k, v, scale, causal, window,
+                            bf16_products=bf16_products(dtype, precision))
+    return exact, round_to(same, dtype)
+
+
+def check_products(out, exact, same, what):
+    err = np.abs(as64(out) - exact).max(initial=0.0)
+    bar = 2 * np.abs(same - exact).max(initial=0.0) + 1e-5
+    assert err <= bar, f"{what}: max error {err} over {bar}"
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", PRODUCT_CASES)
+def test_dense_products_every_table(case, dtype, precision):
+    (b, sq, sk, hq, hkv, d, dv), causal, window = case
+    rng = np.random.default_rng(sum(case[0]))
+    q, q64 = make(rng, (b, sq, hq, d), dtype, "numpy")
+    k, k64 = make(rng, (b, sk, hkv, d), dtype, "numpy")
+    v, v64 = make(rng, (b, sk, hkv, dv), dtype, "numpy")
+    both = [refs(q64[i], k64[i], v64[i], d ** -0.5, causal, window, dtype, precision)
+            for i in range(b)]
+    exact, same = np.stack([r[0] for r in both]), np.stack([r[1] for r in both])
+    for isa in flywheel.isa_tables():
+        out = flywheel.flash_attn_func(q, k, v, causal=causal, window_size=window, isa=isa,
+                                       precision=precision)
+        assert out.dtype == q.dtype
+        check_products(out, exact, same, isa)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_varlen_products_every_table(dtype, precision):
+    rng = np.random.default_rng(12)
+    lq, lk = [5, 0, 33, 1, 21], [9, 4, 71, 1, 21]
+    cq, ck = np.cumsum([0] + lq), np.cumsum([0] + lk)
+    q, q64 = make(rng, (cq[-1], 6, 64), dtype, "numpy")
+    k, k64 = make(rng, (ck[-1], 2, 64), dtype, "numpy")
+    v, v64 = make(rng, (ck[-1], 2, 64), dtype, "numpy")
+    exact, same = np.zeros((cq[-1], 6, 64)), np.zeros((cq[-1], 6, 64))
+    for i in range(len(lq)):
+        sl, kl = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        exact[sl], same[sl] = refs(q64[sl], k64[kl], v64[kl], 0.125, True, (30, -1), dtype,
+                                   precision)
+    for isa in flywheel.isa_tables():
+        out = flywheel.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True,
+                                              window_size=(30, -1), isa=isa,
+                                              precision=precision)
+        check_products(out, exact, same, isa)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sq", [1, 19])
+def test_kvcache_products_every_table(sq, dtype, precision):
+    """Decode (sq = 1) over contexts longer than one FW_KV_SPLIT range, with a window; and a
+    causal chunked prefill (sq = 19) over a paged cache."""
+    rng = np.random.default_rng(13 + sq)
+    b, hq, hkv, d = 3, 8, 2, 64
+    S, lens, window = (640, [0, 37, 600], (300, -1)) if sq == 1 else (128, [0, 50, 109],
+                                                                     (-1, -1))
+    lens = np.array(lens, np.int32)
+    kc, kc64 = make(rng, (b, S, hkv, d), dtype, "numpy")
+    vc, vc64 = make(rng, (b, S, hkv, d), dtype, "numpy")
+    q, q64 = make(rng, (b, sq, hq, d), dtype, "numpy")
+    kn, kn64 = make(rng, (b, sq, hkv, d), dtype, "numpy")
+    vn, vn64 = make(rng, (b, sq, hkv, d), dtype, "numpy")
+    table = None
+    if sq > 1:
+        order = rng.permutation(b * S // 16)
+        kc, table = _paged(kc, 16, order)
+        vc, _ = _paged(vc, 16, order)
+    both = []
+    for i in range(b):
+        kctx = np.concatenate([kc64[i, :lens[i]], kn64[i]])
+        vctx = np.concatenate([vc64[i, :lens[i]], vn64[i]])
+        both.append(refs(q64[i], kctx, vctx, d ** -0.5, True, window, dtype, precision))
+    exact, same = np.stack([r[0] for r in both]), np.stack([r[1] for r in both])
+    for isa in flywheel.isa_tables():  # rewrites the same new rows into the cache each time
+        out = flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                               block_table=table, causal=True,
+                                               window_size=window, isa=isa,
+                                               precision=precision)
+        check_products(out, exact, same, isa)
+
+
+def test_f32_products_of_bf16_inputs_meet_the_f32_bar():
+    """precision="f32" on bfloat16 inputs, written to float32 outputs: the exact result of the
+    bf16 values, to the f32 tolerance."""
+    rng = np.random.default_rng(14)
+    q, q64 = make(rng, (2, 17, 8, 64), "bfloat16", "numpy")
+    k, k64 = make(rng, (2, 33, 2, 64), "bfloat16", "numpy")
+    v, v64 = make(rng, (2, 33, 2, 64), "bfloat16", "numpy")
+    want = np.stack([ref_attention(q64[i], k64[i], v64[i], 0.125, causal=True)[0]
+                     for i in range(2)])
+    kc = np.concatenate([k, k], axis=1)  # a 66-row cache of which 33 are used
+    vc = np.concatenate([v, v], axis=1)
+    for isa in flywheel.isa_tables():
+        out = np.empty((2, 17, 8, 64), np.float32)
+        flywheel.flash_attn_func(q, k, v, causal=True, isa=isa, precision="f32", out=out)
+        assert np.abs(as64(out) - want).max() <= TOL["float32"], isa
+        out[:] = np.nan
+        flywheel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=33, causal=True, isa=isa,
+                                         precision="f32", out=out)
+        assert np.abs(as64(out) - want).max() <= TOL["float32"], isa
+
+
+def test_bad_precision_raises_value_error():
+    q = np.zeros((1, 4, 2, 16), np.float32)
+    kc = np.zeros((1, 16, 2, 16), np.float32)
+    cu = np.array([0, 4], np.int32)
+    for bad in ("fp32", "BF16", "f16", 2):
+        with pytest.raises(ValueError, match="precision must be"):
+            flywheel.flash_attn_func(q, q, q, precision=bad)
+        with pytest.raises(ValueError, match="precision must be"):
+            flywheel.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, precision=bad)
+        with pytest.raises(ValueError, match="precision must be"):
+            flywheel.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=4, precision=bad)
+    rng = np.random.default_rng(15)
+    x, _ = make(rng, (1, 9, 2, 16), "float32", "numpy")
+    assert np.array_equal(flywheel.flash_attn_func(x, x, x, precision="auto"),
+                          flywheel.flash_attn_func(x, x, x))
