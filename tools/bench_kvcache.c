@@ -6,7 +6,8 @@
  *   step (median) and GB/s of K/V read = batch * ctx * hkv * (d + dv) * bytes(dtype) / s,
  *   against the streaming read bandwidth measured by fw_read_bandwidth in the same run.
  * prefill: every sequence appends `new` tokens after a cached prefix of ctx - new tokens.
- *   GFLOP/s = 2 (d + dv) x unmasked pairs / s and % of the FMA peak, next to the dense
+ *   GFLOP/s = 2 (d + dv) x unmasked pairs / s and % of the peak of the precision in use (bf16
+ *   inputs: bf16 products, the bf16 dot-product peak; else the FMA peak), next to the dense
  *   kernel (fw_attn_fwd) on the same shape in the same run.
  */
 #include <stdio.h>
@@ -33,7 +34,6 @@ static void fill_bits(void *p, size_t n, fw_dtype dt)
     }
 }
 
-static double peak_of(int threads) { return bench_peak(threads); }
 
 static int kv_run(const kcfg *c, int decode)
 {
@@ -131,20 +131,22 @@ static int kv_run(const kcfg *c, int decode)
                     td[i] = bench_now() - t0;
             }
             const double dsec = bench_median(td, reps), dgf = 2.0 * 2.0 * (double)c->d * pairs / dsec * 1e-9;
-            const double pk = peak_of(c->threads);
+            const int bf16 = bench_bf16_products(c->dt, FW_PREC_AUTO);
+            const double pf = bench_peak(c->threads), pb = bench_peak_bf16(c->threads), pk = bf16 ? pb : pf;
             if (c->json)
                 printf("{\"op\":\"kvcache_prefill\",\"batch\":%lld,\"ctx\":%lld,\"new\":%lld,\"hq\":%lld,\"hkv\":%lld,"
-                       "\"d\":%lld,\"dtype\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
-                       "\"gflops\":%.2f,\"peak_gflops\":%.2f,\"pct_peak\":%.1f,\"dense_gflops\":%.2f,\"dense_pct_peak\":%.1f}\n",
+                       "\"d\":%lld,\"dtype\":\"%s\",\"products\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,"
+                       "\"seconds_median\":%.6g,\"gflops\":%.2f,\"peak_gflops\":%.2f,\"peak_bf16_gflops\":%.2f,"
+                       "\"pct_peak\":%.1f,\"dense_gflops\":%.2f,\"dense_pct_peak\":%.1f}\n",
                        (long long)b, (long long)c->ctx, (long long)n, (long long)c->hq, (long long)c->hkv,
-                       (long long)c->d, fw_dtype_name(c->dt), (long long)c->page, c->threads, reps, sec, gf, pk,
-                       100 * gf / pk, dgf, 100 * dgf / pk);
+                       (long long)c->d, fw_dtype_name(c->dt), bf16 ? "bf16" : "f32", (long long)c->page,
+                       c->threads, reps, sec, gf, pf, pb, 100 * gf / pk, dgf, 100 * dgf / pk);
             else
                 printf("prefill   %-5s batch %-3lld %lld new on %lld cached h%lld:%lld d%lld page %-5lld thr=%d  %8.4f s  "
-                       "%6.1f GFLOP/s %5.1f%% of %.0f peak   dense kernel %6.1f GFLOP/s %5.1f%%\n",
+                       "%6.1f GFLOP/s %5.1f%% of %.0f %s peak   dense kernel %6.1f GFLOP/s %5.1f%%\n",
                        fw_dtype_name(c->dt), (long long)b, (long long)n, (long long)(c->ctx - n), (long long)c->hq,
                        (long long)c->hkv, (long long)c->d, (long long)c->page, c->threads, sec, gf, 100 * gf / pk,
-                       pk, dgf, 100 * dgf / pk);
+                       pk, bf16 ? "bf16" : "FMA", dgf, 100 * dgf / pk);
             free(ck);
             free(cv);
         }
