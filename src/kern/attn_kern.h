@@ -209,7 +209,7 @@ static void pack_pairs(const float *even, const float *odd, int n, uint32_t *dst
 }
 
 /* dst[w] = (x[2w], x[2w+1]) rounded to bf16 for w < ceil(n/2), zero past n. */
-static void pack_pairs_strided(const float *x, int n, uint32_t *dst)
+static void pack_row_pairs(const float *x, int n, uint32_t *dst)
 {
     for (int w = 0; w < (n + 1) / 2; w++)
         dst[w] = (uint32_t)fw_f32_to_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_f32_to_bf16(x[2 * w + 1]) : 0) << 16;
@@ -765,7 +765,7 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
 {
     const int dvv = dv / VL * VL, nw = (nk + 1) / 2;
     for (int r = 0; r < R; r++)
-        pack_pairs_strided(P + (size_t)r * FW_DEC_KEYS, nk, PW + (size_t)r * (FW_DEC_KEYS / 2));
+        pack_row_pairs(P + (size_t)r * FW_DEC_KEYS, nk, PW + (size_t)r * (FW_DEC_KEYS / 2));
     for (int r0 = 0; r0 < R; r0 += DEC_RT) {
         const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT;
         const uint32_t *pr = PW + (size_t)r0 * (FW_DEC_KEYS / 2);
@@ -1145,7 +1145,7 @@ const fw_kernels FW_TABLE = {
     .softmax = softmax,
     .pv = pv,
     .pack_pairs = pack_pairs,
-    .pack_row_pairs = pack_pairs_strided,
+    .pack_row_pairs = pack_row_pairs,
     .qk_bf16 = qk_bf16,
     .pv_bf16 = pv_bf16,
     .pack_kt = pack_kt,
