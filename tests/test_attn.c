@@ -835,6 +835,8 @@ static void test_bad_input(void)
     BAD("threads 1000", FW_ERR_ARG, p.threads = 1000);
     BAD("causal 2", FW_ERR_ARG, p.causal = 2);
     BAD("unknown flag", FW_ERR_ARG, p.flags = 1u << 20);
+    BAD("precision 3", FW_ERR_ARG, p.precision = 3);
+    BAD("precision -1", FW_ERR_ARG, p.precision = -1);
     BAD("unknown table", FW_ERR_UNSUPPORTED, p.isa = "sve9");
     /* varlen: lengths */
     {

@@ -449,6 +449,10 @@ static void test_more_bad_input(void)
     case_check(fw_peak_gflops(NULL, -3, 0.01, &g) == FW_ERR_ARG && g == -1, "peak: threads -3");
     case_check(fw_peak_gflops(NULL, 1, 0.0, &g) == FW_ERR_ARG, "peak: zero seconds");
     case_check(fw_peak_gflops("sve9", 1, 0.01, &g) == FW_ERR_UNSUPPORTED, "peak: unknown table");
+    case_check(fw_peak_bf16_gflops(NULL, 0, 0.01, NULL) == FW_ERR_NULL, "bf16 peak: null result");
+    case_check(fw_peak_bf16_gflops(NULL, -3, 0.01, &g) == FW_ERR_ARG && g == -1, "bf16 peak: threads -3");
+    case_check(fw_peak_bf16_gflops(NULL, 1, 0.0, &g) == FW_ERR_ARG, "bf16 peak: zero seconds");
+    case_check(fw_peak_bf16_gflops("sve9", 1, 0.01, &g) == FW_ERR_UNSUPPORTED, "bf16 peak: unknown table");
     case_check(fw_read_bandwidth(1, 100, &g) == FW_ERR_ARG && g == -1, "bandwidth: 100 bytes");
     case_check(fw_read_bandwidth(300, (size_t)1 << 20, &g) == FW_ERR_ARG, "bandwidth: threads 300");
     case_check(fw_read_bandwidth(1, (size_t)1 << 20, NULL) == FW_ERR_NULL, "bandwidth: null result");
@@ -458,7 +462,17 @@ static void test_more_bad_input(void)
     case_check(fw_attn_workspace_size(&tq, &tk, &tk, NULL, &bytes) == FW_ERR_SHAPE && bytes == 0,
                "workspace: 4 K/V heads do not divide 6");
     case_check(fw_attn_workspace_size(&tq, &tk, &tk, NULL, NULL) == FW_ERR_NULL, "workspace: null result");
+    {
+        fw_attn_params wp;
+        fw_attn_params_init(&wp);
+        wp.precision = 7;
+        int64_t ks4[4] = {1, 4, 3, 8};
+        fw_tensor tk3 = fw_tensor_contiguous(NULL, FW_F32, 4, ks4);
+        case_check(fw_attn_workspace_size(&tq, &tk3, &tk3, &wp, &bytes) == FW_ERR_ARG && bytes == 0 &&
+                       strstr(fw_last_error(), "precision"), "workspace: precision 7");
+    }
     case_check(fw_peak_gflops(NULL, 1, 0.01, &g) == FW_OK && g > 0, "peak: a good call measures");
+    case_check(fw_peak_bf16_gflops(NULL, 1, 0.01, &g) == FW_OK && g > 0, "bf16 peak: a good call measures");
     case_check(fw_read_bandwidth(1, (size_t)1 << 22, &g) == FW_OK && g > 0, "bandwidth: a good call measures");
     case_end();
 }
