@@ -102,6 +102,17 @@ static inline void vtranspose(vf *r)
     }
 }
 
+/* x rounded to bf16 (nearest even; NaN stays NaN), as f32 bits with a zero low half. */
+static inline __m256i vround_bf16_bits(vf x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
 {
     vf x = _mm256_loadu_ps(src + i);
@@ -111,12 +122,7 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
                          _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
-        __m256i u = _mm256_castps_si256(x);
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                    _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-        r = _mm256_srli_epi32(r, 16);
+        __m256i r = _mm256_srli_epi32(vround_bf16_bits(x), 16);
         __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), packed);
     }
@@ -130,16 +136,6 @@ static inline vf vdpbf(vf acc, vf a, vf b)
     return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
 }
 
-/* x rounded to bf16 (nearest even; NaN stays NaN), as f32 bits with a zero low half. */
-static inline __m256i vround_bf16_bits(vf x)
-{
-    __m256i u = _mm256_castps_si256(x);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
-}
 
 static inline vf vbf16_pair(vf even, vf odd)
 {

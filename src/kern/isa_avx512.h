@@ -110,6 +110,17 @@ static inline void vtranspose(vf *r)
     }
 }
 
+/* x rounded to bf16 (nearest even; NaN stays NaN), as f32 bits with a zero low half. */
+static inline __m512i vround_bf16_bits(vf x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
 {
     vf x = _mm512_loadu_ps(src + i);
@@ -119,12 +130,8 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
                             _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
-        __m512i u = _mm512_castps_si512(x);
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                    _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-        __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+        __m512i r = _mm512_srli_epi32(vround_bf16_bits(x), 16);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
     }
 }
 
@@ -156,16 +163,6 @@ static inline vf vdpbf(vf acc, vf a, vf b)
     return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
 }
 
-/* x rounded to bf16 (nearest even; NaN stays NaN), as f32 bits with a zero low half. */
-static inline __m512i vround_bf16_bits(vf x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-}
 
 static inline vf vbf16_pair(vf even, vf odd)
 {
