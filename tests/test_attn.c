@@ -696,12 +696,8 @@ static void test_varlen(void)
             p.precision = FW_PREC_BF16;
             st = fw_attn_varlen_ref(&q, &k, &v, cuq, cuk, B, &sfo, &sfl, &p, 0, INT64_MAX);
             case_check(st == FW_OK, "same-roundings ref: %s", fw_last_error());
-            double sre = 0, srl = 0;
-            for (int64_t x = 0; x < tq * hq * dv; x++)
-                sre = fmax(sre, fabs(round_to(dt, so_[x]) - ro[x]));
-            for (int64_t x = 0; x < tq * hq; x++)
-                if (!(isinf(sl_[x]) && sl_[x] == rl[x]))
-                    srl = fmax(srl, fabs(sl_[x] - rl[x]));
+            double sre, srl;
+            sr_errors(so_, sl_, ro, rl, tq * hq * dv, tq * hq, dt, &sre, &srl);
             free(so_);
             free(sl_);
             p.precision = FW_PREC_F32;

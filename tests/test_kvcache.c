@@ -238,11 +238,7 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
         p.precision = FW_PREC_BF16;
         st = fw_attn_kvcache_ref(&q, pk, pv, cuq, t->b, &cont.c, &fso, &fsl, &p);
         case_check(st == FW_OK, "same-roundings reference: %s", fw_last_error());
-        for (int64_t x = 0; x < tq * t->hq * t->dv; x++)
-            sre = fmax(sre, fabs(round_to(t->dt, so[x]) - ro[x]));
-        for (int64_t x = 0; x < tq * t->hq; x++)
-            if (!(isinf(sl[x]) && sl[x] == rl[x]))
-                srl = fmax(srl, fabs(sl[x] - rl[x]));
+        sr_errors(so, sl, ro, rl, tq * t->hq * t->dv, tq * t->hq, t->dt, &sre, &srl);
         free(so);
         free(sl);
         p.precision = FW_PREC_F32;

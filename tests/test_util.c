@@ -156,3 +156,14 @@ double round_to(fw_dtype dt, double x)
     default: return x;
     }
 }
+
+void sr_errors(const double *so, const double *sl, const double *ro, const double *rl, int64_t no,
+               int64_t nl, fw_dtype dt, double *eo, double *el)
+{
+    *eo = *el = 0;
+    for (int64_t x = 0; x < no; x++)
+        *eo = fmax(*eo, fabs(round_to(dt, so[x]) - ro[x]));
+    for (int64_t x = 0; x < nl; x++)
+        if (!(isinf(sl[x]) && sl[x] == rl[x]))
+            *el = fmax(*el, fabs(sl[x] - rl[x]));
+}

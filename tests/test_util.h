@@ -40,6 +40,11 @@ int64_t toffset(const fw_tensor *t, const int64_t *idx);
 int tnext(const fw_tensor *t, int64_t *idx);
 /* x rounded to dt (f32, bf16 or f16; f64 unchanged), nearest even. */
 double round_to(fw_dtype dt, double x);
+/* The error of the same-roundings reference of bf16 products (so, sl: its out rounded here to
+ * dt, and its lse) against the exact one (ro, rl): max |difference| over no outputs and nl
+ * lse values, equal infinities counting as 0. */
+void sr_errors(const double *so, const double *sl, const double *ro, const double *rl, int64_t no,
+               int64_t nl, fw_dtype dt, double *eo, double *el);
 /* Store x rounded to t's dtype (values are rounded to the dtype first, so every table sees
  * exactly the same inputs). */
 void tfill_normal(const fw_tensor *t, double scale);
