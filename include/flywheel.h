@@ -291,6 +291,10 @@ typedef struct fw_gdn_params {
     int32_t threads;   /* 0 = all online CPUs */
     const char *isa;   /* NULL = fw_isa_default() */
     uint32_t flags;    /* FW_GDN_* algorithm switches; 0 = chunked WY with the blocked inverse */
+    int32_t precision; /* fw_precision of the chunked products (prefill, verify); FW_PREC_AUTO:
+                          bf16 products for bf16 q. Which operands are rounded: README, "Gated
+                          DeltaNet on bf16 products". Decode, commit and the recurrent modes
+                          always run f32 products on the f32 state. */
 } fw_gdn_params;
 
 FW_API void fw_gdn_params_init(fw_gdn_params *p);
@@ -348,7 +352,10 @@ FW_API fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const 
                                size_t replay_floats, const fw_gdn_params *params);
 
 /* Float64 reference: the plain recurrence, token by token, over a packed batch (arguments as
- * fw_gdn_prefill; out may be FW_F64). */
+ * fw_gdn_prefill; out may be FW_F64). With bf16 products (params->precision, FW_PREC_AUTO
+ * resolved as in the kernels, recurrent flags not set) it is instead the chunked pass in
+ * double with the kernel's roundings and no others (README, "Gated DeltaNet on bf16
+ * products"); pass FW_PREC_F32 for the exact result of the given inputs. */
 FW_API fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                             const fw_tensor *g, const fw_tensor *beta, const int32_t *cu_seqlens,
                             int64_t n_seqs, const float *initial_state, double *final_state,

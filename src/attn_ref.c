@@ -9,11 +9,12 @@
 #include <string.h>
 #include "attn.h"
 
+/* x rounded to bf16 (nearest even) when `on`, else x. */
+static double rnd(double x, int on) { return on ? (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)) : x; }
+
 /* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
  * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from
  * k_new/v_new (the cache itself is not read for them, nor written). */
-/* x rounded to bf16 (nearest even) when `on`, else x. */
-static double rnd(double x, int on) { return on ? (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)) : x; }
 
 static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, double *V)
 {

@@ -33,6 +33,7 @@ typedef struct {
     int64_t n, T, H, HV, r, dk, dv;
     double scale;
     int l2;
+    int bf16; /* bf16 products (params->precision resolved; the chunked passes only) */
 } gdn_prob;
 
 #define DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))
@@ -80,6 +81,9 @@ static fw_status gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, 
             return fw_fail(FW_ERR_ARG, "l2norm_qk is %d; it must be 0 or 1", (int)params->l2norm_qk);
         if (params->flags & ~(uint32_t)(FW_GDN_FWD_SUBST | FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT))
             return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
+        if (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16)
+            return fw_fail(FW_ERR_ARG, "precision is %d; it must be FW_PREC_AUTO (0), FW_PREC_F32 (1) "
+                           "or FW_PREC_BF16 (2)", (int)params->precision);
     }
     if (need_cu) {
         if (n < 0 || n > INT32_MAX)
@@ -111,6 +115,7 @@ static fw_status gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, 
     p->cu = cu; p->n = n; p->T = T; p->H = H; p->HV = HV; p->r = HV / H; p->dk = dk; p->dv = dv;
     p->scale = params && params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)dk);
     p->l2 = params ? params->l2norm_qk : 0;
+    p->bf16 = fw_attn_bf16_products(q->dtype, params ? params->precision : FW_PREC_AUTO);
     return FW_OK;
 }
 
@@ -140,19 +145,23 @@ static void load_qk(const fw_kernels *kt, const gdn_prob *p, const fw_tensor *x,
  * in L1 (measured, AVX-512: 258 GFLOP/s at M = 64 against 178 at M = 128 or 256, where the
  * strided slice thrashes L1). */
 #define GDN_P 64
+#define GDN_W (GDN_C / 2) /* words of a chunk's tokens in pair layout */
 
 typedef struct {
     int64_t pk, pv;                 /* panels over dk and over dv */
-    size_t kc, qc, ktr, kk, qk, am, ti, rhs, wu, wrow, aout, wh, kpp, zero, gam, hd, total; /* floats */
+    size_t kc, qc, ktr, kk, qk, am, ti, rhs, wu, wrow, aout, wh, kpp, zero, gam, hd; /* floats */
+    /* bf16 products only (32-bit words, pair layout): K^ and Q^ rows, K^ transposed, the
+     * gated QK, T rows, RHS panels, W rows, h and Delta of one panel, decayed keys, Q^ h */
+    size_t kw, qw, ktw, gw, tw, rhsw, ww, hw, dw, kpw, xo, total;
 } gdn_ws;
 
 static gdn_ws gdn_plan(const gdn_prob *p)
 {
     gdn_ws w;
-    const size_t C = GDN_C, dk = (size_t)p->dk, P = GDN_P;
+    const size_t C = GDN_C, dk = (size_t)p->dk, P = GDN_P, dkw = (dk + 1) / 2;
     w.pk = (p->dk + GDN_P - 1) / GDN_P;
     w.pv = (p->dv + GDN_P - 1) / GDN_P;
-    const size_t np = (size_t)(w.pk + w.pv);
+    const size_t np = (size_t)(w.pk + w.pv), b = p->bf16 ? 1 : 0;
     size_t o = 0;
 #define TAKE(f, n) (w.f = o, o += ((size_t)(n) + 15) / 16 * 16)
     TAKE(kc, C * dk);
@@ -171,6 +180,17 @@ static gdn_ws gdn_plan(const gdn_prob *p)
     TAKE(zero, P);
     TAKE(gam, 4 * C);
     TAKE(hd, (size_t)p->r * (size_t)w.pv * (dk + C) * P); /* per value head and dv panel: h rows, Delta rows */
+    TAKE(kw, b * C * dkw);
+    TAKE(qw, b * C * dkw);
+    TAKE(ktw, b * dkw * C);
+    TAKE(gw, b * C * GDN_W);
+    TAKE(tw, b * C * GDN_W);
+    TAKE(rhsw, b * np * GDN_W * P);
+    TAKE(ww, b * C * dkw);
+    TAKE(hw, b * dkw * P);
+    TAKE(dw, b * GDN_W * P);
+    TAKE(kpw, b * GDN_W * dk);
+    TAKE(xo, b * C * P);
 #undef TAKE
     w.total = o;
     return w;
@@ -196,30 +216,151 @@ static float *hd_panel(const gdn_ctx *c, float *W, int64_t e, int64_t q)
     return W + c->w.hd + ((size_t)e * c->w.pv + (size_t)q) * (size_t)(c->p->dk + GDN_C) * GDN_P;
 }
 
-/* One chunk of tokens [t0, t0 + L) of q/k head h for its r value heads. */
-static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, int update)
+static int panel_cols(int64_t n, int q) { return n - q * GDN_P < GDN_P ? (int)(n - q * GDN_P) : GDN_P; }
+
+/* Prefetch row (t, j) of x (rows of n contiguous elements) for reading, or for writing. Each
+ * chunk prefetches the next chunk's rows while it works, one row per row it touches: token
+ * rows lie H x dk (or HV x dv) elements apart, a page or more, which the hardware prefetchers
+ * do not follow. Measured (bf16, T = 4K, Qwen3-Next shapes, 1 thread): the input conversion
+ * took 14% of the bf16-products pass and the output conversion 7% without it. */
+static void prefetch_row(const fw_tensor *x, int64_t t, int64_t j, int64_t n, int write)
+{
+    if (x->stride[2] != 1)
+        return;
+    const char *r = at(x, t, j);
+    for (size_t b = 0; b < (size_t)n * fw_dtype_size(x->dtype); b += 64) {
+        if (write)
+            __builtin_prefetch(r + b, 1, 3);
+        else
+            __builtin_prefetch(r + b, 0, 3);
+    }
+}
+
+/* Row r of out, value head vh, columns [q*64, q*64 + n), from f32. */
+static void store_out(const gdn_ctx *c, const float *src, int64_t t, int64_t vh, int q, int n)
+{
+    const fw_tensor *o = c->p->out;
+    c->kt->from_f32(src, n, (char *)at(o, t, vh) + (size_t)(q * GDN_P * o->stride[2]) * fw_dtype_size(o->dtype),
+                    o->dtype, o->stride[2]);
+}
+
+/* The chunk's K^ and Q^ rows in f32 (Q^ times qscale), kept for commit when verifying. */
+static void chunk_rows(const gdn_ctx *c, float *K, float *Q, int64_t h, int64_t t0, int L, int nxt,
+                       float qscale)
+{
+    const gdn_prob *p = c->p;
+    const int dk = (int)p->dk;
+    for (int i = 0; i < L; i++) {
+        c->kt->to_f32(at(p->k, t0 + i, h), p->k->dtype, p->k->stride[2], dk, 1.0f, K + (size_t)i * dk);
+        c->kt->to_f32(at(p->q, t0 + i, h), p->q->dtype, p->q->stride[2], dk, 1.0f, Q + (size_t)i * dk);
+        if (i < nxt) {
+            prefetch_row(p->k, t0 + GDN_C + i, h, dk, 0);
+            prefetch_row(p->q, t0 + GDN_C + i, h, dk, 0);
+        }
+    }
+    c->kt->rows_l2scale(K, L, dk, 1.0f, p->l2);
+    c->kt->rows_l2scale(Q, L, dk, qscale, p->l2);
+    if (c->replay)
+        for (int i = 0; i < L; i++)
+            memcpy(c->replay + (size_t)p->T * p->HV * (p->dv + 1) + ((size_t)(t0 + i) * p->H + h) * dk,
+                   K + (size_t)i * dk, (size_t)dk * sizeof(float));
+}
+
+/* Value head vh's gates over the chunk, into gam (4 x 64 floats): gamma (log2 units, zero past
+ * L), 2^gamma, 2^(gamma_last - gamma), beta. Kept for commit when verifying. */
+static void chunk_gates(const gdn_ctx *c, float *gam, int64_t vh, int64_t t0, int L)
+{
+    const gdn_prob *p = c->p;
+    float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
+    double acc = 0;
+    for (int i = 0; i < L; i++) {
+        acc += scalar_at(p->g, t0 + i, vh);
+        gam[i] = (float)(acc * FW_LOG2E);
+        bet[i] = scalar_at(p->beta, t0 + i, vh);
+    }
+    for (int i = 0; i < L; i++) {
+        ex[i] = gam[i];
+        exl[i] = gam[L - 1] - gam[i];
+    }
+    c->kt->exp2_inplace(ex, L);
+    c->kt->exp2_inplace(exl, L);
+    for (int i = L; i < GDN_C; i++)
+        gam[i] = 0.0f;
+    if (c->replay)
+        for (int i = 0; i < L; i++)
+            c->replay[(size_t)p->T * p->HV * p->dv + (size_t)(t0 + i) * p->HV + vh] = gam[i];
+}
+
+/* The right-hand side [beta 2^g K^ | beta V] of value head vh, in panels of 64 columns (pk of
+ * K, then pv of V), rows past a panel's width zero. */
+static void chunk_rhs(const gdn_ctx *c, float *RHS, const float *K, const float *gam, int64_t vh, int64_t t0,
+                      int L, int nxt)
+{
+    const gdn_prob *p = c->p;
+    const int dk = (int)p->dk, P = GDN_P, np = (int)(c->w.pk + c->w.pv);
+    const float *ex = gam + GDN_C, *bet = ex + 2 * GDN_C;
+    for (int i = 0; i < L; i++) {
+        if (i < nxt) {
+            prefetch_row(p->v, t0 + GDN_C + i, vh, p->dv, 0);
+            prefetch_row(p->out, t0 + GDN_C + i, vh, p->dv, 1);
+        }
+        for (int q = 0; q < np; q++) {
+            float *rh = RHS + ((size_t)q * GDN_C + i) * P;
+            int n;
+            if (q < c->w.pk) {
+                n = panel_cols(dk, q);
+                memcpy(rh, K + (size_t)i * dk + q * P, (size_t)n * sizeof(float));
+                c->kt->rows_l2scale(rh, 1, n, bet[i] * ex[i], 0);
+            } else {
+                const int v0 = (q - (int)c->w.pk) * P;
+                n = panel_cols(p->dv, q - (int)c->w.pk);
+                c->kt->to_f32(at(p->v, t0 + i, vh) + (size_t)(v0 * p->v->stride[2]) * fw_dtype_size(p->v->dtype),
+                              p->v->dtype, p->v->stride[2], n, bet[i], rh);
+            }
+            for (int x = n; x < P; x++)
+                rh[x] = 0.0f;
+        }
+    }
+}
+
+/* Delta = U - W h for one panel of 64 columns, kept for commit when verifying. */
+static void chunk_delta(const gdn_ctx *c, float *D, const float *U, const float *Wh, int64_t vh, int64_t t0,
+                        int L, int q)
+{
+    const int dv = (int)c->p->dv, P = GDN_P;
+    for (int i = 0; i < L; i++) {
+        for (int x = 0; x < P; x++)
+            D[(size_t)i * P + x] = U[(size_t)i * P + x] - Wh[(size_t)i * P + x];
+        if (c->replay)
+            memcpy(c->replay + ((size_t)(t0 + i) * c->p->HV + vh) * dv + q * P, D + (size_t)i * P,
+                   (size_t)panel_cols(dv, q) * sizeof(float));
+    }
+}
+
+static void chunk_inverse(const gdn_ctx *c, const float *Am, int L, float *Ti)
+{
+    if (c->flags & FW_GDN_FWD_SUBST)
+        c->kt->tri_inv_fwd(Am, GDN_C, L, Ti, GDN_C);
+    else
+        c->kt->tri_inv_blocked(Am, GDN_C, L, Ti, GDN_C);
+}
+
+/* One chunk of tokens [t0, t0 + L) of q/k head h for its r value heads, f32 products; the
+ * next chunk of the sequence has nxt tokens (prefetched meanwhile). */
+static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, int nxt, int update)
 {
     const gdn_prob *p = c->p;
     const fw_kernels *kt = c->kt;
     const gdn_ws *w = &c->w;
-    const int dk = (int)p->dk, dv = (int)p->dv, P = GDN_P, np = (int)(w->pk + w->pv);
+    const int dk = (int)p->dk, P = GDN_P, np = (int)(w->pk + w->pv);
     float *K = W + w->kc, *Q = W + w->qc, *Kt = W + w->ktr, *KK = W + w->kk, *QK = W + w->qk;
     float *Am = W + w->am, *Ti = W + w->ti, *RHS = W + w->rhs, *WU = W + w->wu, *Wr = W + w->wrow;
     float *Ao = W + w->aout, *Wh = W + w->wh, *Kpp = W + w->kpp, *zero = W + w->zero, *gam = W + w->gam;
-    float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
-    for (int i = 0; i < L; i++) {
-        kt->to_f32(at(p->k, t0 + i, h), p->k->dtype, p->k->stride[2], dk, 1.0f, K + (size_t)i * dk);
-        kt->to_f32(at(p->q, t0 + i, h), p->q->dtype, p->q->stride[2], dk, 1.0f, Q + (size_t)i * dk);
-    }
-    kt->rows_l2scale(K, L, dk, 1.0f, p->l2);
-    kt->rows_l2scale(Q, L, dk, (float)p->scale, p->l2);
+    const float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
+    chunk_rows(c, K, Q, h, t0, L, nxt, (float)p->scale);
     const void *krows[GDN_C];
-    for (int i = 0; i < L; i++) {
+    for (int i = 0; i < L; i++)
         krows[i] = K + (size_t)i * dk;
-        if (c->replay)
-            memcpy(c->replay + (size_t)p->T * p->HV * (p->dv + 1) + ((size_t)(t0 + i) * p->H + h) * dk,
-                   K + (size_t)i * dk, (size_t)dk * sizeof(float));
-    }
     /* K^T [dk][64] by the decode kernels' transposing pack (FW_DEC_KEYS == GDN_C); the keys
      * past L must read as zero, so clear the columns pack_kt leaves */
     kt->pack_kt(krows, FW_F32, 1, L, dk, Kt);
@@ -231,93 +372,140 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
     kt->qk(L, dk, GDN_C, Q, dk, Kt, zero, QK);
     for (int64_t e = 0; e < p->r; e++) {
         const int64_t vh = h * p->r + e;
-        /* gamma: chunk-local cumulative log decay, log2 units */
-        double acc = 0;
-        for (int i = 0; i < L; i++) {
-            acc += scalar_at(p->g, t0 + i, vh);
-            gam[i] = (float)(acc * FW_LOG2E);
-        }
-        for (int i = 0; i < L; i++) {
-            ex[i] = gam[i];
-            exl[i] = gam[L - 1] - gam[i];
-        }
-        kt->exp2_inplace(ex, L);
-        kt->exp2_inplace(exl, L);
+        chunk_gates(c, gam, vh, t0, L);
         /* A (strictly lower) and QK o Gamma o M (lower with the diagonal) */
-        for (int i = 0; i < L; i++)
-            bet[i] = scalar_at(p->beta, t0 + i, vh);
-        for (int i = L; i < GDN_C; i++)
-            gam[i] = 0.0f;
         kt->gdn_gates(L, gam, bet, KK, QK, Am, Ao + dk, dk + GDN_C);
         for (int i = 0; i < L; i++) {
-            const float b = bet[i];
             float *ao = Ao + (size_t)i * (dk + GDN_C);
             memcpy(ao, Q + (size_t)i * dk, (size_t)dk * sizeof(float));
             kt->rows_l2scale(ao, 1, dk, ex[i], 0);
-            /* right-hand side [beta 2^g K^ | beta V] in panels: pk panels of K, pv of V */
-            for (int q = 0; q < np; q++) {
-                float *rh = RHS + ((size_t)q * GDN_C + i) * P;
-                int n;
-                if (q < w->pk) {
-                    n = dk - q * P < P ? dk - q * P : P;
-                    memcpy(rh, K + (size_t)i * dk + q * P, (size_t)n * sizeof(float));
-                    kt->rows_l2scale(rh, 1, n, b * ex[i], 0);
-                } else {
-                    const int v0 = (q - (int)w->pk) * P;
-                    n = dv - v0 < P ? dv - v0 : P;
-                    kt->to_f32(at(p->v, t0 + i, vh) + (size_t)(v0 * p->v->stride[2]) * fw_dtype_size(p->v->dtype),
-                               p->v->dtype, p->v->stride[2], n, b, rh);
-                }
-                for (int x = n; x < P; x++)
-                    rh[x] = 0.0f;
-            }
         }
-        if (c->flags & FW_GDN_FWD_SUBST)
-            kt->tri_inv_fwd(Am, GDN_C, L, Ti, GDN_C);
-        else
-            kt->tri_inv_blocked(Am, GDN_C, L, Ti, GDN_C);
+        chunk_rhs(c, RHS, K, gam, vh, t0, L, nxt);
+        chunk_inverse(c, Am, L, Ti);
         for (int q = 0; q < np; q++) /* [W | U] = T RHS, a panel at a time */
             kt->qk(L, L, P, Ti, GDN_C, RHS + (size_t)q * GDN_C * P, zero, WU + (size_t)q * GDN_C * P);
         for (int i = 0; i < L; i++) /* W row-major */
             for (int q = 0; q < w->pk; q++)
                 memcpy(Wr + (size_t)i * dk + q * P, WU + ((size_t)q * GDN_C + i) * P,
-                       (size_t)(dk - q * P < P ? dk - q * P : P) * sizeof(float));
+                       (size_t)panel_cols(dk, q) * sizeof(float));
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e, q), *D = HD + (size_t)dk * P;
-            const float *U = WU + ((size_t)(w->pk + q) * GDN_C) * P;
             kt->qk(L, dk, P, Wr, dk, HD, zero, Wh); /* W h */
-            for (int i = 0; i < L; i++) {
-                for (int x = 0; x < P; x++)
-                    D[(size_t)i * P + x] = U[(size_t)i * P + x] - Wh[(size_t)i * P + x];
-                if (c->replay) {
-                    const int n = dv - q * P < P ? dv - q * P : P;
-                    memcpy(c->replay + ((size_t)(t0 + i) * p->HV + vh) * dv + q * P, D + (size_t)i * P,
-                           (size_t)n * sizeof(float));
-                }
-            }
+            chunk_delta(c, D, WU + ((size_t)(w->pk + q) * GDN_C) * P, Wh, vh, t0, L, q);
             /* O = [2^g Q^ | QK o Gamma o M] [h ; Delta], this panel's columns */
             kt->qk(L, dk + L, P, Ao, dk + GDN_C, HD, zero, Wh);
-            const int n = dv - q * P < P ? dv - q * P : P;
             for (int r = 0; r < L; r++)
-                kt->from_f32(Wh + (size_t)r * P, n,
-                             (char *)at(p->out, t0 + r, vh) +
-                                 (size_t)(q * P * p->out->stride[2]) * fw_dtype_size(p->out->dtype),
-                             p->out->dtype, p->out->stride[2]);
+                store_out(c, Wh + (size_t)r * P, t0 + r, vh, q, panel_cols(p->dv, q));
         }
-        if (c->replay)
-            for (int i = 0; i < L; i++)
-                c->replay[(size_t)p->T * p->HV * dv + (size_t)(t0 + i) * p->HV + vh] = gam[i];
         if (!update)
             continue;
         /* h <- 2^g_last h + (2^(g_last - g) K^)^T Delta */
-        const float al = ex[L - 1];
         memcpy(Kpp, K, (size_t)L * dk * sizeof(float));
         for (int i = 0; i < L; i++)
             kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0);
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e, q);
-            kt->rows_l2scale(HD, dk, P, al, 0);
+            kt->rows_l2scale(HD, dk, P, ex[L - 1], 0);
             kt->pv(L, dk, P, Kpp, dk, HD + (size_t)dk * P, HD);
+        }
+    }
+}
+
+/* The same chunk on bf16 products (pair layout, f32 accumulation). Rounded to bf16, and
+ * nothing else (fw_gdn_ref's same-roundings mode makes exactly these roundings):
+ *   Kb, Qb   the normalised key and query rows (Q^ unscaled: the scale is applied in f32)
+ *   KK = Kb Kb^T, QK = Qb Kb^T;  A and T = (I + A)^-1 in f32, then Tb
+ *   [W | U] = Tb [beta 2^g K^ | beta V]b;  Wb
+ *   Delta = U - Wb hb, with hb the state rounded (the state itself stays f32);  Deltab
+ *   O = scale (2^g o (Qb hb) + Gb Deltab), G = QK o Gamma o M in f32, then Gb
+ *   h <- 2^g_last h + (2^(g_last - g) K^)b^T Deltab
+ * fla's chunk kernels round the same operands (they decay Delta where this decays K^). */
+static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, int nxt, int update)
+{
+    const gdn_prob *p = c->p;
+    const fw_kernels *kt = c->kt;
+    const gdn_ws *w = &c->w;
+    const int dk = (int)p->dk, dkw = (dk + 1) / 2, P = GDN_P, np = (int)(w->pk + w->pv), Lw = (L + 1) / 2;
+    float *K = W + w->kc, *Q = W + w->qc, *KK = W + w->kk, *QK = W + w->qk, *Am = W + w->am;
+    float *Ti = W + w->ti, *RHS = W + w->rhs, *WU = W + w->wu, *Wr = W + w->wrow, *G = W + w->aout;
+    float *Wh = W + w->wh, *Kpp = W + w->kpp, *zero = W + w->zero, *gam = W + w->gam, *X = W + w->xo;
+    uint32_t *Kw = (uint32_t *)(W + w->kw), *Qw = (uint32_t *)(W + w->qw), *KtW = (uint32_t *)(W + w->ktw);
+    uint32_t *Gw = (uint32_t *)(W + w->gw), *Tw = (uint32_t *)(W + w->tw), *RW = (uint32_t *)(W + w->rhsw);
+    uint32_t *Ww = (uint32_t *)(W + w->ww), *Hw = (uint32_t *)(W + w->hw), *Dw = (uint32_t *)(W + w->dw);
+    uint32_t *KPw = (uint32_t *)(W + w->kpw);
+    const float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
+    const float scale = (float)p->scale;
+    chunk_rows(c, K, Q, h, t0, L, nxt, 1.0f);
+    const void *krows[GDN_C];
+    for (int i = 0; i < L; i++) {
+        kt->pack_row_pairs(K + (size_t)i * dk, dk, Kw + (size_t)i * dkw);
+        kt->pack_row_pairs(Q + (size_t)i * dk, dk, Qw + (size_t)i * dkw);
+        krows[i] = Kw + (size_t)i * dkw;
+    }
+    /* Kb^T [dkw][64] words: Kb's rows are already their words, moved as bf16 rows; keys past
+     * L read as zero */
+    kt->pack_kt_bf16(krows, FW_BF16, 1, L, dk, KtW);
+    for (int x = 0; x < dkw; x++)
+        for (int i = (L + kt->vl - 1) / kt->vl * kt->vl; i < GDN_C; i++)
+            KtW[(size_t)x * GDN_C + i] = 0;
+    kt->qk_bf16(L, dkw, GDN_C, Kw, dkw, KtW, 1.0f, zero, KK);
+    kt->qk_bf16(L, dkw, GDN_C, Qw, dkw, KtW, 1.0f, zero, QK);
+    for (int64_t e = 0; e < p->r; e++) {
+        const int64_t vh = h * p->r + e;
+        chunk_gates(c, gam, vh, t0, L);
+        kt->gdn_gates(L, gam, bet, KK, QK, Am, G, GDN_C);
+        chunk_rhs(c, RHS, K, gam, vh, t0, L, nxt);
+        chunk_inverse(c, Am, L, Ti);
+        for (int i = 0; i < L; i++) {
+            kt->pack_row_pairs(Ti + (size_t)i * GDN_C, L, Tw + (size_t)i * GDN_W);
+            kt->pack_row_pairs(G + (size_t)i * GDN_C, L, Gw + (size_t)i * GDN_W);
+        }
+        for (int q = 0; q < np; q++) { /* [W | U] = Tb RHSb, a panel at a time */
+            const float *R = RHS + (size_t)q * GDN_C * P;
+            uint32_t *Rq = RW + (size_t)q * GDN_W * P;
+            for (int x = 0; x < Lw; x++)
+                kt->pack_pairs(R + (size_t)(2 * x) * P, 2 * x + 1 < L ? R + (size_t)(2 * x + 1) * P : NULL, P,
+                               Rq + (size_t)x * P);
+            kt->qk_bf16(L, Lw, P, Tw, GDN_W, Rq, 1.0f, zero, WU + (size_t)q * GDN_C * P);
+        }
+        for (int i = 0; i < L; i++) { /* Wb rows */
+            for (int q = 0; q < w->pk; q++)
+                memcpy(Wr + (size_t)i * dk + q * P, WU + ((size_t)q * GDN_C + i) * P,
+                       (size_t)panel_cols(dk, q) * sizeof(float));
+            kt->pack_row_pairs(Wr + (size_t)i * dk, dk, Ww + (size_t)i * dkw);
+        }
+        if (update) { /* (2^(g_last - g) K^)b in pairs of tokens: the A operand of the update */
+            for (int i = 0; i < L; i++) {
+                memcpy(Kpp + (size_t)i * dk, K + (size_t)i * dk, (size_t)dk * sizeof(float));
+                kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0);
+            }
+            for (int x = 0; x < Lw; x++)
+                kt->pack_pairs(Kpp + (size_t)(2 * x) * dk, 2 * x + 1 < L ? Kpp + (size_t)(2 * x + 1) * dk : NULL,
+                               dk, KPw + (size_t)x * dk);
+        }
+        for (int q = 0; q < w->pv; q++) {
+            float *HD = hd_panel(c, W, e, q), *D = HD + (size_t)dk * P;
+            for (int x = 0; x < dkw; x++) /* hb */
+                kt->pack_pairs(HD + (size_t)(2 * x) * P, 2 * x + 1 < dk ? HD + (size_t)(2 * x + 1) * P : NULL, P,
+                               Hw + (size_t)x * P);
+            kt->qk_bf16(L, dkw, P, Ww, dkw, Hw, 1.0f, zero, Wh); /* Wb hb */
+            chunk_delta(c, D, WU + ((size_t)(w->pk + q) * GDN_C) * P, Wh, vh, t0, L, q);
+            for (int x = 0; x < Lw; x++)
+                kt->pack_pairs(D + (size_t)(2 * x) * P, 2 * x + 1 < L ? D + (size_t)(2 * x + 1) * P : NULL, P,
+                               Dw + (size_t)x * P);
+            kt->qk_bf16(L, dkw, P, Qw, dkw, Hw, 1.0f, zero, X);   /* Qb hb */
+            kt->qk_bf16(L, Lw, P, Gw, GDN_W, Dw, 1.0f, zero, Wh); /* Gb Deltab */
+            for (int r = 0; r < L; r++) {
+                float *o = Wh + (size_t)r * P;
+                const float *xr = X + (size_t)r * P;
+                for (int x = 0; x < P; x++)
+                    o[x] = scale * (ex[r] * xr[x] + o[x]);
+                store_out(c, o, t0 + r, vh, q, panel_cols(p->dv, q));
+            }
+            if (update) { /* h <- 2^g_last h + (2^(g_last - g) K^)b^T Deltab */
+                kt->rows_l2scale(HD, dk, P, ex[L - 1], 0);
+                kt->pv_bf16(Lw, dk, P, KPw, Dw, HD);
+            }
         }
     }
 }
@@ -366,7 +554,8 @@ static void chunked_item(void *vctx, int64_t idx, int tid)
     }
     memset(W + c->w.zero, 0, GDN_P * sizeof(float));
     for (int64_t t = t0; t < t1; t += GDN_C)
-        gdn_chunk(c, W, h, t, (int)fw_min64(GDN_C, t1 - t), !verify);
+        (p->bf16 ? gdn_chunk_bf16 : gdn_chunk)(c, W, h, t, (int)fw_min64(GDN_C, t1 - t),
+                                               (int)fw_min64(GDN_C, fw_max64(0, t1 - t - GDN_C)), !verify);
     if (c->final)
         for (int64_t e = 0; e < p->r; e++)
             store_state(c, W, e, c->final + state_off(p, seq, h * p->r + e));
@@ -447,8 +636,10 @@ fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor
     c.init = initial_state;
     c.final = final_state;
     const uint32_t fl = params ? params->flags : 0;
-    if (fl & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT))
+    if (fl & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)) {
+        p.bf16 = 0; /* the recurrent baselines run f32 products */
         return gdn_run(&c, params, n_seqs * p.HV, recurrent_item);
+    }
     /* initial and final state may be one buffer: every item reads its own states before it
      * writes them, and no two items share a state */
     return gdn_run(&c, params, n_seqs * p.H, chunked_item);
@@ -664,6 +855,138 @@ static int64_t off3(const fw_tensor *t, int64_t i, int64_t j, int64_t x)
     return i * t->stride[0] + j * t->stride[1] + x * t->stride[2];
 }
 
+/* x rounded to bf16 (nearest even). */
+static double rb(double x) { return (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)); }
+
+/* The normalised row (l2: x / sqrt(|x|^2 + 1e-6)) of token t, head hh of x, in double. */
+static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh, double *dst)
+{
+    double n = 0;
+    for (int64_t i = 0; i < p->dk; i++) {
+        dst[i] = fw_load_f64(x, off3(x, t, hh, i));
+        n += dst[i] * dst[i];
+    }
+    const double s = p->l2 ? 1.0 / sqrt(n + 1e-6) : 1.0;
+    for (int64_t i = 0; i < p->dk; i++)
+        dst[i] *= s;
+}
+
+/* Same-roundings reference of the chunked pass on bf16 products: chunks of 64 tokens from each
+ * sequence's start, every product in double, and the roundings of gdn_chunk_bf16 (its comment)
+ * and no others. One (sequence, value head) at a time. */
+static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *final)
+{
+    const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
+    double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *hb = malloc(sizeof(double) * (size_t)(dk * dv));
+    double *Kh = malloc(sizeof(double) * (size_t)(C * dk)), *Kb = malloc(sizeof(double) * (size_t)(C * dk));
+    double *Qb = malloc(sizeof(double) * (size_t)(C * dk)), *Wb = malloc(sizeof(double) * (size_t)(C * dk));
+    double *U = malloc(sizeof(double) * (size_t)(C * dv)), *Db = malloc(sizeof(double) * (size_t)(C * dv));
+    double *T = malloc(sizeof(double) * (size_t)(C * C)), *Gb = malloc(sizeof(double) * (size_t)(C * C));
+    double *row = malloc(sizeof(double) * (size_t)(dk > dv ? dk : dv));
+    double gam[GDN_C], bet[GDN_C];
+    if (!h || !hb || !Kh || !Kb || !Qb || !Wb || !U || !Db || !T || !Gb || !row) {
+        free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
+    }
+    for (int64_t s = 0; s < p->n; s++)
+        for (int64_t vh = 0; vh < p->HV; vh++) {
+            const int64_t hh = vh / p->r;
+            for (int64_t x = 0; x < dk * dv; x++)
+                h[x] = init ? init[state_off(p, s, vh) + x] : 0.0;
+            for (int64_t t0 = p->cu[s]; t0 < p->cu[s + 1]; t0 += C) {
+                const int64_t L = fw_min64(C, p->cu[s + 1] - t0);
+                double acc = 0;
+                for (int64_t i = 0; i < L; i++) {
+                    ref_row(p, p->k, t0 + i, hh, Kh + i * dk);
+                    ref_row(p, p->q, t0 + i, hh, Qb + i * dk);
+                    for (int64_t x = 0; x < dk; x++) {
+                        Kb[i * dk + x] = rb(Kh[i * dk + x]);
+                        Qb[i * dk + x] = rb(Qb[i * dk + x]);
+                    }
+                    acc += scalar_at(p->g, t0 + i, vh);
+                    gam[i] = acc;
+                    bet[i] = scalar_at(p->beta, t0 + i, vh);
+                }
+                /* T = (I + A)^-1, A_ij = beta_i e^(gam_i - gam_j) Kb_i . Kb_j (j < i), by rows;
+                 * Gb = (e^(gam_i - gam_j) Qb_i . Kb_j)b (j <= i) */
+                for (int64_t i = 0; i < L; i++) {
+                    double a[GDN_C];
+                    for (int64_t j = 0; j < L; j++) {
+                        double kk = 0, qk = 0;
+                        for (int64_t x = 0; x < dk; x++) {
+                            kk += Kb[i * dk + x] * Kb[j * dk + x];
+                            qk += Qb[i * dk + x] * Kb[j * dk + x];
+                        }
+                        a[j] = j < i ? bet[i] * exp(gam[i] - gam[j]) * kk : 0.0;
+                        Gb[i * C + j] = j <= i ? rb(exp(gam[i] - gam[j]) * qk) : 0.0;
+                    }
+                    for (int64_t j = 0; j < L; j++) {
+                        double v = i == j;
+                        for (int64_t m = j; m < i; m++)
+                            v -= a[m] * T[m * C + j];
+                        T[i * C + j] = j <= i ? v : 0.0;
+                    }
+                }
+                for (int64_t i = 0; i < L * C; i++)
+                    T[i] = rb(T[i]);
+                /* [W | U] = Tb [beta e^gam K^ | beta V]b; Wb */
+                for (int64_t i = 0; i < L; i++) {
+                    for (int64_t x = 0; x < dk; x++)
+                        Wb[i * dk + x] = 0;
+                    for (int64_t y = 0; y < dv; y++)
+                        U[i * dv + y] = 0;
+                }
+                for (int64_t j = 0; j < L; j++) {
+                    for (int64_t x = 0; x < dk; x++)
+                        row[x] = rb(bet[j] * exp(gam[j]) * Kh[j * dk + x]);
+                    for (int64_t i = j; i < L; i++)
+                        for (int64_t x = 0; x < dk; x++)
+                            Wb[i * dk + x] += T[i * C + j] * row[x];
+                    for (int64_t y = 0; y < dv; y++)
+                        row[y] = rb(bet[j] * fw_load_f64(p->v, off3(p->v, t0 + j, vh, y)));
+                    for (int64_t i = j; i < L; i++)
+                        for (int64_t y = 0; y < dv; y++)
+                            U[i * dv + y] += T[i * C + j] * row[y];
+                }
+                for (int64_t i = 0; i < L * dk; i++)
+                    Wb[i] = rb(Wb[i]);
+                for (int64_t x = 0; x < dk * dv; x++)
+                    hb[x] = rb(h[x]);
+                /* Deltab = (U - Wb hb)b; O = scale (e^gam Qb hb + Gb Deltab) */
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t y = 0; y < dv; y++) {
+                        double wh = 0;
+                        for (int64_t x = 0; x < dk; x++)
+                            wh += Wb[i * dk + x] * hb[x * dv + y];
+                        Db[i * dv + y] = rb(U[i * dv + y] - wh);
+                    }
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t y = 0; y < dv; y++) {
+                        double qh = 0, gd = 0;
+                        for (int64_t x = 0; x < dk; x++)
+                            qh += Qb[i * dk + x] * hb[x * dv + y];
+                        for (int64_t j = 0; j <= i; j++)
+                            gd += Gb[i * C + j] * Db[j * dv + y];
+                        fw_store_f64(p->out, off3(p->out, t0 + i, vh, y), p->scale * (exp(gam[i]) * qh + gd));
+                    }
+                /* h <- e^gam_last h + sum_i (e^(gam_last - gam_i) K^_i)b^T Deltab_i */
+                const double al = exp(gam[L - 1]);
+                for (int64_t x = 0; x < dk * dv; x++)
+                    h[x] *= al;
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t x = 0; x < dk; x++) {
+                        const double kx = rb(exp(gam[L - 1] - gam[i]) * Kh[i * dk + x]);
+                        for (int64_t y = 0; y < dv; y++)
+                            h[x * dv + y] += kx * Db[i * dv + y];
+                    }
+            }
+            if (final)
+                memcpy(final + state_off(p, s, vh), h, sizeof(double) * (size_t)(dk * dv));
+        }
+    free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
+    return FW_OK;
+}
+
 fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
                      const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
                      const float *initial_state, double *final_state, const fw_tensor *out,
@@ -674,6 +997,8 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
     fw_status s = gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 1);
     if (s)
         return s;
+    if (p.bf16 && !(params && params->flags & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)))
+        return gdn_ref_bf16(&p, initial_state, final_state);
     const int64_t dk = p.dk, dv = p.dv;
     double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *qq = malloc(sizeof(double) * (size_t)dk),
            *kk = malloc(sizeof(double) * (size_t)dk), *a = malloc(sizeof(double) * (size_t)dv);

@@ -119,8 +119,20 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
     fw_gdn_params p;
     fw_gdn_params_init(&p);
     p.l2norm_qk = c->l2;
+    p.precision = FW_PREC_F32;
     fw_status st = fw_gdn_ref(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, rs, &tro, &p);
     case_check(st == FW_OK, "reference: %s", fw_last_error());
+    /* the same-roundings reference of bf16 products, its output rounded to the output dtype:
+     * its error against the plain one sets the bar of the bf16 runs */
+    double *sro = malloc(sizeof(double) * (size_t)(no + 1)), *srs = malloc(sizeof(double) * (size_t)(ns + 1));
+    fw_tensor tsro = fw_tensor_contiguous(sro, FW_F64, 3, os);
+    p.precision = FW_PREC_BF16;
+    st = fw_gdn_ref(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, srs, &tsro, &p);
+    case_check(st == FW_OK, "same-roundings reference: %s", fw_last_error());
+    for (int64_t i = 0; i < no; i++)
+        sro[i] = c->dt == FW_BF16 ? fw_bf16_to_f32(fw_f32_to_bf16((float)sro[i]))
+                 : c->dt == FW_F16 ? fw_f16_to_f32(fw_f32_to_f16((float)sro[i])) : sro[i];
+    const double eosr = max_abs(sro, ro, no), essr = max_abs(srs, rs, ns);
     gbuf ob = gbuf_new((size_t)no * fw_dtype_size(c->dt) + 1);
     fw_tensor to = fw_tensor_contiguous(ob.p, c->dt, 3, os);
     double *got = malloc(sizeof(double) * (size_t)(no + 1));
@@ -136,6 +148,7 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
             p.isa = fw_isa_name(it);
             p.flags = modes[m];
             p.threads = m == 1 ? 3 : 2;
+            p.precision = FW_PREC_F32;
             memset(ob.p, 0xA5, ob.bytes);
             st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, fin, &to, &p);
             case_check(st == FW_OK, "[%s mode %u] %s", p.isa, modes[m], fw_last_error());
@@ -160,8 +173,32 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
                 case_check(memcmp(first, ob.p, ob.bytes) == 0, "[%s] 1 and 3 threads differ", p.isa);
             }
         }
+        /* bf16 products, both inverses: within 2 x the same-roundings reference's error */
+        for (int m = 1; m < 3; m++) {
+            p.flags = modes[m];
+            p.precision = FW_PREC_BF16;
+            p.threads = 3;
+            memset(ob.p, 0xA5, ob.bytes);
+            st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, fin, &to, &p);
+            case_check(st == FW_OK, "[%s bf16 mode %u] %s", p.isa, modes[m], fw_last_error());
+            case_check(gbuf_guards_ok(&ob), "[%s bf16 mode %u] out guards", p.isa, modes[m]);
+            out_to_double(&to, got, no);
+            for (int64_t i = 0; i < ns; i++)
+                fd[i] = fin[i];
+            const double eo = max_abs(got, ro, no), es = max_abs(fd, rs, ns);
+            case_check(eo <= 2 * eosr + 1e-5, "[%s bf16 mode %u] out error %.3g > 2 x same-roundings %.3g + 1e-5",
+                       p.isa, modes[m], eo, eosr);
+            case_check(es <= 2 * essr + 1e-5, "[%s bf16 mode %u] state error %.3g > 2 x same-roundings %.3g + 1e-5",
+                       p.isa, modes[m], es, essr);
+            if (m == 1) {
+                memcpy(first, ob.p, ob.bytes);
+                p.threads = 1;
+                fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, fin, &to, &p);
+                case_check(memcmp(first, ob.p, ob.bytes) == 0, "[%s bf16] 1 and 3 threads differ", p.isa);
+            }
+        }
     }
-    free(first); free(init); free(ro); free(rs); free(got); free(fin); free(fd);
+    free(first); free(init); free(ro); free(rs); free(got); free(fin); free(fd); free(sro); free(srs);
     gbuf_free(&ob);
     free_inputs(&in);
     case_end();
@@ -321,6 +358,38 @@ static void test_verify_commit(void)
     case_check(worst_o <= 2e-5, "verify outputs differ from sequential decode by %.3g", worst_o);
     case_check(worst_s <= 2e-5, "committed states differ from sequential decode by %.3g", worst_s);
     case_end();
+    /* verify on bf16 products: its outputs, and the state committed after every token, within
+     * 2 x the error of the same-roundings reference of a prefill from the slots' states */
+    case_begin("gdn: verify + commit on bf16 products against the same-roundings reference");
+    float *init = malloc(sizeof(float) * (size_t)(N * ss)), *com = malloc(sizeof(float) * (size_t)(slots * ss));
+    double *ro = malloc(sizeof(double) * (size_t)(2 * n * HV * dv)), *sro = malloc(sizeof(double) * (size_t)(2 * n * HV * dv));
+    double *rs = malloc(sizeof(double) * (size_t)(N * ss)), *srs = malloc(sizeof(double) * (size_t)(N * ss));
+    for (int i = 0; i < N; i++)
+        memcpy(init + i * ss, state + idx[i] * ss, sizeof(float) * (size_t)ss);
+    fw_tensor tro = fw_tensor_contiguous(ro, FW_F64, 3, os), tsro = fw_tensor_contiguous(sro, FW_F64, 3, os);
+    p.precision = FW_PREC_F32;
+    st = fw_gdn_ref(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, init, rs, &tro, &p);
+    p.precision = FW_PREC_BF16;
+    st |= fw_gdn_ref(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, init, srs, &tsro, &p);
+    st |= fw_gdn_verify(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, state, slots, idx, replay, rf, &tvo, &p);
+    memcpy(com, state, sizeof(float) * (size_t)(slots * ss));
+    int32_t all[2] = {(int32_t)n, (int32_t)n};
+    st |= fw_gdn_commit(cu, N, all, H, HV, dk, dv, com, slots, idx, replay, rf, &p);
+    case_check(st == FW_OK, "status: %s", fw_last_error());
+    double eo = 0, eosr = 0, es = 0, essr = 0;
+    for (int64_t x = 0; x < 2 * n * HV * dv; x++) {
+        eo = fmax(eo, fabs(vo[x] - ro[x]));
+        eosr = fmax(eosr, fabs(sro[x] - ro[x]));
+    }
+    for (int i = 0; i < N; i++)
+        for (int64_t x = 0; x < ss; x++) {
+            es = fmax(es, fabs(com[idx[i] * ss + x] - rs[i * ss + x]));
+            essr = fmax(essr, fabs(srs[i * ss + x] - rs[i * ss + x]));
+        }
+    case_check(eosr > 0 && eo <= 2 * eosr + 1e-5, "verify outputs: error %.3g, same-roundings %.3g", eo, eosr);
+    case_check(es <= 2 * essr + 1e-5, "committed state: error %.3g, same-roundings %.3g", es, essr);
+    case_end();
+    free(init); free(com); free(ro); free(sro); free(rs); free(srs);
     free(state); free(work); free(vo); free(dob); free(replay);
     free_inputs(&in);
 }
@@ -363,7 +432,8 @@ static void test_gdn_bad_input(void)
         {"positive g", FW_ERR_ARG, 3}, {"g dtype f16", FW_ERR_DTYPE, 4}, {"state index out of range", FW_ERR_INDEX, 5},
         {"two sequences on one slot", FW_ERR_INDEX, 6}, {"null state", FW_ERR_NULL, 7}, {"verify of 65 tokens", FW_ERR_SEQLENS, 8},
         {"small replay buffer", FW_ERR_WORKSPACE, 9}, {"commit of more than verified", FW_ERR_ARG, 10},
-        {"unknown flag", FW_ERR_ARG, 11}, {"nan beta", FW_ERR_ARG, 12},
+        {"unknown flag", FW_ERR_ARG, 11}, {"nan beta", FW_ERR_ARG, 12}, {"precision 3", FW_ERR_ARG, 13},
+        {"precision -1 (verify)", FW_ERR_ARG, 14},
     };
     float replay[4096];
     for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
@@ -391,6 +461,9 @@ static void test_gdn_bad_input(void)
         case 12: saved = ((float *)in.beta.data)[3]; ((float *)in.beta.data)[3] = NAN;
             st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp);
             ((float *)in.beta.data)[3] = saved; break;
+        case 13: pp.precision = 3; st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp); break;
+        case 14: pp.precision = -1;
+            st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu, 2, state, 4, idx, replay, 4096, &o, &pp); break;
         }
         bad_verdict(bad[b].what, st, bad[b].want, &ob, state);
     }

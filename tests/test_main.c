@@ -56,10 +56,16 @@ int main(int argc, char **argv)
         printf(" %s%s", fw_isa_name(i), fw_isa_supported(fw_isa_name(i)) ? "" : " (not on this CPU)");
     printf("; default %s%s\n", fw_isa_default() ? fw_isa_default() : "(none)",
            quick_mode() ? "; quick sweep" : "");
-    test_isa_env(argv[0]);
-    test_attn_all();
-    test_kvcache_all();
-    test_gdn_all();
+    /* `test_flywheel [attn|kvcache|gdn]`: one group; no argument: all */
+    const char *only = argc > 1 ? argv[1] : "";
+    if (!*only)
+        test_isa_env(argv[0]);
+    if (!*only || strcmp(only, "attn") == 0)
+        test_attn_all();
+    if (!*only || strcmp(only, "kvcache") == 0)
+        test_kvcache_all();
+    if (!*only || strcmp(only, "gdn") == 0)
+        test_gdn_all();
     tally_print();
     return tally_failed() ? 1 : 0;
 }

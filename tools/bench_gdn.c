@@ -1,12 +1,15 @@
 /*
  * bench_gdn.c: `flywheel bench gdn`, Gated DeltaNet prefill and decode.
  *
- * FLOP formula (../shared/docs/gdn.md section 8, dense tiles, chunk C = 64): per token and
- * value head, 2 x MACs with MACs = 3 dk dv + C (3 dk + 2 dv) + (C-1)(C-2)/6
- * (dk = dv = 128: 181,526 FLOP). GFLOP/s = that x tokens x HV / seconds; % of the FMA peak
- * measured in the same run. In the same run, on the same prefill: the chunked kernel with
- * either triangular inverse, the plain recurrence with four passes over the state per token
- * (how ggml does it) and the fused one-pass recurrent step; tokens/s for each.
+ * FLOP formula (the chunked pass's products counted as dense tiles, chunk C = 64): per token
+ * and value head, 2 x MACs with MACs = 3 dk dv + C (3 dk + 2 dv) + (C-1)(C-2)/6
+ * (dk = dv = 128: 181,526 FLOP). GFLOP/s = that x tokens x HV / seconds; % of the peak of the
+ * products in use (bf16 products: the bf16 dot-product peak, else the FMA peak), measured in
+ * the same run. In the same run, on the same prefill: the chunked kernel with either
+ * triangular inverse in the chosen precision (--precision; auto: bf16 products for bf16
+ * inputs), then with bf16 products the chunked kernel on f32 products (the same-run ratio),
+ * the plain recurrence with four passes over the state per token (how ggml does it) and the
+ * fused one-pass recurrent step; tokens/s for each.
  * Decode: microseconds per step (one token for each of N sequences) and state bytes moved per
  * second (N x HV x dk x dv x 4 bytes, read and written: x 2) against the read bandwidth
  * measured in the same run.
@@ -22,6 +25,7 @@ typedef struct {
     fw_dtype dt;
     int threads, reps, json, baselines;
     const char *isa;
+    int prec; /* fw_precision of the chunked modes */
 } gcfg;
 
 static double flop_per_token_head(int64_t dk, int64_t dv)
@@ -85,7 +89,7 @@ static void unmake(gbufs *B)
 }
 
 /* Median seconds of `reps` prefill calls (after a warm-up) with the given flags. */
-static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t flags, int reps)
+static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t flags, int prec, int reps)
 {
     fw_gdn_params p;
     fw_gdn_params_init(&p);
@@ -93,6 +97,7 @@ static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t 
     p.threads = c->threads;
     p.isa = c->isa;
     p.flags = flags;
+    p.precision = prec;
     double t[32];
     reps = reps > 32 ? 32 : reps;
     for (int i = -1; i < reps; i++) {
@@ -120,41 +125,57 @@ static int run_prefill(const gcfg *c)
     for (int64_t i = 1; i <= c->nseq; i++)
         cu[i] = (int32_t)(c->T * i / c->nseq + (i < c->nseq ? (i % 2 ? 37 : -37) : 0));
     const double fl = flop_per_token_head(c->dk, c->dv) * (double)c->T * (double)c->HV;
-    /* the GDN kernels run f32 products: % of the FMA peak; the bf16 peak is reported beside */
     const double pk = bench_peak(c->threads), pkb = bench_peak_bf16(c->threads);
-    static const struct { const char *name; uint32_t flags; } modes[] = {
-        {"chunked", 0}, {"chunked-fwdsubst", FW_GDN_FWD_SUBST},
-        {"recurrent-4pass", FW_GDN_RECURRENT}, {"recurrent-fused", FW_GDN_FUSED_RECURRENT},
+    const int bf16 = c->prec == FW_PREC_BF16 || (c->prec == FW_PREC_AUTO && c->dt == FW_BF16);
+    /* the chunked modes in the chosen precision; with bf16 products, the same on f32 products
+     * (the same-run ratio); the recurrent baselines always run f32 products */
+    const int cp = bf16 ? FW_PREC_BF16 : FW_PREC_F32;
+    const struct { const char *name; uint32_t flags; int prec, baseline; } modes[] = {
+        {"chunked", 0, cp, 0}, {"chunked-fwdsubst", FW_GDN_FWD_SUBST, cp, 0}, {"chunked-f32", 0, FW_PREC_F32, 0},
+        {"recurrent-4pass", FW_GDN_RECURRENT, FW_PREC_F32, 1}, {"recurrent-fused", FW_GDN_FUSED_RECURRENT, FW_PREC_F32, 1},
     };
-    double base = 0;
+    double base = 0, tps_f32 = 0, tps_chunked = 0;
     int fail = 0;
-    for (int m = 0; m < (c->baselines ? 4 : 2); m++) {
+    for (int m = 0; m < 5; m++) {
+        if ((m == 2 && !bf16) || (modes[m].baseline && !c->baselines))
+            continue;
         /* the recurrent baselines are slow: time them on fewer repetitions */
-        const double s = time_prefill(c, &B, cu, modes[m].flags, m < 2 ? c->reps : 3);
+        const double s = time_prefill(c, &B, cu, modes[m].flags, modes[m].prec, modes[m].baseline ? 3 : c->reps);
         if (s < 0) {
             fail = 1;
             break;
         }
-        if (m == 2)
-            base = (double)c->T / s;
         const double gf = fl / s * 1e-9, tps = (double)c->T / s;
+        const int mb = modes[m].prec == FW_PREC_BF16;
+        const double peak = mb ? pkb : pk;
+        if (m == 0)
+            tps_chunked = tps;
+        if (m == 2)
+            tps_f32 = tps;
+        if (m == 3)
+            base = tps;
         if (c->json)
             printf("{\"op\":\"gdn_prefill\",\"variant\":\"%s\",\"T\":%lld,\"seqs\":%lld,\"H\":%lld,\"HV\":%lld,"
                    "\"dk\":%lld,\"dv\":%lld,\"dtype\":\"%s\",\"threads\":%d,\"seconds_median\":%.6g,"
-                   "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"products\":\"f32\",\"peak_gflops\":%.2f,"
+                   "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"products\":\"%s\",\"peak_gflops\":%.2f,"
                    "\"peak_bf16_gflops\":%.2f,\"pct_peak\":%.1f}\n",
                    modes[m].name, (long long)c->T, (long long)c->nseq, (long long)c->H, (long long)c->HV,
-                   (long long)c->dk, (long long)c->dv, fw_dtype_name(c->dt), c->threads, s, tps, gf, pk,
-                   pkb, 100 * gf / pk);
+                   (long long)c->dk, (long long)c->dv, fw_dtype_name(c->dt), c->threads, s, tps, gf,
+                   mb ? "bf16" : "f32", pk, pkb, 100 * gf / peak);
         else
             printf("gdn prefill %-17s %-4s T=%-6lld seqs %-2lld H%lld HV%lld d%lld/%lld thr=%d  %8.4f s  %9.0f tok/s  "
-                   "%6.1f GFLOP/s  %5.1f%% of %.0f peak\n",
+                   "%6.1f GFLOP/s  %5.1f%% of %.0f %s peak\n",
                    modes[m].name, fw_dtype_name(c->dt), (long long)c->T, (long long)c->nseq, (long long)c->H,
-                   (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads, s, tps, gf, 100 * gf / pk, pk);
+                   (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads, s, tps, gf, 100 * gf / peak,
+                   peak, mb ? "bf16" : "FMA");
         fflush(stdout);
     }
+    if (bf16 && tps_f32 > 0 && !fail)
+        printf(c->json ? "{\"op\":\"gdn_prefill_ratio\",\"T\":%lld,\"bf16_over_f32_products\":%.2f}\n"
+                       : "gdn prefill T=%lld: bf16 / f32 products tokens/s = %.2fx\n",
+               (long long)c->T, tps_chunked / tps_f32);
     if (c->baselines && base > 0 && !fail) {
-        const double s = time_prefill(c, &B, cu, 0, c->reps);
+        const double s = time_prefill(c, &B, cu, 0, cp, c->reps);
         printf(c->json ? "{\"op\":\"gdn_prefill_ratio\",\"T\":%lld,\"chunked_over_recurrent_4pass\":%.2f}\n"
                        : "gdn prefill T=%lld: chunked / recurrent-4pass tokens/s = %.2fx\n",
                (long long)c->T, ((double)c->T / s) / base);
@@ -217,7 +238,7 @@ static int run_decode(const gcfg *c, int64_t N)
 
 static gcfg gdefaults(void)
 {
-    gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL};
+    gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL, FW_PREC_AUTO};
     c.threads = bench_cpus();
     return c;
 }
@@ -241,6 +262,8 @@ int bench_gdn_main(int argc, char **argv)
         else if (OPT("--isa")) c.isa = v;
         else if (OPT("--dtype")) {
             if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
+        } else if (OPT("--precision")) {
+            if (!bench_precision(v, &c.prec)) { fprintf(stderr, "unknown precision %s\n", v); return 2; }
         }
         else if (!strcmp(a, "--prefill")) mode = 1;
         else if (!strcmp(a, "--decode")) mode = 2;
@@ -248,7 +271,8 @@ int bench_gdn_main(int argc, char **argv)
         else if (!strcmp(a, "--json")) c.json = 1;
         else {
             printf("usage: flywheel bench gdn [--prefill | --decode] [--t T --seqs N --h H --hv HV --dk D --dv D\n"
-                   "       --dtype f32|bf16|f16 --threads N --reps N --isa NAME --no-baselines --json]\n"
+                   "       --dtype f32|bf16|f16 --precision auto|f32|bf16 --threads N --reps N --isa NAME\n"
+                   "       --no-baselines --json]\n"
                    "  with neither: prefill at T = 1K, 4K, 16K (one sequence, then a 4-sequence varlen batch)\n"
                    "  with the recurrent baselines, then decode for 1 and 64 sequences\n");
             return strcmp(a, "--help") ? 2 : 0;

@@ -211,7 +211,10 @@ static void pack_pairs(const float *even, const float *odd, int n, uint32_t *dst
 /* dst[w] = (x[2w], x[2w+1]) rounded to bf16 for w < ceil(n/2), zero past n. */
 static void pack_row_pairs(const float *x, int n, uint32_t *dst)
 {
-    for (int w = 0; w < (n + 1) / 2; w++)
+    int w = 0;
+    for (; 2 * (w + VL) <= n; w += VL)
+        vstore((float *)dst + w, vbf16_row(vload(x + 2 * w), vload(x + 2 * w + VL)));
+    for (; w < (n + 1) / 2; w++)
         dst[w] = (uint32_t)fw_f32_to_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_f32_to_bf16(x[2 * w + 1]) : 0) << 16;
 }
 

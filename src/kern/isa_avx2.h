@@ -143,6 +143,15 @@ static inline vf vbf16_pair(vf even, vf odd)
                                                vround_bf16_bits(odd)));
 }
 
+/* The 2 VL elements lo, hi of a row rounded to bf16, in order: word i = (x[2i], x[2i+1]).
+ * packus works within 128-bit lanes; the 64-bit permute puts the halves back in order. */
+static inline vf vbf16_row(vf lo, vf hi)
+{
+    const __m256i p = _mm256_packus_epi32(_mm256_srli_epi32(vround_bf16_bits(lo), 16),
+                                          _mm256_srli_epi32(vround_bf16_bits(hi), 16));
+    return _mm256_castsi256_ps(_mm256_permute4x64_epi64(p, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
 static inline float vhsum(vf x)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

@@ -157,17 +157,26 @@ static inline vf vbf16_pair(vf even, vf odd)
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even in 0..15, odd in 16..31 */
     return _mm512_castsi512_ps(_mm512_permutexvar_epi16(idx, both));
 }
+
+/* The 2 VL elements lo, hi of a row rounded to bf16, in order: word i = (x[2i], x[2i+1]). */
+static inline vf vbf16_row(vf lo, vf hi) { return _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(hi, lo)); }
 #else
 static inline vf vdpbf(vf acc, vf a, vf b)
 {
     return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
 }
 
-
 static inline vf vbf16_pair(vf even, vf odd)
 {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(vround_bf16_bits(even), 16),
                                                vround_bf16_bits(odd)));
+}
+
+static inline vf vbf16_row(vf lo, vf hi)
+{
+    const __m256i a = _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bf16_bits(lo), 16));
+    const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bf16_bits(hi), 16));
+    return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
 }
 #endif
 

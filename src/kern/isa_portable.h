@@ -116,4 +116,7 @@ static inline vf vbf16_pair(vf even, vf odd)
     return w;
 }
 
+/* The 2 VL elements lo, hi of a row rounded to bf16, in order (one word here). */
+static inline vf vbf16_row(vf lo, vf hi) { return vbf16_pair(lo, hi); }
+
 #define PEAK_CHAINS 12
