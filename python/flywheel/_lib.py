@@ -20,6 +20,17 @@ ATTN_PLAIN = 1 << 3
 PREC_AUTO = 0  # fw_precision: bf16 products when q is bf16, else f32
 PREC_F32 = 1
 PREC_BF16 = 2
+_PRECISIONS = {"auto": PREC_AUTO, "f32": PREC_F32, "bf16": PREC_BF16}
+
+
+def precision(value):
+    """The fw_precision of a `precision=` argument: None or "auto", "f32", "bf16"."""
+    if value is None:
+        return PREC_AUTO
+    if isinstance(value, str) and value in _PRECISIONS:
+        return _PRECISIONS[value]
+    raise ValueError(f"precision must be None, 'auto', 'f32' or 'bf16', got {value!r}")
+
 GDN_FWD_SUBST = 1 << 0
 GDN_RECURRENT = 1 << 1
 GDN_FUSED_RECURRENT = 1 << 2
@@ -98,6 +109,7 @@ class GdnParams(ctypes.Structure):
         ("threads", ctypes.c_int32),
         ("isa", ctypes.c_char_p),
         ("flags", ctypes.c_uint32),
+        ("precision", ctypes.c_int32),
     ]
 
 

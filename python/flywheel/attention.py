@@ -20,16 +20,6 @@ import numpy as np
 from . import _lib
 from . import _tensors as T
 
-_PRECISIONS = {"auto": _lib.PREC_AUTO, "f32": _lib.PREC_F32, "bf16": _lib.PREC_BF16}
-
-
-def _precision(precision):
-    if precision is None:
-        return _lib.PREC_AUTO
-    if isinstance(precision, str) and precision in _PRECISIONS:
-        return _PRECISIONS[precision]
-    raise ValueError(f"precision must be None, 'auto', 'f32' or 'bf16', got {precision!r}")
-
 
 def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=False,
             precision=None):
@@ -50,7 +40,7 @@ def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=Fals
     p.threads = _lib.settings.threads
     p.isa = isa.encode() if isa else None
     p.flags = _lib.ATTN_PLAIN if plain else 0
-    p.precision = _precision(precision)
+    p.precision = _lib.precision(precision)
     return p
 
 

@@ -17,7 +17,7 @@ from . import _lib
 from . import _tensors as T
 
 
-def _params(q, scale, l2norm, flags=0, isa=None):
+def _params(q, scale, l2norm, flags=0, isa=None, precision=None):
     p = _lib.GdnParams()
     p.scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
     if p.scale == 0.0:
@@ -26,6 +26,7 @@ def _params(q, scale, l2norm, flags=0, isa=None):
     p.threads = _lib.settings.threads
     p.isa = isa.encode() if isa else None
     p.flags = flags
+    p.precision = _lib.precision(precision)
     return p
 
 
@@ -78,7 +79,7 @@ def _flatten(q, k, v, g, beta, cu_seqlens):
 
 
 def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                 cu_seqlens, flags, isa, gate_args, out):
+                 cu_seqlens, flags, isa, gate_args, out, precision=None):
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, *gate_args)
     q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
@@ -93,7 +94,7 @@ def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use
                              f"{h0.shape}")
     o = T.output(out, v, (B, Tn, HV, V))
     ht = T.empty_like_family(q, (n, HV, K, V), "float32") if output_final_state else None
-    p = _params(q, scale, use_qk_l2norm, flags, isa)
+    p = _params(q, scale, use_qk_l2norm, flags, isa, precision)
     o2 = T.merged_view(o, "out")
     _lib.check(_lib.lib.fw_gdn_prefill(T.describe(q2), T.describe(k2), T.describe(v2),
                                        T.describe(g2), T.describe(b2), T.ptr(cu), n,
@@ -107,7 +108,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                            chunk_indices=None, cp_context=None, *, use_gate_in_kernel=False,
                            A_log=None, dt_bias=None, out=None, isa=None, inverse="blocked",
-                           **kwargs):
+                           precision=None, **kwargs):
     """Chunked (WY/UT form, 64-token chunks) prefill, fla's `chunk_gated_delta_rule`.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay, <= 0) and beta [B, T, HV];
@@ -118,7 +119,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     are applied to the small gate arrays before the call. out: an existing [B, T, HV, V]
     output to write instead of a new one (saves the allocation and page faults of large
     outputs). inverse="fwd_subst" selects the
-    forward-substitution triangular inverse. Not supported (NotImplementedError):
+    forward-substitution triangular inverse. precision of the chunk's products: None or
+    "auto" (bf16 for bfloat16 q, as fla's chunk kernels), "f32" or "bf16" (which operands are
+    rounded: the README's "Gated DeltaNet on bf16 products"). Not supported (NotImplementedError):
     state_v_first, cp_context, other fla keyword arguments.
     """
     _unsupported(kwargs, state_v_first=state_v_first, cp_context=cp_context)
@@ -128,7 +131,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, flags, isa,
                         (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval), out)
+                         allow_neg_eigval), out, precision)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
@@ -216,14 +219,15 @@ class GDNReplay:
 
 
 def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None,
-                            scale=None, use_qk_l2norm_in_kernel=False, *, isa=None):
+                            scale=None, use_qk_l2norm_in_kernel=False, *, isa=None,
+                            precision=None):
     """Speculative verify: up to 64 draft tokens per sequence from the committed states, which
     are read and not changed.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
     state [slots, HV, K, V] contiguous float32; state_indices [N] (default 0..N-1).
     Returns (o [B, T, HV, V], replay); pass replay to gated_delta_rule_commit with the number
-    of accepted tokens per sequence.
+    of accepted tokens per sequence. precision: as in chunk_gated_delta_rule.
     """
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, False, None, None, False, False)
@@ -236,7 +240,7 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     floats = _lib.lib.fw_gdn_replay_floats(B * Tn, H, HV, K, V)
     replay = np.empty(max(floats, 1), dtype=np.float32)
     o = T.empty_like_family(v, (B, Tn, HV, V))
-    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
+    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision)
     _lib.check(_lib.lib.fw_gdn_verify(T.describe(q2), T.describe(k2), T.describe(v2),
                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
                                       T.ptr(state), slots, T.ptr(idx), T.ptr(replay),

@@ -118,6 +118,53 @@ def ref_gdn(q, k, v, g, beta, scale, h0=None, l2norm=False):
     return o, h
 
 
+def ref_gdn_bf16(q, k, v, g, beta, scale, h0=None, l2norm=False, chunk=64):
+    """ref_gdn with the roundings of the chunked kernel's bf16 products and no others (those
+    of fw_gdn_ref's same-roundings mode, src/gdn.c), in float64, one 64-token chunk at a time
+    from the sequence's start. rb() is round_bf16; gam is the chunk's cumulative log decay:
+      Kb, Qb = rb(K^), rb(Q^)            (K^, Q^: the l2-normalised rows, not scaled)
+      A_ij = beta_i e^(gam_i - gam_j) Kb_i . Kb_j (j < i);  Tb = rb((I + A)^-1)
+      W = Tb rb(beta e^gam K^);  U = Tb rb(beta V);  Deltab = rb(U - rb(W) rb(h))
+      O = scale (e^gam Qb rb(h) + Gb Deltab),  Gb_ij = rb(e^(gam_i - gam_j) Qb_i . Kb_j) (j <= i)
+      h <- e^gam_last h + rb(e^(gam_last - gam) K^)^T Deltab
+    The output is not rounded to the output dtype (see round_to); the state stays float64."""
+    Tn, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    if l2norm:
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    # per value head, chunk rows first: [HV, T, K], [HV, T, V], [HV, T]
+    q = np.repeat(q, HV // H, axis=1).transpose(1, 0, 2)
+    k = np.repeat(k, HV // H, axis=1).transpose(1, 0, 2)
+    v, g, beta = v.transpose(1, 0, 2), g.T, beta.T
+    h = np.zeros((HV, K, V)) if h0 is None else h0.astype(np.float64).copy()
+    o = np.zeros((HV, Tn, V))
+    for t0 in range(0, Tn, chunk):
+        s = slice(t0, t0 + chunk)
+        Kh, Qh, Vc, bet = k[:, s], q[:, s], v[:, s], beta[:, s]
+        L = Kh.shape[1]
+        gam = np.cumsum(g[:, s], axis=1)
+        diff = gam[:, :, None] - gam[:, None, :]  # gam_i - gam_j
+        below = np.tril(np.ones((L, L), bool), -1)
+        decay = np.exp(np.where(below, diff, -np.inf))  # j < i
+        decay_eq = np.exp(np.where(below | np.eye(L, dtype=bool), diff, -np.inf))  # j <= i
+        Kb, Qb = round_bf16(Kh), round_bf16(Qh)
+        KK = Kb @ Kb.transpose(0, 2, 1)
+        QK = Qb @ Kb.transpose(0, 2, 1)
+        A = bet[:, :, None] * decay * KK
+        Tb = round_bf16(np.tril(np.linalg.inv(np.eye(L) + A)))
+        W = Tb @ round_bf16((bet * np.exp(gam))[:, :, None] * Kh)
+        U = Tb @ round_bf16(bet[:, :, None] * Vc)
+        hb = round_bf16(h)
+        Db = round_bf16(U - round_bf16(W) @ hb)
+        Gb = round_bf16(decay_eq * QK)
+        o[:, s] = scale * (np.exp(gam)[:, :, None] * (Qb @ hb) + Gb @ Db)
+        last = gam[:, -1]
+        Kd = round_bf16(np.exp(last[:, None] - gam)[:, :, None] * Kh)
+        h = np.exp(last)[:, None, None] * h + Kd.transpose(0, 2, 1) @ Db
+    return o.transpose(1, 0, 2), h
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     flywheel.set_num_threads(2)

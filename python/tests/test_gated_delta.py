@@ -1,12 +1,13 @@
 """chunk_gated_delta_rule / fused_recurrent_gated_delta_rule / decode / verify + commit against
-a float64 numpy recurrence, fla's torch reference, and bad input."""
+a float64 numpy recurrence, fla's torch reference, and bad input; bf16 products against the
+bar set by their same-roundings float64 reference (ref_gdn_bf16)."""
 
 import numpy as np
 import pytest
 
 import flywheel
 from flywheel import FlywheelError
-from conftest import FAMILIES, as64, make, ref_gdn, torch
+from conftest import FAMILIES, as64, make, ref_gdn, ref_gdn_bf16, round_to, torch
 
 try:
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -15,6 +16,15 @@ except Exception:  # fla not installed, or it fails to import on this machine
 
 # max |error| against the float64 recurrence: outputs are O(1); bf16 output rounding dominates
 GTOL = {"float32": 2e-4, "bfloat16": 2e-2}
+
+
+def bf16_bars(plain, same_roundings, out_dtype):
+    """The bars of bf16 products for (output, final state) against the plain float64
+    recurrence: 2 x the same-roundings reference's error against it (its output rounded to
+    out_dtype first) + 1e-5. plain and same_roundings are (o, h) pairs."""
+    (ro, rh), (so, sh) = plain, same_roundings
+    return (2 * np.abs(round_to(so, out_dtype) - ro).max(initial=0) + 1e-5,
+            2 * np.abs(sh - rh).max() + 1e-5)
 
 
 def inputs(rng, B, Tn, H, HV, K, V, dtype, family):
@@ -43,16 +53,84 @@ def test_prefill_matches_reference(family, dtype, Tn, heads, fn):
     (q, k, v, g, beta), (q64, k64, v64, g64, b64) = inputs(rng, 2, Tn, H, HV, K, V, dtype,
                                                          family)
     h0 = rng.standard_normal((2, HV, K, V)).astype(np.float32) * 0.1
-    f = flywheel.chunk_gated_delta_rule if fn == "chunk" else \
-        flywheel.fused_recurrent_gated_delta_rule
-    o, ht = f(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+    kw = dict(g=g, beta=beta, initial_state=h0, output_final_state=True,
               use_qk_l2norm_in_kernel=True)
+    if fn == "chunk":
+        f = flywheel.chunk_gated_delta_rule
+        kw["precision"] = "f32"  # bf16 inputs default to bf16 products: checked below
+    else:
+        f = flywheel.fused_recurrent_gated_delta_rule
+    o, ht = f(q, k, v, **kw)
     assert tuple(o.shape) == (2, Tn, HV, V) and o.dtype == v.dtype
     assert tuple(ht.shape) == (2, HV, K, V) and str(ht.dtype).endswith("float32")
+    bf16_default = fn == "chunk" and dtype == "bfloat16"
+    if bf16_default:
+        del kw["precision"]
+        ob, hb = f(q, k, v, **kw)
     for i in range(2):
-        ro, rh = ref_gdn(q64[i], k64[i], v64[i], g64[i], b64[i], K ** -0.5, h0[i], True)
+        args = (q64[i], k64[i], v64[i], g64[i], b64[i], K ** -0.5, h0[i], True)
+        ro, rh = ref_gdn(*args)
         assert np.abs(as64(o)[i] - ro).max() <= GTOL[dtype]
         assert np.abs(as64(ht)[i] - rh).max() <= 1e-3
+        if bf16_default:
+            bar_o, bar_h = bf16_bars((ro, rh), ref_gdn_bf16(*args), dtype)
+            assert np.abs(as64(ob)[i] - ro).max() <= bar_o
+            assert np.abs(as64(hb)[i] - rh).max() <= bar_h
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("Tn", [1, 64, 150])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_bf16_products_on_float32_inputs(family, Tn, l2norm):
+    H, HV, K, V = 2, 4, 32, 48
+    rng = np.random.default_rng(Tn * 5 + l2norm)
+    (q, k, v, g, beta), (q64, k64, v64, g64, b64) = inputs(rng, 2, Tn, H, HV, K, V, "float32",
+                                                         family)
+    if not l2norm:  # keys of norm ~1 keep the recurrence stable
+        q, k = q * K ** -0.5, k * K ** -0.5
+        q64, k64 = as64(q), as64(k)
+    h0 = rng.standard_normal((2, HV, K, V)).astype(np.float32) * 0.1
+    kw = dict(scale=0.2, initial_state=h0, output_final_state=True,
+              use_qk_l2norm_in_kernel=l2norm)
+    o, ht = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, precision="bf16", **kw)
+    o32, _ = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, precision="f32", **kw)
+    assert o.dtype == q.dtype
+    assert not np.array_equal(as64(o), as64(o32))  # the products were rounded
+    for i in range(2):
+        args = (q64[i], k64[i], v64[i], g64[i], b64[i], 0.2, h0[i], l2norm)
+        ro, rh = ref_gdn(*args)
+        bar_o, bar_h = bf16_bars((ro, rh), ref_gdn_bf16(*args), "float32")
+        assert np.abs(as64(o)[i] - ro).max() <= bar_o
+        assert np.abs(as64(ht)[i] - rh).max() <= bar_h
+
+
+@pytest.mark.parametrize("dtype, same", [("float32", "f32"), ("bfloat16", "bf16")])
+def test_precision_auto_follows_the_dtype_of_q(dtype, same):
+    rng = np.random.default_rng(20)
+    (q, k, v, g, beta), _ = inputs(rng, 1, 100, 2, 4, 32, 32, dtype, "numpy")
+    state = (rng.standard_normal((1, 4, 32, 32)) * 0.1).astype(np.float32)
+    want, want_h = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                                   output_final_state=True, precision=same)
+    for precision in (None, "auto"):
+        o, ht = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                                output_final_state=True, precision=precision)
+        assert np.array_equal(as64(o), as64(want)) and np.array_equal(ht, want_h)
+    want_v, _ = flywheel.gated_delta_rule_verify(q[:, :40], k[:, :40], v[:, :40], g[:, :40],
+                                                 beta[:, :40], state, precision=same)
+    o, _ = flywheel.gated_delta_rule_verify(q[:, :40], k[:, :40], v[:, :40], g[:, :40],
+                                            beta[:, :40], state)
+    assert np.array_equal(as64(o), as64(want_v))
+
+
+@pytest.mark.parametrize("bad", ["fp8", 3])
+def test_bad_precision_is_refused(bad):
+    rng = np.random.default_rng(21)
+    (q, k, v, g, beta), _ = inputs(rng, 1, 8, 2, 4, 16, 16, "float32", "numpy")
+    with pytest.raises(ValueError, match="precision"):
+        flywheel.chunk_gated_delta_rule(q, k, v, g, beta, precision=bad)
+    state = np.zeros((1, 4, 16, 16), np.float32)
+    with pytest.raises(ValueError, match="precision"):
+        flywheel.gated_delta_rule_verify(q, k, v, g, beta, state, precision=bad)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -143,6 +221,38 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(accepted):
             initial_state=committed[idx[i]][None], output_final_state=True)
         assert np.abs(state[idx[i]] - h[0]).max() <= 1e-4
     assert np.array_equal(state[1], committed[1])  # the slot nobody uses
+
+
+@pytest.mark.parametrize("dtype, precision", [("float32", "bf16"), ("bfloat16", None)])
+def test_verify_on_bf16_products(dtype, precision):
+    """verify is one chunk per sequence, from the slot's state: its outputs, and the states
+    committed with every token accepted, within the bars of the same-roundings reference."""
+    rng = np.random.default_rng(22)
+    lens = [5, 64, 17]
+    cu = np.cumsum([0] + lens)
+    K = 32
+    (q, k, v, g, beta), (q64, k64, v64, g64, b64) = inputs(rng, 1, cu[-1], 2, 4, K, 32, dtype,
+                                                         "numpy")
+    state = (rng.standard_normal((4, 4, K, 32)) * 0.1).astype(np.float32)
+    idx = np.array([3, 0, 2], np.int32)
+    before = state.copy()
+    o, replay = flywheel.gated_delta_rule_verify(q, k, v, g, beta, state, idx, cu_seqlens=cu,
+                                                 use_qk_l2norm_in_kernel=True,
+                                                 precision=precision)
+    assert o.dtype == v.dtype
+    o32, _ = flywheel.gated_delta_rule_verify(q, k, v, g, beta, state, idx, cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=True, precision="f32")
+    assert not np.array_equal(as64(o), as64(o32))  # the products were rounded
+    flywheel.gated_delta_rule_commit(replay, lens, state)
+    for i in range(3):
+        s = slice(cu[i], cu[i + 1])
+        args = (q64[0, s], k64[0, s], v64[0, s], g64[0, s], b64[0, s], K ** -0.5,
+                before[idx[i]], True)
+        ro, rh = ref_gdn(*args)
+        bar_o, bar_h = bf16_bars((ro, rh), ref_gdn_bf16(*args), dtype)
+        assert np.abs(as64(o)[0, s] - ro).max() <= bar_o
+        assert np.abs(state[idx[i]] - rh).max() <= bar_h
+    assert np.array_equal(state[1], before[1])  # the slot nobody uses
 
 
 def test_bad_inputs():
