@@ -369,6 +369,17 @@ def bench_gdn(sys_, T, reps):
 
         cases.append(Case("flywheel", flywheel_call,
                           lambda: error_of(result["o"], result["h"])))
+        # the same into a preallocated output, as a serving engine calls it (vLLM's op has no
+        # out= form: it allocates its output like the row above)
+        fout = fw.chunk_gated_delta_rule(fq, fk, fv, fg, fb, use_qk_l2norm_in_kernel=True)[0]
+
+        def flywheel_out_call():
+            result["o2"], result["h2"] = fw.chunk_gated_delta_rule(
+                fq, fk, fv, fg, fb, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                out=fout)
+
+        cases.append(Case("flywheel out=", flywheel_out_call,
+                          lambda: error_of(result["o2"], result["h2"])))
     if sys_.vllm_lib is not None:
         torch = sys_.torch
         vq, vk, vv = (bf16_tensor(sys_, x) for x in (q, k, v))
@@ -410,7 +421,7 @@ def rows_of(shape, cases, rate_of, unit, extra):
         med = statistics.median(c.times)
         row.update(median_ms=med * 1e3, min_ms=min(c.times) * 1e3, max_ms=max(c.times) * 1e3,
                    reps=len(c.times), rate=rate_of(med), rate_unit=unit, **c.errors)
-        if fw_med is not None and c.system != "flywheel":
+        if fw_med is not None and not c.system.startswith("flywheel"):
             row["flywheel_speedup"] = med / fw_med
         rows.append(row)
     return rows
