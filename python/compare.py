@@ -14,7 +14,7 @@ against flywheel's f32 result.
 
 FLOP formulas: attention 2 (d + dv) per visible (query, key) pair and query head;
 Gated DeltaNet 2 (3 dk dv + 64 (3 dk + 2 dv) + 63 * 62 / 6) per token and value head
-(gdn.md section 8). Decode: GB/s of K/V (attention) or of state read and written (GDN).
+(the chunked pass's products as dense tiles, chunk 64). Decode: GB/s of K/V (attention) or of state read and written (GDN).
 
 Usage: python python/compare.py [--out docs/compare] [--threads N] [--reps R] [--quick]
 """

@@ -1,4 +1,5 @@
-/* core.c: status codes and messages, tensor descriptors, scalar dtype conversions. */
+/* core.c: status codes and messages, tensor descriptors and the checks every entry point
+ * shares (tensors, cu_seqlens, threads), scalar dtype conversions. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -135,6 +136,30 @@ fw_status fw_check_no_alias(const fw_tensor *t, const char *what)
                            what, i, (long long)t->stride[i]);
         reach += (t->shape[i] - 1) * t->stride[i];
     }
+    return FW_OK;
+}
+
+fw_status fw_check_cu_seqlens(const int32_t *cu, int64_t n, int64_t total, const char *name)
+{
+    if (!cu)
+        return fw_fail(FW_ERR_NULL, "%s is NULL", name);
+    if (cu[0] != 0)
+        return fw_fail(FW_ERR_SEQLENS, "%s[0] is %d; it must be 0", name, (int)cu[0]);
+    for (int64_t i = 1; i <= n; i++)
+        if (cu[i] < cu[i - 1])
+            return fw_fail(FW_ERR_SEQLENS, "%s[%lld] = %d is less than %s[%lld] = %d", name,
+                           (long long)i, (int)cu[i], name, (long long)(i - 1), (int)cu[i - 1]);
+    if (total >= 0 && cu[n] != total)
+        return fw_fail(FW_ERR_SEQLENS, "%s[%lld] = %d but the packed tensors have %lld rows", name,
+                       (long long)n, (int)cu[n], (long long)total);
+    return FW_OK;
+}
+
+fw_status fw_check_threads(int32_t threads)
+{
+    if (threads < 0 || threads > FW_MAX_THREADS)
+        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to %d", (int)threads,
+                       FW_MAX_THREADS);
     return FW_OK;
 }
 

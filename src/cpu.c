@@ -147,7 +147,7 @@ typedef struct {
     const fw_kernels *k;
     double seconds;
     int bf16;
-    double gflops[256];
+    double gflops[FW_MAX_THREADS];
 } peak_ctx;
 
 static void peak_item(void *ctx, int64_t item, int tid)
@@ -162,8 +162,9 @@ static fw_status peak_run(const char *isa, int32_t threads, double seconds, int 
     fw_clear_error();
     if (!gflops)
         return fw_fail(FW_ERR_NULL, "gflops is NULL");
-    if (threads < 0 || threads > 256)
-        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256", (int)threads);
+    fw_status st = fw_check_threads(threads);
+    if (st)
+        return st;
     if (!(seconds > 0 && seconds <= 60))
         return fw_fail(FW_ERR_ARG, "seconds is %g; it must be in (0, 60]", seconds);
     const fw_kernels *k = NULL;
@@ -176,7 +177,7 @@ static fw_status peak_run(const char *isa, int32_t threads, double seconds, int 
     }
     if (!k)
         return FW_ERR_UNSUPPORTED;
-    int n = threads ? threads : fw_cpu_count();
+    int n = fw_threads(threads);
     peak_ctx *p = calloc(1, sizeof *p);
     if (!p)
         return fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes", sizeof *p);
@@ -207,7 +208,7 @@ typedef struct {
     const fw_kernels *k;
     const float *buf;
     size_t per; /* floats per thread */
-    float sink[256];
+    float sink[FW_MAX_THREADS];
 } bw_ctx;
 
 static void bw_item(void *ctx, int64_t item, int tid)
@@ -228,9 +229,10 @@ fw_status fw_read_bandwidth(int32_t threads, size_t bytes, double *gbps)
     fw_clear_error();
     if (!gbps)
         return fw_fail(FW_ERR_NULL, "gbps is NULL");
-    if (threads < 0 || threads > 256)
-        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256", (int)threads);
-    const int n = threads ? threads : fw_cpu_count();
+    fw_status s = fw_check_threads(threads);
+    if (s)
+        return s;
+    const int n = fw_threads(threads);
     if (bytes < (size_t)n * 4096 || bytes > ((size_t)1 << 40))
         return fw_fail(FW_ERR_ARG, "bytes is %zu; it must be at least 4 KiB per thread and at most 1 TiB",
                        bytes);

@@ -6,6 +6,17 @@
 #include <stddef.h>
 #include "flywheel.h"
 
+/* ------------------------------------------------------------------ limits --
+ * What every entry point accepts (checked once per call; the messages print these). */
+#define FW_MAX_HEAD_DIM 1024 /* head dims d, dv, dk: 1 .. FW_MAX_HEAD_DIM */
+#define FW_MAX_HEADS 65536   /* query heads (attention), value heads (Gated DeltaNet) */
+#define FW_MAX_THREADS 256   /* threads: 0 (all CPUs) .. this; also caps the pool (threads.c) */
+#define FW_MIN_PAGE_SIZE 8   /* KV-cache page size: a power of two in this range */
+#define FW_MAX_PAGE_SIZE 1024
+
+/* The input dtypes the drivers take (a mask of 1 << fw_dtype, for fw_check_tensor). */
+#define FW_DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))
+
 /* Record a formatted message for fw_last_error() and return `s`. */
 fw_status fw_fail(fw_status s, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -115,7 +126,7 @@ typedef struct fw_kernels {
     float (*stream_sum)(const float *x, size_t n);
     /* Gated DeltaNet (kern/attn_kern.h): x = 2^x; X = (I + A)^-1 for a strictly lower
      * triangular L x L A (L <= 64), by forward substitution or in blocked matmul form; the
-     * fused decode step on a block of at most 1024 state columns; the 4-pass
+     * fused decode step on a block of at most FW_MAX_HEAD_DIM state columns; the 4-pass
      * recurrent step of the baseline (tmp: dv floats). */
     void (*exp2_inplace)(float *x, int64_t n);
     void (*rows_l2scale)(float *x, int rows, int n, float scale, int l2);
@@ -150,6 +161,9 @@ typedef void (*fw_item_fn)(void *ctx, int64_t item, int tid);
 void fw_parallel(int threads, int64_t n, fw_item_fn fn, void *ctx);
 int fw_cpu_count(void);
 
+/* The threads a call runs on: `requested` (params->threads, validated), 0 = all CPUs. */
+static inline int fw_threads(int32_t requested) { return requested > 0 ? requested : fw_cpu_count(); }
+
 /* --------------------------------------------------------- small helpers -- */
 
 static inline int64_t fw_min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -162,6 +176,12 @@ static inline int64_t fw_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b
 fw_status fw_check_tensor(const fw_tensor *t, const char *what, int ndim, unsigned dtypes);
 /* An output must not have two elements at one address. */
 fw_status fw_check_no_alias(const fw_tensor *t, const char *what);
+/* Cumulative sequence lengths `name` of n >= 0 sequences: non-NULL, cu[0] == 0,
+ * non-decreasing over its n + 1 entries, and cu[n] == total, the rows of the packed tensors
+ * (total < 0: not checked). FW_ERR_NULL for NULL, else FW_ERR_SEQLENS. */
+fw_status fw_check_cu_seqlens(const int32_t *cu, int64_t n, int64_t total, const char *name);
+/* params->threads: 0 (all CPUs) .. FW_MAX_THREADS, else FW_ERR_ARG. */
+fw_status fw_check_threads(int32_t threads);
 
 /* The address of element offset `off` of t, and any-dtype loads and stores in double (the
  * float64 references read and write through these). */

@@ -17,7 +17,6 @@
 #include <unistd.h>
 #include "internal.h"
 
-#define FW_MAX_THREADS 256
 #define FW_SPIN_US 200.0
 
 typedef struct {

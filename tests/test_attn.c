@@ -16,7 +16,7 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include "attn.h"
+#include "attn/attn.h"
 #include "internal.h"
 #include "test_util.h"
 

@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "attn.h"
+#include "attn/attn.h"
 #include "test_util.h"
 
 typedef struct {

@@ -120,8 +120,8 @@ def ref_gdn(q, k, v, g, beta, scale, h0=None, l2norm=False):
 
 def ref_gdn_bf16(q, k, v, g, beta, scale, h0=None, l2norm=False, chunk=64):
     """ref_gdn with the roundings of the chunked kernel's bf16 products and no others (those
-    of fw_gdn_ref's same-roundings mode, src/gdn.c), in float64, one 64-token chunk at a time
-    from the sequence's start. rb() is round_bf16; gam is the chunk's cumulative log decay:
+    of fw_gdn_ref's same-roundings mode, src/ref/gdn_ref.c), in float64, one 64-token chunk at a
+    time from the sequence's start. rb() is round_bf16; gam is the chunk's cumulative log decay:
       Kb, Qb = rb(K^), rb(Q^)            (K^, Q^: the l2-normalised rows, not scaled)
       A_ij = beta_i e^(gam_i - gam_j) Kb_i . Kb_j (j < i);  Tb = rb((I + A)^-1)
       W = Tb rb(beta e^gam K^);  U = Tb rb(beta V);  Deltab = rb(U - rb(W) rb(h))

@@ -1,6 +1,6 @@
 /*
- * gdn.c: Gated DeltaNet drivers (../shared/docs/gdn.md sections 2-5, 7): chunked WY/UT
- * prefill, fused decode, speculative verify and commit, and the float64 reference.
+ * gdn/chunk.c: the Gated DeltaNet chunked (WY/UT) pass and
+ * its entry points: prefill (and its recurrent baselines), speculative verify and commit.
  *
  * Chunked prefill, one pass per chunk of L <= 64 tokens (never spanning sequences), for one
  * (sequence, q/k head) work item and its r = HV / H value heads. Per chunk, shared by the r
@@ -17,126 +17,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "attn.h"
-
-#define GDN_C 64 /* chunk length */
-
-void fw_gdn_params_init(fw_gdn_params *p)
-{
-    if (p)
-        memset(p, 0, sizeof *p);
-}
-
-typedef struct {
-    const fw_tensor *q, *k, *v, *g, *beta, *out;
-    const int32_t *cu;
-    int64_t n, T, H, HV, r, dk, dv;
-    double scale;
-    int l2;
-    int bf16; /* bf16 products (params->precision resolved; the chunked passes only) */
-} gdn_prob;
-
-#define DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))
-
-/* Validates the token tensors ([T, H, dk], [T, HV, dv], [T, HV]) and, when cu is given, the
- * sequence boundaries. `ref` admits an f64 out. Also checks g <= 0 (the safe-exponential
- * contract) and that beta is finite. Nothing is written. */
-static fw_status gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
-                           const fw_tensor *g, const fw_tensor *beta, const int32_t *cu, int64_t n,
-                           int need_cu, const fw_tensor *out, const fw_gdn_params *params, int ref)
-{
-    memset(p, 0, sizeof *p);
-    fw_status s;
-    if ((s = fw_check_tensor(q, "q", 3, DT_IN)) || (s = fw_check_tensor(k, "k", 3, DT_IN)) ||
-        (s = fw_check_tensor(v, "v", 3, DT_IN)) || (s = fw_check_tensor(g, "g", 2, 1u << FW_F32)) ||
-        (s = fw_check_tensor(beta, "beta", 2, 1u << FW_F32)) ||
-        (s = fw_check_tensor(out, "out", 3, DT_IN | (ref ? 1u << FW_F64 : 0u))))
-        return s;
-    if (k->dtype != q->dtype || v->dtype != q->dtype)
-        return fw_fail(FW_ERR_DTYPE, "q, k and v must share a dtype: q is %s, k is %s, v is %s",
-                       fw_dtype_name(q->dtype), fw_dtype_name(k->dtype), fw_dtype_name(v->dtype));
-    const int64_t T = q->shape[0], H = q->shape[1], dk = q->shape[2], HV = v->shape[1], dv = v->shape[2];
-    if (k->shape[0] != T || k->shape[1] != H || k->shape[2] != dk)
-        return fw_fail(FW_ERR_SHAPE, "k must be [T, H, dk] = [%lld, %lld, %lld] like q", (long long)T,
-                       (long long)H, (long long)dk);
-    if (v->shape[0] != T || g->shape[0] != T || beta->shape[0] != T || out->shape[0] != T)
-        return fw_fail(FW_ERR_SHAPE, "q, k, v, g, beta and out must have the same %lld tokens", (long long)T);
-    if (H < 1 || HV < 1 || HV % H)
-        return fw_fail(FW_ERR_SHAPE, "v has %lld heads, which is not a multiple of q/k's %lld heads",
-                       (long long)HV, (long long)H);
-    if (g->shape[1] != HV || beta->shape[1] != HV || out->shape[1] != HV || out->shape[2] != dv)
-        return fw_fail(FW_ERR_SHAPE, "g and beta must be [T, HV] and out [T, HV, dv] with HV = %lld, dv = %lld",
-                       (long long)HV, (long long)dv);
-    if (dk < 1 || dk > 1024 || dv < 1 || dv > 1024 || HV > 65536)
-        return fw_fail(FW_ERR_SHAPE, "head dims must be 1..1024 (dk %lld, dv %lld) and HV at most 65536",
-                       (long long)dk, (long long)dv);
-    if ((s = fw_check_no_alias(out, "out")))
-        return s;
-    if (params) {
-        if (!isfinite(params->scale))
-            return fw_fail(FW_ERR_ARG, "scale is %g; it must be finite (0 means 1/sqrt(dk))", (double)params->scale);
-        if (params->threads < 0 || params->threads > 256)
-            return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256", (int)params->threads);
-        if (params->l2norm_qk != 0 && params->l2norm_qk != 1)
-            return fw_fail(FW_ERR_ARG, "l2norm_qk is %d; it must be 0 or 1", (int)params->l2norm_qk);
-        if (params->flags & ~(uint32_t)(FW_GDN_FWD_SUBST | FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT))
-            return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
-        if (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16)
-            return fw_fail(FW_ERR_ARG, "precision is %d; it must be FW_PREC_AUTO (0), FW_PREC_F32 (1) "
-                           "or FW_PREC_BF16 (2)", (int)params->precision);
-    }
-    if (need_cu) {
-        if (n < 0 || n > INT32_MAX)
-            return fw_fail(FW_ERR_ARG, "n_seqs is %lld; it must be 0..2^31-1", (long long)n);
-        if (!cu)
-            return fw_fail(FW_ERR_NULL, "cu_seqlens is NULL");
-        if (cu[0] != 0)
-            return fw_fail(FW_ERR_SEQLENS, "cu_seqlens[0] is %d; it must be 0", (int)cu[0]);
-        for (int64_t i = 1; i <= n; i++)
-            if (cu[i] < cu[i - 1])
-                return fw_fail(FW_ERR_SEQLENS, "cu_seqlens[%lld] = %d is less than cu_seqlens[%lld] = %d",
-                               (long long)i, (int)cu[i], (long long)(i - 1), (int)cu[i - 1]);
-        if (cu[n] != T)
-            return fw_fail(FW_ERR_SEQLENS, "cu_seqlens[%lld] = %d but the tensors have %lld tokens",
-                           (long long)n, (int)cu[n], (long long)T);
-    }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < HV; j++) {
-            const float gv = ((const float *)g->data)[t * g->stride[0] + j * g->stride[1]];
-            const float bv = ((const float *)beta->data)[t * beta->stride[0] + j * beta->stride[1]];
-            if (!(gv <= 0.0f) || gv == -INFINITY)
-                return fw_fail(FW_ERR_ARG, "g[%lld][%lld] = %g: the log decay must be finite and <= 0",
-                               (long long)t, (long long)j, (double)gv);
-            if (!isfinite(bv))
-                return fw_fail(FW_ERR_ARG, "beta[%lld][%lld] = %g is not finite", (long long)t, (long long)j,
-                               (double)bv);
-        }
-    p->q = q; p->k = k; p->v = v; p->g = g; p->beta = beta; p->out = out;
-    p->cu = cu; p->n = n; p->T = T; p->H = H; p->HV = HV; p->r = HV / H; p->dk = dk; p->dv = dv;
-    p->scale = params && params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)dk);
-    p->l2 = params ? params->l2norm_qk : 0;
-    p->bf16 = fw_attn_bf16_products(q->dtype, params ? params->precision : FW_PREC_AUTO);
-    return FW_OK;
-}
-
-static const char *at(const fw_tensor *t, int64_t i, int64_t j)
-{
-    return fw_elem(t, i * t->stride[0] + j * t->stride[1]);
-}
-
-static float scalar_at(const fw_tensor *t, int64_t i, int64_t j)
-{
-    return *(const float *)at(t, i, j);
-}
-
-/* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (eps inside the
- * sqrt), by the same table kernel as the chunked path. */
-static void load_qk(const fw_kernels *kt, const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t h,
-                    double scale, float *dst)
-{
-    kt->to_f32(at(x, t, h), x->dtype, x->stride[2], p->dk, 1.0f, dst);
-    kt->rows_l2scale(dst, 1, (int)p->dk, (float)scale, p->l2);
-}
+#include "gdn.h"
 
 /* ------------------------------------------------------------- workspace -- */
 
@@ -519,11 +400,6 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
     }
 }
 
-/* State rows [dk][dv] of (sequence or slot) i, value head vh, in a [*, HV, dk, dv] array. */
-static size_t state_off(const gdn_prob *p, int64_t i, int64_t vh)
-{
-    return ((size_t)i * p->HV + vh) * (size_t)(p->dk * p->dv);
-}
 
 /* State [dk][dv] (src NULL: zeros) into the dv panels of value head e, or back out. */
 static void load_state(const gdn_ctx *c, float *W, int64_t e, const float *src)
@@ -603,11 +479,6 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
         memcpy(c->final + state_off(p, seq, vh), hst, (size_t)(p->dk * p->dv) * sizeof(float));
 }
 
-static int threads_of(const fw_gdn_params *params)
-{
-    return params && params->threads > 0 ? params->threads : fw_cpu_count();
-}
-
 /* Allocate per-thread workspace and run `fn` over n items. */
 static fw_status gdn_run(gdn_ctx *c, const fw_gdn_params *params, int64_t n, fw_item_fn fn)
 {
@@ -617,7 +488,7 @@ static fw_status gdn_run(gdn_ctx *c, const fw_gdn_params *params, int64_t n, fw_
     c->kt = kt;
     c->flags = params ? params->flags : 0;
     c->w = gdn_plan(c->p);
-    const int threads = threads_of(params);
+    const int threads = fw_threads(params ? params->threads : 0);
     if (n == 0)
         return FW_OK;
     c->ws = malloc((size_t)threads * c->w.total * sizeof(float));
@@ -636,7 +507,7 @@ fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor
 {
     fw_clear_error();
     gdn_prob p;
-    fw_status s = gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 0);
+    fw_status s = fw_gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 0);
     if (s)
         return s;
     gdn_ctx c;
@@ -652,89 +523,6 @@ fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor
     /* initial and final state may be one buffer: every item reads its own states before it
      * writes them, and no two items share a state */
     return gdn_run(&c, params, n_seqs * p.H, chunked_item);
-}
-
-/* ------------------------------------------------------------------ decode -- */
-
-typedef struct {
-    const gdn_prob *p;
-    const fw_kernels *kt;
-    float *state;
-    const int32_t *idx;
-    float *ws;
-    size_t ws_stride;
-    int64_t nblk;
-} dec_ctx;
-
-/* Item: (sequence, value head, block of state columns). A block is every column (whole rows,
- * read front to back) unless there are fewer (sequence, head) pairs than threads; then
- * columns split in blocks of 64 (the columns are independent). Measured, 64 sequences x 32
- * heads, 2 threads: 17.2 GB/s of state with 64-column items, which read half of every row. */
-static void decode_item(void *vctx, int64_t it, int tid)
-{
-    const dec_ctx *c = vctx;
-    const gdn_prob *p = c->p;
-    const int64_t blk = it % c->nblk, vh = (it / c->nblk) % p->HV, i = it / (c->nblk * p->HV);
-    const int64_t w = c->nblk == 1 ? p->dv : 64;
-    const int dk = (int)p->dk, dv = (int)p->dv, c0 = (int)(blk * w), c1 = (int)fw_min64(dv, c0 + w);
-    float *W = c->ws + (size_t)tid * c->ws_stride, *q = W, *k = q + dk, *v = k + dk, *o = v + dv;
-    load_qk(c->kt, p, p->q, i, vh / p->r, p->scale, q);
-    load_qk(c->kt, p, p->k, i, vh / p->r, 1.0, k);
-    c->kt->to_f32(at(p->v, i, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
-    float kq = 0;
-    for (int x = 0; x < dk; x++)
-        kq += k[x] * q[x];
-    c->kt->gdn_dec_cols(c->state + state_off(p, c->idx[i], vh), dv, dk, c0, c1, q, k, v,
-                        expf(scalar_at(p->g, i, vh)), scalar_at(p->beta, i, vh), kq, o);
-    c->kt->from_f32(o + c0, c1 - c0,
-                    (char *)at(p->out, i, vh) + (int64_t)c0 * p->out->stride[2] * (int64_t)fw_dtype_size(p->out->dtype),
-                    p->out->dtype, p->out->stride[2]);
-}
-
-static fw_status check_slots(const int32_t *idx, int64_t n, int64_t slots, const float *state)
-{
-    if (!state)
-        return fw_fail(FW_ERR_NULL, "state is NULL");
-    if (n > 0 && !idx)
-        return fw_fail(FW_ERR_NULL, "state_indices is NULL");
-    if (slots < 0)
-        return fw_fail(FW_ERR_ARG, "slots is %lld; it must be >= 0", (long long)slots);
-    for (int64_t i = 0; i < n; i++)
-        if (idx[i] < 0 || idx[i] >= slots)
-            return fw_fail(FW_ERR_INDEX, "state_indices[%lld] = %d is not a slot (0..%lld)", (long long)i,
-                           (int)idx[i], (long long)slots - 1);
-    /* distinct slots: each sequence owns its state */
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = i + 1; j < n && j < i + 4096; j++)
-            if (idx[i] == idx[j])
-                return fw_fail(FW_ERR_INDEX, "sequences %lld and %lld share state slot %d", (long long)i,
-                               (long long)j, (int)idx[i]);
-    return FW_OK;
-}
-
-fw_status fw_gdn_decode(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
-                        const fw_tensor *beta, float *state, int64_t slots, const int32_t *state_indices,
-                        const fw_tensor *out, const fw_gdn_params *params)
-{
-    fw_clear_error();
-    gdn_prob p;
-    fw_status s = gdn_check(&p, q, k, v, g, beta, NULL, 0, 0, out, params, 0);
-    if (s || (s = check_slots(state_indices, p.T, slots, state)))
-        return s;
-    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
-    if (!kt)
-        return FW_ERR_UNSUPPORTED;
-    const int threads = threads_of(params);
-    dec_ctx c = {&p, kt, state, state_indices, NULL, (size_t)(2 * p.dk + 2 * p.dv + 16),
-                 p.T * p.HV >= threads ? 1 : (p.dv + 63) / 64};
-    const int64_t n = p.T * p.HV * c.nblk;
-    if (n == 0)
-        return FW_OK;
-    if (!(c.ws = malloc((size_t)threads * c.ws_stride * sizeof(float))))
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate the decode workspace");
-    fw_parallel(threads, n, decode_item, &c);
-    free(c.ws);
-    return FW_OK;
 }
 
 /* ------------------------------------------------------- verify and commit -- */
@@ -753,8 +541,8 @@ fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
 {
     fw_clear_error();
     gdn_prob p;
-    fw_status s = gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 0);
-    if (s || (s = check_slots(state_indices, n_seqs, slots, state)))
+    fw_status s = fw_gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 0);
+    if (s || (s = fw_gdn_check_slots(state_indices, n_seqs, slots, state)))
         return s;
     for (int64_t i = 0; i < n_seqs; i++)
         if (cu_seqlens[i + 1] - cu_seqlens[i] > GDN_C)
@@ -829,16 +617,16 @@ fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const int32_t
         return fw_fail(FW_ERR_ARG, "n_seqs is %lld; it must be 0..2^31-1", (long long)n_seqs);
     if (!cu_seqlens || !accepted || !replay)
         return fw_fail(FW_ERR_NULL, "%s is NULL", !cu_seqlens ? "cu_seqlens" : !accepted ? "accepted" : "replay");
-    if (H < 1 || HV < 1 || HV % H || dk < 1 || dk > 1024 || dv < 1 || dv > 1024)
-        return fw_fail(FW_ERR_SHAPE, "H %lld, HV %lld, dk %lld, dv %lld: HV must be a multiple of H and dims 1..1024",
-                       (long long)H, (long long)HV, (long long)dk, (long long)dv);
-    if ((s = check_slots(state_indices, n_seqs, slots, state)))
+    if (H < 1 || HV < 1 || HV % H || dk < 1 || dk > FW_MAX_HEAD_DIM || dv < 1 || dv > FW_MAX_HEAD_DIM)
+        return fw_fail(FW_ERR_SHAPE, "H %lld, HV %lld, dk %lld, dv %lld: HV must be a multiple of H and dims 1..%d",
+                       (long long)H, (long long)HV, (long long)dk, (long long)dv, FW_MAX_HEAD_DIM);
+    if ((s = fw_gdn_check_slots(state_indices, n_seqs, slots, state)))
         return s;
-    if (cu_seqlens[0] != 0)
-        return fw_fail(FW_ERR_SEQLENS, "cu_seqlens[0] is %d; it must be 0", (int)cu_seqlens[0]);
+    if ((s = fw_check_cu_seqlens(cu_seqlens, n_seqs, -1, "cu_seqlens")))
+        return s;
     for (int64_t i = 0; i < n_seqs; i++) {
         const int64_t len = (int64_t)cu_seqlens[i + 1] - cu_seqlens[i];
-        if (len < 0 || len > GDN_C)
+        if (len > GDN_C)
             return fw_fail(FW_ERR_SEQLENS, "sequence %lld has %lld verified tokens; 0..%d expected", (long long)i,
                            (long long)len, GDN_C);
         if (accepted[i] < 0 || accepted[i] > len)
@@ -849,210 +637,10 @@ fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const int32_t
     if (replay_floats < fw_gdn_replay_floats(T, H, HV, dk, dv))
         return fw_fail(FW_ERR_WORKSPACE, "replay holds %zu floats; %zu expected", replay_floats,
                        fw_gdn_replay_floats(T, H, HV, dk, dv));
-    if (params && (params->threads < 0 || params->threads > 256))
-        return fw_fail(FW_ERR_ARG, "threads is %d; it must be 0 (all CPUs) to 256", (int)params->threads);
-    commit_ctx c = {cu_seqlens, accepted, H, HV, dk, dv, state, state_indices, replay, T};
-    fw_parallel(threads_of(params), n_seqs * HV, commit_item, &c);
-    return FW_OK;
-}
-
-/* --------------------------------------------------------------- reference -- */
-
-/* Element (i, j, x) of a 3-D tensor, in double, and the store back. */
-static int64_t off3(const fw_tensor *t, int64_t i, int64_t j, int64_t x)
-{
-    return i * t->stride[0] + j * t->stride[1] + x * t->stride[2];
-}
-
-/* x rounded to bf16 (nearest even). */
-static double rb(double x) { return (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)); }
-
-/* The normalised row (l2: x / sqrt(|x|^2 + 1e-6)) of token t, head hh of x, in double. */
-static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh, double *dst)
-{
-    double n = 0;
-    for (int64_t i = 0; i < p->dk; i++) {
-        dst[i] = fw_load_f64(x, off3(x, t, hh, i));
-        n += dst[i] * dst[i];
-    }
-    const double s = p->l2 ? 1.0 / sqrt(n + 1e-6) : 1.0;
-    for (int64_t i = 0; i < p->dk; i++)
-        dst[i] *= s;
-}
-
-/* Same-roundings reference of the chunked pass on bf16 products: chunks of 64 tokens from each
- * sequence's start, every product in double, and the roundings of gdn_chunk_bf16 (its comment)
- * and no others. One (sequence, value head) at a time. */
-static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *final)
-{
-    const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
-    double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *hb = malloc(sizeof(double) * (size_t)(dk * dv));
-    double *Kh = malloc(sizeof(double) * (size_t)(C * dk)), *Kb = malloc(sizeof(double) * (size_t)(C * dk));
-    double *Qb = malloc(sizeof(double) * (size_t)(C * dk)), *Wb = malloc(sizeof(double) * (size_t)(C * dk));
-    double *U = malloc(sizeof(double) * (size_t)(C * dv)), *Db = malloc(sizeof(double) * (size_t)(C * dv));
-    double *T = malloc(sizeof(double) * (size_t)(C * C)), *Gb = malloc(sizeof(double) * (size_t)(C * C));
-    double *row = malloc(sizeof(double) * (size_t)(dk > dv ? dk : dv));
-    double gam[GDN_C], bet[GDN_C];
-    if (!h || !hb || !Kh || !Kb || !Qb || !Wb || !U || !Db || !T || !Gb || !row) {
-        free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
-    }
-    for (int64_t s = 0; s < p->n; s++)
-        for (int64_t vh = 0; vh < p->HV; vh++) {
-            const int64_t hh = vh / p->r;
-            for (int64_t x = 0; x < dk * dv; x++)
-                h[x] = init ? init[state_off(p, s, vh) + x] : 0.0;
-            for (int64_t t0 = p->cu[s]; t0 < p->cu[s + 1]; t0 += C) {
-                const int64_t L = fw_min64(C, p->cu[s + 1] - t0);
-                double acc = 0;
-                for (int64_t i = 0; i < L; i++) {
-                    ref_row(p, p->k, t0 + i, hh, Kh + i * dk);
-                    ref_row(p, p->q, t0 + i, hh, Qb + i * dk);
-                    for (int64_t x = 0; x < dk; x++) {
-                        Kb[i * dk + x] = rb(Kh[i * dk + x]);
-                        Qb[i * dk + x] = rb(Qb[i * dk + x]);
-                    }
-                    acc += scalar_at(p->g, t0 + i, vh);
-                    gam[i] = acc;
-                    bet[i] = scalar_at(p->beta, t0 + i, vh);
-                }
-                /* T = (I + A)^-1, A_ij = beta_i e^(gam_i - gam_j) Kb_i . Kb_j (j < i), by rows;
-                 * Gb = (e^(gam_i - gam_j) Qb_i . Kb_j)b (j <= i) */
-                for (int64_t i = 0; i < L; i++) {
-                    double a[GDN_C];
-                    for (int64_t j = 0; j < L; j++) {
-                        double kk = 0, qk = 0;
-                        for (int64_t x = 0; x < dk; x++) {
-                            kk += Kb[i * dk + x] * Kb[j * dk + x];
-                            qk += Qb[i * dk + x] * Kb[j * dk + x];
-                        }
-                        a[j] = j < i ? bet[i] * exp(gam[i] - gam[j]) * kk : 0.0;
-                        Gb[i * C + j] = j <= i ? rb(exp(gam[i] - gam[j]) * qk) : 0.0;
-                    }
-                    for (int64_t j = 0; j < L; j++) {
-                        double v = i == j;
-                        for (int64_t m = j; m < i; m++)
-                            v -= a[m] * T[m * C + j];
-                        T[i * C + j] = j <= i ? v : 0.0;
-                    }
-                }
-                for (int64_t i = 0; i < L * C; i++)
-                    T[i] = rb(T[i]);
-                /* [W | U] = Tb [beta e^gam K^ | beta V]b; Wb */
-                for (int64_t i = 0; i < L; i++) {
-                    for (int64_t x = 0; x < dk; x++)
-                        Wb[i * dk + x] = 0;
-                    for (int64_t y = 0; y < dv; y++)
-                        U[i * dv + y] = 0;
-                }
-                for (int64_t j = 0; j < L; j++) {
-                    for (int64_t x = 0; x < dk; x++)
-                        row[x] = rb(bet[j] * exp(gam[j]) * Kh[j * dk + x]);
-                    for (int64_t i = j; i < L; i++)
-                        for (int64_t x = 0; x < dk; x++)
-                            Wb[i * dk + x] += T[i * C + j] * row[x];
-                    for (int64_t y = 0; y < dv; y++)
-                        row[y] = rb(bet[j] * fw_load_f64(p->v, off3(p->v, t0 + j, vh, y)));
-                    for (int64_t i = j; i < L; i++)
-                        for (int64_t y = 0; y < dv; y++)
-                            U[i * dv + y] += T[i * C + j] * row[y];
-                }
-                for (int64_t i = 0; i < L * dk; i++)
-                    Wb[i] = rb(Wb[i]);
-                for (int64_t x = 0; x < dk * dv; x++)
-                    hb[x] = rb(h[x]);
-                /* Deltab = (U - Wb hb)b; O = scale (e^gam Qb hb + Gb Deltab) */
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t y = 0; y < dv; y++) {
-                        double wh = 0;
-                        for (int64_t x = 0; x < dk; x++)
-                            wh += Wb[i * dk + x] * hb[x * dv + y];
-                        Db[i * dv + y] = rb(U[i * dv + y] - wh);
-                    }
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t y = 0; y < dv; y++) {
-                        double qh = 0, gd = 0;
-                        for (int64_t x = 0; x < dk; x++)
-                            qh += Qb[i * dk + x] * hb[x * dv + y];
-                        for (int64_t j = 0; j <= i; j++)
-                            gd += Gb[i * C + j] * Db[j * dv + y];
-                        fw_store_f64(p->out, off3(p->out, t0 + i, vh, y), p->scale * (exp(gam[i]) * qh + gd));
-                    }
-                /* h <- e^gam_last h + sum_i (e^(gam_last - gam_i) K^_i)b^T Deltab_i */
-                const double al = exp(gam[L - 1]);
-                for (int64_t x = 0; x < dk * dv; x++)
-                    h[x] *= al;
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t x = 0; x < dk; x++) {
-                        const double kx = rb(exp(gam[L - 1] - gam[i]) * Kh[i * dk + x]);
-                        for (int64_t y = 0; y < dv; y++)
-                            h[x * dv + y] += kx * Db[i * dv + y];
-                    }
-            }
-            if (final)
-                memcpy(final + state_off(p, s, vh), h, sizeof(double) * (size_t)(dk * dv));
-        }
-    free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
-    return FW_OK;
-}
-
-fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
-                     const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
-                     const float *initial_state, double *final_state, const fw_tensor *out,
-                     const fw_gdn_params *params)
-{
-    fw_clear_error();
-    gdn_prob p;
-    fw_status s = gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 1);
-    if (s)
+    if (params && (s = fw_check_threads(params->threads)))
         return s;
-    if (p.bf16 && !(params && params->flags & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)))
-        return gdn_ref_bf16(&p, initial_state, final_state);
-    const int64_t dk = p.dk, dv = p.dv;
-    double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *qq = malloc(sizeof(double) * (size_t)dk),
-           *kk = malloc(sizeof(double) * (size_t)dk), *a = malloc(sizeof(double) * (size_t)dv);
-    if (!h || !qq || !kk || !a) {
-        free(h); free(qq); free(kk); free(a);
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
-    }
-    for (int64_t i = 0; i < n_seqs; i++)
-        for (int64_t vh = 0; vh < p.HV; vh++) {
-            const int64_t hh = vh / p.r;
-            for (int64_t x = 0; x < dk * dv; x++)
-                h[x] = initial_state ? initial_state[state_off(&p, i, vh) + x] : 0.0;
-            for (int64_t t = cu_seqlens[i]; t < cu_seqlens[i + 1]; t++) {
-                double nq = 0, nk = 0;
-                for (int64_t x = 0; x < dk; x++) {
-                    qq[x] = fw_load_f64(q, off3(q, t, hh, x));
-                    kk[x] = fw_load_f64(k, off3(k, t, hh, x));
-                    nq += qq[x] * qq[x];
-                    nk += kk[x] * kk[x];
-                }
-                const double sq = p.scale / (p.l2 ? sqrt(nq + 1e-6) : 1.0), sk = p.l2 ? 1.0 / sqrt(nk + 1e-6) : 1.0;
-                for (int64_t x = 0; x < dk; x++) {
-                    qq[x] *= sq;
-                    kk[x] *= sk;
-                }
-                const double al = exp((double)scalar_at(g, t, vh)), be = scalar_at(beta, t, vh);
-                for (int64_t y = 0; y < dv; y++) {
-                    double acc = 0;
-                    for (int64_t x = 0; x < dk; x++)
-                        acc += h[x * dv + y] * kk[x];
-                    a[y] = be * (fw_load_f64(v, off3(v, t, vh, y)) - al * acc); /* delta */
-                }
-                for (int64_t x = 0; x < dk; x++)
-                    for (int64_t y = 0; y < dv; y++)
-                        h[x * dv + y] = al * h[x * dv + y] + kk[x] * a[y];
-                for (int64_t y = 0; y < dv; y++) {
-                    double o = 0;
-                    for (int64_t x = 0; x < dk; x++)
-                        o += h[x * dv + y] * qq[x];
-                    fw_store_f64(out, off3(out, t, vh, y), o);
-                }
-            }
-            if (final_state)
-                memcpy(final_state + state_off(&p, i, vh), h, sizeof(double) * (size_t)(dk * dv));
-        }
-    free(h); free(qq); free(kk); free(a);
+    commit_ctx c = {cu_seqlens, accepted, H, HV, dk, dv, state, state_indices, replay, T};
+    fw_parallel(fw_threads(params ? params->threads : 0), n_seqs * HV, commit_item, &c);
     return FW_OK;
 }
+

@@ -1,4 +1,4 @@
-/* attn_ref.c: the float64 reference for softmax attention. Each sequence's K/V context is
+/* ref/attn_ref.c: the float64 reference for softmax attention. Each sequence's K/V context is
  * gathered into contiguous float64 rows; then row by row, scores in double, exp() from libm,
  * two passes (max, then sum and output). O(sk * hkv * (d + dv)) scratch, one thread.
  * With bf16 products it makes the kernel's roundings and no others: q, k, v to bf16, and
@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "attn.h"
+#include "../attn/attn.h"
 
 /* x rounded to bf16 (nearest even) when `on`, else x. */
 static double rnd(double x, int on) { return on ? (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)) : x; }

@@ -1,8 +1,9 @@
-/* attn.h: the validated attention problem shared by the kernel driver and the reference. */
+/* attn/attn.h: the validated attention problem shared by the kernel driver (src/attn/) and
+ * the reference (ref/attn_ref.c), its validation (attn/setup.c) and the tiling heuristics. */
 #ifndef FW_ATTN_H
 #define FW_ATTN_H
 
-#include "internal.h"
+#include "../internal.h"
 
 #define FW_LOG2E 1.4426950408889634
 #define FW_LN2 0.6931471805599453
@@ -65,6 +66,10 @@ static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk
     *hi = p->wr >= 0 ? fw_min64(sk, diag + p->wr + 1) : sk;
 }
 
+/* params alone (also fw_attn_workspace_size's check): scale, softcap, window, causal,
+ * threads, precision, flags. */
+fw_status fw_attn_check_params(const fw_attn_params *params);
+
 /* Validates everything and fills *p; `ref` admits f64 outputs. Nothing is written. */
 fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new,
                                 const fw_tensor *v_new, const int32_t *cuq, int64_t batch,
@@ -76,6 +81,14 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
                         const fw_attn_params *params, int ref);
 
 /* ---- tiling heuristics (pure functions, unit-tested) ---- */
+
+/* A decode-shaped sequence: 1 .. FW_DEC_ROWS query rows per K/V head (G heads x sq
+ * positions). It takes the decode kernel (attn/decode.c), one item per key split, all heads
+ * together; longer ones take q tiles (attn/tile.c). */
+static inline int fw_attn_is_decode(int64_t G, int64_t sq)
+{
+    return sq > 0 && G * sq <= FW_DEC_ROWS;
+}
 
 /* Keys per K/V tile. 64 keys x 4 bytes x d=128 = 32 KiB: one K tile plus one V tile stay in
  * L2 with the q tile and the accumulator of the chunk being processed. */
@@ -95,13 +108,13 @@ void fw_attn_tile_rows(int64_t G, int vl, int64_t sq_max, int *bq, int *M);
  * FW_ATTN_CHUNK_MAX so the workspace is bounded. Example: 2048 tiles, 2 threads -> 16. */
 int fw_attn_chunk_tiles(int64_t total_tiles, int threads);
 
-/* Key ranges of FW_KV_SPLIT keys the context of a decode sequence (G x n <= FW_DEC_ROWS
- * query rows per K/V head) is split into: ceil(sk / FW_KV_SPLIT), at least 1. Depends on the
+/* Key ranges of FW_KV_SPLIT keys the context of a decode sequence (fw_attn_is_decode: G x n
+ * <= FW_DEC_ROWS query rows per K/V head) is split into: ceil(sk / FW_KV_SPLIT), at least 1. Depends on the
  * context length only, never on the thread count. Example: sk 32768 -> 64; sk 2048 -> 4.
  * Why 512 (measured, bf16, GQA 32:8, d 128, batch 1, 2 threads, `flywheel bench kvcache
  * --decode`): 512-key splits give 34 GB/s of K/V at 1K keys against 20 with 2048 (one split
  * ran on one thread), 37 against 15-34 at 4K, 28 against 27 at 32K; batch 16 is unchanged
- * (26-31 GB/s). Splits this small pay off only since the thread pool (threads.c). */
+ * (26-31 GB/s). Splits this small pay off only since the thread pool (src/threads.c). */
 int64_t fw_attn_kv_splits(int64_t sk);
 
 #endif /* FW_ATTN_H */

@@ -1,0 +1,34 @@
+/* attn/plain.c: the plain baseline (FW_ATTN_PLAIN): one query row at a time against its keys,
+ * one key at a time with online softmax (kern/attn_kern.h, plain_row), f32 products. */
+#include "run.h"
+
+/* Rows [it->chunk x FW_ATTN_PLAIN_ROWS, + FW_ATTN_PLAIN_ROWS) of q head it->head. */
+void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, int tid)
+{
+    const fw_attn_prob *p = c->p;
+    const fw_kernels *kt = c->kt;
+    const int d = (int)p->d, dv = (int)p->dv;
+    const int64_t h = it->head, kvh = h / p->G;
+    char *w = c->ws + (size_t)tid * c->ws_stride;
+    float *scratch = (float *)(w + c->wl.kf), *qrow = (float *)(w + c->wl.row);
+    float *acc = (float *)(w + c->wl.ot);
+    const int64_t r0 = it->chunk * FW_ATTN_PLAIN_ROWS, r1 = fw_min64(sq->sq, r0 + FW_ATTN_PLAIN_ROWS);
+    for (int64_t r = r0; r < r1; r++) {
+        kt->to_f32(fw_elem(p->q, sq->q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
+                   c->qscale, qrow);
+        int64_t lo, hi;
+        fw_attn_visible(p, sq->sq, sq->sk, r, &lo, &hi);
+        float m = -INFINITY, l = 0.0f;
+        for (int j = 0; j < dv; j++)
+            acc[j] = 0.0f;
+        /* runs of keys with a constant row stride: all of them, or one page at a time */
+        for (int64_t j = lo; j < hi;) {
+            const int64_t e = p->bt ? fw_min64(hi, ((j >> p->page_shift) + 1) << p->page_shift) : hi;
+            kt->plain_row(qrow, d, dv, p->k->dtype, fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]),
+                          p->ks[0], p->ks[2], fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]),
+                          p->vs[0], p->vs[2], e - j, c->cap2, acc, &m, &l, scratch);
+            j = e;
+        }
+        fw_attn_store_row(c, sq, h, r, acc, m, l);
+    }
+}

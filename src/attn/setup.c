@@ -1,0 +1,384 @@
+/*
+ * attn/setup.c: attention's validation: params, tensors, cu_seqlens and the KV cache, into
+ * one fw_attn_prob (attn.h) for the kernel driver and the reference alike; the per-sequence
+ * view of it; the tiling heuristics (pure functions, unit-tested).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attn.h"
+
+void fw_attn_params_init(fw_attn_params *p)
+{
+    if (!p)
+        return;
+    memset(p, 0, sizeof *p);
+    p->window_left = -1;
+    p->window_right = -1;
+}
+
+/* ------------------------------------------------------------- validation -- */
+
+/* Offsets of the varlen sequences; attention also admits NULL for an empty batch (no
+ * sequences, no rows). */
+static fw_status check_cu(const int32_t *cu, int64_t batch, int64_t total, const char *name)
+{
+    if (!cu && batch == 0 && total == 0)
+        return FW_OK;
+    return fw_check_cu_seqlens(cu, batch, total, name);
+}
+
+fw_status fw_attn_check_params(const fw_attn_params *params)
+{
+    if (!isfinite(params->scale))
+        return fw_fail(FW_ERR_ARG, "scale is %g; it must be finite (0 means 1/sqrt(d))",
+                       (double)params->scale);
+    if (!(params->softcap >= 0.0f) || !isfinite(params->softcap))
+        return fw_fail(FW_ERR_ARG, "softcap is %g; it must be finite and >= 0 (0 = off)",
+                       (double)params->softcap);
+    if (params->window_left < -1 || params->window_right < -1)
+        return fw_fail(FW_ERR_ARG, "window (%lld, %lld): each side must be >= 0, or -1 for unbounded",
+                       (long long)params->window_left, (long long)params->window_right);
+    if (params->causal != 0 && params->causal != 1)
+        return fw_fail(FW_ERR_ARG, "causal is %d; it must be 0 or 1", (int)params->causal);
+    fw_status s;
+    if ((s = fw_check_threads(params->threads)))
+        return s;
+    if (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16)
+        return fw_fail(FW_ERR_ARG, "precision is %d; it must be FW_PREC_AUTO (0), FW_PREC_F32 (1) "
+                       "or FW_PREC_BF16 (2)", (int)params->precision);
+    if (params->flags & ~(uint32_t)(FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_GQA_PACK |
+                                    FW_ATTN_NO_TILE_SKIP | FW_ATTN_PLAIN))
+        return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
+    return FW_OK;
+}
+
+int fw_attn_bf16_products(fw_dtype q, int32_t precision)
+{
+    return precision == FW_PREC_BF16 || (precision == FW_PREC_AUTO && q == FW_BF16);
+}
+
+/* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
+ * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0) and the
+ * product precision. */
+static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params)
+{
+    if (lse && p->varlen) {
+        p->lse_b = lse->stride[1]; p->lse_h = lse->stride[0]; p->lse_r = lse->stride[1];
+    } else if (lse) {
+        p->lse_b = lse->stride[0]; p->lse_h = lse->stride[1]; p->lse_r = lse->stride[2];
+    }
+    p->scale = params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)p->d);
+    p->softcap = params->softcap;
+    p->causal = params->causal;
+    p->wl = params->window_left;
+    p->wr = params->causal ? 0 : params->window_right;
+    p->bf16 = fw_attn_bf16_products(p->q->dtype, params->precision);
+}
+
+fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
+                        const fw_tensor *v, const int32_t *cuq, const int32_t *cuk,
+                        int64_t batch, int varlen, const fw_tensor *out, const fw_tensor *lse,
+                        const fw_attn_params *params, int ref)
+{
+    fw_attn_params defaults;
+    if (!params) {
+        fw_attn_params_init(&defaults);
+        params = &defaults;
+    }
+    memset(p, 0, sizeof *p);
+    const int nd = varlen ? 3 : 4, o = varlen ? 0 : 1; /* o: offset of the token dim */
+    const unsigned dt_out = FW_DT_IN | (ref ? 1u << FW_F64 : 0u);
+    fw_status s;
+    if ((s = fw_check_tensor(q, "q", nd, FW_DT_IN)) || (s = fw_check_tensor(k, "k", nd, FW_DT_IN)) ||
+        (s = fw_check_tensor(v, "v", nd, FW_DT_IN)) || (s = fw_check_tensor(out, "out", nd, dt_out)))
+        return s;
+    if (lse && (s = fw_check_tensor(lse, "lse", varlen ? 2 : 3,
+                                    (1u << FW_F32) | (ref ? 1u << FW_F64 : 0u))))
+        return s;
+    if (k->dtype != q->dtype || v->dtype != q->dtype)
+        return fw_fail(FW_ERR_DTYPE, "q, k and v must share a dtype: q is %s, k is %s, v is %s",
+                       fw_dtype_name(q->dtype), fw_dtype_name(k->dtype), fw_dtype_name(v->dtype));
+    const int64_t hq = q->shape[o + 1], hkv = k->shape[o + 1], d = q->shape[o + 2],
+                  dv = v->shape[o + 2];
+    if (!varlen) {
+        if (k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || out->shape[0] != q->shape[0])
+            return fw_fail(FW_ERR_SHAPE, "batch sizes differ: q %lld, k %lld, v %lld, out %lld",
+                           (long long)q->shape[0], (long long)k->shape[0], (long long)v->shape[0],
+                           (long long)out->shape[0]);
+    }
+    if (v->shape[o] != k->shape[o])
+        return fw_fail(FW_ERR_SHAPE, "k has %lld keys but v has %lld", (long long)k->shape[o],
+                       (long long)v->shape[o]);
+    if (out->shape[o] != q->shape[o])
+        return fw_fail(FW_ERR_SHAPE, "q has %lld query rows but out has %lld",
+                       (long long)q->shape[o], (long long)out->shape[o]);
+    if (v->shape[o + 1] != hkv)
+        return fw_fail(FW_ERR_SHAPE, "k has %lld heads but v has %lld", (long long)hkv,
+                       (long long)v->shape[o + 1]);
+    if (out->shape[o + 1] != hq)
+        return fw_fail(FW_ERR_SHAPE, "q has %lld heads but out has %lld", (long long)hq,
+                       (long long)out->shape[o + 1]);
+    if (hq < 1 || hkv < 1 || hq % hkv)
+        return fw_fail(FW_ERR_SHAPE, "k has %lld heads, which does not divide q's %lld heads",
+                       (long long)hkv, (long long)hq);
+    if (k->shape[o + 2] != d)
+        return fw_fail(FW_ERR_SHAPE, "q has head dim %lld but k has %lld", (long long)d,
+                       (long long)k->shape[o + 2]);
+    if (out->shape[o + 2] != dv)
+        return fw_fail(FW_ERR_SHAPE, "v has head dim %lld but out has %lld", (long long)dv,
+                       (long long)out->shape[o + 2]);
+    if (d < 1 || d > FW_MAX_HEAD_DIM || dv < 1 || dv > FW_MAX_HEAD_DIM)
+        return fw_fail(FW_ERR_SHAPE, "head dims must be 1..%d: d is %lld, dv is %lld",
+                       FW_MAX_HEAD_DIM, (long long)d, (long long)dv);
+    if (hq > FW_MAX_HEADS)
+        return fw_fail(FW_ERR_SHAPE, "q has %lld heads; at most %d are supported", (long long)hq,
+                       FW_MAX_HEADS);
+    if (lse) {
+        int64_t want[3], n = varlen ? 2 : 3;
+        if (varlen) { want[0] = hq; want[1] = q->shape[0]; }
+        else { want[0] = q->shape[0]; want[1] = hq; want[2] = q->shape[1]; }
+        for (int i = 0; i < n; i++)
+            if (lse->shape[i] != want[i])
+                return fw_fail(FW_ERR_SHAPE, "lse must be %s; its dimension %d is %lld, expected %lld",
+                               varlen ? "[hq, total_q]" : "[b, hq, sq]", i,
+                               (long long)lse->shape[i], (long long)want[i]);
+        if ((s = fw_check_no_alias(lse, "lse")))
+            return s;
+    }
+    if ((s = fw_check_no_alias(out, "out")))
+        return s;
+    if ((s = fw_attn_check_params(params)))
+        return s;
+    if (varlen) {
+        if (batch < 0 || batch > INT32_MAX)
+            return fw_fail(FW_ERR_ARG, "batch is %lld; it must be 0..2^31-1", (long long)batch);
+        if ((s = check_cu(cuq, batch, q->shape[0], "cu_seqlens_q")) ||
+            (s = check_cu(cuk, batch, k->shape[0], "cu_seqlens_k")))
+            return s;
+    }
+
+    p->q = q; p->k = k; p->v = v; p->out = out; p->lse = lse;
+    p->cuq = cuq; p->cuk = cuk; p->varlen = varlen;
+    p->hq = hq; p->hkv = hkv; p->G = hq / hkv; p->d = d; p->dv = dv;
+    for (int i = 0; i < 3; i++) {
+        p->qs[i] = q->stride[o + i]; p->ks[i] = k->stride[o + i];
+        p->vs[i] = v->stride[o + i]; p->os[i] = out->stride[o + i];
+    }
+    if (varlen) {
+        p->batch = batch;
+        for (int64_t i = 0; i < batch; i++) {
+            p->sq = fw_max64(p->sq, (int64_t)cuq[i + 1] - cuq[i]);
+            p->sk = fw_max64(p->sk, (int64_t)cuk[i + 1] - cuk[i]);
+        }
+    } else {
+        p->batch = q->shape[0]; p->sq = q->shape[1]; p->sk = k->shape[1];
+        p->qb = q->stride[0]; p->kb = k->stride[0]; p->vb = v->stride[0]; p->ob = out->stride[0];
+    }
+    setup_common(p, lse, params);
+    return FW_OK;
+}
+
+fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
+{
+    fw_attn_seq s;
+    s.index = i;
+    if (p->varlen) {
+        int64_t r = p->cuq[i];
+        s.q0 = r * p->qs[0];
+        s.o0 = r * p->os[0];
+        s.lse0 = r * p->lse_b;
+        s.sq = (int64_t)p->cuq[i + 1] - r;
+        if (p->kvcache) {
+            s.k0 = i * p->kb;
+            s.v0 = i * p->vb;
+            s.sk = (int64_t)p->cache_len[i] + (p->append ? s.sq : 0);
+        } else {
+            int64_t c = p->cuk[i];
+            s.k0 = c * p->ks[0];
+            s.v0 = c * p->vs[0];
+            s.sk = (int64_t)p->cuk[i + 1] - c;
+        }
+    } else {
+        s.q0 = i * p->qb;
+        s.k0 = i * p->kb;
+        s.v0 = i * p->vb;
+        s.o0 = i * p->ob;
+        s.lse0 = i * p->lse_b;
+        s.sq = p->sq;
+        s.sk = p->sk;
+    }
+    return s;
+}
+
+fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new,
+                                const fw_tensor *v_new, const int32_t *cuq, int64_t batch,
+                                const fw_kv_cache *cache, const fw_tensor *out,
+                                const fw_tensor *lse, const fw_attn_params *params, int ref)
+{
+    fw_attn_params defaults;
+    if (!params) {
+        fw_attn_params_init(&defaults);
+        params = &defaults;
+    }
+    memset(p, 0, sizeof *p);
+    const unsigned dt_out = FW_DT_IN | (ref ? 1u << FW_F64 : 0u);
+    fw_status s;
+    if (!cache)
+        return fw_fail(FW_ERR_NULL, "cache is NULL: a fw_kv_cache is required");
+    const fw_tensor *kc = &cache->k, *vc = &cache->v;
+    if ((s = fw_check_tensor(q, "q", 3, FW_DT_IN)) || (s = fw_check_tensor(out, "out", 3, dt_out)) ||
+        (s = fw_check_tensor(kc, "cache.k", 4, FW_DT_IN)) || (s = fw_check_tensor(vc, "cache.v", 4, FW_DT_IN)))
+        return s;
+    if (lse && (s = fw_check_tensor(lse, "lse", 2, (1u << FW_F32) | (ref ? 1u << FW_F64 : 0u))))
+        return s;
+    if (!k_new != !v_new)
+        return fw_fail(FW_ERR_NULL, "k_new is %s but v_new is %s: pass both or neither",
+                       k_new ? "set" : "NULL", v_new ? "set" : "NULL");
+    if (vc->dtype != kc->dtype)
+        return fw_fail(FW_ERR_DTYPE, "cache.k is %s but cache.v is %s; they must match",
+                       fw_dtype_name(kc->dtype), fw_dtype_name(vc->dtype));
+    const int64_t hq = q->shape[1], hkv = kc->shape[2], d = q->shape[2], dv = vc->shape[3];
+    if (kc->shape[3] != d)
+        return fw_fail(FW_ERR_SHAPE, "q has head dim %lld but cache.k has %lld", (long long)d,
+                       (long long)kc->shape[3]);
+    if (vc->shape[2] != hkv || vc->shape[0] != kc->shape[0] || vc->shape[1] != kc->shape[1])
+        return fw_fail(FW_ERR_SHAPE, "cache.v [%lld, %lld, %lld, .] does not match cache.k [%lld, %lld, %lld, .]",
+                       (long long)vc->shape[0], (long long)vc->shape[1], (long long)vc->shape[2],
+                       (long long)kc->shape[0], (long long)kc->shape[1], (long long)kc->shape[2]);
+    if (hq < 1 || hkv < 1 || hq % hkv)
+        return fw_fail(FW_ERR_SHAPE, "the cache has %lld heads, which does not divide q's %lld heads",
+                       (long long)hkv, (long long)hq);
+    if (d < 1 || d > FW_MAX_HEAD_DIM || dv < 1 || dv > FW_MAX_HEAD_DIM || hq > FW_MAX_HEADS)
+        return fw_fail(FW_ERR_SHAPE, "head dims must be 1..%d and heads at most %d: d %lld, dv %lld, hq %lld",
+                       FW_MAX_HEAD_DIM, FW_MAX_HEADS, (long long)d, (long long)dv, (long long)hq);
+    if (out->shape[0] != q->shape[0] || out->shape[1] != hq || out->shape[2] != dv)
+        return fw_fail(FW_ERR_SHAPE, "out must be [%lld, %lld, %lld] (q rows, q heads, dv); it is [%lld, %lld, %lld]",
+                       (long long)q->shape[0], (long long)hq, (long long)dv, (long long)out->shape[0],
+                       (long long)out->shape[1], (long long)out->shape[2]);
+    if (lse && (lse->shape[0] != hq || lse->shape[1] != q->shape[0]))
+        return fw_fail(FW_ERR_SHAPE, "lse must be [hq, total_q] = [%lld, %lld]", (long long)hq,
+                       (long long)q->shape[0]);
+    if (k_new) {
+        if ((s = fw_check_tensor(k_new, "k_new", 3, FW_DT_IN)) || (s = fw_check_tensor(v_new, "v_new", 3, FW_DT_IN)))
+            return s;
+        if (k_new->dtype != kc->dtype || v_new->dtype != kc->dtype)
+            return fw_fail(FW_ERR_DTYPE, "k_new/v_new (%s/%s) must have the cache's dtype %s",
+                           fw_dtype_name(k_new->dtype), fw_dtype_name(v_new->dtype), fw_dtype_name(kc->dtype));
+        if (k_new->shape[0] != q->shape[0] || k_new->shape[1] != hkv || k_new->shape[2] != d ||
+            v_new->shape[0] != q->shape[0] || v_new->shape[1] != hkv || v_new->shape[2] != dv)
+            return fw_fail(FW_ERR_SHAPE, "k_new must be [total_q, hkv, d] = [%lld, %lld, %lld] and v_new "
+                           "[%lld, %lld, %lld]", (long long)q->shape[0], (long long)hkv, (long long)d,
+                           (long long)q->shape[0], (long long)hkv, (long long)dv);
+    }
+    if ((s = fw_check_no_alias(out, "out")) || (lse && (s = fw_check_no_alias(lse, "lse"))) ||
+        (k_new && ((s = fw_check_no_alias(kc, "cache.k")) || (s = fw_check_no_alias(vc, "cache.v")))))
+        return s;
+    if ((s = fw_attn_check_params(params)))
+        return s;
+    if (batch < 0 || batch > INT32_MAX)
+        return fw_fail(FW_ERR_ARG, "batch is %lld; it must be 0..2^31-1", (long long)batch);
+    if ((s = check_cu(cuq, batch, q->shape[0], "cu_seqlens_q")))
+        return s;
+    if (batch > 0 && !cache->seqlens)
+        return fw_fail(FW_ERR_NULL, "cache.seqlens is NULL");
+    const int paged = cache->block_table != NULL;
+    const int64_t num_pages = kc->shape[0], rows = kc->shape[1];
+    int64_t shift = 0, bts = 0;
+    if (paged) {
+        while (((int64_t)1 << shift) < fw_min64(rows, FW_MAX_PAGE_SIZE))
+            shift++;
+        if (rows < FW_MIN_PAGE_SIZE || rows > FW_MAX_PAGE_SIZE || ((int64_t)1 << shift) != rows)
+            return fw_fail(FW_ERR_SHAPE, "page_size (cache.k dimension 1) is %lld; it must be a power of "
+                           "two from %d to %d", (long long)rows, FW_MIN_PAGE_SIZE, FW_MAX_PAGE_SIZE);
+        bts = cache->block_table_stride ? cache->block_table_stride : cache->max_pages;
+        if (cache->max_pages < 1 || bts < cache->max_pages)
+            return fw_fail(FW_ERR_ARG, "block table: max_pages %lld must be >= 1 and its row stride %lld "
+                           ">= max_pages", (long long)cache->max_pages, (long long)bts);
+    } else if (kc->shape[0] < batch) {
+        return fw_fail(FW_ERR_SHAPE, "the contiguous cache holds %lld sequences but batch is %lld",
+                       (long long)kc->shape[0], (long long)batch);
+    }
+    /* every sequence's context fits, every page it touches exists; no page written twice */
+    unsigned char *written = NULL;
+    if (paged && k_new && !(written = calloc((size_t)num_pages + 1, 1)))
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld bytes to check the block table",
+                       (long long)num_pages);
+    for (int64_t i = 0; i < batch && !s; i++) {
+        const int64_t old = cache->seqlens[i], n = (int64_t)cuq[i + 1] - cuq[i];
+        const int64_t len = old + (k_new ? n : 0);
+        if (old < 0) {
+            s = fw_fail(FW_ERR_SEQLENS, "cache.seqlens[%lld] is %lld; it must be >= 0", (long long)i,
+                        (long long)old);
+        } else if (!paged) {
+            if (len > rows)
+                s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld cache rows but the cache holds %lld",
+                            (long long)i, (long long)len, (long long)rows);
+        } else {
+            const int64_t pages = (len + rows - 1) >> shift;
+            if (pages > cache->max_pages)
+                s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld pages for %lld tokens but the block "
+                            "table has %lld columns", (long long)i, (long long)pages, (long long)len,
+                            (long long)cache->max_pages);
+            for (int64_t pg = 0; pg < pages && !s; pg++) {
+                int32_t e = cache->block_table[i * bts + pg];
+                if (e < 0 || e >= num_pages)
+                    s = fw_fail(FW_ERR_INDEX, "block_table[%lld][%lld] = %d is not a page of the cache "
+                                "(0..%lld)", (long long)i, (long long)pg, (int)e, (long long)num_pages - 1);
+                else if (written && n > 0 && pg >= (old >> shift)) {
+                    if (written[e])
+                        s = fw_fail(FW_ERR_INDEX, "page %d is written by two sequences (the second is %lld)",
+                                    (int)e, (long long)i);
+                    written[e] = 1;
+                }
+            }
+        }
+    }
+    free(written);
+    if (s)
+        return s;
+
+    p->q = q; p->k = kc; p->v = vc; p->out = out; p->lse = lse;
+    p->cuq = cuq; p->varlen = 1; p->kvcache = 1; p->append = k_new != NULL;
+    p->knew = k_new; p->vnew = v_new;
+    p->batch = batch;
+    p->hq = hq; p->hkv = hkv; p->G = hq / hkv; p->d = d; p->dv = dv;
+    for (int i = 0; i < 3; i++) {
+        p->qs[i] = q->stride[i]; p->os[i] = out->stride[i];
+        p->ks[i] = kc->stride[i + 1]; p->vs[i] = vc->stride[i + 1];
+    }
+    p->kb = kc->stride[0]; p->vb = vc->stride[0];
+    if (paged) {
+        p->bt = cache->block_table; p->bt_stride = bts; p->page_shift = shift;
+        p->kpage = kc->stride[0]; p->vpage = vc->stride[0];
+    }
+    p->cache_len = cache->seqlens;
+    for (int64_t i = 0; i < batch; i++) {
+        fw_attn_seq e = fw_attn_seq_get(p, i);
+        p->sq = fw_max64(p->sq, e.sq);
+        p->sk = fw_max64(p->sk, e.sk);
+    }
+    setup_common(p, lse, params);
+    return FW_OK;
+}
+
+/* ------------------------------------------------------------- heuristics -- */
+
+void fw_attn_tile_rows(int64_t G, int vl, int64_t sq_max, int *bq, int *M)
+{
+    int64_t b = G >= FW_ATTN_TILE_ROWS ? 1 : FW_ATTN_TILE_ROWS / G;
+    b = fw_max64(1, fw_min64(b, sq_max));
+    *bq = (int)b;
+    *M = (int)(fw_ceil_div(G * b, vl) * vl);
+}
+
+int fw_attn_chunk_tiles(int64_t total_tiles, int threads)
+{
+    int64_t c = total_tiles / (8 * (int64_t)(threads > 0 ? threads : 1));
+    return (int)fw_max64(1, fw_min64(FW_ATTN_CHUNK_MAX, c));
+}
+
+int64_t fw_attn_kv_splits(int64_t sk)
+{
+    return sk > FW_KV_SPLIT ? fw_ceil_div(sk, FW_KV_SPLIT) : 1;
+}

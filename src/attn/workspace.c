@@ -1,0 +1,83 @@
+/* attn/workspace.c: the per-thread workspace of the attention kernels, its layout and size
+ * (fw_attn_workspace_size). */
+#include "run.h"
+
+static size_t up64(size_t x) { return (x + 63) & ~(size_t)63; }
+
+/* Per-thread layout for tiles of M rows (the largest M any sequence length gives) and a
+ * decode state for `units` K/V groups of up to FW_DEC_ROWS rows each; with bf16 products
+ * also the pair-layout panels of the q tiles, one K/V tile and one P tile (kern/attn_kern.h):
+ * for d = dv = 128, M = 64: 256 + 16 + 16 + 8 KiB. */
+static ws_layout ws_plan(int64_t d, int64_t dv, int M, int64_t units, int bf16)
+{
+    ws_layout w;
+    size_t f = sizeof(float), C = FW_ATTN_CHUNK_MAX, BK = FW_ATTN_BK;
+    w.qt = 0;
+    w.ot = w.qt + up64(C * (size_t)d * M * f);
+    w.al = w.ot + up64(C * (size_t)dv * M * f);   /* a, l: 2 x C x M floats */
+    w.rng = w.al + up64(2 * C * M * f);           /* row key ranges: 2 x C x M int64 */
+    w.vec = w.rng + up64(2 * C * M * sizeof(int64_t)); /* bias, zero, lo, hi, pending x2 */
+    w.st = w.vec + up64(6 * (size_t)M * f);
+    w.kf = w.st + up64(BK * M * f);
+    w.vf = w.kf + up64(BK * (size_t)d * f);
+    w.row = w.vf + up64(BK * (size_t)dv * f);     /* q row (d) and output row (dv) */
+    w.dec = w.row + up64(((size_t)d + dv) * f);   /* per unit and row: q, o, a, l */
+    w.qw = w.dec + up64((size_t)units * FW_DEC_ROWS * ((size_t)d + dv + 2) * f);
+    const size_t dw = bf16 ? ((size_t)d + 1) / 2 : 0, wsz = sizeof(uint32_t);
+    w.kw = w.qw + up64(C * dw * M * wsz);
+    w.vw = w.kw + up64(BK * dw * wsz);
+    w.pw = w.vw + up64(bf16 ? BK / 2 * (size_t)dv * wsz : 0);
+    w.total = w.pw + up64(bf16 ? BK / 2 * (size_t)M * wsz : 0);
+    return w;
+}
+
+/* Rows of a tile for these flags (the plain kernel keeps one vector's worth). */
+static int ws_rows(int64_t G, const fw_kernels *kt, uint32_t flags)
+{
+    int bq, M;
+    if (flags & FW_ATTN_PLAIN)
+        return kt->vl;
+    fw_attn_tile_rows((flags & FW_ATTN_NO_GQA_PACK) ? 1 : G, kt->vl, INT64_MAX, &bq, &M);
+    return M;
+}
+
+int64_t fw_attn_ws_units(int64_t hq, int64_t hkv, uint32_t flags)
+{
+    return (flags & FW_ATTN_PLAIN) ? 0 : (flags & FW_ATTN_NO_GQA_PACK) ? hq : hkv;
+}
+
+ws_layout fw_attn_ws_layout(int64_t hq, int64_t hkv, int64_t d, int64_t dv, const fw_kernels *kt,
+                            uint32_t flags, int bf16)
+{
+    const int tiles_bf16 = bf16 && !(flags & FW_ATTN_PLAIN);
+    return ws_plan(d, dv, ws_rows(hq / hkv, kt, flags), fw_attn_ws_units(hq, hkv, flags), tiles_bf16);
+}
+
+fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                 const fw_attn_params *params, size_t *bytes)
+{
+    fw_clear_error();
+    if (!q || !k || !v || !bytes)
+        return fw_fail(FW_ERR_NULL, "%s is NULL", !q ? "q" : !k ? "k" : !v ? "v" : "bytes");
+    if (q->ndim < 3 || q->ndim > 4 || k->ndim != q->ndim || v->ndim != q->ndim)
+        return fw_fail(FW_ERR_SHAPE, "q, k, v must all be 4-D (dense) or 3-D (varlen)");
+    int o = q->ndim - 3;
+    int64_t hq = q->shape[o + 1], hkv = k->shape[o + 1], d = q->shape[o + 2], dv = v->shape[o + 2];
+    if (hq < 1 || hkv < 1 || hq % hkv || d < 1 || d > FW_MAX_HEAD_DIM || dv < 1 ||
+        dv > FW_MAX_HEAD_DIM || hq > FW_MAX_HEADS)
+        return fw_fail(FW_ERR_SHAPE, "heads %lld/%lld or head dims %lld/%lld are invalid",
+                       (long long)hq, (long long)hkv, (long long)d, (long long)dv);
+    fw_attn_params dflt;
+    fw_attn_params_init(&dflt);
+    fw_status s = fw_attn_check_params(params ? params : &dflt);
+    if (s)
+        return s;
+    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
+    if (!kt)
+        return FW_ERR_UNSUPPORTED;
+    const ws_layout w = fw_attn_ws_layout(hq, hkv, d, dv, kt, params ? params->flags : 0,
+                                          fw_attn_bf16_products(q->dtype, params ? params->precision
+                                                                                 : FW_PREC_AUTO));
+    *bytes = fw_attn_ws_bytes(&w, fw_threads(params ? params->threads : 0));
+    return FW_OK;
+}

@@ -1,0 +1,206 @@
+/* ref/gdn_ref.c: the float64 references of Gated DeltaNet (fw_gdn_ref): the plain
+ * recurrence token by token, and with bf16 products the chunked pass in double with the
+ * kernel's roundings and no others. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../gdn/gdn.h"
+
+/* Element (i, j, x) of a 3-D tensor, in double, and the store back. */
+static int64_t off3(const fw_tensor *t, int64_t i, int64_t j, int64_t x)
+{
+    return i * t->stride[0] + j * t->stride[1] + x * t->stride[2];
+}
+
+/* x rounded to bf16 (nearest even). */
+static double rb(double x) { return (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)); }
+
+/* The normalised row (l2: x / sqrt(|x|^2 + 1e-6)) of token t, head hh of x, in double. */
+static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh, double *dst)
+{
+    double n = 0;
+    for (int64_t i = 0; i < p->dk; i++) {
+        dst[i] = fw_load_f64(x, off3(x, t, hh, i));
+        n += dst[i] * dst[i];
+    }
+    const double s = p->l2 ? 1.0 / sqrt(n + 1e-6) : 1.0;
+    for (int64_t i = 0; i < p->dk; i++)
+        dst[i] *= s;
+}
+
+/* Same-roundings reference of the chunked pass on bf16 products: chunks of 64 tokens from each
+ * sequence's start, every product in double, and the roundings of gdn_chunk_bf16 (gdn/chunk.c,
+ * its comment) and no others. One (sequence, value head) at a time. */
+static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *final)
+{
+    const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
+    double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *hb = malloc(sizeof(double) * (size_t)(dk * dv));
+    double *Kh = malloc(sizeof(double) * (size_t)(C * dk)), *Kb = malloc(sizeof(double) * (size_t)(C * dk));
+    double *Qb = malloc(sizeof(double) * (size_t)(C * dk)), *Wb = malloc(sizeof(double) * (size_t)(C * dk));
+    double *U = malloc(sizeof(double) * (size_t)(C * dv)), *Db = malloc(sizeof(double) * (size_t)(C * dv));
+    double *T = malloc(sizeof(double) * (size_t)(C * C)), *Gb = malloc(sizeof(double) * (size_t)(C * C));
+    double *row = malloc(sizeof(double) * (size_t)(dk > dv ? dk : dv));
+    double gam[GDN_C], bet[GDN_C];
+    if (!h || !hb || !Kh || !Kb || !Qb || !Wb || !U || !Db || !T || !Gb || !row) {
+        free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
+    }
+    for (int64_t s = 0; s < p->n; s++)
+        for (int64_t vh = 0; vh < p->HV; vh++) {
+            const int64_t hh = vh / p->r;
+            for (int64_t x = 0; x < dk * dv; x++)
+                h[x] = init ? init[state_off(p, s, vh) + x] : 0.0;
+            for (int64_t t0 = p->cu[s]; t0 < p->cu[s + 1]; t0 += C) {
+                const int64_t L = fw_min64(C, p->cu[s + 1] - t0);
+                double acc = 0;
+                for (int64_t i = 0; i < L; i++) {
+                    ref_row(p, p->k, t0 + i, hh, Kh + i * dk);
+                    ref_row(p, p->q, t0 + i, hh, Qb + i * dk);
+                    for (int64_t x = 0; x < dk; x++) {
+                        Kb[i * dk + x] = rb(Kh[i * dk + x]);
+                        Qb[i * dk + x] = rb(Qb[i * dk + x]);
+                    }
+                    acc += scalar_at(p->g, t0 + i, vh);
+                    gam[i] = acc;
+                    bet[i] = scalar_at(p->beta, t0 + i, vh);
+                }
+                /* T = (I + A)^-1, A_ij = beta_i e^(gam_i - gam_j) Kb_i . Kb_j (j < i), by rows;
+                 * Gb = (e^(gam_i - gam_j) Qb_i . Kb_j)b (j <= i) */
+                for (int64_t i = 0; i < L; i++) {
+                    double a[GDN_C];
+                    for (int64_t j = 0; j < L; j++) {
+                        double kk = 0, qk = 0;
+                        for (int64_t x = 0; x < dk; x++) {
+                            kk += Kb[i * dk + x] * Kb[j * dk + x];
+                            qk += Qb[i * dk + x] * Kb[j * dk + x];
+                        }
+                        a[j] = j < i ? bet[i] * exp(gam[i] - gam[j]) * kk : 0.0;
+                        Gb[i * C + j] = j <= i ? rb(exp(gam[i] - gam[j]) * qk) : 0.0;
+                    }
+                    for (int64_t j = 0; j < L; j++) {
+                        double v = i == j;
+                        for (int64_t m = j; m < i; m++)
+                            v -= a[m] * T[m * C + j];
+                        T[i * C + j] = j <= i ? v : 0.0;
+                    }
+                }
+                for (int64_t i = 0; i < L * C; i++)
+                    T[i] = rb(T[i]);
+                /* [W | U] = Tb [beta e^gam K^ | beta V]b; Wb */
+                for (int64_t i = 0; i < L; i++) {
+                    for (int64_t x = 0; x < dk; x++)
+                        Wb[i * dk + x] = 0;
+                    for (int64_t y = 0; y < dv; y++)
+                        U[i * dv + y] = 0;
+                }
+                for (int64_t j = 0; j < L; j++) {
+                    for (int64_t x = 0; x < dk; x++)
+                        row[x] = rb(bet[j] * exp(gam[j]) * Kh[j * dk + x]);
+                    for (int64_t i = j; i < L; i++)
+                        for (int64_t x = 0; x < dk; x++)
+                            Wb[i * dk + x] += T[i * C + j] * row[x];
+                    for (int64_t y = 0; y < dv; y++)
+                        row[y] = rb(bet[j] * fw_load_f64(p->v, off3(p->v, t0 + j, vh, y)));
+                    for (int64_t i = j; i < L; i++)
+                        for (int64_t y = 0; y < dv; y++)
+                            U[i * dv + y] += T[i * C + j] * row[y];
+                }
+                for (int64_t i = 0; i < L * dk; i++)
+                    Wb[i] = rb(Wb[i]);
+                for (int64_t x = 0; x < dk * dv; x++)
+                    hb[x] = rb(h[x]);
+                /* Deltab = (U - Wb hb)b; O = scale (e^gam Qb hb + Gb Deltab) */
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t y = 0; y < dv; y++) {
+                        double wh = 0;
+                        for (int64_t x = 0; x < dk; x++)
+                            wh += Wb[i * dk + x] * hb[x * dv + y];
+                        Db[i * dv + y] = rb(U[i * dv + y] - wh);
+                    }
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t y = 0; y < dv; y++) {
+                        double qh = 0, gd = 0;
+                        for (int64_t x = 0; x < dk; x++)
+                            qh += Qb[i * dk + x] * hb[x * dv + y];
+                        for (int64_t j = 0; j <= i; j++)
+                            gd += Gb[i * C + j] * Db[j * dv + y];
+                        fw_store_f64(p->out, off3(p->out, t0 + i, vh, y), p->scale * (exp(gam[i]) * qh + gd));
+                    }
+                /* h <- e^gam_last h + sum_i (e^(gam_last - gam_i) K^_i)b^T Deltab_i */
+                const double al = exp(gam[L - 1]);
+                for (int64_t x = 0; x < dk * dv; x++)
+                    h[x] *= al;
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t x = 0; x < dk; x++) {
+                        const double kx = rb(exp(gam[L - 1] - gam[i]) * Kh[i * dk + x]);
+                        for (int64_t y = 0; y < dv; y++)
+                            h[x * dv + y] += kx * Db[i * dv + y];
+                    }
+            }
+            if (final)
+                memcpy(final + state_off(p, s, vh), h, sizeof(double) * (size_t)(dk * dv));
+        }
+    free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
+    return FW_OK;
+}
+
+fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
+                     const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
+                     const float *initial_state, double *final_state, const fw_tensor *out,
+                     const fw_gdn_params *params)
+{
+    fw_clear_error();
+    gdn_prob p;
+    fw_status s = fw_gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 1);
+    if (s)
+        return s;
+    if (p.bf16 && !(params && params->flags & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)))
+        return gdn_ref_bf16(&p, initial_state, final_state);
+    const int64_t dk = p.dk, dv = p.dv;
+    double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *qq = malloc(sizeof(double) * (size_t)dk),
+           *kk = malloc(sizeof(double) * (size_t)dk), *a = malloc(sizeof(double) * (size_t)dv);
+    if (!h || !qq || !kk || !a) {
+        free(h); free(qq); free(kk); free(a);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
+    }
+    for (int64_t i = 0; i < n_seqs; i++)
+        for (int64_t vh = 0; vh < p.HV; vh++) {
+            const int64_t hh = vh / p.r;
+            for (int64_t x = 0; x < dk * dv; x++)
+                h[x] = initial_state ? initial_state[state_off(&p, i, vh) + x] : 0.0;
+            for (int64_t t = cu_seqlens[i]; t < cu_seqlens[i + 1]; t++) {
+                double nq = 0, nk = 0;
+                for (int64_t x = 0; x < dk; x++) {
+                    qq[x] = fw_load_f64(q, off3(q, t, hh, x));
+                    kk[x] = fw_load_f64(k, off3(k, t, hh, x));
+                    nq += qq[x] * qq[x];
+                    nk += kk[x] * kk[x];
+                }
+                const double sq = p.scale / (p.l2 ? sqrt(nq + 1e-6) : 1.0), sk = p.l2 ? 1.0 / sqrt(nk + 1e-6) : 1.0;
+                for (int64_t x = 0; x < dk; x++) {
+                    qq[x] *= sq;
+                    kk[x] *= sk;
+                }
+                const double al = exp((double)scalar_at(g, t, vh)), be = scalar_at(beta, t, vh);
+                for (int64_t y = 0; y < dv; y++) {
+                    double acc = 0;
+                    for (int64_t x = 0; x < dk; x++)
+                        acc += h[x * dv + y] * kk[x];
+                    a[y] = be * (fw_load_f64(v, off3(v, t, vh, y)) - al * acc); /* delta */
+                }
+                for (int64_t x = 0; x < dk; x++)
+                    for (int64_t y = 0; y < dv; y++)
+                        h[x * dv + y] = al * h[x * dv + y] + kk[x] * a[y];
+                for (int64_t y = 0; y < dv; y++) {
+                    double o = 0;
+                    for (int64_t x = 0; x < dk; x++)
+                        o += h[x * dv + y] * qq[x];
+                    fw_store_f64(out, off3(out, t, vh, y), o);
+                }
+            }
+            if (final_state)
+                memcpy(final_state + state_off(&p, i, vh), h, sizeof(double) * (size_t)(dk * dv));
+        }
+    free(h); free(qq); free(kk); free(a);
+    return FW_OK;
+}
