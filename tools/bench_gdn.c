@@ -112,6 +112,81 @@ static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t 
     return bench_median(t, reps);
 }
 
+/* Check of the chunked kernel in precision `prec` on q/k head 0 and its value heads (views of
+ * the benchmark's inputs), against the float64 recurrence: out and final-state errors, and
+ * the bar, 2 x the error of the same-roundings reference (bf16 products; its output rounded to
+ * the output dtype) or of the fused recurrent step (f32 products) + 1e-5. Returns the
+ * verdict; the errors land in err[0..1], the bar's in err[2..3]. */
+static int check_prefill(const gcfg *c, gbufs *B, int prec, double err[4])
+{
+    const int64_t T = c->T, r = c->HV / c->H, no = T * r * c->dv, ns = r * c->dk * c->dv;
+    fw_tensor q = B->tq, k = B->tk, v = B->tv, g = B->tg, b = B->tb;
+    q.shape[1] = k.shape[1] = 1;
+    v.shape[1] = g.shape[1] = b.shape[1] = r;
+    int64_t os[3] = {T, r, c->dv};
+    void *o = malloc((size_t)no * fw_dtype_size(c->dt) + 1);
+    float *st = malloc(sizeof(float) * (size_t)ns + 1);
+    double *ro = malloc(sizeof(double) * (size_t)no + 1), *rs = malloc(sizeof(double) * (size_t)ns + 1);
+    double *bo = malloc(sizeof(double) * (size_t)no + 1), *bs = malloc(sizeof(double) * (size_t)ns + 1);
+    int ok = o && st && ro && rs && bo && bs;
+    const int32_t cu[2] = {0, (int32_t)T};
+    fw_tensor to = fw_tensor_contiguous(o, c->dt, 3, os), tro = fw_tensor_contiguous(ro, FW_F64, 3, os),
+              tbo = fw_tensor_contiguous(bo, FW_F64, 3, os);
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    p.l2norm_qk = 1;
+    p.threads = c->threads;
+    p.isa = c->isa;
+    p.precision = FW_PREC_F32;
+    const double e0[4] = {INFINITY, INFINITY, 0, 0};
+    for (int i = 0; i < 4; i++)
+        err[i] = e0[i];
+    if (ok)
+        ok = fw_gdn_ref(&q, &k, &v, &g, &b, cu, 1, NULL, rs, &tro, &p) == FW_OK;
+    /* the bar: the same-roundings reference, or the fused recurrent step's own error */
+    if (ok && prec == FW_PREC_BF16) {
+        p.precision = FW_PREC_BF16;
+        ok = fw_gdn_ref(&q, &k, &v, &g, &b, cu, 1, NULL, bs, &tbo, &p) == FW_OK;
+        for (int64_t i = 0; ok && i < no; i++)
+            bo[i] = c->dt == FW_BF16 ? fw_bf16_to_f32(fw_f32_to_bf16((float)bo[i]))
+                    : c->dt == FW_F16 ? fw_f16_to_f32(fw_f32_to_f16((float)bo[i])) : bo[i];
+    } else if (ok) {
+        p.flags = FW_GDN_FUSED_RECURRENT;
+        ok = fw_gdn_prefill(&q, &k, &v, &g, &b, cu, 1, NULL, st, &to, &p) == FW_OK;
+        for (int64_t i = 0; ok && i < no; i++)
+            bo[i] = c->dt == FW_F32 ? ((float *)o)[i] : c->dt == FW_BF16 ? fw_bf16_to_f32(((uint16_t *)o)[i])
+                                                                      : fw_f16_to_f32(((uint16_t *)o)[i]);
+        for (int64_t i = 0; ok && i < ns; i++)
+            bs[i] = st[i];
+    }
+    if (ok) {
+        double eb[2] = {0, 0}, ek[2] = {0, 0};
+        for (int64_t i = 0; i < no; i++)
+            eb[0] = fmax(eb[0], fabs(bo[i] - ro[i]));
+        for (int64_t i = 0; i < ns; i++)
+            eb[1] = fmax(eb[1], fabs(bs[i] - rs[i]));
+        p.flags = 0;
+        p.precision = prec;
+        ok = fw_gdn_prefill(&q, &k, &v, &g, &b, cu, 1, NULL, st, &to, &p) == FW_OK;
+        for (int64_t i = 0; ok && i < no; i++) {
+            const double x = c->dt == FW_F32 ? ((float *)o)[i]
+                             : c->dt == FW_BF16 ? fw_bf16_to_f32(((uint16_t *)o)[i]) : fw_f16_to_f32(((uint16_t *)o)[i]);
+            const double d = fabs(x - ro[i]);
+            ek[0] = d > ek[0] || d != d ? d : ek[0];
+        }
+        for (int64_t i = 0; ok && i < ns; i++) {
+            const double d = fabs(st[i] - rs[i]);
+            ek[1] = d > ek[1] || d != d ? d : ek[1];
+        }
+        err[0] = ek[0];
+        err[1] = ek[1];
+        err[2] = 2 * eb[0] + 1e-5;
+        err[3] = 2 * eb[1] + 1e-5;
+    }
+    free(o); free(st); free(ro); free(rs); free(bo); free(bs);
+    return ok && err[0] <= err[2] && err[1] <= err[3];
+}
+
 static int run_prefill(const gcfg *c)
 {
     gbufs B;
@@ -126,7 +201,7 @@ static int run_prefill(const gcfg *c)
         cu[i] = (int32_t)(c->T * i / c->nseq + (i < c->nseq ? (i % 2 ? 37 : -37) : 0));
     const double fl = flop_per_token_head(c->dk, c->dv) * (double)c->T * (double)c->HV;
     const double pk = bench_peak(c->threads), pkb = bench_peak_bf16(c->threads);
-    const int bf16 = c->prec == FW_PREC_BF16 || (c->prec == FW_PREC_AUTO && c->dt == FW_BF16);
+    const int bf16 = bench_bf16_products(c->dt, c->prec);
     /* the chunked modes in the chosen precision; with bf16 products, the same on f32 products
      * (the same-run ratio); the recurrent baselines always run f32 products */
     const int cp = bf16 ? FW_PREC_BF16 : FW_PREC_F32;
@@ -169,6 +244,19 @@ static int run_prefill(const gcfg *c)
                    (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads, s, tps, gf, 100 * gf / peak,
                    peak, mb ? "bf16" : "FMA");
         fflush(stdout);
+    }
+    if (!fail) {
+        double e[4];
+        const int pass = check_prefill(c, &B, cp, e);
+        if (c->json)
+            printf("{\"op\":\"gdn_prefill_check\",\"T\":%lld,\"products\":\"%s\",\"out_err\":%.3g,"
+                   "\"out_bar\":%.3g,\"state_err\":%.3g,\"state_bar\":%.3g,\"check\":\"%s\"}\n",
+                   (long long)c->T, bf16 ? "bf16" : "f32", e[0], e[2], e[1], e[3], pass ? "pass" : "FAIL");
+        else
+            printf("gdn prefill T=%lld: chunked, %s products, head 0 against float64: out err %.2g (bar %.2g), "
+                   "state err %.2g (bar %.2g) %s\n",
+                   (long long)c->T, bf16 ? "bf16" : "f32", e[0], e[2], e[1], e[3], pass ? "ok" : "FAIL");
+        fail |= !pass;
     }
     if (bf16 && tps_f32 > 0 && !fail)
         printf(c->json ? "{\"op\":\"gdn_prefill_ratio\",\"T\":%lld,\"bf16_over_f32_products\":%.2f}\n"
