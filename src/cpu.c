@@ -119,6 +119,31 @@ const char *fw_isa_default(void)
     return d >= 0 ? tables[d].k->name : NULL;
 }
 
+void fw_kernels_fill(fw_kernels *t, const fw_kernels *base)
+{
+#define FW_FILL(f) if (!t->f) t->f = base->f;
+    FW_KERNEL_ENTRIES(FW_FILL)
+#undef FW_FILL
+}
+
+/* The registered tables with their NULL entries filled from the portable one, built once. */
+static fw_kernels resolved[NTABLES];
+static pthread_once_t resolve_once = PTHREAD_ONCE_INIT;
+
+static void resolve_run(void)
+{
+    for (int i = 0; i < NTABLES; i++) {
+        resolved[i] = *tables[i].k;
+        fw_kernels_fill(&resolved[i], &fw_kernels_portable);
+    }
+}
+
+static const fw_kernels *table(int i)
+{
+    pthread_once(&resolve_once, resolve_run);
+    return &resolved[i];
+}
+
 const fw_kernels *fw_kernels_get(const char *name)
 {
     if (!name) {
@@ -129,7 +154,7 @@ const fw_kernels *fw_kernels_get(const char *name)
                     "avx512, avx512bf16)", env_name);
             return NULL;
         }
-        return tables[d].k;
+        return table(d);
     }
     const entry *e = find(name);
     if (!e) {
@@ -140,7 +165,7 @@ const fw_kernels *fw_kernels_get(const char *name)
         fw_fail(FW_ERR_UNSUPPORTED, "kernel table \"%s\" needs instructions this CPU lacks", name);
         return NULL;
     }
-    return e->k;
+    return table((int)(e - tables));
 }
 
 typedef struct {

@@ -92,8 +92,9 @@ typedef struct fw_kernels {
     void (*pv_bf16)(int nw, int dv, int M, const uint32_t *VW, const uint32_t *PW, float *OT);
     /* Decode kernels (keys along the lanes; layouts in attn_kern.h). pack_kt converts nk <= 64
      * key rows (rows[j] points at key j, head applied; kdim = stride within a row) into
-     * Kt[d][FW_DEC_KEYS], transposed, zero past nk to a whole vector. dec_pv reads value rows
-     * in place (contiguous rows of dtype dt). */
+     * Kt[d][FW_DEC_KEYS], transposed, zero past nk (every column is written, so any table's
+     * dec_qk reads it, whatever its vector length). dec_pv reads value rows in place
+     * (contiguous rows of dtype dt). */
     void (*pack_kt)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt);
     void (*dec_qk)(int R, int nk, int d, const float *Q, const float *Kt, float *S);
     void (*dec_softmax)(int R, int nk, float *S, const float *lo, const float *hi, float *m,
@@ -105,6 +106,11 @@ typedef struct fw_kernels {
      * rounds P to bf16 pairs in PW [R][FW_DEC_KEYS / 2] and adds P V to O. */
     void (*pack_kt_bf16)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d,
                          uint32_t *KtW);
+    /* Bytes of a bf16 operand panel in this table's layout, `red` reduction elements (a head
+     * dim, or keys) by `cols` (the other operand's rows): ceil(red / 2) x cols words in the
+     * pair layout. The workspace plans ask the table, so a table with padded tiles (AMX: 16
+     * rows of 32 bf16) sizes its own panels. */
+    size_t (*panel_bytes)(int red, int cols);
     void (*dec_qk_bf16)(int R, int nk, int dw, const uint32_t *QW, const uint32_t *KtW, float scale,
                         float *S);
     void (*dec_pv_bf16)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
@@ -141,7 +147,26 @@ typedef struct fw_kernels {
                       const float *v, float alpha, float beta, float *o, float *tmp);
 } fw_kernels;
 
-/* The table by name (NULL = default). Sets an error and returns NULL if unknown/unsupported. */
+/* Every function entry of a table, in order. A table may leave entries NULL: the registry
+ * fills them from the portable table (BLIS's way), which is legal because no entry's
+ * contract depends on the vector length of another (the portable entries take any M, and
+ * packers write every column they hand on). The assertion keeps the list whole. */
+#define FW_KERNEL_ENTRIES(X)                                                                     \
+    X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs)      \
+    X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16)          \
+    X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(plain_row) X(peak) X(peak_bf16) X(stream_sum)  \
+    X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
+    X(gdn_dec_cols) X(gdn_step4)
+#define FW_KERNEL_ONE(f) +1
+_Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
+                                         (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),
+               "FW_KERNEL_ENTRIES must list every entry of fw_kernels");
+
+/* t's NULL entries from base. */
+void fw_kernels_fill(fw_kernels *t, const fw_kernels *base);
+
+/* The table by name (NULL = default), its NULL entries filled from the portable table. Sets
+ * an error and returns NULL if unknown/unsupported. */
 const fw_kernels *fw_kernels_get(const char *name);
 
 extern const fw_kernels fw_kernels_portable;

@@ -1096,9 +1096,86 @@ static void test_heuristics(void)
     case_end();
 }
 
+/* Tables may leave entries NULL (filled from the portable table), which is legal only if no
+ * entry relies on another's vector length: every registered table is whole once resolved, a
+ * partial one takes the portable entries it lacks, and the portable key packers feed each
+ * table's decode products exactly as its own do (every column written, garbage before). */
+static void test_partial_tables(void)
+{
+    const fw_kernels *port = fw_kernels_get("portable");
+    for (int it = 0; it < fw_isa_count(); it++) {
+        if (!fw_isa_supported(fw_isa_name(it)))
+            continue;
+        const fw_kernels *t = fw_kernels_get(fw_isa_name(it));
+        case_begin("kernel table %s: resolved whole; a partial one filled from portable", t->name);
+#define FW_NONNULL(f) case_check(t->f != NULL, "entry " #f " is NULL");
+        FW_KERNEL_ENTRIES(FW_NONNULL)
+#undef FW_NONNULL
+        fw_kernels part;
+        memset(&part, 0, sizeof part);
+        part.name = t->name;
+        part.vl = t->vl;
+        part.dec_qk = t->dec_qk;
+        part.dec_qk_bf16 = t->dec_qk_bf16;
+        fw_kernels_fill(&part, port);
+        case_check(part.dec_qk == t->dec_qk && part.dec_qk_bf16 == t->dec_qk_bf16 &&
+                       part.pack_kt == port->pack_kt && part.pack_kt_bf16 == port->pack_kt_bf16 &&
+                       part.qk == port->qk && part.gdn_step4 == port->gdn_step4,
+                   "fill replaced a given entry or left a missing one");
+        enum { R = 3, D = 72, DW = D / 2 };
+        static uint16_t keys[FW_DEC_KEYS][D];
+        static float K32[FW_DEC_KEYS][D], Kt[D * FW_DEC_KEYS], Q[R * D], S0[R * FW_DEC_KEYS], S1[R * FW_DEC_KEYS];
+        static uint32_t KtW[DW * FW_DEC_KEYS], QW[R * DW];
+        rng_seed(77);
+        for (int j = 0; j < FW_DEC_KEYS; j++)
+            for (int x = 0; x < D; x++) {
+                keys[j][x] = fw_f32_to_bf16((float)rng_normal());
+                K32[j][x] = fw_bf16_to_f32(keys[j][x]);
+            }
+        for (int i = 0; i < R * D; i++)
+            Q[i] = (float)rng_normal();
+        for (int r = 0; r < R; r++)
+            port->pack_row_pairs(Q + r * D, D, QW + r * DW);
+        static const int nks[] = {1, 37, 64};
+        for (int n = 0; n < 3; n++) {
+            const int nk = nks[n];
+            const void *rows32[FW_DEC_KEYS], *rows16[FW_DEC_KEYS];
+            for (int j = 0; j < nk; j++) {
+                rows32[j] = K32[j];
+                rows16[j] = keys[j];
+            }
+            for (int bf = 0; bf < 2; bf++) {
+                for (int way = 0; way < 2; way++) { /* 0: the table's own packer, 1: portable's */
+                    const fw_kernels *pk = way ? port : t;
+                    float *S = way ? S1 : S0;
+                    memset(Kt, 0xff, sizeof Kt); /* NaN: every column must be written */
+                    memset(KtW, 0xff, sizeof KtW);
+                    memset(S, 0, sizeof S0);
+                    if (bf) {
+                        pk->pack_kt_bf16(rows16, FW_BF16, 1, nk, D, KtW);
+                        t->dec_qk_bf16(R, nk, DW, QW, KtW, 0.5f, S);
+                    } else {
+                        pk->pack_kt(rows32, FW_F32, 1, nk, D, Kt);
+                        t->dec_qk(R, nk, D, Q, Kt, S);
+                    }
+                }
+                int same = 1;
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < nk; j++)
+                        same &= memcmp(&S0[r * FW_DEC_KEYS + j], &S1[r * FW_DEC_KEYS + j], sizeof(float)) == 0 &&
+                                S0[r * FW_DEC_KEYS + j] == S0[r * FW_DEC_KEYS + j];
+                case_check(same, "%s products, %d keys: the portable packer feeds %s's dec_qk differently",
+                           bf ? "bf16" : "f32", nk, t->name);
+            }
+        }
+        case_end();
+    }
+}
+
 void test_attn_all(void)
 {
     test_heuristics();
+    test_partial_tables();
     test_micro_kernels();
     test_bad_input();
     test_workspace();

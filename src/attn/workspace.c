@@ -8,7 +8,7 @@ static size_t up64(size_t x) { return (x + 63) & ~(size_t)63; }
  * decode state for `units` K/V groups of up to FW_DEC_ROWS rows each; with bf16 products
  * also the pair-layout panels of the q tiles, one K/V tile and one P tile (kern/attn_kern.h):
  * for d = dv = 128, M = 64: 256 + 16 + 16 + 8 KiB. */
-static ws_layout ws_plan(int64_t d, int64_t dv, int M, int64_t units, int bf16)
+static ws_layout ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int M, int64_t units, int bf16)
 {
     ws_layout w;
     size_t f = sizeof(float), C = FW_ATTN_CHUNK_MAX, BK = FW_ATTN_BK;
@@ -23,11 +23,12 @@ static ws_layout ws_plan(int64_t d, int64_t dv, int M, int64_t units, int bf16)
     w.row = w.vf + up64(BK * (size_t)dv * f);     /* q row (d) and output row (dv) */
     w.dec = w.row + up64(((size_t)d + dv) * f);   /* per unit and row: q, o, a, l */
     w.qw = w.dec + up64((size_t)units * FW_DEC_ROWS * ((size_t)d + dv + 2) * f);
-    const size_t dw = bf16 ? ((size_t)d + 1) / 2 : 0, wsz = sizeof(uint32_t);
-    w.kw = w.qw + up64(C * dw * M * wsz);
-    w.vw = w.kw + up64(BK * dw * wsz);
-    w.pw = w.vw + up64(bf16 ? BK / 2 * (size_t)dv * wsz : 0);
-    w.total = w.pw + up64(bf16 ? BK / 2 * (size_t)M * wsz : 0);
+    /* the bf16 panels, sized by the table: q tiles, one K tile, one V tile, one P tile */
+    const size_t b = bf16 ? 1 : 0;
+    w.kw = w.qw + up64(b * C * kt->panel_bytes((int)d, M));
+    w.vw = w.kw + up64(b * kt->panel_bytes((int)d, (int)BK));
+    w.pw = w.vw + up64(b * kt->panel_bytes((int)BK, (int)dv));
+    w.total = w.pw + up64(b * kt->panel_bytes((int)BK, M));
     return w;
 }
 
@@ -50,7 +51,7 @@ ws_layout fw_attn_ws_layout(int64_t hq, int64_t hkv, int64_t d, int64_t dv, cons
                             uint32_t flags, int bf16)
 {
     const int tiles_bf16 = bf16 && !(flags & FW_ATTN_PLAIN);
-    return ws_plan(d, dv, ws_rows(hq / hkv, kt, flags), fw_attn_ws_units(hq, hkv, flags), tiles_bf16);
+    return ws_plan(kt, d, dv, ws_rows(hq / hkv, kt, flags), fw_attn_ws_units(hq, hkv, flags), tiles_bf16);
 }
 
 fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,

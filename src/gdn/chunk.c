@@ -36,10 +36,11 @@ typedef struct {
     size_t kw, qw, ktw, gw, tw, rhsw, ww, hw, dw, kpw, xo, total;
 } gdn_ws;
 
-static gdn_ws gdn_plan(const gdn_prob *p)
+/* The per-thread layout in floats; the bf16 panels sized by the table (panel_bytes). */
+static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt)
 {
     gdn_ws w;
-    const size_t C = GDN_C, dk = (size_t)p->dk, P = GDN_P, dkw = (dk + 1) / 2;
+    const size_t C = GDN_C, dk = (size_t)p->dk, P = GDN_P;
     w.pk = (p->dk + GDN_P - 1) / GDN_P;
     w.pv = (p->dv + GDN_P - 1) / GDN_P;
     const size_t np = (size_t)(w.pk + w.pv), b = p->bf16 ? 1 : 0;
@@ -61,17 +62,19 @@ static gdn_ws gdn_plan(const gdn_prob *p)
     TAKE(zero, P);
     TAKE(gam, 4 * C);
     TAKE(hd, (size_t)p->r * (size_t)w.pv * (dk + C) * P); /* per value head and dv panel: h rows, Delta rows */
-    TAKE(kw, b * C * dkw);
-    TAKE(qw, b * C * dkw);
-    TAKE(ktw, b * dkw * C);
-    TAKE(gw, b * C * GDN_W);
-    TAKE(tw, b * C * GDN_W);
-    TAKE(rhsw, b * np * GDN_W * P);
-    TAKE(ww, b * C * dkw);
-    TAKE(hw, b * dkw * P);
-    TAKE(dw, b * GDN_W * P);
-    TAKE(kpw, b * GDN_W * dk);
+#define PANEL(red, cols) (b * kt->panel_bytes((int)(red), (int)(cols)) / sizeof(float))
+    TAKE(kw, PANEL(dk, C));
+    TAKE(qw, PANEL(dk, C));
+    TAKE(ktw, PANEL(dk, C));
+    TAKE(gw, PANEL(C, C));
+    TAKE(tw, PANEL(C, C));
+    TAKE(rhsw, np * PANEL(C, P));
+    TAKE(ww, PANEL(dk, C));
+    TAKE(hw, PANEL(dk, P));
+    TAKE(dw, PANEL(C, P));
+    TAKE(kpw, PANEL(C, dk));
     TAKE(xo, b * C * P);
+#undef PANEL
 #undef TAKE
     w.total = o;
     return w;
@@ -249,12 +252,8 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
     const void *krows[GDN_C];
     for (int i = 0; i < L; i++)
         krows[i] = K + (size_t)i * dk;
-    /* K^T [dk][64] by the decode kernels' transposing pack (FW_DEC_KEYS == GDN_C); the keys
-     * past L must read as zero, so clear the columns pack_kt leaves */
+    /* K^T [dk][64] by the decode kernels' transposing pack (FW_DEC_KEYS == GDN_C), zero past L */
     kt->pack_kt(krows, FW_F32, 1, L, dk, Kt);
-    for (int x = 0; x < dk; x++)
-        for (int i = (L + kt->vl - 1) / kt->vl * kt->vl; i < GDN_C; i++)
-            Kt[(size_t)x * GDN_C + i] = 0.0f;
     /* the Gram matrices, once for all value heads of this q/k head */
     kt->qk(L, dk, GDN_C, K, dk, Kt, zero, KK);
     kt->qk(L, dk, GDN_C, Q, dk, Kt, zero, QK);
@@ -331,12 +330,8 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
         kt->pack_row_pairs(Q + (size_t)i * dk, dk, Qw + (size_t)i * dkw);
         krows[i] = Kw + (size_t)i * dkw;
     }
-    /* Kb^T [dkw][64] words: Kb's rows are already their words, moved as bf16 rows; keys past
-     * L read as zero */
+    /* Kb^T [dkw][64] words, zero past L: Kb's rows are already their words, moved as bf16 rows */
     kt->pack_kt_bf16(krows, FW_BF16, 1, L, dk, KtW);
-    for (int x = 0; x < dkw; x++)
-        for (int i = (L + kt->vl - 1) / kt->vl * kt->vl; i < GDN_C; i++)
-            KtW[(size_t)x * GDN_C + i] = 0;
     kt->qk_bf16(L, dkw, GDN_C, Kw, dkw, KtW, 1.0f, zero, KK);
     kt->qk_bf16(L, dkw, GDN_C, Qw, dkw, KtW, 1.0f, zero, QK);
     for (int64_t e = 0; e < p->r; e++) {
@@ -487,7 +482,7 @@ static fw_status gdn_run(gdn_ctx *c, const fw_gdn_params *params, int64_t n, fw_
         return FW_ERR_UNSUPPORTED;
     c->kt = kt;
     c->flags = params ? params->flags : 0;
-    c->w = gdn_plan(c->p);
+    c->w = gdn_plan(c->p, kt);
     const int threads = fw_threads(params ? params->threads : 0);
     if (n == 0)
         return FW_OK;

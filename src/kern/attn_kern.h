@@ -218,6 +218,9 @@ static void pack_row_pairs(const float *x, int n, uint32_t *dst)
         dst[w] = (uint32_t)fw_f32_to_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_f32_to_bf16(x[2 * w + 1]) : 0) << 16;
 }
 
+/* ceil(red / 2) x cols words: the pair layout pads only an odd reduction length. */
+static size_t panel_bytes(int red, int cols) { return (size_t)((red + 1) / 2) * (size_t)cols * sizeof(uint32_t); }
+
 FW_INLINE void qkb_tile(const int tj, const int tm, int dw, int M, const uint32_t *K, int64_t ldkw,
                         const uint32_t *QW, float scale, const float *bias, float *ST)
 {
@@ -450,8 +453,7 @@ static const uint16_t pack_zero[2 * VL];
 
 static void pack_kt(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt)
 {
-    const int nkv = (nk + VL - 1) / VL * VL;
-    for (int j0 = 0; j0 < nkv; j0 += VL) {
+    for (int j0 = 0; j0 < FW_DEC_KEYS; j0 += VL) { /* every column: zero past nk */
         int k0 = 0;
         if (kdim == 1 && dt == FW_BF16)
             for (; k0 + 2 * VL <= d; k0 += 2 * VL) {
@@ -647,8 +649,8 @@ static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, 
  * A bf16 key row already is its words, so the transpose moves words and never splits them. */
 static void pack_kt_bf16(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, uint32_t *KtW)
 {
-    const int nkv = (nk + VL - 1) / VL * VL, dw = (d + 1) / 2;
-    for (int j0 = 0; j0 < nkv; j0 += VL) {
+    const int dw = (d + 1) / 2;
+    for (int j0 = 0; j0 < FW_DEC_KEYS; j0 += VL) { /* every column: zero past nk */
         int w0 = 0;
         if (kdim == 1 && dt == FW_BF16)
             for (; w0 + VL <= d / 2; w0 += VL) {
@@ -1133,6 +1135,7 @@ const fw_kernels FW_TABLE = {
     .dec_softmax = dec_softmax,
     .dec_pv = dec_pv,
     .pack_kt_bf16 = pack_kt_bf16,
+    .panel_bytes = panel_bytes,
     .dec_qk_bf16 = dec_qk_bf16,
     .dec_pv_bf16 = dec_pv_bf16,
     .plain_row = plain_row,
