@@ -421,7 +421,13 @@ def oracle(P, rows):
 
 # --------------------------------------------------------------------------- report --
 
-def fmt_table(rows, peak):
+def row_peak(r, peaks):
+    """The peak a row is measured against: bf16 rows (bf16 products, for flywheel) the bf16
+    dot-product peak, every other row the FMA peak; both measured in the same run."""
+    return peaks["bf16"] if r.dtype == "bfloat16" else peaks["f32"]
+
+
+def fmt_table(rows, peaks):
     out = ["| op | size | system | dtype | median time | throughput | vs flywheel | "
            "max abs diff from flywheel | note |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -436,7 +442,9 @@ def fmt_table(rows, peak):
         if r.value:
             thr = f"{r.value / 1e9:.1f} {r.unit}"
             if r.unit == "GFLOP/s":
-                thr += f" ({100 * r.value / 1e9 / peak:.0f}% of peak)"
+                pk = row_peak(r, peaks)
+                kind = "bf16" if r.dtype == "bfloat16" else "FMA"
+                thr += f" ({100 * r.value / 1e9 / pk:.0f}% of {kind} peak)"
         ratio = "-"
         if r.value and best.get((r.op, r.size)):
             ratio = f"{r.value / best[(r.op, r.size)]:.2f}x"
@@ -446,7 +454,7 @@ def fmt_table(rows, peak):
     return "\n".join(out)
 
 
-def plot(rows, outdir, peak):
+def plot(rows, outdir, peaks):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -464,8 +472,9 @@ def plot(rows, outdir, peak):
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     label=f"{key[0]} ({key[1]})")
         if sel[0].unit == "GFLOP/s":
-            ax.axhline(peak, color="gray", linestyle="--", linewidth=1)
-            ax.text(ax.get_xlim()[0], peak, " FMA peak (measured)", va="bottom", fontsize=7)
+            for name, pk in (("FMA", peaks["f32"]), ("bf16 dot-product", peaks["bf16"])):
+                ax.axhline(pk, color="gray", linestyle="--", linewidth=1)
+                ax.text(ax.get_xlim()[0], pk, f" {name} peak (measured)", va="bottom", fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
@@ -506,9 +515,11 @@ def main():
     P = Peers(args.threads)
     if P.torch is None:  # the inputs are handed to every system through torch tensors
         sys.exit(f"compare: {P.missing['torch']}")
-    peak = ctypes.c_double()
-    _lib.check(_lib.lib.fw_peak_gflops(None, args.threads, 0.5, ctypes.byref(peak)))
-    peak = peak.value
+    peaks = {}
+    for key, fn in (("f32", _lib.lib.fw_peak_gflops), ("bf16", _lib.lib.fw_peak_bf16_gflops)):
+        value = ctypes.c_double()
+        _lib.check(fn(None, args.threads, 0.5, ctypes.byref(value)))
+        peaks[key] = value.value
     rows = []
     prefill_T = [256, 512] if args.quick else [512, 1024, 2048, 4096]
     decode_L = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
@@ -530,8 +541,8 @@ def main():
             rows.append(Row("-", name, "-", "-", note=why))
 
     os.makedirs(args.out, exist_ok=True)
-    table = fmt_table(rows, peak)
-    plots = plot(rows, args.out, peak)
+    table = fmt_table(rows, peaks)
+    plots = plot(rows, args.out, peaks)
     versions = []
     for mod, label in (("torch", "torch"), ("jax", "jax"), ("ggml", "ggml-python"),
                        ("fla", "fla"), ("flywheel_tpu", "flywheel-tpu")):
@@ -542,7 +553,9 @@ def main():
               f"Measured {datetime.date.today().isoformat()} on {cpu_name()}, "
               f"{os.cpu_count()} CPUs, {args.threads} threads for every system "
               f"(torch.set_num_threads, ggml n_threads, flywheel threads; XLA's CPU pool is "
-              f"sized to the machine). FMA peak measured in the same run: {peak:.0f} GFLOP/s. "
+              f"sized to the machine). Peaks measured in the same run: f32 FMA "
+              f"{peaks['f32']:.0f} GFLOP/s, bf16 dot product {peaks['bf16']:.0f} GFLOP/s; bfloat16 "
+              f"rows are % of the bf16 peak, the others % of the FMA peak. "
               f"Python {platform.python_version()}; {', '.join(versions)}. "
               f"Command: `make compare` (`python python/compare.py`), medians of "
               f"{args.reps} runs (decode: {decode_reps}).\n\n"
