@@ -432,10 +432,10 @@ def fmt_table(rows, peaks):
            "max abs diff from flywheel | note |",
            "|---|---|---|---|---|---|---|---|---|"]
     best = {}
-    for r in rows:  # flywheel's best figure per (op, size): the ratio's denominator
-        if r.system.startswith("flywheel") and "tpu" not in r.system and r.value:
+    for r in rows:  # flywheel's fastest time per (op, size), any dtype: the ratio's numerator
+        if r.system.startswith("flywheel") and "tpu" not in r.system and r.seconds:
             key = (r.op, r.size)
-            best[key] = max(best.get(key, 0.0), r.value)
+            best[key] = min(best.get(key, float("inf")), r.seconds)
     for r in rows:
         t = f"{r.seconds * 1e3:.2f} ms" if r.seconds else "-"
         thr = "-"
@@ -446,8 +446,8 @@ def fmt_table(rows, peaks):
                 kind = "bf16" if r.dtype == "bfloat16" else "FMA"
                 thr += f" ({100 * r.value / 1e9 / pk:.0f}% of {kind} peak)"
         ratio = "-"
-        if r.value and best.get((r.op, r.size)):
-            ratio = f"{r.value / best[(r.op, r.size)]:.2f}x"
+        if r.seconds and best.get((r.op, r.size)):
+            ratio = f"{best[(r.op, r.size)] / r.seconds:.2f}x"
         diff = f"{r.diff:.2e}" if r.diff is not None else "-"
         out.append(f"| {r.op} | {r.size} | {r.system} | {r.dtype} | {t} | {thr} | {ratio} | "
                    f"{diff} | {r.note} |")
@@ -562,7 +562,8 @@ def main():
               f"Shapes: attention hq={HQ}, hkv={HKV}, d={D}, batch 1 (prefill causal; decode one "
               f"query token against a cache of `ctx` tokens); GDN H={GH}, HV={GHV}, "
               f"dk=dv={GD}. Inputs are the same values for everyone (bf16-representable). "
-              f"`vs flywheel` divides by flywheel's best dtype for that op and size.\n\n")
+              f"`vs flywheel` is flywheel's fastest time for that op and size (any dtype) over the "
+              f"row's time: below 1, the row is slower.\n\n")
     body = header + table + "\n\n" + "".join(f"![{p}]({p})\n" for p in plots)
     with open(os.path.join(args.out, "compare.md"), "w") as f:
         f.write(body)
