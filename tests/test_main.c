@@ -9,6 +9,7 @@
 void test_attn_all(void);
 void test_kvcache_all(void);
 void test_gdn_all(void);
+void test_nan_all(void);
 
 static int print_default(void)
 {
@@ -56,7 +57,7 @@ int main(int argc, char **argv)
         printf(" %s%s", fw_isa_name(i), fw_isa_supported(fw_isa_name(i)) ? "" : " (not on this CPU)");
     printf("; default %s%s\n", fw_isa_default() ? fw_isa_default() : "(none)",
            quick_mode() ? "; quick sweep" : "");
-    /* `test_flywheel [attn|kvcache|gdn]`: one group; no argument: all */
+    /* `test_flywheel [attn|kvcache|gdn|nan]`: one group; no argument: all */
     const char *only = argc > 1 ? argv[1] : "";
     if (!*only)
         test_isa_env(argv[0]);
@@ -66,6 +67,8 @@ int main(int argc, char **argv)
         test_kvcache_all();
     if (!*only || strcmp(only, "gdn") == 0)
         test_gdn_all();
+    if (!*only || strcmp(only, "nan") == 0)
+        test_nan_all();
     tally_print();
     return tally_failed() ? 1 : 0;
 }

@@ -54,10 +54,14 @@ static void merge_fn(void *vctx, int64_t idx, int tid)
     float *orow = (float *)(c->ws + (size_t)tid * c->ws_stride + c->wl.row);
     for (int64_t r = 0; r < units * R; r++) {
         const float *base = c->part + mi->part + r * (dv + 2);
+        /* the largest split maximum; a NaN one (a NaN reached the row) wins and makes every
+         * weight, so the row, NaN, as on the unsplit paths */
         float amax = -INFINITY;
         for (int64_t sp = 0; sp < mi->nsplit; sp++) {
             const float a = base[sp * split_stride + dv];
-            amax = a > amax ? a : amax;
+            amax = a > amax || a != a ? a : amax;
+            if (a != a)
+                break;
         }
         float l = 0.0f;
         for (int64_t j = 0; j < dv; j++)
