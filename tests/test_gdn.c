@@ -551,8 +551,49 @@ static void test_more_bad_input(void)
     case_end();
 }
 
+/* Two sequences on one state slot, far apart in a large batch, are refused (a race otherwise)
+ * by decode, verify and commit, with both sequences named and nothing written. */
+static void test_far_duplicate_slots(void)
+{
+    enum { N = 6000 };
+    case_begin("gdn: duplicate state slots 5996 sequences apart are refused");
+    static float q[N], k[N], v[N], g[N], b[N], o[N], state[N], replay[N * 4];
+    static int32_t idx[N], cu[N + 1], acc[N];
+    int64_t s3[3] = {N, 1, 1}, s2[2] = {N, 1};
+    fw_tensor tq = fw_tensor_contiguous(q, FW_F32, 3, s3), tk = fw_tensor_contiguous(k, FW_F32, 3, s3),
+              tv = fw_tensor_contiguous(v, FW_F32, 3, s3), to = fw_tensor_contiguous(o, FW_F32, 3, s3),
+              tg = fw_tensor_contiguous(g, FW_F32, 2, s2), tb = fw_tensor_contiguous(b, FW_F32, 2, s2);
+    for (int i = 0; i < N; i++) {
+        q[i] = k[i] = v[i] = 1.0f;
+        g[i] = -0.5f;
+        b[i] = 0.5f;
+        state[i] = 2.0f;
+        o[i] = 7.0f;
+        idx[i] = i;
+        cu[i + 1] = i + 1;
+        acc[i] = 1;
+    }
+    idx[N - 1] = 3;
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    const size_t rf = fw_gdn_replay_floats(N, 1, 1, 1, 1);
+    for (int call = 0; call < 3; call++) {
+        fw_status st = call == 0   ? fw_gdn_decode(&tq, &tk, &tv, &tg, &tb, state, N, idx, &to, &p)
+                       : call == 1 ? fw_gdn_verify(&tq, &tk, &tv, &tg, &tb, cu, N, state, N, idx, replay, rf, &to, &p)
+                                   : fw_gdn_commit(cu, N, acc, 1, 1, 1, 1, state, N, idx, replay, rf, &p);
+        case_check(st == FW_ERR_INDEX && strstr(fw_last_error(), "sequences 3 and 5999"),
+                   "call %d: status %d, \"%s\"", call, (int)st, fw_last_error());
+    }
+    int untouched = 1;
+    for (int i = 0; i < N; i++)
+        untouched &= state[i] == 2.0f && o[i] == 7.0f;
+    case_check(untouched, "the state or the output was written");
+    case_end();
+}
+
 void test_gdn_all(void)
 {
+    test_far_duplicate_slots();
     test_more_bad_input();
     test_gdn_bad_input();
     test_inverse_stability();

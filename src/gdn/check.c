@@ -2,6 +2,7 @@
  * one gdn_prob (gdn.h), and the state slots of decode and verify. */
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 #include "gdn.h"
 
 void fw_gdn_params_init(fw_gdn_params *p)
@@ -79,6 +80,19 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     return FW_OK;
 }
 
+typedef struct {
+    int32_t slot;
+    int64_t seq;
+} slot_seq;
+
+static int cmp_slot_seq(const void *x, const void *y)
+{
+    const slot_seq *a = x, *b = y;
+    if (a->slot != b->slot)
+        return a->slot < b->slot ? -1 : 1;
+    return a->seq < b->seq ? -1 : a->seq > b->seq;
+}
+
 fw_status fw_gdn_check_slots(const int32_t *idx, int64_t n, int64_t slots, const float *state)
 {
     if (!state)
@@ -91,11 +105,30 @@ fw_status fw_gdn_check_slots(const int32_t *idx, int64_t n, int64_t slots, const
         if (idx[i] < 0 || idx[i] >= slots)
             return fw_fail(FW_ERR_INDEX, "state_indices[%lld] = %d is not a slot (0..%lld)", (long long)i,
                            (int)idx[i], (long long)slots - 1);
-    /* distinct slots: each sequence owns its state */
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = i + 1; j < n && j < i + 4096; j++)
-            if (idx[i] == idx[j])
-                return fw_fail(FW_ERR_INDEX, "sequences %lld and %lld share state slot %d", (long long)i,
-                               (long long)j, (int)idx[i]);
-    return FW_OK;
+    /* distinct slots: each sequence owns its state (two items on one slot would race). All
+     * pairs for a small batch; else (slot, sequence) pairs sorted, which finds the same first
+     * duplicate slot. */
+    if (n <= 64) {
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = i + 1; j < n; j++)
+                if (idx[i] == idx[j])
+                    return fw_fail(FW_ERR_INDEX, "sequences %lld and %lld share state slot %d", (long long)i,
+                                   (long long)j, (int)idx[i]);
+        return FW_OK;
+    }
+    slot_seq *sorted = malloc(sizeof *sorted * (size_t)n);
+    if (!sorted)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld slot entries to check for duplicates", (long long)n);
+    for (int64_t i = 0; i < n; i++) {
+        sorted[i].slot = idx[i];
+        sorted[i].seq = i;
+    }
+    qsort(sorted, (size_t)n, sizeof *sorted, cmp_slot_seq);
+    fw_status st = FW_OK;
+    for (int64_t i = 1; i < n && !st; i++)
+        if (sorted[i].slot == sorted[i - 1].slot)
+            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld share state slot %d", (long long)sorted[i - 1].seq,
+                         (long long)sorted[i].seq, (int)sorted[i].slot);
+    free(sorted);
+    return st;
 }
