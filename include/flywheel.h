@@ -131,9 +131,10 @@ typedef enum fw_precision {
 typedef struct fw_attn_params {
     float scale;           /* softmax scale; 0 means 1/sqrt(d). Must be finite. */
     int32_t causal;        /* 1: query i sees key j only when j <= i + sk - sq (bottom-right) */
-    int64_t window_left;   /* query i sees keys j >= i + sk - sq - window_left; -1 = unbounded */
-    int64_t window_right;  /* query i sees keys j <= i + sk - sq + window_right; -1 = unbounded.
-                              causal implies window_right = 0. */
+    int64_t window_left;   /* query i sees keys j >= i + sk - sq - window_left; any negative
+                              value = unbounded (flash-attn's rule; -1 by default) */
+    int64_t window_right;  /* query i sees keys j <= i + sk - sq + window_right; any negative
+                              value = unbounded. causal implies window_right = 0. */
     float softcap;         /* > 0: scores become softcap * tanh(score / softcap); 0 = off */
     int32_t threads;       /* worker threads; 0 = all online CPUs */
     const char *isa;       /* kernel table name; NULL = fw_isa_default() */

@@ -826,7 +826,6 @@ static void test_bad_input(void)
     BAD("overflowing sizes", FW_ERR_OVERFLOW, (k_.shape[1] = INT64_MAX / 4, k_.stride[1] = 8));
     BAD("nan scale", FW_ERR_ARG, p.scale = NAN);
     BAD("negative softcap", FW_ERR_ARG, p.softcap = -1);
-    BAD("window -2", FW_ERR_ARG, p.window_left = -2);
     BAD("threads -1", FW_ERR_ARG, p.threads = -1);
     BAD("threads 1000", FW_ERR_ARG, p.threads = 1000);
     BAD("causal 2", FW_ERR_ARG, p.causal = 2);
@@ -1172,8 +1171,41 @@ static void test_partial_tables(void)
     }
 }
 
+/* Any negative window side means unbounded (flash-attn's rule): (-5, 3) is (-1, 3), bit for
+ * bit, and (-7, -2) is full attention. */
+static void test_negative_windows(void)
+{
+    case_begin("attention: any negative window side is unbounded");
+    enum { S = 90, H = 2, D = 16 };
+    static float q[S * H * D], k[S * H * D], v[S * H * D], o1[S * H * D], o2[S * H * D];
+    int64_t sh[4] = {1, S, H, D};
+    fw_tensor tq = fw_tensor_contiguous(q, FW_F32, 4, sh), tk = fw_tensor_contiguous(k, FW_F32, 4, sh),
+              tv = fw_tensor_contiguous(v, FW_F32, 4, sh), t1 = fw_tensor_contiguous(o1, FW_F32, 4, sh),
+              t2 = fw_tensor_contiguous(o2, FW_F32, 4, sh);
+    rng_seed(21);
+    tfill_normal(&tq, 1.0);
+    tfill_normal(&tk, 1.0);
+    tfill_normal(&tv, 1.0);
+    static const int64_t w[2][4] = {{-5, 3, -1, 3}, {-7, -2, -1, -1}};
+    for (int c = 0; c < 2; c++) {
+        fw_attn_params p;
+        fw_attn_params_init(&p);
+        p.window_left = w[c][0];
+        p.window_right = w[c][1];
+        fw_status st = fw_attn_fwd(&tq, &tk, &tv, &t1, NULL, &p);
+        p.window_left = w[c][2];
+        p.window_right = w[c][3];
+        st |= fw_attn_fwd(&tq, &tk, &tv, &t2, NULL, &p);
+        case_check(st == FW_OK, "status: %s", fw_last_error());
+        case_check(memcmp(o1, o2, sizeof o1) == 0, "window (%lld, %lld) differs from (%lld, %lld)",
+                   (long long)w[c][0], (long long)w[c][1], (long long)w[c][2], (long long)w[c][3]);
+    }
+    case_end();
+}
+
 void test_attn_all(void)
 {
+    test_negative_windows();
     test_heuristics();
     test_partial_tables();
     test_micro_kernels();

@@ -27,6 +27,16 @@ int bench_bf16_products(fw_dtype dt, int precision);
 /* "auto", "f32" or "bf16" into *prec (an fw_precision); 0 for any other name. */
 int bench_precision(const char *name, int *prec);
 
+/* Option parsing of the bench commands. bench_opt: 1 when argv[*i] is `name` (then *i moves
+ * to its value), 0 for any other argument; a missing value exits with status 2 and a message.
+ * bench_int / bench_real: the value as a number in [lo, hi], or exit 2 naming the option,
+ * the text and the range (no silent 0 for "abc"). */
+int bench_opt(int argc, char **argv, int *i, const char *name);
+int64_t bench_int(const char *name, const char *text, int64_t lo, int64_t hi);
+double bench_real(const char *name, const char *text, double lo, double hi);
+/* 1 for -h and --help. */
+int bench_is_help(const char *arg);
+
 int bench_attn_main(int argc, char **argv);
 int bench_attn_headline(void);
 int bench_kvcache_main(int argc, char **argv);

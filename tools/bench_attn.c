@@ -355,29 +355,34 @@ int bench_attn_main(int argc, char **argv)
 {
     cfg c = defaults();
     for (int i = 0; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define OPT(name) (strcmp(a, name) == 0 && v && ++i)
-        if (OPT("--b")) c.b = atoll(v);
-        else if (OPT("--t")) c.sq = c.sk = atoll(v);
-        else if (OPT("--sq")) c.sq = atoll(v);
-        else if (OPT("--sk")) c.sk = atoll(v);
-        else if (OPT("--hq")) c.hq = atoll(v);
-        else if (OPT("--hkv")) c.hkv = atoll(v);
-        else if (OPT("--d")) c.d = c.dv = atoll(v);
-        else if (OPT("--dv")) c.dv = atoll(v);
-        else if (OPT("--causal")) c.causal = atoi(v);
-        else if (OPT("--softcap")) c.softcap = (float)atof(v);
-        else if (OPT("--threads")) c.threads = atoi(v);
-        else if (OPT("--reps")) c.reps = atoi(v);
-        else if (OPT("--isa")) c.isa = v;
+        const char *a = argv[i];
+#define OPT(name) bench_opt(argc, argv, &i, name)
+#define INT(name, lo, hi) bench_int(name, argv[i], lo, hi)
+        if (OPT("--b")) c.b = INT("--b", 1, 1 << 20);
+        else if (OPT("--t")) c.sq = c.sk = INT("--t", 1, 1 << 24);
+        else if (OPT("--sq")) c.sq = INT("--sq", 1, 1 << 24);
+        else if (OPT("--sk")) c.sk = INT("--sk", 1, 1 << 24);
+        else if (OPT("--hq")) c.hq = INT("--hq", 1, 65536);
+        else if (OPT("--hkv")) c.hkv = INT("--hkv", 1, 65536);
+        else if (OPT("--d")) c.d = c.dv = INT("--d", 1, 1024);
+        else if (OPT("--dv")) c.dv = INT("--dv", 1, 1024);
+        else if (OPT("--causal")) c.causal = (int)INT("--causal", 0, 1);
+        else if (OPT("--softcap")) c.softcap = (float)bench_real("--softcap", argv[i], 0, 1e30);
+        else if (OPT("--threads")) c.threads = (int)INT("--threads", 0, 256);
+        else if (OPT("--reps")) c.reps = (int)INT("--reps", 1, 100000);
+        else if (OPT("--isa")) c.isa = argv[i];
         else if (OPT("--window")) {
             long long l, r;
-            if (sscanf(v, "%lld,%lld", &l, &r) != 2) { attn_usage(); return 2; }
+            char tail;
+            if (sscanf(argv[i], "%lld,%lld%c", &l, &r, &tail) != 2) {
+                fprintf(stderr, "flywheel: --window %s: expected L,R (a negative side is unbounded)\n", argv[i]);
+                return 2;
+            }
             c.wl = l; c.wr = r;
         } else if (OPT("--precision")) {
-            if (!bench_precision(v, &c.prec)) { fprintf(stderr, "unknown precision %s\n", v); return 2; }
+            if (!bench_precision(argv[i], &c.prec)) { fprintf(stderr, "flywheel: unknown precision %s\n", argv[i]); return 2; }
         } else if (OPT("--dtype")) {
-            if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
+            if (!bench_dtype(argv[i], &c.dt)) { fprintf(stderr, "flywheel: unknown dtype %s\n", argv[i]); return 2; }
         }
         else if (!strcmp(a, "--online")) c.flags |= FW_ATTN_ONLINE_SOFTMAX;
         else if (!strcmp(a, "--no-gqa-pack")) c.flags |= FW_ATTN_NO_GQA_PACK;
@@ -387,8 +392,9 @@ int bench_attn_main(int argc, char **argv)
         else if (!strcmp(a, "--no-baseline")) c.baseline = 0;
         else if (!strcmp(a, "--check")) c.check = 1;
         else if (!strcmp(a, "--json")) c.json = 1;
-        else if (!strcmp(a, "--help")) { attn_usage(); return 0; }
-        else { fprintf(stderr, "unknown option %s\n", a); attn_usage(); return 2; }
+        else if (bench_is_help(a)) { attn_usage(); return 0; }
+        else { fprintf(stderr, "flywheel: unknown option %s\n", a); attn_usage(); return 2; }
+#undef INT
 #undef OPT
     }
     if (c.threads <= 0)

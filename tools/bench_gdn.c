@@ -337,34 +337,38 @@ int bench_gdn_main(int argc, char **argv)
     int mode = 0; /* 0: the sweep, 1: prefill, 2: decode */
     int64_t N = 64;
     for (int i = 0; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define OPT(name) (strcmp(a, name) == 0 && v && ++i)
-        if (OPT("--t")) c.T = atoll(v);
-        else if (OPT("--seqs")) c.nseq = N = atoll(v);
-        else if (OPT("--h")) c.H = atoll(v);
-        else if (OPT("--hv")) c.HV = atoll(v);
-        else if (OPT("--dk")) c.dk = atoll(v);
-        else if (OPT("--dv")) c.dv = atoll(v);
-        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : bench_cpus();
-        else if (OPT("--reps")) c.reps = atoi(v) > 0 ? atoi(v) : 1;
-        else if (OPT("--isa")) c.isa = v;
+        const char *a = argv[i];
+#define OPT(name) bench_opt(argc, argv, &i, name)
+#define INT(name, lo, hi) bench_int(name, argv[i], lo, hi)
+        if (OPT("--t")) c.T = INT("--t", 1, 1 << 24);
+        else if (OPT("--seqs")) c.nseq = N = INT("--seqs", 1, 1 << 20);
+        else if (OPT("--h")) c.H = INT("--h", 1, 65536);
+        else if (OPT("--hv")) c.HV = INT("--hv", 1, 65536);
+        else if (OPT("--dk")) c.dk = INT("--dk", 1, 1024);
+        else if (OPT("--dv")) c.dv = INT("--dv", 1, 1024);
+        else if (OPT("--threads")) c.threads = (int)INT("--threads", 0, 256), c.threads = c.threads ? c.threads : bench_cpus();
+        else if (OPT("--reps")) c.reps = (int)INT("--reps", 1, 100000);
+        else if (OPT("--isa")) c.isa = argv[i];
         else if (OPT("--dtype")) {
-            if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
+            if (!bench_dtype(argv[i], &c.dt)) { fprintf(stderr, "flywheel: unknown dtype %s\n", argv[i]); return 2; }
         } else if (OPT("--precision")) {
-            if (!bench_precision(v, &c.prec)) { fprintf(stderr, "unknown precision %s\n", v); return 2; }
+            if (!bench_precision(argv[i], &c.prec)) { fprintf(stderr, "flywheel: unknown precision %s\n", argv[i]); return 2; }
         }
         else if (!strcmp(a, "--prefill")) mode = 1;
         else if (!strcmp(a, "--decode")) mode = 2;
         else if (!strcmp(a, "--no-baselines")) c.baselines = 0;
         else if (!strcmp(a, "--json")) c.json = 1;
         else {
+            if (!bench_is_help(a))
+                fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench gdn [--prefill | --decode] [--t T --seqs N --h H --hv HV --dk D --dv D\n"
                    "       --dtype f32|bf16|f16 --precision auto|f32|bf16 --threads N --reps N --isa NAME\n"
                    "       --no-baselines --json]\n"
                    "  with neither: prefill at T = 1K, 4K, 16K (one sequence, then a 4-sequence varlen batch)\n"
                    "  with the recurrent baselines, then decode for 1 and 64 sequences\n");
-            return strcmp(a, "--help") ? 2 : 0;
+            return bench_is_help(a) ? 0 : 2;
         }
+#undef INT
 #undef OPT
     }
     if (mode == 1)

@@ -169,33 +169,37 @@ int bench_kvcache_main(int argc, char **argv)
     kcfg c = kdefaults();
     int mode = 0, ctx_set = 0; /* mode 0: both sweeps, 1: decode, 2: prefill */
     for (int i = 0; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define OPT(name) (strcmp(a, name) == 0 && v && ++i)
-        if (OPT("--batch")) c.batch = atoll(v);
-        else if (OPT("--ctx")) c.ctx = atoll(v), ctx_set = 1;
-        else if (OPT("--new")) c.nnew = atoll(v);
-        else if (OPT("--hq")) c.hq = atoll(v);
-        else if (OPT("--hkv")) c.hkv = atoll(v);
-        else if (OPT("--d")) c.d = atoll(v);
-        else if (OPT("--page")) c.page = atoll(v);
-        else if (OPT("--threads")) c.threads = atoi(v) > 0 ? atoi(v) : bench_cpus();
-        else if (OPT("--reps")) c.reps = atoi(v) > 0 ? atoi(v) : 1;
-        else if (OPT("--isa")) c.isa = v;
+        const char *a = argv[i];
+#define OPT(name) bench_opt(argc, argv, &i, name)
+#define INT(name, lo, hi) bench_int(name, argv[i], lo, hi)
+        if (OPT("--batch")) c.batch = INT("--batch", 1, 1 << 20);
+        else if (OPT("--ctx")) c.ctx = INT("--ctx", 1, 1 << 24), ctx_set = 1;
+        else if (OPT("--new")) c.nnew = INT("--new", 0, 1 << 24);
+        else if (OPT("--hq")) c.hq = INT("--hq", 1, 65536);
+        else if (OPT("--hkv")) c.hkv = INT("--hkv", 1, 65536);
+        else if (OPT("--d")) c.d = INT("--d", 1, 1024);
+        else if (OPT("--page")) c.page = INT("--page", 0, 1024);
+        else if (OPT("--threads")) c.threads = (int)INT("--threads", 0, 256), c.threads = c.threads ? c.threads : bench_cpus();
+        else if (OPT("--reps")) c.reps = (int)INT("--reps", 1, 100000);
+        else if (OPT("--isa")) c.isa = argv[i];
         else if (OPT("--dtype")) {
-            if (!bench_dtype(v, &c.dt)) { fprintf(stderr, "unknown dtype %s\n", v); return 2; }
+            if (!bench_dtype(argv[i], &c.dt)) { fprintf(stderr, "flywheel: unknown dtype %s\n", argv[i]); return 2; }
         }
         else if (!strcmp(a, "--decode")) mode = 1;
         else if (!strcmp(a, "--prefill")) mode = 2;
         else if (!strcmp(a, "--json")) c.json = 1;
         else {
+            if (!bench_is_help(a))
+                fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
                    "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
                    "       --threads N --reps N --isa NAME --json]\n"
                    "  --ctx is the context after the append (prefill default: 8192 + new)\n"
                    "  with neither --decode nor --prefill: decode at batch 1 and 16 over contexts 1K..32K,\n"
                    "  then 512 new tokens on an 8K prefix\n");
-            return strcmp(a, "--help") ? 2 : 0;
+            return bench_is_help(a) ? 0 : 2;
         }
+#undef INT
 #undef OPT
     }
     if (mode == 1)

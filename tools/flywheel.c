@@ -9,6 +9,7 @@
  *   flywheel info                kernel tables and the default
  */
 #define _DEFAULT_SOURCE 1 /* madvise(MADV_HUGEPAGE) */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -100,18 +101,70 @@ static double peak_of(int threads, int bf16)
 double bench_peak(int threads) { return peak_of(threads, 0); }
 double bench_peak_bf16(int threads) { return peak_of(threads, 1); }
 
+int bench_opt(int argc, char **argv, int *i, const char *name)
+{
+    if (strcmp(argv[*i], name) != 0)
+        return 0;
+    if (*i + 1 >= argc) {
+        fprintf(stderr, "flywheel: %s needs a value\n", name);
+        exit(2);
+    }
+    ++*i;
+    return 1;
+}
+
+int64_t bench_int(const char *name, const char *text, int64_t lo, int64_t hi)
+{
+    char *end;
+    errno = 0;
+    const long long x = strtoll(text, &end, 10);
+    if (errno || end == text || *end || x < lo || x > hi) {
+        fprintf(stderr, "flywheel: %s %s: expected an integer from %lld to %lld\n", name, text, (long long)lo,
+                (long long)hi);
+        exit(2);
+    }
+    return x;
+}
+
+double bench_real(const char *name, const char *text, double lo, double hi)
+{
+    char *end;
+    errno = 0;
+    const double x = strtod(text, &end);
+    if (errno || end == text || *end || !(x >= lo && x <= hi)) {
+        fprintf(stderr, "flywheel: %s %s: expected a number from %g to %g\n", name, text, lo, hi);
+        exit(2);
+    }
+    return x;
+}
+
+int bench_is_help(const char *arg) { return strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0; }
+
 static void usage(FILE *f)
 {
     fprintf(f,
             "usage: flywheel run | bench attn|kvcache|gdn [options] | peak [threads] | info\n"
-            "  run          the headline set (causal prefill GQA 32:8 d=128 at T=1K/4K/16K in bf16\n"
-            "               and f32, MHA d=256), checked against the reference on a slice of rows\n"
-            "  bench attn   see `flywheel bench attn --help`\n");
+            "  run          the main job: headline kernels on real-size shapes (attention, KV cache,\n"
+            "               Gated DeltaNet), checked against the float64 reference, with %% of peak\n"
+            "  bench attn|kvcache|gdn   see `flywheel bench attn --help` (kvcache, gdn alike)\n"
+            "  peak [threads]           the FMA and bf16 dot-product peaks on 1..256 threads\n"
+            "  info                     the kernel tables and the default\n");
 }
 
 int main(int argc, char **argv)
 {
-    if (argc >= 2 && strcmp(argv[1], "run") == 0) {
+    const char *cmd = argc >= 2 ? argv[1] : NULL;
+    if (!cmd || bench_is_help(cmd)) {
+        usage(cmd ? stdout : stderr);
+        return cmd ? 0 : 2;
+    }
+    if (strcmp(cmd, "run") == 0) {
+        if (argc > 2) {
+            usage(bench_is_help(argv[2]) ? stdout : stderr);
+            if (!bench_is_help(argv[2]))
+                fprintf(stderr, "flywheel: run takes no arguments (got %s)\n", argv[2]);
+            return bench_is_help(argv[2]) ? 0 : 2;
+        }
         int fail = bench_attn_headline();
         printf("\nKV cache (append + attend, paged, page 256): decode K/V GB/s against the read bandwidth\n"
                "measured in the same run; chunked prefill next to the dense kernel on the same shape\n");
@@ -122,14 +175,24 @@ int main(int argc, char **argv)
         printf(fail ? "main job: FAILED\n" : "main job: all checks passed\n");
         return fail;
     }
-    if (argc >= 3 && strcmp(argv[1], "bench") == 0 && strcmp(argv[2], "attn") == 0)
-        return bench_attn_main(argc - 3, argv + 3);
-    if (argc >= 3 && strcmp(argv[1], "bench") == 0 && strcmp(argv[2], "kvcache") == 0)
-        return bench_kvcache_main(argc - 3, argv + 3);
-    if (argc >= 3 && strcmp(argv[1], "bench") == 0 && strcmp(argv[2], "gdn") == 0)
-        return bench_gdn_main(argc - 3, argv + 3);
-    if (argc >= 2 && strcmp(argv[1], "peak") == 0) {
-        int t = argc >= 3 ? atoi(argv[2]) : 1;
+    if (strcmp(cmd, "bench") == 0) {
+        const char *what = argc >= 3 ? argv[2] : "";
+        if (strcmp(what, "attn") == 0)
+            return bench_attn_main(argc - 3, argv + 3);
+        if (strcmp(what, "kvcache") == 0)
+            return bench_kvcache_main(argc - 3, argv + 3);
+        if (strcmp(what, "gdn") == 0)
+            return bench_gdn_main(argc - 3, argv + 3);
+        usage(stderr);
+        fprintf(stderr, "flywheel: bench needs attn, kvcache or gdn%s%s\n", *what ? "; got " : "", what);
+        return 2;
+    }
+    if (strcmp(cmd, "peak") == 0) {
+        if (argc > 3 || (argc == 3 && bench_is_help(argv[2]))) {
+            usage(argc == 3 ? stdout : stderr);
+            return argc == 3 ? 0 : 2;
+        }
+        const int t = argc == 3 ? (int)bench_int("peak", argv[2], 1, 256) : 1;
         double g = bench_peak(t), gb = bench_peak_bf16(t);
         if (g <= 0 || gb <= 0) {
             fprintf(stderr, "flywheel: peak: %s\n", fw_last_error());
@@ -140,13 +203,14 @@ int main(int argc, char **argv)
                fw_isa_supported("avx512bf16") ? ", vdpbf16ps" : ": no bf16 dot product, f32 emulation");
         return 0;
     }
-    if (argc >= 2 && strcmp(argv[1], "info") == 0) {
+    if (strcmp(cmd, "info") == 0) {
         printf("kernel tables:");
         for (int i = 0; i < fw_isa_count(); i++)
             printf(" %s%s", fw_isa_name(i), fw_isa_supported(fw_isa_name(i)) ? "" : "(unsupported)");
         printf("\ndefault: %s\n", fw_isa_default() ? fw_isa_default() : fw_last_error());
         return 0;
     }
-    usage(argc >= 2 && strcmp(argv[1], "--help") == 0 ? stdout : stderr);
-    return argc >= 2 && strcmp(argv[1], "--help") == 0 ? 0 : 2;
+    usage(stderr);
+    fprintf(stderr, "flywheel: unknown command %s\n", cmd);
+    return 2;
 }

@@ -36,9 +36,6 @@ fw_status fw_attn_check_params(const fw_attn_params *params)
     if (!(params->softcap >= 0.0f) || !isfinite(params->softcap))
         return fw_fail(FW_ERR_ARG, "softcap is %g; it must be finite and >= 0 (0 = off)",
                        (double)params->softcap);
-    if (params->window_left < -1 || params->window_right < -1)
-        return fw_fail(FW_ERR_ARG, "window (%lld, %lld): each side must be >= 0, or -1 for unbounded",
-                       (long long)params->window_left, (long long)params->window_right);
     if (params->causal != 0 && params->causal != 1)
         return fw_fail(FW_ERR_ARG, "causal is %d; it must be 0 or 1", (int)params->causal);
     fw_status s;
@@ -59,8 +56,8 @@ int fw_attn_bf16_products(fw_dtype q, int32_t precision)
 }
 
 /* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
- * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0) and the
- * product precision. */
+ * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0; a negative
+ * side is unbounded, flash-attn's rule) and the product precision. */
 static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params)
 {
     if (lse && p->varlen) {
@@ -71,8 +68,8 @@ static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_pa
     p->scale = params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)p->d);
     p->softcap = params->softcap;
     p->causal = params->causal;
-    p->wl = params->window_left;
-    p->wr = params->causal ? 0 : params->window_right;
+    p->wl = params->window_left < 0 ? -1 : params->window_left; /* any negative: unbounded */
+    p->wr = params->causal ? 0 : params->window_right < 0 ? -1 : params->window_right;
     p->bf16 = fw_attn_bf16_products(p->q->dtype, params->precision);
 }
 
