@@ -5,12 +5,24 @@ with flash-attn's calls, and Gated DeltaNet with flash-linear-attention's calls.
     out = flywheel.flash_attn_func(q, k, v, causal=True)   # q [b, s, hq, d] torch or numpy
 
 Forward only. Inputs are numpy arrays or torch CPU tensors (float32, bfloat16, float16) and
-are read in place; see each function for the few cases that copy. Errors from the C library
-raise FlywheelError (a ValueError) with the library's message; options the library does not
-have raise NotImplementedError.
+are read in place; see each function for the few cases that copy.
+
+Errors, one rule for every call:
+  * TypeError: a dtype the library does not take (float64 or integer q, k, v, out or caches;
+    g, beta or initial_state that are not floating; a state updated in place that is not
+    float32; index arrays that are not integers), or not an array at all. When the library
+    is the one to find it (q and k of different dtypes) it raises FlywheelDtypeError, which
+    is both a TypeError and a FlywheelError.
+  * ValueError: bad shapes and values. Errors from the C library raise FlywheelError (a
+    ValueError) with the library's status and message (head dim 0: FW_ERR_SHAPE; bad
+    cu_seqlens: FW_ERR_SEQLENS, checked before max_seqlen). A read-only numpy array
+    (flags.writeable False) that the call would write into (out, a KV cache that k and v are
+    appended to, a GDN state updated in place) is refused with a ValueError naming it, before
+    anything is written.
+  * NotImplementedError: options the library does not have.
 """
 
-from ._lib import FlywheelError, get_num_threads, set_num_threads
+from ._lib import FlywheelDtypeError, FlywheelError, get_num_threads, set_num_threads
 from ._lib import lib as _clib
 from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
@@ -20,8 +32,9 @@ from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gat
 __version__ = "0.1.0"
 
 __all__ = [
-    "FlywheelError", "GDNReplay", "chunk_gated_delta_rule", "flash_attn_func",
-    "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_recurrent_gated_delta_rule",
+    "FlywheelDtypeError", "FlywheelError", "GDNReplay", "chunk_gated_delta_rule",
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+    "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_verify",
     "get_num_threads", "isa_tables", "default_isa", "set_num_threads",
 ]

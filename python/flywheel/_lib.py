@@ -13,6 +13,7 @@ _MAX_DIMS = 4
 
 F32, BF16, F16, F64 = 0, 1, 2, 3
 
+ERR_DTYPE = 2
 ERR_NOMEM = 8
 ERR_UNSUPPORTED = 10
 
@@ -30,6 +31,16 @@ def precision(value):
     if isinstance(value, str) and value in _PRECISIONS:
         return _PRECISIONS[value]
     raise ValueError(f"precision must be None, 'auto', 'f32' or 'bf16', got {value!r}")
+
+def isa_name(isa):
+    """The kernel table name of an `isa=` argument as bytes (None or "" for the default)."""
+    if isa is None or isa == "":
+        return None
+    if not isinstance(isa, str):
+        raise TypeError(f"isa must be a kernel table name (str) or None, got "
+                        f"{type(isa).__name__}")
+    return isa.encode()
+
 
 GDN_FWD_SUBST = 1 << 0
 GDN_RECURRENT = 1 << 1
@@ -63,6 +74,12 @@ class FlywheelError(ValueError):
     def __init__(self, status, message):
         super().__init__(f"{status}: {message}")
         self.status = status
+
+
+class FlywheelDtypeError(FlywheelError, TypeError):
+    """FW_ERR_DTYPE: a dtype the library does not take (q and k of different dtypes, an `out`
+    of another dtype). A TypeError, like the dtypes the binding refuses before the call, and a
+    FlywheelError (so a ValueError too) with the library's status and message."""
 
 
 class Tensor(ctypes.Structure):
@@ -177,4 +194,6 @@ def check(status):
         raise MemoryError(f"{name}: {message}")
     if status == ERR_UNSUPPORTED:
         raise NotImplementedError(f"{name}: {message}")
+    if status == ERR_DTYPE:
+        raise FlywheelDtypeError(name, message)
     raise FlywheelError(name, message)

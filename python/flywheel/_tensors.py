@@ -5,6 +5,13 @@ where the C API cannot express the layout: numpy views with negative strides or 
 are not whole elements (np.ascontiguousarray), and the small int32 index arrays and float32
 gate arrays when they come in another dtype. Each public function says which of its
 arguments may be copied.
+
+Errors, the same rule everywhere: a dtype the library does not take raises TypeError (q, k, v,
+out, caches: float32, bfloat16, float16, so float64 and integers are refused here; g, beta and
+the other small float32 operands: any floating dtype, converted; states updated in place:
+float32; index arrays: integers); a bad shape or value raises ValueError. An array the call
+writes into (out, a cache it appends to, a state it updates) must be writable: a numpy array
+with flags.writeable False raises ValueError naming it, before the library is called.
 """
 
 import sys
@@ -20,8 +27,9 @@ try:
 except ImportError:  # bf16 numpy arrays need ml_dtypes; torch.bfloat16 does not
     _NP_BF16 = None
 
-_NP_CODES = {np.dtype(np.float32): _lib.F32, np.dtype(np.float16): _lib.F16,
-             np.dtype(np.float64): _lib.F64}
+# the dtypes of q, k, v, outputs and caches (float64 is only for the C reference functions'
+# outputs, which the binding does not call)
+_NP_CODES = {np.dtype(np.float32): _lib.F32, np.dtype(np.float16): _lib.F16}
 if _NP_BF16 is not None:
     _NP_CODES[_NP_BF16] = _lib.BF16
 
@@ -37,8 +45,8 @@ def is_torch(x):
 
 def _torch_code(t):
     torch = _torch()
-    return {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16,
-            torch.float64: _lib.F64}.get(t.dtype)
+    return {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16,
+            torch.float16: _lib.F16}.get(t.dtype)
 
 
 def _check_grad(t, name):
@@ -49,10 +57,22 @@ def _check_grad(t, name):
             "under torch.no_grad() or torch.inference_mode(), or pass .detach()")
 
 
+def check_writable(x, name):
+    """ValueError when x is a numpy array the call would write into but may not: one with
+    flags.writeable False (np.asarray of a JAX array, a.setflags(write=False), a broadcast
+    view). Torch tensors are left to torch."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name} is a read-only numpy array (flags.writeable is False), and "
+                         "this call writes into it in place: pass a writable array (a copy, "
+                         f"np.array({name}), if it has to be)")
+    return x
+
+
 def float_array(x, name, inplace=False):
     """Accept a float tensor/array as is (torch CPU tensor or numpy array); a numpy view whose
-    strides fw_tensor cannot express is copied, unless `inplace` (the library writes into it),
-    which raises instead. Lists and scalars are not accepted."""
+    strides fw_tensor cannot express is copied, unless `inplace` (no copy may be made: the
+    library writes into it, or it is a cache), which raises instead. Lists and scalars are not
+    accepted. Writability is checked by check_writable, where the call writes."""
     if is_torch(x):
         if x.device.type != "cpu":
             raise NotImplementedError(f"{name} is on {x.device}: the CPU library takes CPU "
@@ -126,7 +146,7 @@ def output(out, ref, shape, dtype=None, name="out"):
     or the caller's `out`, written in place; the library checks its shape and dtype."""
     if out is None:
         return empty_like_family(ref, shape, dtype)
-    return float_array(out, name, inplace=True)
+    return check_writable(float_array(out, name, inplace=True), name)
 
 
 def merged_view(x, name):
@@ -151,14 +171,24 @@ def merged_view(x, name):
 
 def to_numpy_f32(x, name):
     """A small float32 operand (gates, beta, states) as a contiguous float32 numpy array,
-    sharing memory when it already is one (torch tensors included)."""
+    sharing memory when it already is one (torch tensors included). Any floating dtype is
+    converted; others (integers, bool, complex, strings) raise TypeError."""
+    if x is None:
+        raise TypeError(f"{name} is required (an array, got None)")
     if is_torch(x):
         if x.device.type != "cpu":
             raise NotImplementedError(f"{name} is on {x.device}: CPU tensors only")
+        if not x.is_floating_point():
+            raise TypeError(f"{name}: dtype {x.dtype} is not supported (a floating dtype, "
+                            "used as float32)")
         _check_grad(x, name)
         torch = _torch()
         x = x.detach().to(torch.float32).contiguous().numpy()
-    return np.ascontiguousarray(x, dtype=np.float32)
+    a = np.asarray(x)
+    if a.dtype.kind != "f" and (_NP_BF16 is None or a.dtype != _NP_BF16):
+        raise TypeError(f"{name}: dtype {a.dtype} is not supported (a floating dtype, used as "
+                        "float32)")
+    return np.ascontiguousarray(a, dtype=np.float32)
 
 
 def index_array(x, name):

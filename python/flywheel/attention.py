@@ -13,6 +13,12 @@ key give 0 (and lse -inf). Inputs are numpy arrays or torch CPU tensors in float
 (ml_dtypes.bfloat16 or torch.bfloat16) or float16, with any non-negative element strides;
 they are read in place. Outputs have q's dtype and family (numpy or torch) and are
 contiguous. Accumulation is float32.
+
+Errors: TypeError for a dtype the library does not take (float64, integers, q and k of
+different dtypes: FlywheelDtypeError when the library finds it); ValueError for bad shapes
+and values (FlywheelError with the library's status when the library finds them, head dim 0
+included), and for a read-only numpy array the call would write (out, or k_cache / v_cache
+when k and v are appended); NotImplementedError for options the library does not have.
 """
 
 import numpy as np
@@ -26,19 +32,25 @@ def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=Fals
     p = _lib.AttnParams()
     d = q.shape[-1]
     if softmax_scale is None:
-        scale = 1.0 / float(d) ** 0.5
+        # 0 is the library's 1/sqrt(d): with d = 0 the library reports the shape (FW_ERR_SHAPE)
+        scale = 1.0 / float(d) ** 0.5 if d > 0 else 0.0
     else:
         scale = float(softmax_scale)
         if scale == 0.0:
             raise NotImplementedError("softmax_scale=0 (uniform attention) is not supported")
     p.scale = scale
     p.causal = 1 if causal else 0
-    left, right = window_size
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") \
+            from None
+    # flash-attn's rule: any negative value (or None) is unbounded; the library's is -1
     p.window_left = -1 if left is None or left < 0 else int(left)
     p.window_right = -1 if right is None or right < 0 else int(right)
     p.softcap = float(softcap or 0.0)
     p.threads = _lib.settings.threads
-    p.isa = isa.encode() if isa else None
+    p.isa = _lib.isa_name(isa)
     p.flags = _lib.ATTN_PLAIN if plain else 0
     p.precision = _lib.precision(precision)
     return p
@@ -85,8 +97,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     _unsupported(dropout_p, alibi_slopes)
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    if q.ndim != 4:
-        raise ValueError(f"q must be [b, sq, hq, d], got shape {tuple(q.shape)}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [b, sq, hq, d], [b, sk, hkv, d], [b, sk, hkv, dv], "
+                         f"got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, sq, hq, _ = q.shape
     dv = v.shape[-1]
     out = T.output(out, q, (b, sq, hq, dv))
@@ -101,6 +114,25 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 def _max_len(cu):
     return int(np.max(np.diff(cu))) if cu.size > 1 else 0
+
+
+def _check_cu_seqlens(cu, name, total, rows):
+    """cu_seqlens as the library wants them (1-D, from 0, non-decreasing, to `total`, the rows
+    of `rows`), checked before anything that reads lengths from them; FlywheelError
+    FW_ERR_SEQLENS (a ValueError) naming the first entry that is wrong."""
+    def bad(message):
+        return _lib.FlywheelError("FW_ERR_SEQLENS", message)
+    if cu.ndim != 1 or cu.size < 1:
+        raise bad(f"{name} must be 1-D with batch + 1 entries, got shape {cu.shape}")
+    if cu[0] != 0:
+        raise bad(f"{name}[0] = {cu[0]}, expected 0")
+    down = np.flatnonzero(cu[1:] < cu[:-1])
+    if down.size:
+        i = int(down[0]) + 1
+        raise bad(f"{name}[{i}] = {cu[i]} is less than {name}[{i - 1}] = {cu[i - 1]} (offsets "
+                  "must be non-decreasing)")
+    if cu[-1] != total:
+        raise bad(f"{name}[-1] = {cu[-1]}, but {rows} has {total} rows")
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -121,15 +153,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k, v must be [total_q, hq, d], [total_k, hkv, d], "
+                         f"[total_k, hkv, dv], got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     cq = T.index_array(cu_seqlens_q, "cu_seqlens_q")
     ck = T.index_array(cu_seqlens_k, "cu_seqlens_k")
     if cq.ndim != 1 or ck.ndim != 1 or cq.size != ck.size or cq.size < 1:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with batch + 1 entries each")
+    # the offsets first: the lengths max_seqlen is compared with mean nothing until they hold
+    _check_cu_seqlens(cq, "cu_seqlens_q", q.shape[0], "q")
+    _check_cu_seqlens(ck, "cu_seqlens_k", k.shape[0], "k")
     if max_seqlen_q < _max_len(cq) or max_seqlen_k < _max_len(ck):
         raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} are below "
                          f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
-    if q.ndim != 3:
-        raise ValueError(f"q must be [total_q, hq, d], got shape {tuple(q.shape)}")
     total_q, hq, _ = q.shape
     out = T.output(out, q, (total_q, hq, v.shape[-1]))
     want_lse = return_softmax_lse or return_attn_probs
@@ -179,11 +216,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q = T.float_array(q, "q")
     kc = T.float_array(k_cache, "k_cache", inplace=True)
     vc = T.float_array(v_cache, "v_cache", inplace=True)
+    if k is not None:  # k and v are appended to the caches in place
+        T.check_writable(kc, "k_cache")
+        T.check_writable(vc, "v_cache")
+    if kc.ndim != 4 or vc.ndim != 4:
+        raise ValueError(f"k_cache and v_cache must be [b, S, hkv, d|dv] or paged [num_blocks, "
+                         f"page_size, hkv, d|dv], got shapes {tuple(kc.shape)}, "
+                         f"{tuple(vc.shape)}")
     packed = cu_seqlens_q is not None
     if packed:
         cu = T.index_array(cu_seqlens_q, "cu_seqlens_q")
         if q.ndim != 3:
             raise ValueError(f"with cu_seqlens_q, q must be [total_q, hq, d], got {tuple(q.shape)}")
+        _check_cu_seqlens(cu, "cu_seqlens_q", q.shape[0], "q")
         batch = cu.size - 1
         q3 = q
     else:
@@ -192,12 +237,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         batch, sq = q.shape[0], q.shape[1]
         cu = np.arange(batch + 1, dtype=np.int32) * sq
         q3 = T.merge_leading(q)
+    seqlens = T.index_array(cache_seqlens, "cache_seqlens")  # integers, like the [b] form
     if np.ndim(cache_seqlens) == 0:
-        seqlens = np.full(batch, int(cache_seqlens), dtype=np.int32)
-    else:
-        seqlens = T.index_array(cache_seqlens, "cache_seqlens")
-        if seqlens.shape != (batch,):
-            raise ValueError(f"cache_seqlens must have {batch} entries, got {seqlens.shape}")
+        seqlens = np.full(batch, seqlens.reshape(()), dtype=np.int32)
+    elif seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have {batch} entries, got {seqlens.shape}")
     kn = vn = None
     if k is not None:
         kn, vn = T.float_array(k, "k"), T.float_array(v, "v")

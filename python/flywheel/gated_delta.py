@@ -9,6 +9,13 @@ q, k, v may be float32, bfloat16 or float16 (numpy or torch CPU) and are read in
 [B, T] merges into one stride (any contiguous input); g and beta are used as float32 (a copy
 when they come in another dtype or layout); states as contiguous float32 (a copy otherwise,
 except where a state is updated in place, which then must already be one).
+
+Errors: TypeError for a dtype the library does not take (q, k, v or out in float64 or an
+integer dtype; g, beta, initial_state in a dtype that is not floating; a state updated in
+place that is not float32); ValueError for bad shapes and values (FlywheelError with the
+library's status when the library finds them, head dim 0 included), and for a read-only numpy
+array the call would write (out; the state of gated_delta_rule_decode and
+gated_delta_rule_commit); NotImplementedError for options the library does not have.
 """
 
 import numpy as np
@@ -19,12 +26,17 @@ from . import _tensors as T
 
 def _params(q, scale, l2norm, flags=0, isa=None, precision=None):
     p = _lib.GdnParams()
-    p.scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
-    if p.scale == 0.0:
-        raise NotImplementedError("scale=0 is not supported")
+    if scale is None:
+        # 0 is the library's 1/sqrt(K): with K = 0 the library reports the shape (FW_ERR_SHAPE)
+        K = q.shape[-1]
+        p.scale = 1.0 / float(K) ** 0.5 if K > 0 else 0.0
+    else:
+        p.scale = float(scale)
+        if p.scale == 0.0:
+            raise NotImplementedError("scale=0 is not supported")
     p.l2norm_qk = 1 if l2norm else 0
     p.threads = _lib.settings.threads
-    p.isa = isa.encode() if isa else None
+    p.isa = _lib.isa_name(isa)
     p.flags = flags
     p.precision = _lib.precision(precision)
     return p
@@ -143,10 +155,22 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     """Token-by-token recurrence (one fused pass over the state per token),
     fla's `fused_recurrent_gated_delta_rule`; arguments and results as
     chunk_gated_delta_rule. For decode into a slot array in place, see
-    gated_delta_rule_decode. Not supported (NotImplementedError): per-channel gates gk / gv
-    (KDA), state_v_first.
+    gated_delta_rule_decode. Pass beta by keyword: as in fla, the 5th positional argument is
+    gk, and gk without beta raises ValueError saying so. Not supported (NotImplementedError):
+    per-channel gates gk / gv (KDA), state_v_first.
     """
-    _unsupported(kwargs, gk=gk is not None, gv=gv is not None, state_v_first=state_v_first)
+    if gk is not None and beta is None:
+        raise ValueError(
+            "gk was given and beta was not: per-channel gates gk (KDA) are not supported, and "
+            "beta must be passed by keyword (beta=...), because the 5th positional argument "
+            "of fla's fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...) is gk")
+    if gk is not None:
+        raise NotImplementedError("per-channel gates gk (KDA) are not supported: a scalar gate "
+                                  "g per token and head only")
+    if gv is not None:
+        raise NotImplementedError("per-channel gates gv are not supported: a scalar gate g "
+                                  "per token and head only")
+    _unsupported(kwargs, state_v_first=state_v_first)
     if g is None or beta is None:
         raise NotImplementedError("g and beta are required (a scalar gate per token and head)")
     return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -155,17 +179,29 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                          allow_neg_eigval), out)
 
 
-def _state_slots(state, HV, K, V):
+def _state_slots(state, HV, K, V, written):
+    """The slot count of a state array the library reads (and, if `written`, updates) in
+    place: TypeError for another type or dtype than float32, ValueError for the shape, the
+    layout or (written) a read-only numpy array."""
+    want = f"a contiguous float32 [slots, HV, K, V] = [slots, {HV}, {K}, {V}] array"
     if T.is_torch(state):
         torch = T._torch()
-        ok = state.dtype == torch.float32 and state.is_contiguous() and state.device.type == "cpu"
+        if state.device.type != "cpu":
+            raise NotImplementedError(f"state is on {state.device}: CPU tensors only")
+        f32, contiguous = state.dtype == torch.float32, state.is_contiguous()
+    elif isinstance(state, np.ndarray):
+        f32, contiguous = state.dtype == np.float32, state.flags.c_contiguous
     else:
-        ok = isinstance(state, np.ndarray) and state.dtype == np.float32 and \
-            state.flags.c_contiguous
-    if not ok or state.ndim != 4 or tuple(state.shape[1:]) != (HV, K, V):
-        raise ValueError(f"state must be a contiguous float32 [slots, HV, K, V] = "
-                         f"[slots, {HV}, {K}, {V}] array (it is updated in place), got "
-                         f"{type(state).__name__} {tuple(state.shape)} {state.dtype}")
+        raise TypeError(f"state must be {want} (numpy or torch), got {type(state).__name__}")
+    if not f32:
+        raise TypeError(f"state: dtype {state.dtype} is not supported: state must be {want} "
+                        "(it is used in place, never converted)")
+    if not contiguous or state.ndim != 4 or tuple(state.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state must be {want} (it is used in place), got "
+                         f"{'a non-contiguous ' if not contiguous else ''}"
+                         f"shape {tuple(state.shape)}")
+    if written:
+        T.check_writable(state, "state")
     return state.shape[0]
 
 
@@ -189,15 +225,24 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     squeeze = v.ndim == 4
     if squeeze:
-        if q.shape[1] != 1 or v.shape[1] != 1:
+        if q.ndim != 4 or k.ndim != 4:
+            raise ValueError(f"with v [N, 1, HV, V], q and k must be [N, 1, H, K], got shapes "
+                             f"{tuple(q.shape)} and {tuple(k.shape)}")
+        if q.shape[1] != 1 or k.shape[1] != 1 or v.shape[1] != 1:
             raise ValueError("4-D decode inputs must be [N, 1, ...]: one token per sequence")
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
-    if v.ndim != 3:
-        raise ValueError(f"v must be [N, HV, V], got {tuple(v.shape)}")
+    if v.ndim != 3 or q.ndim != 3 or k.ndim != 3:
+        raise ValueError(f"q, k, v must be [N, H, K], [N, H, K], [N, HV, V], got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     N, HV, V = v.shape
-    g = T.to_numpy_f32(g, "g").reshape(N, -1)
-    beta = T.to_numpy_f32(beta, "beta").reshape(N, -1)
-    slots = _state_slots(state, HV, q.shape[-1], V)
+    g = T.to_numpy_f32(g, "g")
+    beta = T.to_numpy_f32(beta, "beta")
+    for x, name in ((g, "g"), (beta, "beta")):
+        if x.size != N * HV:
+            raise ValueError(f"{name} must be [N, HV] = {(N, HV)} (or [N, 1, HV]), got "
+                             f"shape {x.shape}")
+    g, beta = g.reshape(N, HV), beta.reshape(N, HV)
+    slots = _state_slots(state, HV, q.shape[-1], V, written=True)
     idx = _indices(state_indices, N)
     o = T.empty_like_family(v, (N, HV, V))
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
@@ -235,7 +280,7 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     n = cu.size - 1
     B, Tn, HV, V = v.shape
     H, K = q.shape[2], q.shape[3]
-    slots = _state_slots(state, HV, K, V)
+    slots = _state_slots(state, HV, K, V, written=False)
     idx = _indices(state_indices, n)
     floats = _lib.lib.fw_gdn_replay_floats(B * Tn, H, HV, K, V)
     replay = np.empty(max(floats, 1), dtype=np.float32)
@@ -255,7 +300,7 @@ def gated_delta_rule_commit(replay, accepted, state):
     acc = T.index_array(accepted, "accepted")
     if acc.shape != (r.cu_seqlens.size - 1,):
         raise ValueError(f"accepted must have {r.cu_seqlens.size - 1} entries, got {acc.shape}")
-    slots = _state_slots(state, r.HV, r.K, r.V)
+    slots = _state_slots(state, r.HV, r.K, r.V, written=True)
     p = _lib.GdnParams()
     p.threads = _lib.settings.threads
     _lib.check(_lib.lib.fw_gdn_commit(T.ptr(r.cu_seqlens), r.cu_seqlens.size - 1, T.ptr(acc),

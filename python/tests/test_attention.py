@@ -463,3 +463,137 @@ def test_bad_precision_raises_value_error():
     x, _ = make(rng, (1, 9, 2, 16), "float32", "numpy")
     assert np.array_equal(flywheel.flash_attn_func(x, x, x, precision="auto"),
                           flywheel.flash_attn_func(x, x, x))
+
+
+# Windows: flash-attn's rule, any negative side is unbounded.
+
+def test_negative_window_sides_are_unbounded():
+    rng = np.random.default_rng(20)
+    q, q64 = make(rng, (2, 24, 4, 16), "float32", "numpy")
+    k, k64 = make(rng, (2, 24, 2, 16), "float32", "numpy")
+    v, v64 = make(rng, (2, 24, 2, 16), "float32", "numpy")
+    f = flywheel.flash_attn_func
+    right3 = f(q, k, v, window_size=(-1, 3))
+    assert np.array_equal(f(q, k, v, window_size=(-5, 3)), right3)
+    assert np.array_equal(f(q, k, v, window_size=(2, -7)), f(q, k, v, window_size=(2, -1)))
+    assert np.array_equal(f(q, k, v, causal=True, window_size=(-9, -9)),
+                          f(q, k, v, causal=True))
+    full = f(q, k, v, window_size=(-1, -1))
+    assert np.array_equal(full, f(q, k, v))
+    assert not np.array_equal(full, right3)  # the window of (-1, 3) does cut keys
+    for i in range(2):
+        ro, _ = ref_attention(q64[i], k64[i], v64[i], 16 ** -0.5)  # no mask at all
+        assert np.abs(full[i] - ro).max() <= TOL["float32"]
+        ro, _ = ref_attention(q64[i], k64[i], v64[i], 16 ** -0.5, window=(-1, 3))
+        assert np.abs(right3[i] - ro).max() <= TOL["float32"]
+    # the same rule in the varlen and KV-cache calls
+    cu = np.array([0, 24, 48], np.int32)
+    flat = [x.reshape(48, *x.shape[2:]) for x in (q, k, v)]
+    assert np.array_equal(
+        flywheel.flash_attn_varlen_func(*flat, cu, cu, 24, 24, window_size=(-5, 3)),
+        flywheel.flash_attn_varlen_func(*flat, cu, cu, 24, 24, window_size=(-1, 3)))
+    assert np.array_equal(flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=24,
+                                                           window_size=(-5, 3)),
+                          flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=24,
+                                                           window_size=(-1, 3)))
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        f(q, k, v, window_size=None)
+
+
+def test_varlen_checks_cu_seqlens_before_max_seqlen():
+    """Offsets that go down would give lengths above max_seqlen: the error names the offsets."""
+    q = np.zeros((8, 2, 16), np.float32)
+    good = np.array([0, 4, 8], np.int32)
+    with pytest.raises(FlywheelError, match=r"cu_seqlens_q\[2\] = 4 is less than") as e:
+        flywheel.flash_attn_varlen_func(q, q, q, [0, 8, 4, 8], [0, 4, 4, 8], 4, 4)
+    assert e.value.status == "FW_ERR_SEQLENS" and "max_seqlen" not in str(e.value)
+    with pytest.raises(FlywheelError, match=r"cu_seqlens_k\[2\] = 6 is less than"):
+        flywheel.flash_attn_varlen_func(q, q, q, [0, 4, 4, 8], [0, 7, 6, 8], 4, 4)
+    with pytest.raises(FlywheelError, match=r"cu_seqlens_q\[0\] = 1, expected 0"):
+        flywheel.flash_attn_varlen_func(q, q, q, [1, 4, 8], good, 8, 8)
+    with pytest.raises(FlywheelError, match=r"cu_seqlens_k\[-1\] = 6, but k has 8 rows"):
+        flywheel.flash_attn_varlen_func(q, q, q, good, [0, 4, 6], 1, 1)
+    with pytest.raises(FlywheelError, match=r"cu_seqlens_q\[-1\] = 6, but q has 3 rows"):
+        flywheel.flash_attn_with_kvcache(q[:3], np.zeros((2, 16, 2, 16), np.float32),
+                                         np.zeros((2, 16, 2, 16), np.float32),
+                                         cache_seqlens=4, cu_seqlens_q=[0, 2, 6])
+    with pytest.raises(ValueError, match="max_seqlen"):  # valid offsets: max_seqlen is checked
+        flywheel.flash_attn_varlen_func(q, q, q, good, good, 3, 4)
+
+
+def test_head_dim_zero_is_a_shape_error():
+    """The default scale 1/sqrt(d) is left to the library, which refuses d = 0 as a shape."""
+    z = np.zeros((1, 4, 2, 0), np.float32)
+    v = np.zeros((1, 4, 2, 8), np.float32)
+    calls = [lambda: flywheel.flash_attn_func(z, z, v),
+             lambda: flywheel.flash_attn_func(z, z, v, softmax_scale=0.5),
+             lambda: flywheel.flash_attn_varlen_func(z[0], z[0], v[0], [0, 4], [0, 4], 4, 4),
+             lambda: flywheel.flash_attn_with_kvcache(z, np.zeros((1, 16, 2, 0), np.float32),
+                                                      np.zeros((1, 16, 2, 8), np.float32),
+                                                      cache_seqlens=3)]
+    for call in calls:
+        with pytest.raises(FlywheelError) as e:
+            call()
+        assert e.value.status == "FW_ERR_SHAPE" and "head dim" in str(e.value)
+
+
+def _read_only(a):
+    a = a.copy()
+    a.setflags(write=False)
+    return a
+
+
+def test_read_only_arrays_the_call_writes_are_refused():
+    rng = np.random.default_rng(21)
+    q, _ = make(rng, (2, 3, 4, 16), "float32", "numpy")
+    k, _ = make(rng, (2, 3, 2, 16), "float32", "numpy")
+    out = _read_only(np.full((2, 3, 4, 16), 7.0, np.float32))
+    with pytest.raises(ValueError, match="out is a read-only numpy array"):
+        flywheel.flash_attn_func(q, k, k, out=out)
+    cu = np.array([0, 3, 6], np.int32)
+    with pytest.raises(ValueError, match="out is a read-only numpy array"):
+        flywheel.flash_attn_varlen_func(q.reshape(6, 4, 16), k.reshape(6, 2, 16),
+                                        k.reshape(6, 2, 16), cu, cu, 3, 3,
+                                        out=out.reshape(6, 4, 16))
+    cache = rng.standard_normal((2, 32, 2, 16)).astype(np.float32)
+    for name, kc, vc, buf in (("k_cache", _read_only(cache), cache.copy(), None),
+                              ("v_cache", cache.copy(), _read_only(cache), None),
+                              ("out", cache.copy(), cache.copy(), out)):
+        with pytest.raises(ValueError, match=f"{name} is a read-only numpy array"):
+            flywheel.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=5, out=buf)
+        assert np.array_equal(kc, cache) and np.array_equal(vc, cache)  # nothing appended
+    assert (out == 7.0).all()
+    # without k and v the caches are only read: read-only ones are fine
+    ro = _read_only(cache)
+    assert np.array_equal(flywheel.flash_attn_with_kvcache(q, ro, ro, cache_seqlens=20),
+                          flywheel.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=20))
+
+
+def test_unsupported_dtypes_raise_type_error():
+    """Every dtype the library does not take is a TypeError, whether the binding or the
+    library finds it; shapes stay ValueError."""
+    q = np.zeros((1, 4, 2, 16), np.float32)
+    kc = np.zeros((1, 16, 2, 16), np.float32)
+    for bad in (np.float64, np.int32, np.int64, np.complex64, bool):
+        x = q.astype(bad)
+        for args in ((x, q, q), (q, x, q), (q, q, x)):
+            with pytest.raises(TypeError, match=f"dtype {np.dtype(bad)} is not supported"):
+                flywheel.flash_attn_func(*args)
+        with pytest.raises(TypeError, match="out: dtype"):
+            flywheel.flash_attn_func(q, q, q, out=x)
+        with pytest.raises(TypeError, match="k_cache: dtype"):
+            flywheel.flash_attn_with_kvcache(q, kc.astype(bad), kc, cache_seqlens=1)
+        with pytest.raises(TypeError, match="q: dtype"):
+            flywheel.flash_attn_varlen_func(x[0], q[0], q[0], [0, 4], [0, 4], 4, 4)
+    # accepted dtypes the library refuses together: a TypeError and a FlywheelError
+    with pytest.raises(TypeError) as e:
+        flywheel.flash_attn_func(q, q.astype(np.float16), q)
+    assert isinstance(e.value, FlywheelError) and e.value.status == "FW_ERR_DTYPE"
+    if torch is not None:
+        with pytest.raises(TypeError, match="torch.float64 is not supported"):
+            flywheel.flash_attn_func(torch.zeros(1, 4, 2, 16, dtype=torch.float64), q, q)
+    with pytest.raises(TypeError, match="isa must be a kernel table name"):
+        flywheel.flash_attn_func(q, q, q, isa=1)
+    with pytest.raises(ValueError) as e:  # a shape is still a ValueError, not a TypeError
+        flywheel.flash_attn_func(q, q[:, :, :1, :8], q)
+    assert not isinstance(e.value, TypeError)

@@ -276,9 +276,12 @@ def test_bad_inputs():
     with pytest.raises(NotImplementedError, match="'foo'"):
         flywheel.chunk_gated_delta_rule(q, k, v, g, beta, foo=1)
     slots = np.zeros((2, 4, 16, 16), np.float32)
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(TypeError, match="contiguous float32"):  # a dtype: TypeError
         flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                          slots.astype(np.float64))
+    with pytest.raises(ValueError, match="non-contiguous"):  # a layout: ValueError
+        flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                         np.zeros((2, 4, 16, 32), np.float32)[..., ::2])
     with pytest.raises(FlywheelError, match="FW_ERR_INDEX|FW_ERR_ARG"):
         flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], slots,
                                          [5])
@@ -332,3 +335,119 @@ def test_serving_calls_reject_bad_input():
     with pytest.raises(ValueError, match="one token per sequence"):
         flywheel.gated_delta_rule_decode(q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2],
                                          state)
+
+
+def test_five_positional_arguments_to_fused_recurrent():
+    """fla's signature is (q, k, v, g, gk, gv, beta, ...): a 5th positional argument is gk."""
+    rng = np.random.default_rng(22)
+    (q, k, v, g, beta), _ = inputs(rng, 1, 8, 2, 4, 16, 16, "float32", "numpy")
+    with pytest.raises(ValueError, match=r"gk \(KDA\) are not supported.*beta=\.\.\.") as e:
+        flywheel.fused_recurrent_gated_delta_rule(q, k, v, g, beta)
+    assert "5th positional argument" in str(e.value)
+    with pytest.raises(NotImplementedError, match=r"gk \(KDA\) are not supported"):
+        flywheel.fused_recurrent_gated_delta_rule(q, k, v, g, g[..., None], beta=beta)
+    with pytest.raises(NotImplementedError, match="gv"):
+        flywheel.fused_recurrent_gated_delta_rule(q, k, v, g, gv=g, beta=beta)
+    o, _ = flywheel.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta)
+    want, _ = flywheel.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert np.abs(o - want).max() <= 1e-4
+
+
+def test_head_dim_zero_is_a_shape_error():
+    """The default scale 1/sqrt(K) is left to the library, which refuses K = 0 as a shape."""
+    z = np.zeros((1, 4, 2, 0), np.float32)
+    v = np.zeros((1, 4, 2, 8), np.float32)
+    g = np.zeros((1, 4, 2), np.float32)
+    state = np.zeros((1, 2, 0, 8), np.float32)
+    calls = [lambda: flywheel.chunk_gated_delta_rule(z, z, v, g, g),
+             lambda: flywheel.chunk_gated_delta_rule(z, z, v, g, g, scale=0.5),
+             lambda: flywheel.fused_recurrent_gated_delta_rule(z, z, v, g, beta=g),
+             lambda: flywheel.gated_delta_rule_decode(z[:, 0], z[:, 0], v[:, 0], g[:, 0],
+                                                      g[:, 0], state),
+             lambda: flywheel.gated_delta_rule_verify(z, z, v, g, g, state)]
+    for call in calls:
+        with pytest.raises(FlywheelError) as e:
+            call()
+        assert e.value.status == "FW_ERR_SHAPE" and "head dims" in str(e.value)
+
+
+def _read_only(a):
+    a = a.copy()
+    a.setflags(write=False)
+    return a
+
+
+def test_read_only_arrays_the_call_writes_are_refused():
+    rng = np.random.default_rng(23)
+    (q, k, v, g, beta), _ = inputs(rng, 1, 5, 2, 4, 16, 16, "float32", "numpy")
+    state = (rng.standard_normal((2, 4, 16, 16)) * 0.1).astype(np.float32)
+    ro = _read_only(state)
+    with pytest.raises(ValueError, match="state is a read-only numpy array"):
+        flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ro)
+    assert np.array_equal(ro, state)
+    # verify only reads the state: a read-only one is fine; commit writes it
+    o, replay = flywheel.gated_delta_rule_verify(q, k, v, g, beta, ro)
+    assert np.array_equal(o, flywheel.gated_delta_rule_verify(q, k, v, g, beta, state)[0])
+    with pytest.raises(ValueError, match="state is a read-only numpy array"):
+        flywheel.gated_delta_rule_commit(replay, [3], ro)
+    assert np.array_equal(ro, state)
+    out = _read_only(np.zeros_like(v))
+    for fn in (flywheel.chunk_gated_delta_rule, flywheel.fused_recurrent_gated_delta_rule):
+        with pytest.raises(ValueError, match="out is a read-only numpy array"):
+            fn(q, k, v, g=g, beta=beta, out=out)
+    assert not out.any()
+    # read-only inputs (q, k, v, gates, initial state) are only read
+    h0 = _read_only(state[:1])
+    o, h = flywheel.chunk_gated_delta_rule(*map(_read_only, (q, k, v, g, beta)),
+                                           initial_state=h0, output_final_state=True)
+    assert np.array_equal(o, flywheel.chunk_gated_delta_rule(q, k, v, g, beta,
+                                                             initial_state=state[:1])[0])
+
+
+def test_unsupported_dtypes_raise_type_error():
+    """Every dtype the library does not take is a TypeError; shapes stay ValueError."""
+    rng = np.random.default_rng(24)
+    (q, k, v, g, beta), _ = inputs(rng, 1, 5, 2, 4, 16, 16, "float32", "numpy")
+    state = np.zeros((2, 4, 16, 16), np.float32)
+    for bad in (np.float64, np.int32):
+        x = q.astype(bad)
+        with pytest.raises(TypeError, match=f"q: dtype {np.dtype(bad)} is not supported"):
+            flywheel.chunk_gated_delta_rule(x, k, v, g, beta)
+        with pytest.raises(TypeError, match="v: dtype"):
+            flywheel.fused_recurrent_gated_delta_rule(q, k, v.astype(bad), g, beta=beta)
+        with pytest.raises(TypeError, match="out: dtype"):
+            flywheel.chunk_gated_delta_rule(q, k, v, g, beta, out=v.astype(bad))
+        with pytest.raises(TypeError, match="k: dtype"):
+            flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0].astype(bad), v[:, 0], g[:, 0],
+                                             beta[:, 0], state)
+        with pytest.raises(TypeError, match="state: dtype"):
+            flywheel.gated_delta_rule_verify(q, k, v, g, beta, state.astype(bad))
+    # g, beta, initial_state: any floating dtype is converted; others are refused
+    for bad in (np.int32, np.int64, bool, np.complex64):
+        with pytest.raises(TypeError, match="g: dtype"):
+            flywheel.chunk_gated_delta_rule(q, k, v, g.astype(bad), beta)
+        with pytest.raises(TypeError, match="beta: dtype"):
+            flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                             beta[:, 0].astype(bad), state)
+        with pytest.raises(TypeError, match="initial_state: dtype"):
+            flywheel.chunk_gated_delta_rule(q, k, v, g, beta,
+                                            initial_state=state[:1].astype(bad))
+    o64, _ = flywheel.chunk_gated_delta_rule(q, k, v, g.astype(np.float64),
+                                             beta.astype(np.float16))
+    o32, _ = flywheel.chunk_gated_delta_rule(q, k, v, g, beta.astype(np.float16)
+                                             .astype(np.float32))
+    assert np.array_equal(o64, o32)
+    _, replay = flywheel.gated_delta_rule_verify(q, k, v, g, beta, state)
+    with pytest.raises(TypeError, match="state: dtype float64"):
+        flywheel.gated_delta_rule_commit(replay, [2], state.astype(np.float64))
+    if torch is not None:
+        with pytest.raises(TypeError, match="g: dtype torch.int64"):
+            flywheel.chunk_gated_delta_rule(q, k, v, torch.zeros(1, 5, 4, dtype=torch.int64),
+                                            beta)
+    with pytest.raises(TypeError, match="g is required"):
+        flywheel.chunk_gated_delta_rule(q, k, v, None, beta)
+    with pytest.raises(TypeError, match="isa must be a kernel table name"):
+        flywheel.chunk_gated_delta_rule(q, k, v, g, beta, isa=2)
+    with pytest.raises(ValueError) as e:  # a shape is still a ValueError, not a TypeError
+        flywheel.chunk_gated_delta_rule(q, k, v, g[:, :, :3], beta)
+    assert not isinstance(e.value, TypeError)
