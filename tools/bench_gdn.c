@@ -88,8 +88,8 @@ static void unmake(gbufs *B)
     free(B->q); free(B->k); free(B->v); free(B->o); free(B->g); free(B->b); free(B->st);
 }
 
-/* Median seconds of `reps` prefill calls (after a warm-up) with the given flags. */
-static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t flags, int prec, int reps)
+/* The benchmark's parameters: l2norm in the kernel, its threads and table, these flags. */
+static fw_gdn_params bench_params(const gcfg *c, uint32_t flags, int prec)
 {
     fw_gdn_params p;
     fw_gdn_params_init(&p);
@@ -98,6 +98,20 @@ static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t 
     p.isa = c->isa;
     p.flags = flags;
     p.precision = prec;
+    return p;
+}
+
+/* Element i of an output of dtype dt, as a double. */
+static double out_value(const void *o, fw_dtype dt, int64_t i)
+{
+    return dt == FW_F32 ? ((const float *)o)[i]
+           : dt == FW_BF16 ? fw_bf16_to_f32(((const uint16_t *)o)[i]) : fw_f16_to_f32(((const uint16_t *)o)[i]);
+}
+
+/* Median seconds of `reps` prefill calls (after a warm-up) with the given flags. */
+static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t flags, int prec, int reps)
+{
+    fw_gdn_params p = bench_params(c, flags, prec);
     double t[32];
     reps = reps > 32 ? 32 : reps;
     for (int i = -1; i < reps; i++) {
@@ -132,12 +146,7 @@ static int check_prefill(const gcfg *c, gbufs *B, int prec, double err[4])
     const int32_t cu[2] = {0, (int32_t)T};
     fw_tensor to = fw_tensor_contiguous(o, c->dt, 3, os), tro = fw_tensor_contiguous(ro, FW_F64, 3, os),
               tbo = fw_tensor_contiguous(bo, FW_F64, 3, os);
-    fw_gdn_params p;
-    fw_gdn_params_init(&p);
-    p.l2norm_qk = 1;
-    p.threads = c->threads;
-    p.isa = c->isa;
-    p.precision = FW_PREC_F32;
+    fw_gdn_params p = bench_params(c, 0, FW_PREC_F32);
     const double e0[4] = {INFINITY, INFINITY, 0, 0};
     for (int i = 0; i < 4; i++)
         err[i] = e0[i];
@@ -154,8 +163,7 @@ static int check_prefill(const gcfg *c, gbufs *B, int prec, double err[4])
         p.flags = FW_GDN_FUSED_RECURRENT;
         ok = fw_gdn_prefill(&q, &k, &v, &g, &b, cu, 1, NULL, st, &to, &p) == FW_OK;
         for (int64_t i = 0; ok && i < no; i++)
-            bo[i] = c->dt == FW_F32 ? ((float *)o)[i] : c->dt == FW_BF16 ? fw_bf16_to_f32(((uint16_t *)o)[i])
-                                                                      : fw_f16_to_f32(((uint16_t *)o)[i]);
+            bo[i] = out_value(o, c->dt, i);
         for (int64_t i = 0; ok && i < ns; i++)
             bs[i] = st[i];
     }
@@ -169,9 +177,7 @@ static int check_prefill(const gcfg *c, gbufs *B, int prec, double err[4])
         p.precision = prec;
         ok = fw_gdn_prefill(&q, &k, &v, &g, &b, cu, 1, NULL, st, &to, &p) == FW_OK;
         for (int64_t i = 0; ok && i < no; i++) {
-            const double x = c->dt == FW_F32 ? ((float *)o)[i]
-                             : c->dt == FW_BF16 ? fw_bf16_to_f32(((uint16_t *)o)[i]) : fw_f16_to_f32(((uint16_t *)o)[i]);
-            const double d = fabs(x - ro[i]);
+            const double d = fabs(out_value(o, c->dt, i) - ro[i]);
             ek[0] = d > ek[0] || d != d ? d : ek[0];
         }
         for (int64_t i = 0; ok && i < ns; i++) {
@@ -285,11 +291,7 @@ static int run_decode(const gcfg *c, int64_t N)
     int32_t *idx = malloc(sizeof(int32_t) * (size_t)N);
     for (int64_t i = 0; i < N; i++)
         idx[i] = (int32_t)(N - 1 - i);
-    fw_gdn_params p;
-    fw_gdn_params_init(&p);
-    p.l2norm_qk = 1;
-    p.threads = c->threads;
-    p.isa = c->isa;
+    fw_gdn_params p = bench_params(c, 0, FW_PREC_AUTO);
     double t[64];
     const int reps = c->reps * 4 > 64 ? 64 : c->reps * 4;
     for (int i = -1; i < reps; i++) {
