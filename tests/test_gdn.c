@@ -131,8 +131,7 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
     st = fw_gdn_ref(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, srs, &tsro, &p);
     case_check(st == FW_OK, "same-roundings reference: %s", fw_last_error());
     for (int64_t i = 0; i < no; i++)
-        sro[i] = c->dt == FW_BF16 ? fw_bf16_to_f32(fw_f32_to_bf16((float)sro[i]))
-                 : c->dt == FW_F16 ? fw_f16_to_f32(fw_f32_to_f16((float)sro[i])) : sro[i];
+        sro[i] = round_to(c->dt, sro[i]);
     const double eosr = max_abs(sro, ro, no), essr = max_abs(srs, rs, ns);
     gbuf ob = gbuf_new((size_t)no * fw_dtype_size(c->dt) + 1);
     fw_tensor to = fw_tensor_contiguous(ob.p, c->dt, 3, os);

@@ -165,6 +165,13 @@ def ref_gdn_bf16(q, k, v, g, beta, scale, h0=None, l2norm=False, chunk=64):
     return o.transpose(1, 0, 2), h
 
 
+def read_only(a):
+    """A copy of numpy array a with flags.writeable False (as np.asarray of a JAX array)."""
+    a = a.copy()
+    a.setflags(write=False)
+    return a
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     flywheel.set_num_threads(2)

@@ -8,7 +8,7 @@ import pytest
 
 import flywheel
 from flywheel import FlywheelError
-from conftest import DTYPES, FAMILIES, TOL, as64, make, ref_attention, round_to, torch
+from conftest import DTYPES, FAMILIES, TOL, as64, make, read_only, ref_attention, round_to, torch
 
 SHAPES = [  # (b, sq, sk, hq, hkv, d, dv)
     (1, 1, 1, 4, 4, 64, 64),
@@ -537,17 +537,11 @@ def test_head_dim_zero_is_a_shape_error():
         assert e.value.status == "FW_ERR_SHAPE" and "head dim" in str(e.value)
 
 
-def _read_only(a):
-    a = a.copy()
-    a.setflags(write=False)
-    return a
-
-
 def test_read_only_arrays_the_call_writes_are_refused():
     rng = np.random.default_rng(21)
     q, _ = make(rng, (2, 3, 4, 16), "float32", "numpy")
     k, _ = make(rng, (2, 3, 2, 16), "float32", "numpy")
-    out = _read_only(np.full((2, 3, 4, 16), 7.0, np.float32))
+    out = read_only(np.full((2, 3, 4, 16), 7.0, np.float32))
     with pytest.raises(ValueError, match="out is a read-only numpy array"):
         flywheel.flash_attn_func(q, k, k, out=out)
     cu = np.array([0, 3, 6], np.int32)
@@ -556,15 +550,15 @@ def test_read_only_arrays_the_call_writes_are_refused():
                                         k.reshape(6, 2, 16), cu, cu, 3, 3,
                                         out=out.reshape(6, 4, 16))
     cache = rng.standard_normal((2, 32, 2, 16)).astype(np.float32)
-    for name, kc, vc, buf in (("k_cache", _read_only(cache), cache.copy(), None),
-                              ("v_cache", cache.copy(), _read_only(cache), None),
+    for name, kc, vc, buf in (("k_cache", read_only(cache), cache.copy(), None),
+                              ("v_cache", cache.copy(), read_only(cache), None),
                               ("out", cache.copy(), cache.copy(), out)):
         with pytest.raises(ValueError, match=f"{name} is a read-only numpy array"):
             flywheel.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=5, out=buf)
         assert np.array_equal(kc, cache) and np.array_equal(vc, cache)  # nothing appended
     assert (out == 7.0).all()
     # without k and v the caches are only read: read-only ones are fine
-    ro = _read_only(cache)
+    ro = read_only(cache)
     assert np.array_equal(flywheel.flash_attn_with_kvcache(q, ro, ro, cache_seqlens=20),
                           flywheel.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=20))
 

@@ -7,7 +7,7 @@ import pytest
 
 import flywheel
 from flywheel import FlywheelError
-from conftest import FAMILIES, as64, make, ref_gdn, ref_gdn_bf16, round_to, torch
+from conftest import FAMILIES, as64, make, read_only, ref_gdn, ref_gdn_bf16, round_to, torch
 
 try:
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -371,17 +371,11 @@ def test_head_dim_zero_is_a_shape_error():
         assert e.value.status == "FW_ERR_SHAPE" and "head dims" in str(e.value)
 
 
-def _read_only(a):
-    a = a.copy()
-    a.setflags(write=False)
-    return a
-
-
 def test_read_only_arrays_the_call_writes_are_refused():
     rng = np.random.default_rng(23)
     (q, k, v, g, beta), _ = inputs(rng, 1, 5, 2, 4, 16, 16, "float32", "numpy")
     state = (rng.standard_normal((2, 4, 16, 16)) * 0.1).astype(np.float32)
-    ro = _read_only(state)
+    ro = read_only(state)
     with pytest.raises(ValueError, match="state is a read-only numpy array"):
         flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ro)
     assert np.array_equal(ro, state)
@@ -391,14 +385,14 @@ def test_read_only_arrays_the_call_writes_are_refused():
     with pytest.raises(ValueError, match="state is a read-only numpy array"):
         flywheel.gated_delta_rule_commit(replay, [3], ro)
     assert np.array_equal(ro, state)
-    out = _read_only(np.zeros_like(v))
+    out = read_only(np.zeros_like(v))
     for fn in (flywheel.chunk_gated_delta_rule, flywheel.fused_recurrent_gated_delta_rule):
         with pytest.raises(ValueError, match="out is a read-only numpy array"):
             fn(q, k, v, g=g, beta=beta, out=out)
     assert not out.any()
     # read-only inputs (q, k, v, gates, initial state) are only read
-    h0 = _read_only(state[:1])
-    o, h = flywheel.chunk_gated_delta_rule(*map(_read_only, (q, k, v, g, beta)),
+    h0 = read_only(state[:1])
+    o, h = flywheel.chunk_gated_delta_rule(*map(read_only, (q, k, v, g, beta)),
                                            initial_state=h0, output_final_state=True)
     assert np.array_equal(o, flywheel.chunk_gated_delta_rule(q, k, v, g, beta,
                                                              initial_state=state[:1])[0])
