@@ -1,6 +1,8 @@
 # Thin wrapper over CMake. `make run`: the main job; `make test`: every test (C, then Python);
 # `make compare`: flywheel side by side with its peers; `make compare-cpu`: against zentorch and
-# vLLM's CPU kernels.
+# vLLM's CPU kernels; `make install`: the library, header, CLI, CMake package and pkg-config
+# file under PREFIX. Packaging and portability checks (all run by .ci/run): test-install,
+# test-clang, check-isa, test-baseline.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
@@ -82,5 +84,37 @@ test-tsan:
 	@cmake --build $(BUILD)-tsan -j $(JOBS) --target test_flywheel
 	TSAN_OPTIONS=die_after_fork=0 FW_TEST_QUICK=1 $(BUILD)-tsan/test_flywheel
 
+# ---- install, packaging and portability checks ----
+PREFIX ?= /usr/local
+
+.PHONY: install test-install test-clang check-isa test-baseline
+
+# The libraries (libflywheel.so.<ABI>, libflywheel.a), flywheel.h and the CLI under PREFIX, with
+# the CMake package (lib/cmake/flywheel: find_package(flywheel)) and lib/pkgconfig/flywheel.pc.
+# DESTDIR stages the install elsewhere.
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
+
+# Installs into a temporary prefix and builds the README's API example against it, with
+# find_package(flywheel) and with pkg-config, then runs it (tests/install/check.sh).
+test-install: build
+	tests/install/check.sh $(BUILD)
+
+# The C tests built with clang (Release), the full run.
+test-clang:
+	@cmake -S . -B $(BUILD)-clang -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang >/dev/null
+	@cmake --build $(BUILD)-clang -j $(JOBS) --target test_flywheel
+	$(BUILD)-clang/test_flywheel
+
+# objdump: no AVX/AVX-512 instruction outside the kernel tables, in $(BUILD) and in the clang
+# build too when there is one (tests/check_baseline_isa.sh).
+check-isa: build
+	tests/check_baseline_isa.sh $(BUILD) $(wildcard $(BUILD)-clang)
+
+# The library on an x86-64 CPU without AVX: FLYWHEEL_ISA=portable natively, then under
+# qemu-x86_64 -cpu qemu64, on a quick selection of suites (tests/run_baseline.sh).
+test-baseline: build
+	tests/run_baseline.sh $(BUILD)
+
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-clang

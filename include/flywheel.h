@@ -25,17 +25,34 @@
 extern "C" {
 #endif
 
-#if defined(_WIN32) && defined(FW_BUILD_SHARED)
-#define FW_API __declspec(dllexport)
-#elif defined(__GNUC__)
+/* The library targets Linux and macOS (gcc, clang) and is built with -fvisibility=hidden: the
+ * functions marked FW_API are the only ones it exports. */
+#if defined(__GNUC__)
 #define FW_API __attribute__((visibility("default")))
 #else
 #define FW_API
 #endif
 
+/* ---------------------------------------------------------------- version -- */
+
+/* The release, also in CMakeLists.txt's project() (a configure-time check keeps them equal). */
 #define FW_VERSION_MAJOR 0
 #define FW_VERSION_MINOR 1
 #define FW_VERSION_PATCH 0
+
+/* The ABI number: bumped by any change that breaks a program built against an earlier header
+ * (the layout of a public struct, the value of an enum constant or #define a call takes, the
+ * signature of a function, a function removed), and only by those: adding a function does
+ * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
+ * bindings check it at load time (the Python package refuses a library whose
+ * fw_abi_version() differs from the number it was written for). */
+#define FW_ABI_VERSION 1
+
+/* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
+FW_API const char *fw_version(void);
+/* FW_ABI_VERSION as the library was built with it; a program can compare it with the
+ * FW_ABI_VERSION of the header it was compiled against. */
+FW_API int fw_abi_version(void);
 
 /* ---------------------------------------------------------------- status -- */
 
@@ -82,7 +99,9 @@ typedef struct fw_tensor {
     int64_t stride[FW_MAX_DIMS];
 } fw_tensor;
 
-/* A contiguous (row-major) descriptor of the given shape. */
+/* A contiguous (row-major) descriptor of the given shape. A rank outside 0..FW_MAX_DIMS or a NULL
+ * shape gives a descriptor every entry point refuses (FW_ERR_SHAPE); sizes whose product
+ * overflows int64 one that they refuse with FW_ERR_OVERFLOW. */
 FW_API fw_tensor fw_tensor_contiguous(void *data, fw_dtype dtype, int32_t ndim, const int64_t *shape);
 
 FW_API size_t fw_dtype_size(fw_dtype dt);

@@ -20,6 +20,16 @@ void fw_clear_error(void) { fw_errbuf[0] = 0; }
 
 const char *fw_last_error(void) { return fw_errbuf; }
 
+#define FW_STR_(x) #x
+#define FW_STR(x) FW_STR_(x)
+
+const char *fw_version(void)
+{
+    return FW_STR(FW_VERSION_MAJOR) "." FW_STR(FW_VERSION_MINOR) "." FW_STR(FW_VERSION_PATCH);
+}
+
+int fw_abi_version(void) { return FW_ABI_VERSION; }
+
 const char *fw_status_string(fw_status s)
 {
     switch (s) {
@@ -66,12 +76,16 @@ fw_tensor fw_tensor_contiguous(void *data, fw_dtype dtype, int32_t ndim, const i
     memset(&t, 0, sizeof t);
     t.data = data;
     t.dtype = dtype;
-    t.ndim = ndim < 0 ? 0 : (ndim > FW_MAX_DIMS ? FW_MAX_DIMS : ndim);
+    t.ndim = shape ? ndim : -1;
+    if (!shape || ndim < 0 || ndim > FW_MAX_DIMS)
+        return t; /* every entry point refuses the rank */
     int64_t s = 1;
-    for (int i = t.ndim - 1; i >= 0; i--) {
+    for (int i = ndim - 1; i >= 0; i--) {
         t.shape[i] = shape[i];
         t.stride[i] = s;
-        s *= shape[i] > 0 ? shape[i] : 1;
+        /* past int64 the stride saturates, and the entry points report the overflow */
+        if (__builtin_mul_overflow(s, shape[i] > 0 ? shape[i] : 1, &s))
+            s = INT64_MAX;
     }
     return t;
 }

@@ -1175,7 +1175,7 @@ static void test_partial_tables(void)
  * bit, and (-7, -2) is full attention. */
 static void test_negative_windows(void)
 {
-    case_begin("attention: any negative window side is unbounded");
+    case_begin("attention: any negative window side is unbounded, and so is INT64_MAX");
     enum { S = 90, H = 2, D = 16 };
     static float q[S * H * D], k[S * H * D], v[S * H * D], o1[S * H * D], o2[S * H * D];
     int64_t sh[4] = {1, S, H, D};
@@ -1186,8 +1186,10 @@ static void test_negative_windows(void)
     tfill_normal(&tq, 1.0);
     tfill_normal(&tk, 1.0);
     tfill_normal(&tv, 1.0);
-    static const int64_t w[2][4] = {{-5, 3, -1, 3}, {-7, -2, -1, -1}};
-    for (int c = 0; c < 2; c++) {
+    /* the extremes are fuzz/fuzz_attn.c's: diag - window_left overflowed int64 */
+    static const int64_t w[4][4] = {{-5, 3, -1, 3}, {-7, -2, -1, -1}, {INT64_MAX, INT64_MAX, -1, -1},
+                                    {INT64_MIN, 4, INT64_MAX, 4}};
+    for (int c = 0; c < 4; c++) {
         fw_attn_params p;
         fw_attn_params_init(&p);
         p.window_left = w[c][0];
@@ -1203,22 +1205,43 @@ static void test_negative_windows(void)
     case_end();
 }
 
-void test_attn_all(void)
+/* fw_tensor_contiguous on a rank out of range, a NULL shape and sizes whose product
+ * overflows int64 (found by fuzz/fuzz_attn.c: the stride computation overflowed): every entry
+ * point refuses the descriptor with the status that names the problem. */
+static void test_contiguous_descriptors(void)
 {
-    test_negative_windows();
-    test_heuristics();
-    test_partial_tables();
-    test_micro_kernels();
-    test_bad_input();
-    test_workspace();
-    test_threads_identical();
-    test_concurrent_callers();
-    test_fork_child();
-    test_overflow_replay();
-    test_varlen();
-    sweep_masks();
-    sweep_techniques();
-    sweep_layouts_dtypes();
-    sweep_ratios_dims();
-    sweep_lengths();
+    case_begin("attention: fw_tensor_contiguous of bad ranks and overflowing sizes is refused");
+    static float x[64];
+    int64_t ok[4] = {1, 4, 2, 8}, huge[4] = {1, (int64_t)1 << 40, 1 << 20, 1 << 10};
+    fw_tensor good = fw_tensor_contiguous(x, FW_F32, 4, ok), o = fw_tensor_contiguous(x, FW_F32, 4, ok);
+    const fw_tensor bad[4] = {fw_tensor_contiguous(x, FW_F32, 5, ok), fw_tensor_contiguous(x, FW_F32, -1, ok),
+                              fw_tensor_contiguous(x, FW_F32, 4, NULL), fw_tensor_contiguous(x, FW_F32, 4, huge)};
+    const fw_status want[4] = {FW_ERR_SHAPE, FW_ERR_SHAPE, FW_ERR_SHAPE, FW_ERR_OVERFLOW};
+    for (int i = 0; i < 4; i++) {
+        fw_status st = fw_attn_fwd(&bad[i], &good, &good, &o, NULL, NULL);
+        case_check(st == want[i], "descriptor %d: status %d (%s), expected %d", i, (int)st, fw_last_error(),
+                   (int)want[i]);
+    }
+    case_check(huge[3] == 1 << 10 && bad[3].stride[0] == INT64_MAX, "the stride saturates");
+    case_end();
 }
+
+const test_suite attn_suites[] = {
+    {"attn.negative_windows", test_negative_windows},
+    {"attn.contiguous_descriptors", test_contiguous_descriptors},
+    {"attn.heuristics", test_heuristics},
+    {"attn.partial_tables", test_partial_tables},
+    {"attn.micro_kernels", test_micro_kernels},
+    {"attn.bad_input", test_bad_input},
+    {"attn.workspace", test_workspace},
+    {"attn.threads_identical", test_threads_identical},
+    {"attn.concurrent_callers", test_concurrent_callers},
+    {"attn.fork_child", test_fork_child},
+    {"attn.overflow_replay", test_overflow_replay},
+    {"attn.varlen", test_varlen},
+    {"attn.sweep_masks", sweep_masks},
+    {"attn.sweep_techniques", sweep_techniques},
+    {"attn.sweep_layouts_dtypes", sweep_layouts_dtypes},
+    {"attn.sweep_ratios_dims", sweep_ratios_dims},
+    {"attn.sweep_lengths", sweep_lengths},
+    {NULL, NULL}};

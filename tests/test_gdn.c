@@ -590,14 +590,8 @@ static void test_far_duplicate_slots(void)
     case_end();
 }
 
-void test_gdn_all(void)
+static void sweep_lengths(void)
 {
-    test_far_duplicate_slots();
-    test_more_bad_input();
-    test_gdn_bad_input();
-    test_inverse_stability();
-    test_verify_commit();
-    test_split_state();
     static const int64_t T[] = {1, 63, 64, 65, 150, 1000};
     for (int i = 0; i < 6; i++) {
         if (quick_mode() && T[i] > 150)
@@ -607,10 +601,25 @@ void test_gdn_all(void)
         int32_t len = (int32_t)T[i];
         run_gcase(&c, &len, 1, 40 + i);
     }
-    /* (b) varlen packing with empty sequences, (d) decays near -50 per step, correlated keys */
+}
+
+/* (b) varlen packing with empty sequences, (d) decays near -50 per step, correlated keys */
+static void sweep_varlen(void)
+{
     static const int32_t lens[] = {65, 0, 1, 130, 7};
     gcase c = {0, 2, 4, 48, 40, FW_BF16, 1, 1.0, 0.5};
     run_gcase(&c, lens, 5, 60);
     gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9};
     run_gcase(&strong, lens, 5, 61);
 }
+
+const test_suite gdn_suites[] = {
+    {"gdn.far_duplicate_slots", test_far_duplicate_slots},
+    {"gdn.more_bad_input", test_more_bad_input},
+    {"gdn.bad_input", test_gdn_bad_input},
+    {"gdn.inverse_stability", test_inverse_stability},
+    {"gdn.verify_commit", test_verify_commit},
+    {"gdn.split_state", test_split_state},
+    {"gdn.sweep_lengths", sweep_lengths},
+    {"gdn.sweep_varlen", sweep_varlen},
+    {NULL, NULL}};

@@ -444,9 +444,8 @@ static void test_split_heuristic(void)
     case_end();
 }
 
-void test_kvcache_all(void)
-{
-    test_split_heuristic();
-    test_kvcache_bad_input();
-    sweep_kvcache();
-}
+const test_suite kvcache_suites[] = {
+    {"kvcache.split_heuristic", test_split_heuristic},
+    {"kvcache.bad_input", test_kvcache_bad_input},
+    {"kvcache.sweep", sweep_kvcache},
+    {NULL, NULL}};

@@ -1,15 +1,22 @@
-/* test_main.c: runs every test; the last line is "N passed, N failed".
- * `test_flywheel --print-default` prints the default kernel table and what a call on it
- * returns: the FLYWHEEL_ISA test runs this binary again under each value. */
+/* test_main.c: runs the test suites; the last line is "N passed, N failed".
+ *
+ *   test_flywheel                      every suite
+ *   test_flywheel --filter PATTERNS    the suites whose names match one of the comma-separated
+ *                                      fnmatch patterns ("attn.sweep_*,gdn.*"); a bare group
+ *                                      name ("gdn", no '.' and no wildcard) means "gdn.*"
+ *   test_flywheel GROUP|PATTERN ...    the same as --filter
+ *   test_flywheel --list [--filter P]  the suite names, one a line
+ *   test_flywheel --print-default      the default kernel table and what a call on it returns:
+ *                                      isa.env runs this binary again under each FLYWHEEL_ISA
+ * A pattern that matches no suite is an error (exit 2), so a typo cannot pass as an empty
+ * run. FW_TEST_QUICK=1 runs the smaller sweeps (sanitizer builds, emulators). */
+#include <fnmatch.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "test_util.h"
 
-void test_attn_all(void);
-void test_kvcache_all(void);
-void test_gdn_all(void);
-void test_nan_all(void);
+static const char *self_path;
 
 static int print_default(void)
 {
@@ -22,12 +29,12 @@ static int print_default(void)
 }
 
 /* FLYWHEEL_ISA selects the default table; a name this CPU cannot run makes calls fail. */
-static void test_isa_env(const char *self)
+static void test_isa_env(void)
 {
     for (int i = -1; i < fw_isa_count(); i++) {
         const char *name = i < 0 ? "bogus" : fw_isa_name(i);
         char cmd[1024], line[512] = "";
-        snprintf(cmd, sizeof cmd, "FLYWHEEL_ISA=%s '%s' --print-default", name, self);
+        snprintf(cmd, sizeof cmd, "FLYWHEEL_ISA=%s '%s' --print-default", name, self_path);
         FILE *p = popen(cmd, "r");
         if (p) {
             if (!fgets(line, sizeof line, p))
@@ -48,27 +55,159 @@ static void test_isa_env(const char *self)
     }
 }
 
+/* fw_version() is "MAJOR.MINOR.PATCH" of the header's FW_VERSION_*, fw_abi_version() its
+ * FW_ABI_VERSION. */
+static void test_version(void)
+{
+    char want[64];
+    snprintf(want, sizeof want, "%d.%d.%d", FW_VERSION_MAJOR, FW_VERSION_MINOR, FW_VERSION_PATCH);
+    case_begin("fw_version() is \"%s\"", want);
+    const char *v = fw_version();
+    case_check(v != NULL && strcmp(v, want) == 0, "fw_version() returned \"%s\"", v ? v : "(null)");
+    case_check(v == fw_version(), "fw_version() is not one constant string");
+    case_end();
+    case_begin("fw_abi_version() is FW_ABI_VERSION (%d)", FW_ABI_VERSION);
+    case_check(FW_ABI_VERSION >= 1, "FW_ABI_VERSION %d", FW_ABI_VERSION);
+    case_check(fw_abi_version() == FW_ABI_VERSION, "fw_abi_version() returned %d", fw_abi_version());
+    case_end();
+}
+
+static const test_suite main_suites[] = {
+    {"isa.env", test_isa_env},
+    {"api.version", test_version},
+    {NULL, NULL}};
+
+static const test_suite *const groups[] = {main_suites, attn_suites, kvcache_suites, gdn_suites,
+                                           nan_suites};
+#define NGROUPS (int)(sizeof groups / sizeof groups[0])
+
+#define MAX_PATTERNS 64
+static char *patterns[MAX_PATTERNS];
+static int bare[MAX_PATTERNS], npatterns;
+
+static int usage(FILE *f, int rc)
+{
+    fprintf(f, "usage: test_flywheel [--filter PATTERNS] [--list] [GROUP|PATTERN ...]\n"
+               "       test_flywheel --print-default\n"
+               "PATTERNS: comma-separated fnmatch patterns over the suite names (--list);\n"
+               "a bare group name (attn, gdn, ...) means all of its suites. Default: all.\n"
+               "FW_TEST_QUICK=1: the smaller sweeps.\n");
+    return rc;
+}
+
+/* Adds the comma-separated patterns of arg; a bare name (no '.', no wildcard) becomes
+ * "name.*". Returns 0 if there are too many. */
+static int add_patterns(const char *arg)
+{
+    const char *s = arg;
+    for (;;) {
+        size_t n = strcspn(s, ",");
+        if (n > 0) {
+            if (npatterns == MAX_PATTERNS)
+                return 0;
+            char *p = malloc(n + 3);
+            if (!p)
+                return 0;
+            memcpy(p, s, n);
+            bare[npatterns] = strcspn(s, ".*?[") >= n;
+            strcpy(p + n, bare[npatterns] ? ".*" : "");
+            patterns[npatterns++] = p;
+        }
+        if (!s[n])
+            return 1;
+        s += n + 1;
+    }
+}
+
+static int selected(const char *name)
+{
+    if (npatterns == 0)
+        return 1;
+    for (int i = 0; i < npatterns; i++)
+        if (fnmatch(patterns[i], name, 0) == 0)
+            return 1;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    if (argc > 1 && strcmp(argv[1], "--print-default") == 0)
-        return print_default();
+    self_path = argv[0];
+    int list = 0, filtered = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--print-default") == 0)
+            return print_default();
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0)
+            return usage(stdout, 0);
+        if (strcmp(a, "--list") == 0) {
+            list = 1;
+            continue;
+        }
+        if (strcmp(a, "--filter") == 0 || strncmp(a, "--filter=", 9) == 0) {
+            const char *v = a[8] == '=' ? a + 9 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) {
+                fprintf(stderr, "test_flywheel: --filter needs a value\n");
+                return usage(stderr, 2);
+            }
+            a = v;
+        } else if (a[0] == '-') {
+            fprintf(stderr, "test_flywheel: unknown option '%s'\n", a);
+            return usage(stderr, 2);
+        }
+        filtered = 1;
+        if (!add_patterns(a)) {
+            fprintf(stderr, "test_flywheel: more than %d patterns\n", MAX_PATTERNS);
+            return 2;
+        }
+    }
+    if (filtered && npatterns == 0) {
+        fprintf(stderr, "test_flywheel: an empty filter\n");
+        return 2;
+    }
+    /* every pattern must match a suite */
+    int nsel = 0, nall = 0;
+    for (int i = 0; i < npatterns; i++) {
+        int hit = 0;
+        for (int g = 0; g < NGROUPS; g++)
+            for (const test_suite *t = groups[g]; t->name; t++)
+                hit |= fnmatch(patterns[i], t->name, 0) == 0;
+        if (!hit) {
+            if (bare[i])
+                fprintf(stderr, "test_flywheel: no group '%.*s' (--list prints the suites)\n",
+                        (int)strlen(patterns[i]) - 2, patterns[i]);
+            else
+                fprintf(stderr, "test_flywheel: no suite matches '%s' (--list prints them)\n",
+                        patterns[i]);
+            return 2;
+        }
+    }
+    for (int g = 0; g < NGROUPS; g++)
+        for (const test_suite *t = groups[g]; t->name; t++) {
+            nall++;
+            if (selected(t->name)) {
+                nsel++;
+                if (list)
+                    printf("%s\n", t->name);
+            }
+        }
+    if (list)
+        return 0;
+
     printf("kernel tables:");
     for (int i = 0; i < fw_isa_count(); i++)
         printf(" %s%s", fw_isa_name(i), fw_isa_supported(fw_isa_name(i)) ? "" : " (not on this CPU)");
-    printf("; default %s%s\n", fw_isa_default() ? fw_isa_default() : "(none)",
+    printf("; default %s%s", fw_isa_default() ? fw_isa_default() : "(none)",
            quick_mode() ? "; quick sweep" : "");
-    /* `test_flywheel [attn|kvcache|gdn|nan]`: one group; no argument: all */
-    const char *only = argc > 1 ? argv[1] : "";
-    if (!*only)
-        test_isa_env(argv[0]);
-    if (!*only || strcmp(only, "attn") == 0)
-        test_attn_all();
-    if (!*only || strcmp(only, "kvcache") == 0)
-        test_kvcache_all();
-    if (!*only || strcmp(only, "gdn") == 0)
-        test_gdn_all();
-    if (!*only || strcmp(only, "nan") == 0)
-        test_nan_all();
+    if (nsel < nall)
+        printf("; %d of %d suites", nsel, nall);
+    printf("\n");
+    fflush(stdout);
+    for (int g = 0; g < NGROUPS; g++)
+        for (const test_suite *t = groups[g]; t->name; t++)
+            if (selected(t->name))
+                t->run();
     tally_print();
+    for (int i = 0; i < npatterns; i++)
+        free(patterns[i]);
     return tally_failed() ? 1 : 0;
 }

@@ -32,8 +32,11 @@ static int all_finite(const float *x, int64_t n)
 }
 
 /* Attention, dense batch of 1, hq 4, hkv 2 (G = 2), d 32, causal, f32 in and out. `what`: 0 a
- * NaN in q, 1 an inf in q, 2 a NaN in k row 0 of K/V head 0 (every query sees key 0). */
-static void attn_case(const char *table, int prec, int64_t sq, int64_t sk, int what)
+ * NaN in q, 1 an inf in q, 2 a NaN in k row 0 of K/V head 0 (every query sees key 0), 3 a
+ * -inf in q where every key of its K/V head is positive, so that every score of the row is
+ * -inf: exp(-inf - (-inf)) is NaN, not the 0 and -inf of a row that sees no key (found by
+ * fuzz/fuzz_attn.c). flags: the kernel (0, FW_ATTN_PLAIN, FW_ATTN_ONLINE_SOFTMAX). */
+static void attn_case(const char *table, int prec, int64_t sq, int64_t sk, int what, uint32_t flags)
 {
     const int64_t hq = 4, hkv = 2, d = 32, r = sq - 1, h = 1;
     int64_t qs[4] = {1, sq, hq, d}, ks[4] = {1, sk, hkv, d}, ls[3] = {1, hq, sq};
@@ -50,16 +53,21 @@ static void attn_case(const char *table, int prec, int64_t sq, int64_t sk, int w
     if (what == 2)
         k[3] = NAN;
     else
-        q[(r * hq + h) * d + 7] = what ? INFINITY : NAN;
+        q[(r * hq + h) * d + 7] = what == 3 ? -INFINITY : what ? INFINITY : NAN;
+    if (what == 3)
+        for (int64_t j = 0; j < sk; j++)
+            k[(j * hkv + h / (hq / hkv)) * d + 7] = fabsf(k[(j * hkv + h / (hq / hkv)) * d + 7]) + 0.5f;
     fw_attn_params p;
     fw_attn_params_init(&p);
     p.causal = 1;
     p.isa = table;
     p.precision = prec;
     p.threads = 2;
-    static const char *kinds[] = {"NaN in q", "inf in q", "NaN in k"};
-    case_begin("NaN/inf: attention %s, sq %lld sk %lld, %s, %s products", kinds[what], (long long)sq,
-               (long long)sk, table, prec == FW_PREC_BF16 ? "bf16" : "f32");
+    p.flags = flags;
+    static const char *kinds[] = {"NaN in q", "inf in q", "NaN in k", "every score -inf"};
+    case_begin("NaN/inf: attention %s, sq %lld sk %lld, %s, %s products, flags %u", kinds[what],
+               (long long)sq, (long long)sk, table, prec == FW_PREC_BF16 ? "bf16" : "f32",
+               (unsigned)flags);
     fw_status st = fw_attn_fwd(&tq, &tk, &tv, &to, &tl, &p);
     case_check(st == FW_OK, "status %s", fw_last_error());
     for (int64_t i = 0; i < sq; i++)
@@ -167,23 +175,35 @@ static void gdn_decode_case(const char *table, int in_k)
     case_end();
 }
 
-void test_nan_all(void)
+static void nan_attn(void)
 {
     for (int it = 0; it < fw_isa_count(); it++) {
         const char *t = fw_isa_name(it);
         if (!fw_isa_supported(t))
             continue;
-        for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
-            for (int what = 0; what < 3; what++) {
-                attn_case(t, prec, 70, 70, what);   /* tiled prefill */
-                attn_case(t, prec, 1, 300, what);   /* decode, one split */
-                attn_case(t, prec, 1, 1500, what);  /* decode, three splits and the merge */
+        for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++)
+            for (int what = 0; what < 4; what++) {
+                attn_case(t, prec, 70, 70, what, 0);   /* tiled prefill */
+                attn_case(t, prec, 70, 70, what, FW_ATTN_ONLINE_SOFTMAX);
+                attn_case(t, prec, 1, 300, what, 0);   /* decode, one split */
+                attn_case(t, prec, 1, 1500, what, 0);  /* decode, three splits and the merge */
             }
+        for (int what = 0; what < 4; what++) /* the plain kernel (f32 products only) */
+            attn_case(t, FW_PREC_F32, 70, 70, what, FW_ATTN_PLAIN);
+    }
+}
+
+static void nan_gdn(void)
+{
+    for (int it = 0; it < fw_isa_count(); it++) {
+        const char *t = fw_isa_name(it);
+        if (!fw_isa_supported(t))
+            continue;
+        for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++)
             for (int in_k = 0; in_k < 2; in_k++) {
                 gdn_case(t, 0, prec, in_k);
                 gdn_case(t, FW_GDN_FWD_SUBST, prec, in_k);
             }
-        }
         for (int in_k = 0; in_k < 2; in_k++) {
             gdn_case(t, FW_GDN_RECURRENT, FW_PREC_F32, in_k);
             gdn_case(t, FW_GDN_FUSED_RECURRENT, FW_PREC_F32, in_k);
@@ -191,3 +211,8 @@ void test_nan_all(void)
         }
     }
 }
+
+const test_suite nan_suites[] = {
+    {"nan.attn", nan_attn},
+    {"nan.gdn", nan_gdn},
+    {NULL, NULL}};

@@ -15,6 +15,15 @@ void tally_print(void);
 int tally_failed(void);
 int quick_mode(void); /* FW_TEST_QUICK=1: the smaller sweep for sanitizer builds */
 
+/* A named suite of cases, "group.name" (test_flywheel --list prints them, --filter picks
+ * some). Each test file has one NULL-terminated array per group; suites do not depend on
+ * each other, so any subset runs in any order. */
+typedef struct {
+    const char *name;
+    void (*run)(void);
+} test_suite;
+extern const test_suite attn_suites[], kvcache_suites[], gdn_suites[], nan_suites[];
+
 /* A buffer with GUARD sentinel bytes on both sides; the body is filled with a sentinel too,
  * so a test can tell which bytes a call wrote. */
 #define GUARD 64

@@ -62,8 +62,9 @@ static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk
                                    int64_t *lo, int64_t *hi)
 {
     int64_t diag = r + sk - sq;
-    *lo = p->wl >= 0 ? fw_max64(0, diag - p->wl) : 0;
-    *hi = p->wr >= 0 ? fw_min64(sk, diag + p->wr + 1) : sk;
+    /* written so that windows up to INT64_MAX cannot overflow */
+    *lo = p->wl >= 0 && diag > p->wl ? diag - p->wl : 0;
+    *hi = p->wr >= 0 && p->wr < sk - diag ? diag + p->wr + 1 : sk;
 }
 
 /* params alone (also fw_attn_workspace_size's check): scale, softcap, window, causal,

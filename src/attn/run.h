@@ -65,20 +65,28 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
 
 /* ------------------------------------------------------------- row stores -- */
 
-/* The result of one query row: out = o / l (0 if the row saw no key), lse = (a + log2 l) ln 2.
- * o: dv unnormalised f32 accumulators; a, l: anchor/max and sum in log2 units. */
+/* The result of one query row: out = o / l, lse = (a + log2 l) ln 2; o: dv unnormalised f32
+ * accumulators; a, l: anchor/max and sum in log2 units. l = 0 happens two ways: a row that
+ * sees no key gives out = 0 and lse = -inf; a row whose keys all scored -inf (an inf in q or
+ * k) gives NaN, as exp(-inf - (-inf)) does in the reference (README, "NaN and inf"). */
 static inline void fw_attn_store_row(const run_ctx *c, const fw_attn_seq *sq, int64_t h,
                                      int64_t pos, float *o, float a, float l)
 {
     const fw_attn_prob *p = c->p;
-    const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+    float inv = 1.0f / l;
+    if (l == 0.0f) {
+        int64_t lo, hi;
+        fw_attn_visible(p, sq->sq, sq->sk, pos, &lo, &hi);
+        inv = hi > lo ? NAN : 0.0f;
+        a = hi > lo ? NAN : a;
+    }
     for (int64_t j = 0; j < p->dv; j++)
         o[j] *= inv;
     c->kt->from_f32(o, p->dv, (void *)fw_elem(p->out, sq->o0 + pos * p->os[0] + h * p->os[1]),
                     p->out->dtype, p->os[2]);
     if (p->lse)
         ((float *)p->lse->data)[sq->lse0 + h * p->lse_h + pos * p->lse_r] =
-            l == 0.0f ? -INFINITY : (float)(((double)a + log2((double)l)) * FW_LN2);
+            l == 0.0f && a == a ? -INFINITY : (float)(((double)a + log2((double)l)) * FW_LN2);
 }
 
 /* A split item's partial for tile row m: (o[dv], a, l), unnormalised, for the merge. */

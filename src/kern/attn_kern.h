@@ -836,11 +836,12 @@ static void plain_row(const float *q, int d, int dv, fw_dtype dt, const void *K,
         if (cap2 > 0.0f)
             s = cap2 * tanhf(s);
         float p = 1.0f, scale = 1.0f;
-        if (s > m) {
+        if (s > m) { /* p = exp2(s - s): 1, or NaN for s = +inf as in the reference */
             scale = m == -INFINITY ? 0.0f : exp2f(m - s);
             m = s;
-        } else {
-            p = exp2f(s - m);
+            p = s == INFINITY ? NAN : 1.0f;
+        } else { /* s = -inf adds nothing (a row that only has those ends as NaN at the store) */
+            p = s == -INFINITY ? 0.0f : exp2f(s - m);
         }
         axpby(acc, p, vf_, scale, dv);
         l = l * scale + p;
