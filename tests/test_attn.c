@@ -1226,7 +1226,48 @@ static void test_contiguous_descriptors(void)
     case_end();
 }
 
+/* Decode with keys along the innermost stride and strided head dims: K/V [1, 40, 2, 16] with
+ * element strides (key 1, head 40, dim 80), in buffers allocated to the last element, so that
+ * AddressSanitizer (make test-asan) sees any read past it. The decode kernel's row sweep read
+ * (d - 1) x (stride - 1) elements past each row's end (found by fuzz/fuzz_attn.c). */
+static void test_decode_strided_extent(void)
+{
+    case_begin("attention: decode on K/V with strided head dims reads nothing past them");
+    enum { SK = 40, HKV = 2, HQ = 4, D = 16 };
+    const int64_t n = (SK - 1) + (HKV - 1) * SK + (D - 1) * SK * HKV + 1;
+    float *k = malloc(sizeof(float) * (size_t)n), *v = malloc(sizeof(float) * (size_t)n);
+    float q[HQ * D], o[HQ * D];
+    double ro[HQ * D];
+    int64_t qs[4] = {1, 1, HQ, D};
+    fw_tensor tq = fw_tensor_contiguous(q, FW_F32, 4, qs), to = fw_tensor_contiguous(o, FW_F32, 4, qs),
+              tr = fw_tensor_contiguous(ro, FW_F64, 4, qs);
+    fw_tensor tk = {k, FW_F32, 4, {1, SK, HKV, D}, {n, 1, SK, SK * HKV}}, tv = tk;
+    tv.data = v;
+    rng_seed(31);
+    tfill_normal(&tq, 1.0);
+    tfill_normal(&tk, 1.0);
+    tfill_normal(&tv, 1.0);
+    for (int it = 0; it < fw_isa_count(); it++) {
+        if (!fw_isa_supported(fw_isa_name(it)))
+            continue;
+        fw_attn_params p;
+        fw_attn_params_init(&p);
+        p.isa = fw_isa_name(it);
+        fw_status st = fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p);
+        st |= fw_attn_ref(&tq, &tk, &tv, &tr, NULL, &p, 0, INT64_MAX);
+        case_check(st == FW_OK, "%s: %s", p.isa, fw_last_error());
+        double e = 0;
+        for (int i = 0; i < HQ * D; i++)
+            e = fmax(e, fabs(o[i] - ro[i]));
+        case_check(e < 1e-5, "%s: error %g", p.isa, e);
+    }
+    free(k);
+    free(v);
+    case_end();
+}
+
 const test_suite attn_suites[] = {
+    {"attn.decode_strided_extent", test_decode_strided_extent},
     {"attn.negative_windows", test_negative_windows},
     {"attn.contiguous_descriptors", test_contiguous_descriptors},
     {"attn.heuristics", test_heuristics},

@@ -96,8 +96,10 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     const int64_t kline = p->d * p->ks[2] * (int64_t)es, vline = p->dv * p->vs[2] * (int64_t)es;
     /* bytes of one token's row over all heads, when the heads lie together in K and in V and
      * every unit iterates once per token (else 0: prefetch per head) */
-    const int64_t kspan = ((p->hkv - 1) * p->ks[1] + p->d * p->ks[2]) * (int64_t)es;
-    const int64_t vspan = ((p->hkv - 1) * p->vs[1] + p->dv * p->vs[2]) * (int64_t)es;
+    /* (the extent ends at the last element: with strided head dims, d * stride overshoots it,
+     * and sweep_rows reads these bytes; found by fuzz/fuzz_attn.c) */
+    const int64_t kspan = ((p->hkv - 1) * p->ks[1] + (p->d - 1) * p->ks[2] + 1) * (int64_t)es;
+    const int64_t vspan = ((p->hkv - 1) * p->vs[1] + (p->dv - 1) * p->vs[2] + 1) * (int64_t)es;
     const int64_t span = gqa && kspan == vspan && kspan <= 2 * p->hkv * kline ? kspan : 0;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
     unsigned touch = 0;
