@@ -148,7 +148,8 @@ typedef enum fw_precision {
 } fw_precision;
 
 typedef struct fw_attn_params {
-    float scale;           /* softmax scale; 0 means 1/sqrt(d). Must be finite. */
+    float scale;           /* softmax scale; 0 means 1/sqrt(d). Must be finite, and so must
+                              scale x log2(e) (scale / softcap with a softcap) as a float. */
     int32_t causal;        /* 1: query i sees key j only when j <= i + sk - sq (bottom-right) */
     int64_t window_left;   /* query i sees keys j >= i + sk - sq - window_left; any negative
                               value = unbounded (flash-attn's rule; -1 by default) */

@@ -1266,7 +1266,41 @@ static void test_decode_strided_extent(void)
     case_end();
 }
 
+/* A scale and softcap each valid, whose score multiplier (scale x log2 e, or scale / softcap)
+ * overflows a float: refused, where the kernels made NaN of finite inputs (found by the
+ * atheris harness of the Python binding); the same in the reference and the KV-cache call. */
+static void test_scale_overflow(void)
+{
+    case_begin("attention: a score multiplier that overflows a float is refused");
+    float q[2] = {1, 1}, k[4] = {1, -0.5f, 0.5f, 0.5f}, v[2] = {1, 2}, o[1] = {0};
+    double r[1];
+    int64_t qs[4] = {1, 1, 1, 2}, ks[4] = {1, 2, 1, 2}, vs[4] = {1, 2, 1, 1}, os[4] = {1, 1, 1, 1};
+    fw_tensor tq = fw_tensor_contiguous(q, FW_F32, 4, qs), tk = fw_tensor_contiguous(k, FW_F32, 4, ks),
+              tv = fw_tensor_contiguous(v, FW_F32, 4, vs), to = fw_tensor_contiguous(o, FW_F32, 4, os),
+              tr = fw_tensor_contiguous(r, FW_F64, 4, os);
+    static const float sc[4][2] = {{0, 1e-40f}, {1e37f, 1e-2f}, {3e38f, 0}, {1, 3e38f}};
+    for (int c = 0; c < 4; c++) {
+        fw_attn_params p;
+        fw_attn_params_init(&p);
+        p.scale = sc[c][0];
+        p.softcap = sc[c][1];
+        fw_status a = fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p), b = fw_attn_ref(&tq, &tk, &tv, &tr, NULL, &p, 0, 1);
+        case_check(a == FW_ERR_ARG && b == FW_ERR_ARG && strstr(fw_last_error(), "overflows a float"),
+                   "scale %g softcap %g: %d %d (%s)", (double)sc[c][0], (double)sc[c][1], (int)a, (int)b,
+                   fw_last_error());
+        case_check(o[0] == 0, "out written");
+    }
+    fw_attn_params p;
+    fw_attn_params_init(&p);
+    p.scale = 1e30f;
+    p.softcap = 1e-2f * 1e5f; /* multiplier 1e33: fine */
+    case_check(fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p) == FW_OK && o[0] == o[0], "a large finite multiplier: %s",
+               fw_last_error());
+    case_end();
+}
+
 const test_suite attn_suites[] = {
+    {"attn.scale_overflow", test_scale_overflow},
     {"attn.decode_strided_extent", test_decode_strided_extent},
     {"attn.negative_windows", test_negative_windows},
     {"attn.contiguous_descriptors", test_contiguous_descriptors},

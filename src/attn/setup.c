@@ -3,6 +3,7 @@
  * one fw_attn_prob (attn.h) for the kernel driver and the reference alike; the per-sequence
  * view of it; the tiling heuristics (pure functions, unit-tested).
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,7 +59,7 @@ int fw_attn_bf16_products(fw_dtype q, int32_t precision)
 /* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
  * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0; a negative
  * side is unbounded, flash-attn's rule) and the product precision. */
-static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params)
+static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params)
 {
     if (lse && p->varlen) {
         p->lse_b = lse->stride[1]; p->lse_h = lse->stride[0]; p->lse_r = lse->stride[1];
@@ -71,6 +72,19 @@ static void setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_pa
     p->wl = params->window_left < 0 ? -1 : params->window_left; /* any negative: unbounded */
     p->wr = params->causal ? 0 : params->window_right < 0 ? -1 : params->window_right;
     p->bf16 = fw_attn_bf16_products(p->q->dtype, params->precision);
+    /* the kernels fold the scale into one f32 multiplier of the scores, scale x log2(e), or
+     * scale / softcap with a softcap (and the softcap into softcap x log2(e)): each must be a
+     * finite float, else finite inputs would give inf - inf (found by the atheris harness) */
+    const double m = p->softcap > 0 ? p->scale / p->softcap : p->scale * FW_LOG2E;
+    if (p->softcap * FW_LOG2E > FLT_MAX)
+        return fw_fail(FW_ERR_ARG, "softcap %g x log2(e) overflows a float", p->softcap);
+    if (!(fabs(m) <= FLT_MAX) && p->softcap > 0)
+        return fw_fail(FW_ERR_ARG, "scale %g / softcap %g = %g overflows a float (the kernels "
+                       "multiply the scores by it)", p->scale, p->softcap, m);
+    if (!(fabs(m) <= FLT_MAX))
+        return fw_fail(FW_ERR_ARG, "scale %g x log2(e) = %g overflows a float (the kernels "
+                       "multiply the scores by it)", p->scale, m);
+    return FW_OK;
 }
 
 fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
@@ -172,8 +186,7 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
         p->batch = q->shape[0]; p->sq = q->shape[1]; p->sk = k->shape[1];
         p->qb = q->stride[0]; p->kb = k->stride[0]; p->vb = v->stride[0]; p->ob = out->stride[0];
     }
-    setup_common(p, lse, params);
-    return FW_OK;
+    return setup_common(p, lse, params);
 }
 
 fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
@@ -355,8 +368,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         p->sq = fw_max64(p->sq, e.sq);
         p->sk = fw_max64(p->sk, e.sk);
     }
-    setup_common(p, lse, params);
-    return FW_OK;
+    return setup_common(p, lse, params);
 }
 
 /* ------------------------------------------------------------- heuristics -- */
