@@ -1,13 +1,19 @@
 """ctypes declarations of include/flywheel.h, and the status -> exception mapping.
 
 The shared library is the libflywheel.so installed next to this file by `pip install .`;
-the environment variable FLYWHEEL_LIBRARY names another one (an in-tree build, say).
+the environment variable FLYWHEEL_LIBRARY names another one (an in-tree build, say). It must
+have the ABI this module declares (ABI_VERSION, include/flywheel.h's FW_ABI_VERSION): a library
+whose fw_abi_version() differs, or an older one without it, is refused at import.
 ctypes releases the GIL for the length of every call, so calls from several Python threads
 run at once (the C library is thread-safe).
 """
 
 import ctypes
 import os
+
+# FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
+# the header's whenever a struct, enum or signature below changes.
+ABI_VERSION = 1
 
 _MAX_DIMS = 4
 
@@ -31,6 +37,23 @@ def precision(value):
     if isinstance(value, str) and value in _PRECISIONS:
         return _PRECISIONS[value]
     raise ValueError(f"precision must be None, 'auto', 'f32' or 'bf16', got {value!r}")
+
+
+def float32_param(value, name, zero_means):
+    """A float parameter (a scale, a softcap) as a Python float the library's float32 holds:
+    ValueError for a value too large for a float (int 2**2000), or one that is not 0 but
+    rounds to 0 in float32 (1e-50), where the library would read 0 as `zero_means`. Values
+    that round to inf are left to the library, which refuses them."""
+    try:
+        x = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float (an int of "
+                         f"{value.bit_length() if isinstance(value, int) else '?'} bits)") \
+            from None
+    if x != 0.0 and ctypes.c_float(x).value == 0.0:
+        raise ValueError(f"{name}={x!r} rounds to 0 in float32 (the library's type), where 0 "
+                         f"means {zero_means}")
+    return x
 
 def isa_name(isa):
     """The kernel table name of an `isa=` argument as bytes (None or "" for the default)."""
@@ -56,9 +79,14 @@ settings = _Settings()
 
 def set_num_threads(n):
     """Worker threads for every later call (0 = all online CPUs, the default)."""
-    n = int(n)
-    if n < 0:
-        raise ValueError("threads must be >= 0")
+    try:
+        n = int(n)
+    except OverflowError:  # int(inf)
+        raise ValueError(f"threads must be an integer >= 0, got {n!r}") from None
+    if n < 0 or n > 2**31 - 1:
+        # the library takes an int32 (and refuses more than it supports when called): a
+        # larger value would wrap around in ctypes (2^32 would become 0, all CPUs)
+        raise ValueError(f"threads must be 0 .. 2^31 - 1, got {n}")
     settings.threads = n
 
 
@@ -144,7 +172,29 @@ def _find_library():
     return path
 
 
-lib = ctypes.CDLL(_find_library())
+def check_abi(library, path):
+    """Raise ImportError unless library (a ctypes.CDLL loaded from path) reports
+    fw_abi_version() == ABI_VERSION."""
+    try:
+        fn = library.fw_abi_version
+    except AttributeError:
+        raise ImportError(
+            f"{path} has no fw_abi_version(): it is older than this flywheel package, which "
+            f"needs a library of ABI version {ABI_VERSION}; rebuild it from the same source "
+            "tree (`make build`, or `pip install .`)") from None
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    found = fn()
+    if found != ABI_VERSION:
+        raise ImportError(
+            f"{path} has ABI version {found}, but this flywheel package was written for ABI "
+            f"version {ABI_VERSION}: use a libflywheel.so built from the same source tree "
+            "(`make build`, or `pip install .`)")
+
+
+_path = _find_library()
+lib = ctypes.CDLL(_path)
+check_abi(lib, _path)
 
 _P = ctypes.POINTER
 _T = _P(Tensor)
@@ -153,6 +203,7 @@ _vp = ctypes.c_void_p
 _sz = ctypes.c_size_t
 
 _SIGNATURES = {
+    "fw_version": (ctypes.c_char_p, []),
     "fw_status_string": (ctypes.c_char_p, [ctypes.c_int]),
     "fw_last_error": (ctypes.c_char_p, []),
     "fw_isa_count": (ctypes.c_int, []),
@@ -179,7 +230,11 @@ _SIGNATURES = {
     "fw_read_bandwidth": (ctypes.c_int, [ctypes.c_int32, _sz, _P(ctypes.c_double)]),
 }
 for _name, (_res, _args) in _SIGNATURES.items():
-    _fn = getattr(lib, _name)
+    try:
+        _fn = getattr(lib, _name)
+    except AttributeError:
+        raise ImportError(f"{_path} has no {_name}(): it is older than this flywheel package; "
+                          "rebuild it from the same source tree") from None
     _fn.restype = _res
     _fn.argtypes = _args
 

@@ -200,8 +200,18 @@ def index_array(x, name):
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
     if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
-        raise OverflowError(f"{name}: values do not fit in int32")
+        raise ValueError(f"{name}: values do not fit in int32")
     return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def int32_offsets(count, step, what):
+    """The int32 offsets 0, step, 2 step, ..., count * step (cu_seqlens of `count` sequences
+    of `step` rows each); ValueError when the sequences or the rows do not fit in int32."""
+    top = np.iinfo(np.int32).max
+    if count > top or count * step > top:
+        raise ValueError(f"{what}: {count} sequences of {step} rows; the library's int32 "
+                         f"offsets hold at most {top} of each")
+    return (np.arange(count + 1, dtype=np.int64) * step).astype(np.int32)
 
 
 def ptr(x):

@@ -35,7 +35,7 @@ def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=Fals
         # 0 is the library's 1/sqrt(d): with d = 0 the library reports the shape (FW_ERR_SHAPE)
         scale = 1.0 / float(d) ** 0.5 if d > 0 else 0.0
     else:
-        scale = float(softmax_scale)
+        scale = _lib.float32_param(softmax_scale, "softmax_scale", "1/sqrt(d)")
         if scale == 0.0:
             raise NotImplementedError("softmax_scale=0 (uniform attention) is not supported")
     p.scale = scale
@@ -45,15 +45,27 @@ def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=Fals
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") \
             from None
-    # flash-attn's rule: any negative value (or None) is unbounded; the library's is -1
-    p.window_left = -1 if left is None or left < 0 else int(left)
-    p.window_right = -1 if right is None or right < 0 else int(right)
-    p.softcap = float(softcap or 0.0)
+    p.window_left = _window_side(left)
+    p.window_right = _window_side(right)
+    p.softcap = _lib.float32_param(softcap or 0.0, "softcap", "no softcap")
     p.threads = _lib.settings.threads
     p.isa = _lib.isa_name(isa)
     p.flags = _lib.ATTN_PLAIN if plain else 0
     p.precision = _lib.precision(precision)
     return p
+
+
+def _window_side(side):
+    """One side of window_size as the library's int64: flash-attn's rule, any negative value
+    (or None) is unbounded, the library's -1; so are +inf and sides of 2^62 or more, which no
+    sequence reaches (ctypes would wrap a side past int64 around: 2^64 would become 0)."""
+    if side is None or side < 0:
+        return -1
+    try:
+        n = int(side)
+    except OverflowError:  # +inf
+        return -1
+    return -1 if n >= 2**62 else n
 
 
 def _unsupported(dropout_p=0.0, alibi_slopes=None, **named):
@@ -96,6 +108,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     enabled, non-CPU tensors.
     """
     _unsupported(dropout_p, alibi_slopes)
+    # truth values first: one that raises (a numpy array) must not raise after out is written
+    return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [b, sq, hq, d], [b, sk, hkv, d], [b, sk, hkv, dv], "
@@ -152,6 +166,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     flash_attn_with_kvcache.
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
+    return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v must be [total_q, hq, d], [total_k, hkv, d], "
@@ -235,7 +250,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if q.ndim != 4:
             raise ValueError(f"q must be [b, sq, hq, d], got shape {tuple(q.shape)}")
         batch, sq = q.shape[0], q.shape[1]
-        cu = np.arange(batch + 1, dtype=np.int32) * sq
+        cu = T.int32_offsets(batch, sq, "q [b, sq, hq, d]")
         q3 = T.merge_leading(q)
     seqlens = T.index_array(cache_seqlens, "cache_seqlens")  # integers, like the [b] form
     if np.ndim(cache_seqlens) == 0:
@@ -259,7 +274,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if bt.ndim != 2 or bt.shape[0] != batch:
             raise ValueError(f"block_table must be [b, max_pages] with b = {batch}, got shape "
                              f"{bt.shape}")
-        cache.block_table = T.ptr(bt)
+        # never NULL, which would make the cache contiguous: an empty table (no sequences, or
+        # no columns, which the library refuses) points at a dummy entry
+        bt_mem = bt if bt.size else np.zeros(1, np.int32)
+        cache.block_table = T.ptr(bt_mem)
         cache.max_pages = bt.shape[1]
         cache.block_table_stride = bt.shape[1]
     cache.seqlens = T.ptr(seqlens)

@@ -31,7 +31,7 @@ def _params(q, scale, l2norm, flags=0, isa=None, precision=None):
         K = q.shape[-1]
         p.scale = 1.0 / float(K) ** 0.5 if K > 0 else 0.0
     else:
-        p.scale = float(scale)
+        p.scale = _lib.float32_param(scale, "scale", "1/sqrt(K)")
         if p.scale == 0.0:
             raise NotImplementedError("scale=0 is not supported")
     p.l2norm_qk = 1 if l2norm else 0
@@ -84,8 +84,10 @@ def _flatten(q, k, v, g, beta, cu_seqlens):
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
         cu = T.index_array(cu_seqlens, "cu_seqlens")
+        if cu.ndim != 1 or cu.size < 1:
+            raise ValueError(f"cu_seqlens must be 1-D with N + 1 entries, got shape {cu.shape}")
     else:
-        cu = np.arange(B + 1, dtype=np.int32) * Tn
+        cu = T.int32_offsets(B, Tn, "q [B, T, H, K]")
     return (T.merge_leading(q), T.merge_leading(k), T.merge_leading(v),
             g.reshape(B * Tn, g.shape[2]), beta.reshape(B * Tn, beta.shape[2]), cu)
 
@@ -238,7 +240,8 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     g = T.to_numpy_f32(g, "g")
     beta = T.to_numpy_f32(beta, "beta")
     for x, name in ((g, "g"), (beta, "beta")):
-        if x.size != N * HV:
+        # the shape, not only the size: [HV, N] has N * HV entries in another order
+        if x.shape not in ((N, HV), (N, 1, HV)):
             raise ValueError(f"{name} must be [N, HV] = {(N, HV)} (or [N, 1, HV]), got "
                              f"shape {x.shape}")
     g, beta = g.reshape(N, HV), beta.reshape(N, HV)
@@ -293,13 +296,37 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     return o, GDNReplay(replay, cu, idx, H, HV, K, V)
 
 
+def _check_replay(r):
+    """TypeError unless r is a GDNReplay whose arrays are what verify makes (the library
+    reads them by pointer: a float16 buffer would be read past its end)."""
+    if not isinstance(r, GDNReplay):
+        raise TypeError(f"replay must be the GDNReplay gated_delta_rule_verify returned, got "
+                        f"{type(r).__name__}")
+    for name, dtype in (("buffer", np.float32), ("cu_seqlens", np.int32),
+                        ("state_indices", np.int32)):
+        a = getattr(r, name)
+        if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1 and
+                a.flags.c_contiguous):
+            raise TypeError(f"replay.{name} must be a contiguous 1-D {np.dtype(dtype)} numpy "
+                            "array (the GDNReplay of gated_delta_rule_verify)")
+    if r.cu_seqlens.size < 1 or r.state_indices.size != r.cu_seqlens.size - 1:
+        raise ValueError(f"replay: {r.cu_seqlens.size} cu_seqlens entries for "
+                         f"{r.state_indices.size} state indices")
+    for name in ("H", "HV", "K", "V"):
+        if not isinstance(getattr(r, name), (int, np.integer)):
+            raise TypeError(f"replay.{name} must be an integer")
+
+
 def gated_delta_rule_commit(replay, accepted, state):
     """Commit accepted[i] (0 .. n_i) tokens of each sequence of a verify call: slot
     replay.state_indices[i] of `state` becomes the state after those tokens, in place."""
+    _check_replay(replay)
     r = replay
     acc = T.index_array(accepted, "accepted")
     if acc.shape != (r.cu_seqlens.size - 1,):
         raise ValueError(f"accepted must have {r.cu_seqlens.size - 1} entries, got {acc.shape}")
+    if not acc.size:  # no sequences: still a pointer (the library refuses NULL)
+        acc = np.zeros(1, np.int32)
     slots = _state_slots(state, r.HV, r.K, r.V, written=True)
     p = _lib.GdnParams()
     p.threads = _lib.settings.threads
