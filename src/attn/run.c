@@ -67,9 +67,10 @@ static void merge_fn(void *vctx, int64_t idx, int tid)
         for (int64_t j = 0; j < dv; j++)
             orow[j] = 0.0f;
         for (int64_t sp = 0; sp < mi->nsplit && amax != -INFINITY; sp++) {
+            /* a split whose scores were all -inf weighs 0, and still passes on the NaN that
+             * 0 x an inf value made in it, as the unsplit paths do (found by
+             * fuzz/fuzz_kvcache.c); a split that saw no key holds zeros */
             const float *src = base + sp * split_stride;
-            if (src[dv] == -INFINITY)
-                continue;
             const float w = exp2f(src[dv] - amax);
             for (int64_t j = 0; j < dv; j++)
                 orow[j] += w * src[j];
