@@ -214,6 +214,40 @@ static void attn_inf_value_zero_weight(const char *table, int prec, int64_t sk)
     free(v);
 }
 
+/* Multi-token decode (3 rows per K/V head, causal) over 567 keys, the second split 55 keys
+ * long: a NaN in the last key row 1 sees (565), which row 0 does not see. The decode softmax
+ * lost it where the running maximum had met the NaN and then a masked key, and zeroed the
+ * tile (found by fuzz/fuzz_kvcache.c, on the portable table). */
+static void attn_nan_last_visible(const char *table, int prec)
+{
+    enum { SQ = 3, SK = 567, H = 2, D = 8 };
+    static float q[SQ * H * D], k[SK * H * D], v[SK * H * D], o[SQ * H * D];
+    int64_t qs[4] = {1, SQ, H, D}, ks[4] = {1, SK, H, D};
+    fw_tensor tq = fw_tensor_contiguous(q, FW_F32, 4, qs), tk = fw_tensor_contiguous(k, FW_F32, 4, ks),
+              tv = fw_tensor_contiguous(v, FW_F32, 4, ks), to = fw_tensor_contiguous(o, FW_F32, 4, qs);
+    rng_seed(7);
+    tfill_normal(&tq, 1.0);
+    tfill_normal(&tk, 1.0);
+    tfill_normal(&tv, 1.0);
+    k[(565 * H + 1) * D + 3] = NAN;
+    fw_attn_params p;
+    fw_attn_params_init(&p);
+    p.causal = 1;
+    p.isa = table;
+    p.precision = prec;
+    p.threads = 2;
+    case_begin("NaN/inf: attention, NaN in the last key a decode row sees, %s, %s products", table,
+               prec == FW_PREC_BF16 ? "bf16" : "f32");
+    fw_status st = fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p);
+    case_check(st == FW_OK, "status %s", fw_last_error());
+    for (int r = 0; r < SQ; r++) {
+        const float *row = o + (r * H + 1) * D;
+        case_check(r == 0 ? all_finite(row, D) : all_nan(row, D), "row %d of head 1: out[0] %g", r, (double)row[0]);
+        case_check(all_finite(o + (r * H) * D, D), "row %d of head 0 not finite", r);
+    }
+    case_end();
+}
+
 static void nan_attn(void)
 {
     for (int it = 0; it < fw_isa_count(); it++) {
@@ -232,6 +266,7 @@ static void nan_attn(void)
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
             attn_inf_value_zero_weight(t, prec, 300);
             attn_inf_value_zero_weight(t, prec, 513);
+            attn_nan_last_visible(t, prec);
         }
     }
 }

@@ -559,12 +559,11 @@ static void dec_softmax(int R, int nk, float *S, const float *lo, const float *h
             const vf j = vload(dec_iota + x * VL);
             mx = vmax(mx, vsel(vmand(vge(j, vlo), vlt(j, vhi)), vload(s + x * VL), ninf));
         }
+        /* vmax drops a NaN that a later key of its lane meets, so mx can even be -inf with a
+         * NaN score in the tile: the probabilities below are computed all the same (against
+         * 0 when the maximum is -inf), so the NaN reaches the row (found by
+         * fuzz/fuzz_kvcache.c; a shortcut here zeroed the tile) */
         const float rm = vhmax(mx), mnew = rm > m[r] || rm != rm ? rm : m[r];
-        if (mnew == -INFINITY) {
-            for (int x = 0; x < nkv; x++)
-                vstore(s + x * VL, vzero());
-            continue;
-        }
         const float scale = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mnew);
         if (scale != 1.0f) {
             float *o = O + (size_t)r * dv;
@@ -573,7 +572,7 @@ static void dec_softmax(int R, int nk, float *S, const float *lo, const float *h
             l[r] *= scale;
         }
         m[r] = mnew;
-        const vf mv = vset1(mnew);
+        const vf mv = vset1(mnew == -INFINITY ? 0.0f : mnew);
         vf sum = vzero();
         for (int x = 0; x < nkv; x++) {
             const vf j = vload(dec_iota + x * VL);
