@@ -116,5 +116,33 @@ check-isa: build
 test-baseline: build
 	tests/run_baseline.sh $(BUILD)
 
+# ---- fuzzing ----
+FUZZ_SECONDS ?= 55
+FUZZ_HARNESSES ?= attn kvcache gdn diff
+
+.PHONY: fuzz fuzz-build fuzz-python
+
+# The libFuzzer harnesses (fuzz/, clang with AddressSanitizer and UBSan), in $(BUILD)-fuzz.
+fuzz-build:
+	@cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DFW_FUZZ=ON >/dev/null
+	@cmake --build $(BUILD)-fuzz -j $(JOBS) $(addprefix --target fuzz_,$(FUZZ_HARNESSES))
+
+# Each harness for FUZZ_SECONDS over its committed seed corpus and regression inputs
+# (fuzz/run.sh), then the Python binding's atheris harness; fails on any finding.
+fuzz: fuzz-build fuzz-python
+	fuzz/run.sh $(BUILD)-fuzz $(FUZZ_SECONDS) $(FUZZ_HARNESSES)
+
+# The Python binding's argument handling under atheris (fuzz/python), on the library just
+# built; findings go to $(BUILD)-fuzz/fuzz-findings/python-*.
+fuzz-python: build $(VENV)/.fuzz-deps
+	@mkdir -p $(BUILD)-fuzz/fuzz-findings
+	$(TREE_ENV) $(VENV)/bin/python fuzz/python/fuzz_binding.py fuzz/python/corpus \
+	  -max_total_time=$(FUZZ_SECONDS) -timeout=20 -print_final_stats=1 \
+	  -artifact_prefix=$(abspath $(BUILD))-fuzz/fuzz-findings/python-
+
+$(VENV)/.fuzz-deps: $(VENV)/.test-deps fuzz/python/requirements.txt
+	$(VENV)/bin/pip install -q -r fuzz/python/requirements.txt
+	@touch $@
+
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-clang
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-clang $(BUILD)-fuzz

@@ -1,0 +1,33 @@
+# The libFuzzer harnesses (clang: -fsanitize=fuzzer with AddressSanitizer and UBSan). Built by
+# `make fuzz`, which configures a build directory with -DFW_FUZZ=ON and CC=clang. Each harness
+# links its own instrumented copy of the library, so coverage reaches into the kernels and
+# drivers. The float64 references and the harnesses' helpers are compiled with the sanitizers
+# but without coverage: the fuzzer should not steer by them, and uninstrumented they run about
+# 3x faster. Included from the top CMakeLists.txt (not a subdirectory), so the kernel tables
+# keep their per-file ISA flags.
+if(NOT CMAKE_C_COMPILER_ID MATCHES "Clang")
+  message(FATAL_ERROR "FW_FUZZ needs clang (libFuzzer): configure with CC=clang")
+endif()
+set(FW_SAN -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
+set(FW_FUZZ_LIB_SOURCES ${FW_SOURCES})
+list(FILTER FW_FUZZ_LIB_SOURCES EXCLUDE REGEX "src/ref/")
+# the kernel tables' loops hold no comparisons worth steering by; tracing them halves the speed
+set_property(SOURCE src/kern/portable.c src/kern/avx2.c src/kern/avx512.c src/kern/avx512bf16.c
+  APPEND PROPERTY COMPILE_OPTIONS -fno-sanitize-coverage=trace-cmp)
+add_library(flywheel_fuzz STATIC ${FW_FUZZ_LIB_SOURCES})
+target_compile_options(flywheel_fuzz PRIVATE -fsanitize=fuzzer-no-link ${FW_SAN} -O1)
+add_library(flywheel_fuzz_ref STATIC src/ref/attn_ref.c src/ref/gdn_ref.c tests/test_util.c
+  fuzz/fuzz_util.c)
+target_compile_options(flywheel_fuzz_ref PRIVATE ${FW_SAN} -O2)
+foreach(t flywheel_fuzz flywheel_fuzz_ref)
+  target_include_directories(${t} PUBLIC include src tests fuzz)
+  target_link_libraries(${t} PUBLIC Threads::Threads m)
+endforeach()
+foreach(h attn kvcache gdn diff)
+  if(EXISTS ${PROJECT_SOURCE_DIR}/fuzz/fuzz_${h}.c)
+    add_executable(fuzz_${h} fuzz/fuzz_${h}.c)
+    target_compile_options(fuzz_${h} PRIVATE -fsanitize=fuzzer ${FW_SAN} -O1)
+    target_link_options(fuzz_${h} PRIVATE -fsanitize=fuzzer ${FW_SAN})
+    target_link_libraries(fuzz_${h} PRIVATE flywheel_fuzz_ref flywheel_fuzz)
+  endif()
+endforeach()

@@ -1,0 +1,260 @@
+/*
+ * fuzz_attn.c: libFuzzer harness of dense and variable-length attention (fw_attn_fwd,
+ * fw_attn_varlen_fwd) and the workspace query (fw_attn_workspace_size).
+ * The problem: batch, lengths (mostly small, sometimes past a 64-key tile or a 512-key
+ * split), heads with any GQA ratio, head dims, dtypes, layouts, params (causal, windows of any
+ * sign, softcap, scale, threads, table, technique flags, precision, a caller workspace of the
+ * queried size or one byte short, exactly allocated), and values of three classes (fuzz_util.h). Checks: the
+ * contract in fuzz_util.h, against fw_attn_ref / fw_attn_varlen_ref.
+ * On bf16 products the slack has 2^-8 max|v| more: the kernel rounds P = 2^(s - a) against
+ * its anchor a, the reference exp(s - max) against the row's maximum, so where one key
+ * dominates the reference's P is exactly 1 and the kernel's is rounded (worst case 2^-9 max|v|
+ * of error, found by this harness).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "fuzz_util.h"
+#include "attn/attn.h"
+
+static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
+
+typedef struct {
+    fw_attn_params p;
+    int bad;         /* a param broken on purpose */
+    int short_ws;    /* workspace one byte short of the query */
+    void *ws;
+} params_case;
+
+static void draw_params(fz_in *in, params_case *pc)
+{
+    fw_attn_params *p = &pc->p;
+    fw_attn_params_init(p);
+    pc->bad = pc->short_ws = 0;
+    pc->ws = NULL;
+    unsigned b = fz_byte(in);
+    p->causal = b & 1;
+    if (b & 2)
+        p->window_left = fz_chance(in, 32) ? INT64_MAX : fz_range(in, -3, 70);
+    if (b & 4)
+        p->window_right = fz_chance(in, 32) ? INT64_MIN : fz_range(in, -3, 70);
+    if (b & 8)
+        p->softcap = (float)fz_range(in, 1, 200) / 8.0f;
+    if (b & 16)
+        p->scale = (float)(fz_range(in, -64, 64) / 32.0);
+    p->threads = (int32_t)fz_range(in, 0, 3);
+    p->isa = fz_isa(in);
+    p->flags = fz_byte(in) & 15;
+    p->precision = (int32_t)fz_range(in, 0, 2);
+    if (!fz_chance(in, 12))
+        return;
+    pc->bad = 1;
+    switch (fz_byte(in) % 7) {
+    case 0: p->scale = fz_chance(in, 128) ? NAN : -INFINITY; break;
+    case 1: p->softcap = fz_chance(in, 128) ? -1.0f : NAN; break;
+    case 2: p->causal = fz_chance(in, 128) ? 2 : -1; break;
+    case 3: p->threads = fz_chance(in, 128) ? -1 : FW_MAX_THREADS + 1; break;
+    case 4: p->precision = fz_chance(in, 128) ? 3 : -1; break;
+    case 5: p->flags |= 1u << fz_range(in, 4, 31); break;
+    case 6: p->isa = fz_chance(in, 128) ? "bogus" : ""; break;
+    }
+}
+
+/* The caller workspace: none, the queried size, or one byte short. Fails if the query does. */
+static int draw_workspace(fz_in *in, params_case *pc, const fw_tensor *q, const fw_tensor *k,
+                          const fw_tensor *v)
+{
+    unsigned b = fz_byte(in) % 8;
+    if (b < 5)
+        return 0;
+    size_t bytes;
+    fw_status st = fw_attn_workspace_size(q, k, v, &pc->p, &bytes);
+    if (st != FW_OK)
+        return 1;
+    pc->short_ws = b == 7 && bytes > 0;
+    pc->p.workspace_bytes = bytes - (size_t)pc->short_ws;
+    pc->ws = malloc(pc->p.workspace_bytes ? pc->p.workspace_bytes : 1);
+    pc->p.workspace = pc->ws;
+    return 0;
+}
+
+/* The workspace query alone, on descriptors of any size (it reads no data): it never fails
+ * on sizes a call accepts, and does not depend on the lengths. */
+static void workspace_query(fz_in *in)
+{
+    static char dummy[64];
+    int64_t big = fz_chance(in, 128) ? (int64_t)1 << fz_range(in, 20, 62) : fz_range(in, 0, 100);
+    int64_t hkv = 1 + fz_range(in, 0, 15), hq = hkv * (1 + fz_range(in, 0, 15));
+    int64_t d = 1 + fz_range(in, 0, FW_MAX_HEAD_DIM + 8), dv = 1 + fz_range(in, 0, FW_MAX_HEAD_DIM + 8);
+    int64_t qs[4] = {1, big, hq, d}, ks[4] = {1, big, hkv, d}, vs[4] = {1, big, hkv, dv};
+    fw_dtype dt = dts[fz_range(in, 0, 2)];
+    fw_tensor q = fw_tensor_contiguous(dummy, dt, 4, qs), k = fw_tensor_contiguous(dummy, dt, 4, ks),
+              v = fw_tensor_contiguous(dummy, dt, 4, vs);
+    params_case pc;
+    draw_params(in, &pc);
+    size_t a = 0, b = 0;
+    fw_status s1 = fw_attn_workspace_size(&q, &k, &v, &pc.p, &a);
+    q.shape[1] = k.shape[1] = v.shape[1] = 1;
+    fw_status s2 = fw_attn_workspace_size(&q, &k, &v, &pc.p, &b);
+    if (d <= FW_MAX_HEAD_DIM && dv <= FW_MAX_HEAD_DIM && !pc.bad)
+        FZ_CHECK(s2 == FW_OK, "workspace query of a valid problem failed: %s", fw_last_error());
+    if (s1 == FW_OK && s2 == FW_OK)
+        FZ_CHECK(a == b, "workspace depends on the length: %zu at %lld rows, %zu at 1", a,
+                 (long long)big, b);
+    FZ_CHECK(fw_attn_workspace_size(&q, &k, &v, &pc.p, NULL) != FW_OK, "NULL bytes accepted");
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    fz_in in = {data, size, 0};
+    unsigned op = fz_byte(&in) % 8;
+    if (op == 7) {
+        workspace_query(&in);
+        return 0;
+    }
+    const int varlen = op >= 4;
+    fw_dtype dt = dts[fz_range(&in, 0, 2)], odt = dts[fz_range(&in, 0, 2)];
+    int64_t hkv = 1 + fz_range(&in, 0, 2), G = 1 + fz_range(&in, 0, 3), hq = hkv * G;
+    int64_t d = 1 + fz_size(&in, 15, 140), dv = fz_chance(&in, 160) ? d : 1 + fz_size(&in, 15, 140);
+    int64_t batch, sq = 0, sk = 0, tq = 0, tk = 0;
+    int32_t cuq[11] = {0}, cuk[11] = {0};
+    if (varlen) {
+        batch = fz_size(&in, 4, 10);
+        for (int64_t i = 0; i < batch; i++) {
+            cuq[i + 1] = cuq[i] + (int32_t)fz_size(&in, 6, 100);
+            cuk[i + 1] = cuk[i] + (int32_t)fz_size(&in, 6, 100);
+        }
+        tq = cuq[batch];
+        tk = cuk[batch];
+        if ((double)tq * (double)tk * (double)(hq * (d + dv)) > (1 << 22))
+            d = dv = 1 + d % 8;
+    } else {
+        batch = fz_size(&in, 2, 4);
+        sq = fz_size(&in, 9, 140);
+        sk = fz_size(&in, 9, 600);
+        if (sq * sk > 8192)
+            sq = 1 + sq % 4; /* a long context for a few queries: the split-KV decode */
+        if (batch * hq * sq * sk * (d + dv) > (1 << 20)) { /* keeps an execution under a few ms */
+            batch = sq = 1;
+            d = dv = 1 + d % 8;
+        }
+    }
+    int bad = 0; /* after the size caps, which may shrink d */
+    if (fz_chance(&in, 3)) { /* head dims past the limit, or heads that do not group */
+        if (fz_chance(&in, 128))
+            d = FW_MAX_HEAD_DIM + 1;
+        else if (hkv > 1)
+            hq += 1;
+        else
+            hkv = 0;
+        bad = 1;
+    }
+    int vq = fz_vclass(&in), vk = fz_vclass(&in), vv = fz_vclass(&in);
+    fz_seed(&in);
+    int64_t qs[4], ks[4], vs[4], os[4], ls[3];
+    if (varlen) {
+        int64_t q3[3] = {tq, hq, d}, k3[3] = {tk, hkv, d}, v3[3] = {tk, hkv, dv},
+                o3[3] = {tq, hq, dv}, l2[2] = {hq, tq};
+        memcpy(qs, q3, sizeof q3); memcpy(ks, k3, sizeof k3); memcpy(vs, v3, sizeof v3);
+        memcpy(os, o3, sizeof o3); memcpy(ls, l2, sizeof l2);
+    } else {
+        int64_t q4[4] = {batch, sq, hq, d}, k4[4] = {batch, sk, hkv, d}, v4[4] = {batch, sk, hkv, dv},
+                o4[4] = {batch, sq, hq, dv}, l3[3] = {batch, hq, sq};
+        memcpy(qs, q4, sizeof q4); memcpy(ks, k4, sizeof k4); memcpy(vs, v4, sizeof v4);
+        memcpy(os, o4, sizeof o4); memcpy(ls, l3, sizeof l3);
+    }
+    const int nd = varlen ? 3 : 4;
+    fz_tensor q, k, v, o, l;
+    fz_tensor_new(&in, &q, dt, nd, qs, 0, FZ_ALL, vq, 1 + fz_range(&in, 0, 2));
+    fz_tensor_new(&in, &k, dt, nd, ks, 0, FZ_ALL, vk, 1 + fz_range(&in, 0, 2));
+    fz_tensor_new(&in, &v, dt, nd, vs, 0, FZ_ALL, vv, 1 + fz_range(&in, 0, 2));
+    fz_tensor_new(&in, &o, odt, nd, os, 1, FZ_ALL, 0, 0);
+    const int with_lse = !fz_chance(&in, 40);
+    fz_tensor_new(&in, &l, FW_F32, nd - 1, ls, 1, with_lse ? FZ_ALL : FZ_NONE, 0, 0);
+    bad |= q.bad | k.bad | v.bad | o.bad | (with_lse && l.bad);
+    if (varlen && batch && fz_chance(&in, 10)) { /* offsets that do not describe the rows */
+        int64_t i = fz_range(&in, 0, batch);
+        int32_t *cu = fz_chance(&in, 128) ? cuq : cuk;
+        cu[i] += i == 0 || fz_chance(&in, 128) ? 1 : -1 - cu[i];
+        bad |= i == 0 || i == batch || cu[i] < cu[i - 1] || cu[i] > cu[i + 1];
+    }
+    if (varlen && fz_chance(&in, 3)) {
+        batch = -1;
+        bad = 1;
+    }
+    params_case pc;
+    draw_params(&in, &pc);
+    bad |= pc.bad;
+    fz_desc[0] = 0;
+    fz_describe("%s batch %lld, hq %lld, hkv %lld, d %lld, dv %lld; causal %d window %lld,%lld "
+                "softcap %g scale %g threads %d isa %s flags %u precision %d",
+                varlen ? "varlen" : "dense", (long long)batch, (long long)hq, (long long)hkv,
+                (long long)d, (long long)dv, (int)pc.p.causal, (long long)pc.p.window_left,
+                (long long)pc.p.window_right, (double)pc.p.softcap, (double)pc.p.scale,
+                (int)pc.p.threads, pc.p.isa ? pc.p.isa : "default", (unsigned)pc.p.flags,
+                (int)pc.p.precision);
+    if (varlen)
+        for (int64_t i = 0; i < batch; i++)
+            fz_describe("%s(%d,%d)", i ? " " : "\n  seqs ", (int)(cuq[i + 1] - cuq[i]), (int)(cuk[i + 1] - cuk[i]));
+    fz_describe_tensor("q", &q, vq);
+    fz_describe_tensor("k", &k, vk);
+    fz_describe_tensor("v", &v, vv);
+    fz_describe_tensor("out", &o, -1);
+    if (with_lse)
+        fz_describe_tensor("lse", &l, -1);
+    if (draw_workspace(&in, &pc, &q.t, &k.t, &v.t))
+        FZ_CHECK(bad, "workspace query of a valid problem failed: %s", fw_last_error());
+
+    unsigned char *so = fz_snapshot(&o), *sl = fz_snapshot(&l);
+    const fw_tensor *lp = with_lse ? &l.t : NULL;
+    fw_status st = varlen ? fw_attn_varlen_fwd(&q.t, &k.t, &v.t, cuq, cuk, batch, &o.t, lp, &pc.p)
+                          : fw_attn_fwd(&q.t, &k.t, &v.t, &o.t, lp, &pc.p);
+    FZ_CHECK(st == FW_OK || *fw_last_error(), "status %d without a message", (int)st);
+    if (bad)
+        FZ_CHECK(st != FW_OK, "a broken problem was accepted");
+    /* the queried size always suffices; one byte less may (a shape whose path needs less) */
+    FZ_CHECK(st != FW_ERR_WORKSPACE || pc.short_ws, "the queried workspace was refused: %s", fw_last_error());
+    if (st != FW_OK) {
+        FZ_CHECK(fz_unchanged(&o, so) && fz_unchanged(&l, sl), "failed (%s) but wrote its outputs",
+                 fw_last_error());
+    } else {
+        /* the references: exact (f32 products) and with the kernel's roundings */
+        int64_t no = fz_numel(&o.t), nl = fz_numel(&l.t);
+        double *ex = calloc((size_t)(no + nl) + 1, sizeof(double));
+        double *sr = calloc((size_t)(no + nl) + 1, sizeof(double));
+        fw_tensor eo = fw_tensor_contiguous(ex, FW_F64, nd, os), el = fw_tensor_contiguous(ex + no, FW_F64, nd - 1, ls);
+        fw_tensor ro = fw_tensor_contiguous(sr, FW_F64, nd, os), rl = fw_tensor_contiguous(sr + no, FW_F64, nd - 1, ls);
+        fw_attn_params rp = pc.p;
+        const int bf16 = !(rp.flags & FW_ATTN_PLAIN) && fw_attn_bf16_products(dt, rp.precision);
+        rp.precision = FW_PREC_F32;
+        fw_status r1 = varlen ? fw_attn_varlen_ref(&q.t, &k.t, &v.t, cuq, cuk, batch, &eo, &el, &rp, 0, INT64_MAX)
+                              : fw_attn_ref(&q.t, &k.t, &v.t, &eo, &el, &rp, 0, INT64_MAX);
+        FZ_CHECK(r1 == FW_OK, "the kernel ran but the reference failed: %s", fw_last_error());
+        if (bf16) {
+            rp.precision = FW_PREC_BF16;
+            r1 = varlen ? fw_attn_varlen_ref(&q.t, &k.t, &v.t, cuq, cuk, batch, &ro, &rl, &rp, 0, INT64_MAX)
+                        : fw_attn_ref(&q.t, &k.t, &v.t, &ro, &rl, &rp, 0, INT64_MAX);
+            FZ_CHECK(r1 == FW_OK, "the bf16 reference failed: %s", fw_last_error());
+        } else {
+            memcpy(sr, ex, (size_t)(no + nl) * sizeof(double));
+        }
+        const int values = vq != FZ_HUGE && vk != FZ_HUGE && vv != FZ_HUGE;
+        const double vmax = fz_absmax(&v.t), scale = pc.p.scale != 0 ? fabs(pc.p.scale) : 1 / sqrt((double)d);
+        const double smax = scale * fz_absmax(&q.t) * fz_absmax(&k.t) * (double)d;
+        fz_compare("out", &o.t, sr, ex, no, values, vv == FZ_SPECIAL ? FZ_WIDER | FZ_ANY_NONFINITE : 0,
+                   vmax * (2 * fz_eps(odt) + 1e-4 + 8 * smax * 0x1p-23 + (bf16 ? 0x1p-8 : 0)));
+        if (with_lse)
+            fz_compare("lse", &l.t, sr + no, ex + no, nl, values, 0, fz_lse_slack(ex + no, nl, smax));
+        free(ex);
+        free(sr);
+    }
+    free(so);
+    free(sl);
+    free(pc.ws);
+    fz_tensor_free(&q);
+    fz_tensor_free(&k);
+    fz_tensor_free(&v);
+    fz_tensor_free(&o);
+    fz_tensor_free(&l);
+    return 0;
+}
