@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 #include "flywheel.h"
 
 /* ------------------------------------------------------------------ limits --
@@ -214,7 +215,85 @@ static inline const char *fw_elem(const fw_tensor *t, int64_t off)
 {
     return (const char *)t->data + off * (int64_t)fw_dtype_size(t->dtype);
 }
-double fw_load_f64(const fw_tensor *t, int64_t off);
-void fw_store_f64(const fw_tensor *t, int64_t off, double x);
+/* The dtype conversions (fw_bf16_to_f32 and friends in flywheel.h are these, exported): inline
+ * here because the portable table and the references convert one element at a time. f32 ->
+ * bf16 and f16 round to nearest even; a NaN stays a quiet NaN of the same sign. */
+static inline uint32_t fw_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float fw_u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float fw_cvt_bf16_f32(uint16_t h) { return fw_u2f((uint32_t)h << 16); }
+
+static inline uint16_t fw_cvt_f32_bf16(float f)
+{
+    uint32_t u = fw_f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float fw_cvt_f16_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f)
+        return fw_u2f(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        if (man == 0)
+            return fw_u2f(sign);
+        /* subnormal: man * 2^-24 is exact in f32 */
+        float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    return fw_u2f(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+static inline uint16_t fw_cvt_f32_f16(float f)
+{
+    uint32_t u = fw_f2u(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* below 2^-14: subnormal or zero, rounded to nearest even */
+        float m = fw_u2f(a) * 0x1p24f; /* exact scaling into units of 2^-24 */
+        uint32_t r = (uint32_t)m;
+        float frac = m - (float)r;
+        if (frac > 0.5f || (frac == 0.5f && (r & 1u)))
+            r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t e = (a >> 23) - 112u, man = a & 0x7fffffu;
+    uint32_t h = (e << 10) | (man >> 13);
+    uint32_t rest = man & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u)))
+        h++;
+    return (uint16_t)(sign | h);
+}
+
+static inline double fw_load_f64(const fw_tensor *t, int64_t off)
+{
+    const char *b = t->data;
+    switch (t->dtype) {
+    case FW_F32: return ((const float *)b)[off];
+    case FW_BF16: return fw_cvt_bf16_f32(((const uint16_t *)b)[off]);
+    case FW_F16: return fw_cvt_f16_f32(((const uint16_t *)b)[off]);
+    case FW_F64: return ((const double *)b)[off];
+    }
+    return 0.0;
+}
+
+static inline void fw_store_f64(const fw_tensor *t, int64_t off, double x)
+{
+    char *b = t->data;
+    switch (t->dtype) {
+    case FW_F32: ((float *)b)[off] = (float)x; break;
+    case FW_BF16: ((uint16_t *)b)[off] = fw_cvt_f32_bf16((float)x); break;
+    case FW_F16: ((uint16_t *)b)[off] = fw_cvt_f32_f16((float)x); break;
+    case FW_F64: ((double *)b)[off] = x; break;
+    }
+}
 
 #endif /* FW_INTERNAL_H */

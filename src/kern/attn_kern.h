@@ -28,8 +28,8 @@ static void to_f32(const void *src, fw_dtype dt, int64_t stride, int64_t n, floa
     for (; i < n; i++) {
         int64_t o = i * stride;
         float x = dt == FW_F32 ? ((const float *)src)[o]
-                  : dt == FW_BF16 ? fw_bf16_to_f32(((const uint16_t *)src)[o])
-                                  : fw_f16_to_f32(((const uint16_t *)src)[o]);
+                  : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)src)[o])
+                                  : fw_cvt_f16_f32(((const uint16_t *)src)[o]);
         dst[i] = x * scale;
     }
 }
@@ -45,9 +45,9 @@ static void from_f32(const float *src, int64_t n, void *dst, fw_dtype dt, int64_
         if (dt == FW_F32)
             ((float *)dst)[o] = src[i];
         else if (dt == FW_BF16)
-            ((uint16_t *)dst)[o] = fw_f32_to_bf16(src[i]);
+            ((uint16_t *)dst)[o] = fw_cvt_f32_bf16(src[i]);
         else
-            ((uint16_t *)dst)[o] = fw_f32_to_f16(src[i]);
+            ((uint16_t *)dst)[o] = fw_cvt_f32_f16(src[i]);
     }
 }
 
@@ -205,7 +205,7 @@ static void pack_pairs(const float *even, const float *odd, int n, uint32_t *dst
         for (; i + VL <= n; i += VL)
             vstore((float *)dst + i, vbf16_pair(vload(even + i), vzero()));
     for (; i < n; i++)
-        dst[i] = (uint32_t)fw_f32_to_bf16(even[i]) | (uint32_t)(odd ? fw_f32_to_bf16(odd[i]) : 0) << 16;
+        dst[i] = (uint32_t)fw_cvt_f32_bf16(even[i]) | (uint32_t)(odd ? fw_cvt_f32_bf16(odd[i]) : 0) << 16;
 }
 
 /* dst[w] = (x[2w], x[2w+1]) rounded to bf16 for w < ceil(n/2), zero past n. */
@@ -215,7 +215,7 @@ static void pack_row_pairs(const float *x, int n, uint32_t *dst)
     for (; 2 * (w + VL) <= n; w += VL)
         vstore((float *)dst + w, vbf16_row(vload(x + 2 * w), vload(x + 2 * w + VL)));
     for (; w < (n + 1) / 2; w++)
-        dst[w] = (uint32_t)fw_f32_to_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_f32_to_bf16(x[2 * w + 1]) : 0) << 16;
+        dst[w] = (uint32_t)fw_cvt_f32_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_cvt_f32_bf16(x[2 * w + 1]) : 0) << 16;
 }
 
 /* ceil(red / 2) x cols words: the pair layout pads only an odd reduction length. */
@@ -667,7 +667,7 @@ static void pack_kt_bf16(const void *const *rows, fw_dtype dt, int64_t kdim, int
                     to_f32((const char *)rows[j0 + i] + (size_t)((2 * w0 + e) * kdim) * (dt == FW_F32 ? 4 : 2),
                            dt, 1, 1, 1.0f, &x[e]);
                 KtW[(size_t)w0 * FW_DEC_KEYS + j0 + i] =
-                    (uint32_t)fw_f32_to_bf16(x[0]) | (uint32_t)fw_f32_to_bf16(x[1]) << 16;
+                    (uint32_t)fw_cvt_f32_bf16(x[0]) | (uint32_t)fw_cvt_f32_bf16(x[1]) << 16;
             }
     }
 }
@@ -788,8 +788,8 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
                     const uint32_t pw = pr[(size_t)r * (FW_DEC_KEYS / 2) + w];
                     for (int e = 0; e < 2 && 2 * w + e < nk; e++) {
                         to_f32((const char *)V[2 * w + e] + (size_t)c * (dt == FW_F32 ? 4 : 2), dt, 1, 1, 1.0f, &x[e]);
-                        a += fw_bf16_to_f32((uint16_t)(pw >> (16 * e))) *
-                             fw_bf16_to_f32(fw_f32_to_bf16(x[e]));
+                        a += fw_cvt_bf16_f32((uint16_t)(pw >> (16 * e))) *
+                             fw_cvt_bf16_f32(fw_cvt_f32_bf16(x[e]));
                     }
                 }
                 o[(size_t)r * dv + c] = a;

@@ -60,8 +60,8 @@ static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
     if (dt == FW_F32)
         return ((const float *)src)[i];
     if (dt == FW_BF16)
-        return fw_bf16_to_f32(((const uint16_t *)src)[i]);
-    return fw_f16_to_f32(((const uint16_t *)src)[i]);
+        return fw_cvt_bf16_f32(((const uint16_t *)src)[i]);
+    return fw_cvt_f16_f32(((const uint16_t *)src)[i]);
 }
 
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
@@ -81,13 +81,13 @@ static inline vf vbf16_even(vf w)
 {
     uint32_t u;
     memcpy(&u, &w, 4);
-    return fw_bf16_to_f32((uint16_t)(u & 0xffffu));
+    return fw_cvt_bf16_f32((uint16_t)(u & 0xffffu));
 }
 static inline vf vbf16_odd(vf w)
 {
     uint32_t u;
     memcpy(&u, &w, 4);
-    return fw_bf16_to_f32((uint16_t)(u >> 16));
+    return fw_cvt_bf16_f32((uint16_t)(u >> 16));
 }
 
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
@@ -95,9 +95,9 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
     if (dt == FW_F32)
         ((float *)dst)[i] = src[i];
     else if (dt == FW_BF16)
-        ((uint16_t *)dst)[i] = fw_f32_to_bf16(src[i]);
+        ((uint16_t *)dst)[i] = fw_cvt_f32_bf16(src[i]);
     else
-        ((uint16_t *)dst)[i] = fw_f32_to_f16(src[i]);
+        ((uint16_t *)dst)[i] = fw_cvt_f32_f16(src[i]);
 }
 
 static inline float vhsum(vf x) { return x; }
@@ -110,7 +110,7 @@ static inline vf vdpbf(vf acc, vf a, vf b)
 }
 static inline vf vbf16_pair(vf even, vf odd)
 {
-    uint32_t u = (uint32_t)fw_f32_to_bf16(even) | (uint32_t)fw_f32_to_bf16(odd) << 16;
+    uint32_t u = (uint32_t)fw_cvt_f32_bf16(even) | (uint32_t)fw_cvt_f32_bf16(odd) << 16;
     vf w;
     memcpy(&w, &u, 4);
     return w;

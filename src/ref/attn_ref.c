@@ -10,7 +10,7 @@
 #include "../attn/attn.h"
 
 /* x rounded to bf16 (nearest even) when `on`, else x. */
-static double rnd(double x, int on) { return on ? (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)) : x; }
+static double rnd(double x, int on) { return on ? (double)fw_cvt_bf16_f32(fw_cvt_f32_bf16((float)x)) : x; }
 
 /* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
  * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from

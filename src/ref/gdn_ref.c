@@ -13,7 +13,7 @@ static int64_t off3(const fw_tensor *t, int64_t i, int64_t j, int64_t x)
 }
 
 /* x rounded to bf16 (nearest even). */
-static double rb(double x) { return (double)fw_bf16_to_f32(fw_f32_to_bf16((float)x)); }
+static double rb(double x) { return (double)fw_cvt_bf16_f32(fw_cvt_f32_bf16((float)x)); }
 
 /* The normalised row (l2: x / sqrt(|x|^2 + 1e-6)) of token t, head hh of x, in double. */
 static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh, double *dst)
