@@ -456,7 +456,8 @@ def is_float_array(x, name, why, inplace=False, written=False):
     if x.dtype not in FLOATS:
         why.append(f"{name} dtype {x.dtype}")
         return False
-    if inplace and any(s < 0 or s % x.itemsize for s in x.strides):
+    if inplace and x.size and any((s < 0 or s % x.itemsize) and n > 1
+                                  for s, n in zip(x.strides, x.shape)):
         why.append(f"{name} written in place with strides {x.strides}")
         return False
     if written and not x.flags.writeable:

@@ -239,6 +239,42 @@ for _name, (_res, _args) in _SIGNATURES.items():
     _fn.argtypes = _args
 
 
+def _load_fast_path():
+    """The compiled fast path (_fwext.c) bound to `lib`, or None, with the reason it is not
+    used. It is the package's own flywheel/_fwext.abi3.so, or with FLYWHEEL_LIBRARY the
+    _fwext.abi3.so built next to that library (`make build` puts one in build/).
+    FLYWHEEL_BINDING=ctypes turns it off: every call then takes the ctypes path."""
+    import importlib.machinery
+    import importlib.util
+
+    if os.environ.get("FLYWHEEL_BINDING", "") == "ctypes":
+        return None, "FLYWHEEL_BINDING=ctypes"
+    here = os.path.dirname(_path) if os.environ.get("FLYWHEEL_LIBRARY") \
+        else os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "_fwext.abi3.so")
+    if not os.path.exists(path):
+        return None, f"no {path}"
+    spec = importlib.util.spec_from_file_location(
+        "flywheel._fwext", path, loader=importlib.machinery.ExtensionFileLoader(
+            "flywheel._fwext", path))
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    addr = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+        "fw_attn_fwd", "fw_attn_varlen_fwd", "fw_attn_kvcache_fwd", "fw_gdn_decode",
+        "fw_attn_params_init", "fw_gdn_params_init")]
+    ext.init(lib.fw_abi_version(), *addr)
+    return ext, path
+
+
+fast, fast_path_origin = _load_fast_path()
+
+
+def binding():
+    """("compiled", path of the extension) when calls take the compiled fast path first, or
+    ("ctypes", why not)."""
+    return ("compiled" if fast is not None else "ctypes"), fast_path_origin
+
+
 def check(status):
     """Raise the exception for a non-zero fw_status, with the C library's message."""
     if status == 0:

@@ -82,19 +82,39 @@ def float_array(x, name, inplace=False):
                             "(torch.float32, torch.bfloat16, torch.float16)")
         _check_grad(x, name)
         return x
+    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+        # another DLPack producer (a JAX array, ...): a numpy view of its memory, read-only
+        # where the producer says so (DLPack 1.0), so it cannot be an output
+        # (numpy has no DLPack code for bfloat16: such arrays go through __array__, which
+        # may copy)
+        try:
+            x = np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError, ValueError) as e:
+            if not hasattr(x, "__array__"):
+                raise TypeError(f"{name}: {type(x).__name__} could not be read through DLPack "
+                                f"({e}); pass a numpy array or a torch CPU tensor") from None
+            x = np.asarray(x)
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, "
-                        f"got {type(x).__name__}")
+        raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor (or another "
+                        f"DLPack CPU array), got {type(x).__name__}")
     if x.dtype not in _NP_CODES:
         hint = " (bfloat16 numpy arrays need the ml_dtypes package)" if _NP_BF16 is None else ""
         raise TypeError(f"{name}: dtype {x.dtype} is not supported "
                         f"(float32, bfloat16, float16){hint}")
-    if any(s < 0 or s % x.itemsize for s in x.strides):
+    if _odd_strides(x):
         if inplace:
             raise ValueError(f"{name} is written in place, but its strides {x.strides} are "
                              "negative or not whole elements")
         x = np.ascontiguousarray(x)
     return x
+
+
+def _odd_strides(x):
+    """A numpy array with a negative stride, or one that is not whole elements, in a dimension
+    of more than one element, unless the array is empty (strides that are never used to reach
+    an element do not count)."""
+    return x.size > 0 and any((s < 0 or s % x.itemsize) and n > 1
+                              for s, n in zip(x.strides, x.shape))
 
 
 def describe(x):
@@ -108,7 +128,11 @@ def describe(x):
     else:
         t.data = x.ctypes.data or None
         t.dtype = _NP_CODES[x.dtype]
-        shape, strides = x.shape, tuple(s // x.itemsize for s in x.strides)
+        # (strides never used to reach an element, a one-element dimension's or any of an
+        # empty array's: 0 when they are negative or not whole elements)
+        shape = x.shape
+        strides = tuple(0 if (n == 1 or x.size == 0) and (s < 0 or s % x.itemsize)
+                        else s // x.itemsize for s, n in zip(x.strides, x.shape))
     if len(shape) > 4:
         raise ValueError(f"tensor of rank {len(shape)}: at most 4 dimensions")
     t.ndim = len(shape)

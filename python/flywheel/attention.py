@@ -110,6 +110,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     _unsupported(dropout_p, alibi_slopes)
     # truth values first: one that raises (a numpy array) must not raise after out is written
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
+    want_lse = return_softmax_lse or return_attn_probs
+    if _lib.fast is not None and isa is None and not plain and precision is None:
+        r = _lib.fast.attn_func(q, k, v, softmax_scale, causal, window_size, softcap,
+                                _lib.settings.threads, out, want_lse)
+        if r is not NotImplemented:
+            return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [b, sq, hq, d], [b, sk, hkv, d], [b, sk, hkv, dv], "
@@ -117,7 +123,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     b, sq, hq, _ = q.shape
     dv = v.shape[-1]
     out = T.output(out, q, (b, sq, hq, dv))
-    want_lse = return_softmax_lse or return_attn_probs
     lse = T.empty_like_family(q, (b, hq, sq), "float32") if want_lse else None
     p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
@@ -167,6 +172,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
+    want_lse = return_softmax_lse or return_attn_probs
+    if _lib.fast is not None and isa is None and precision is None:
+        r = _lib.fast.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                                  _lib.settings.threads, out, want_lse)
+        if r is not NotImplemented:
+            return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v must be [total_q, hq, d], [total_k, hkv, d], "
@@ -184,7 +196,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
     total_q, hq, _ = q.shape
     out = T.output(out, q, (total_q, hq, v.shape[-1]))
-    want_lse = return_softmax_lse or return_attn_probs
     lse = T.empty_like_family(q, (hq, total_q), "float32") if want_lse else None
     p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
@@ -228,6 +239,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError("k and v must be given together")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required (the tokens each sequence already holds)")
+    if (_lib.fast is not None and not return_softmax_lse and cu_seqlens_q is None and
+            isa is None and precision is None):
+        r = _lib.fast.attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                   softmax_scale, causal, window_size, softcap,
+                                   _lib.settings.threads, out)
+        if r is not NotImplemented:
+            return r
     q = T.float_array(q, "q")
     kc = T.float_array(k_cache, "k_cache", inplace=True)
     vc = T.float_array(v_cache, "v_cache", inplace=True)

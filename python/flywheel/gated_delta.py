@@ -217,13 +217,20 @@ def _indices(state_indices, n):
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=None,
-                            use_qk_l2norm_in_kernel=False, *, isa=None):
+                            use_qk_l2norm_in_kernel=False, *, out=None, isa=None):
     """One decode step for N sequences, updating their states in a slot array in place.
 
     q, k [N, H, K] (or [N, 1, H, K]); v [N, HV, V] (or [N, 1, HV, V]); g, beta [N, HV]
     (or [N, 1, HV]); state [slots, HV, K, V] contiguous float32 (numpy or torch), sequence i
-    using slot state_indices[i] (default i; distinct). Returns o with v's shape and dtype.
+    using slot state_indices[i] (default i; distinct). Returns o with v's shape and dtype;
+    out: an existing array of that shape (any float dtype the library writes) to write and
+    return instead of a new one.
     """
+    if _lib.fast is not None and isa is None:
+        r = _lib.fast.gdn_decode(q, k, v, g, beta, state, state_indices, scale,
+                                 use_qk_l2norm_in_kernel, _lib.settings.threads, out)
+        if r is not NotImplemented:
+            return r
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     squeeze = v.ndim == 4
     if squeeze:
@@ -247,11 +254,21 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     g, beta = g.reshape(N, HV), beta.reshape(N, HV)
     slots = _state_slots(state, HV, q.shape[-1], V, written=True)
     idx = _indices(state_indices, N)
-    o = T.empty_like_family(v, (N, HV, V))
+    if out is None:
+        o = T.empty_like_family(v, (N, HV, V))
+    else:
+        o = T.output(out, v, None)
+        if tuple(o.shape) != ((N, 1, HV, V) if squeeze else (N, HV, V)):
+            raise ValueError(f"out must have v's shape {(N, 1, HV, V) if squeeze else (N, HV, V)},"
+                             f" got {tuple(o.shape)}")
+        if squeeze:
+            o = o[:, 0]
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
     _lib.check(_lib.lib.fw_gdn_decode(T.describe(q), T.describe(k), T.describe(v),
                                       T.describe(g), T.describe(beta), T.ptr(state), slots,
                                       T.ptr(idx), T.describe(o), p))
+    if out is not None:
+        return out
     return o.reshape(N, 1, HV, V) if squeeze else o
 
 
@@ -267,7 +284,7 @@ class GDNReplay:
 
 
 def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None,
-                            scale=None, use_qk_l2norm_in_kernel=False, *, isa=None,
+                            scale=None, use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
                             precision=None):
     """Speculative verify: up to 64 draft tokens per sequence from the committed states, which
     are read and not changed.
@@ -275,7 +292,8 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
     state [slots, HV, K, V] contiguous float32; state_indices [N] (default 0..N-1).
     Returns (o [B, T, HV, V], replay); pass replay to gated_delta_rule_commit with the number
-    of accepted tokens per sequence. precision: as in chunk_gated_delta_rule.
+    of accepted tokens per sequence. precision: as in chunk_gated_delta_rule. out: an existing
+    [B, T, HV, V] array to write as o instead of a new one.
     """
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, False, None, None, False, False)
@@ -287,12 +305,12 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     idx = _indices(state_indices, n)
     floats = _lib.lib.fw_gdn_replay_floats(B * Tn, H, HV, K, V)
     replay = np.empty(max(floats, 1), dtype=np.float32)
-    o = T.empty_like_family(v, (B, Tn, HV, V))
+    o = T.output(out, v, (B, Tn, HV, V))
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision)
     _lib.check(_lib.lib.fw_gdn_verify(T.describe(q2), T.describe(k2), T.describe(v2),
                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
                                       T.ptr(state), slots, T.ptr(idx), T.ptr(replay),
-                                      floats, T.describe(T.merge_leading(o)), p))
+                                      floats, T.describe(T.merged_view(o, "out")), p))
     return o, GDNReplay(replay, cu, idx, H, HV, K, V)
 
 

@@ -1,0 +1,819 @@
+/*
+ * _fwext.c: the compiled fast path of the Python binding (a CPython extension on the limited
+ * API of Python 3.10, so one abi3 build serves every later Python).
+ *
+ * Why: a call through ctypes cost 33-35 us before any kernel work (building ctypes structs,
+ * numpy offset arrays, Python-level checks), more than a decode step's kernel at 1K context.
+ * Engines make thousands of such calls per second.
+ *
+ * How it stays exactly the binding it speeds up: each public Python function (attention.py,
+ * gated_delta.py) first offers its arguments to the matching function here. The fast path
+ * takes only the common, fully valid case: torch CPU tensors or numpy arrays seen through
+ * DLPack without copies, int32 index arrays, plain numbers, the options that need no Python
+ * work. Anything else -- another type or dtype, a layout the Python path would copy, a
+ * read-only array (numpy refuses to export one), a tensor that requires grad, a value out of
+ * range, and any status other than FW_OK from the library, which writes nothing when it
+ * refuses -- returns NotImplemented and the Python path runs the call as before, with its
+ * copies, conversions and error messages. So results and errors are the Python path's by
+ * construction; python/tests/test_fastpath.py checks both paths give the same bits and that
+ * the fast path really runs.
+ *
+ * The library is the one the ctypes binding loaded: _lib.py hands init() the addresses of its
+ * functions, so the extension links to nothing but Python and cannot meet another copy of
+ * libflywheel. The GIL is released while the kernel runs.
+ */
+#define Py_LIMITED_API 0x030A0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "flywheel.h"
+
+/* ------------------------------------------------------------------ DLPack -- */
+/* The DLPack ABI (dlpack.h, v0.8: the "dltensor" capsule every exporter gives when called
+ * without max_version), declared from its published specification. */
+typedef struct {
+    int32_t device_type; /* 1: CPU */
+    int32_t device_id;
+} dl_device;
+
+typedef struct {
+    uint8_t code; /* 0 int, 1 uint, 2 float, 4 bfloat */
+    uint8_t bits;
+    uint16_t lanes;
+} dl_dtype;
+
+typedef struct {
+    void *data;
+    dl_device device;
+    int32_t ndim;
+    dl_dtype dtype;
+    int64_t *shape;
+    int64_t *strides; /* in elements; NULL: C-contiguous */
+    uint64_t byte_offset;
+} dl_tensor;
+
+typedef struct dl_managed {
+    dl_tensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct dl_managed *self);
+} dl_managed;
+
+/* ------------------------------------------------------- library and state -- */
+typedef fw_status (*attn_fwd_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                 const fw_tensor *, const fw_tensor *, const fw_attn_params *);
+typedef fw_status (*attn_varlen_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                    const int32_t *, const int32_t *, int64_t, const fw_tensor *,
+                                    const fw_tensor *, const fw_attn_params *);
+typedef fw_status (*attn_kvcache_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                     const int32_t *, int64_t, const fw_kv_cache *,
+                                     const fw_tensor *, const fw_tensor *, const fw_attn_params *);
+typedef void (*attn_init_fn)(fw_attn_params *);
+typedef void (*gdn_init_fn)(fw_gdn_params *);
+typedef fw_status (*gdn_decode_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                   const fw_tensor *, const fw_tensor *, float *, int64_t,
+                                   const int32_t *, const fw_tensor *, const fw_gdn_params *);
+
+static struct {
+    attn_fwd_fn attn_fwd;
+    attn_varlen_fn attn_varlen;
+    attn_kvcache_fn attn_kvcache;
+    gdn_decode_fn gdn_decode;
+    attn_init_fn attn_params_init;
+    gdn_init_fn gdn_params_init;
+    PyObject *torch_tensor; /* torch.Tensor, once torch is imported */
+    PyObject *to_dlpack;    /* torch._C._to_dlpack */
+    PyObject *torch_empty;  /* torch.empty */
+    PyObject *torch_f32;    /* torch.float32 */
+    PyObject *np_ndarray, *np_empty, *np_float32;
+    PyObject *s_dlpack, *s_requires_grad, *s_dtype;
+    unsigned long long fast, fallback; /* calls taken and declined (under the GIL) */
+} st;
+
+/* The outcome of a step of the fast path: go on, decline (the Python path takes the call), or
+ * a Python exception is set (only for a failure of Python itself, such as no memory). */
+enum { OK = 0, DECLINE = 1, FAIL = -1 };
+
+/* torch.Tensor and its helpers, looked up once torch is in sys.modules (never imported here) */
+static void find_torch(void)
+{
+    if (st.torch_tensor)
+        return;
+    PyObject *mods = PyImport_GetModuleDict(); /* borrowed */
+    PyObject *torch = PyDict_GetItemString(mods, "torch");
+    if (!torch)
+        return;
+    PyObject *tensor = PyObject_GetAttrString(torch, "Tensor");
+    PyObject *empty = PyObject_GetAttrString(torch, "empty");
+    PyObject *f32 = PyObject_GetAttrString(torch, "float32");
+    PyObject *c = PyObject_GetAttrString(torch, "_C");
+    PyObject *to = c ? PyObject_GetAttrString(c, "_to_dlpack") : NULL;
+    Py_XDECREF(c);
+    if (!tensor || !empty || !f32 || !to) {
+        Py_XDECREF(tensor);
+        Py_XDECREF(empty);
+        Py_XDECREF(f32);
+        Py_XDECREF(to);
+        PyErr_Clear();
+        return;
+    }
+    st.torch_empty = empty;
+    st.torch_f32 = f32;
+    st.to_dlpack = to;
+    st.torch_tensor = tensor;
+}
+
+static int is_torch(PyObject *o)
+{
+    if (!st.torch_tensor)
+        find_torch();
+    return st.torch_tensor && PyObject_IsInstance(o, st.torch_tensor) == 1;
+}
+
+static int is_numpy(PyObject *o) { return PyObject_IsInstance(o, st.np_ndarray) == 1; }
+
+/* An array argument as an fw_tensor (no copy). dtype codes as fw_dtype, plus FW_INT32 for
+ * index arrays. Declines what the Python path would copy, convert or refuse. */
+#define FW_INT32 100
+
+typedef struct {
+    fw_tensor t;
+    int dtype; /* fw_dtype, or FW_INT32 */
+    int torch; /* a torch tensor (else numpy) */
+} arr;
+
+static int get_arr(PyObject *o, arr *a)
+{
+    PyObject *cap;
+    if (is_torch(o)) {
+        PyObject *g = PyObject_GetAttr(o, st.s_requires_grad);
+        if (!g)
+            return FAIL;
+        const int grad = PyObject_IsTrue(g);
+        Py_DECREF(g);
+        if (grad)
+            return grad < 0 ? FAIL : DECLINE; /* the Python path says what to do */
+        cap = PyObject_CallFunctionObjArgs(st.to_dlpack, o, NULL);
+        a->torch = 1;
+    } else if (is_numpy(o)) {
+        PyObject *m = PyObject_GetAttr(o, st.s_dlpack);
+        cap = m ? PyObject_CallNoArgs(m) : NULL;
+        Py_XDECREF(m);
+        a->torch = 0;
+    } else {
+        return DECLINE;
+    }
+    if (!cap) { /* not exportable: read-only numpy, a dtype DLPack has no code for, ... */
+        PyErr_Clear();
+        return DECLINE;
+    }
+    const dl_managed *m = PyCapsule_GetPointer(cap, "dltensor");
+    int rc = DECLINE;
+    if (!m) {
+        PyErr_Clear();
+        Py_DECREF(cap);
+        return DECLINE;
+    }
+    const dl_tensor *d = &m->dl_tensor;
+    const dl_dtype dt = d->dtype;
+    int code = -1;
+    if (dt.lanes == 1) {
+        if (dt.code == 2 && dt.bits == 32)
+            code = FW_F32;
+        else if (dt.code == 2 && dt.bits == 16)
+            code = FW_F16;
+        else if (dt.code == 4 && dt.bits == 16)
+            code = FW_BF16;
+        else if (dt.code == 0 && dt.bits == 32)
+            code = FW_INT32;
+    }
+    if (d->device.device_type == 1 && code >= 0 && d->ndim >= 0 && d->ndim <= FW_MAX_DIMS) {
+        fw_tensor *t = &a->t;
+        memset(t, 0, sizeof *t);
+        t->data = (char *)d->data + d->byte_offset;
+        t->dtype = code == FW_INT32 ? FW_F32 : (fw_dtype)code;
+        t->ndim = d->ndim;
+        int64_t run = 1;
+        rc = OK;
+        for (int i = d->ndim - 1; i >= 0; i--) {
+            t->shape[i] = d->shape[i];
+            t->stride[i] = d->strides ? d->strides[i] : run;
+            run *= d->shape[i];
+            if (t->stride[i] < 0)
+                rc = DECLINE; /* numpy would copy it */
+        }
+        a->dtype = code;
+        /* the data stays alive with `o`, which the caller holds for the whole call */
+    }
+    Py_DECREF(cap); /* the exporter's destructor releases its export */
+    return rc;
+}
+
+/* an array the call writes: numpy's export already refused read-only ones */
+static int get_float(PyObject *o, arr *a, int ndim)
+{
+    int rc = get_arr(o, a);
+    if (rc != OK)
+        return rc;
+    return a->dtype != FW_INT32 && a->t.ndim == ndim ? OK : DECLINE;
+}
+
+/* an int32 index array of `ndim` dims, unit stride in its last dim (or one entry) */
+static int get_index(PyObject *o, arr *a, int ndim)
+{
+    int rc = get_arr(o, a);
+    if (rc != OK)
+        return rc;
+    if (a->dtype != FW_INT32 || a->t.ndim != ndim)
+        return DECLINE;
+    return a->t.stride[ndim - 1] == 1 || a->t.shape[ndim - 1] <= 1 ? OK : DECLINE;
+}
+
+/* [b, s, rest...] as [b*s, rest...] without a copy, if the strides allow (else decline) */
+static int merge01(fw_tensor *t)
+{
+    const int64_t b = t->shape[0], s = t->shape[1];
+    int64_t lead;
+    if (s == 1)
+        lead = t->stride[0];
+    else if (b == 1 || t->stride[0] == s * t->stride[1])
+        lead = t->stride[1];
+    else
+        return DECLINE;
+    t->shape[0] = b * s;
+    t->stride[0] = lead;
+    for (int i = 1; i + 1 < t->ndim; i++) {
+        t->shape[i] = t->shape[i + 1];
+        t->stride[i] = t->stride[i + 1];
+    }
+    t->ndim--;
+    return OK;
+}
+
+/* drops dimension 1, of size 1 */
+static void drop1(fw_tensor *t)
+{
+    for (int i = 1; i + 1 < t->ndim; i++) {
+        t->shape[i] = t->shape[i + 1];
+        t->stride[i] = t->stride[i + 1];
+    }
+    t->ndim--;
+}
+
+/* ------------------------------------------------------------------ outputs -- */
+static size_t elem_size(fw_dtype dt) { return dt == FW_F32 ? 4 : 2; }
+
+/* outputs up to this size are allocated here; larger ones by the Python path, which puts
+ * them in numpy memory (huge pages; see _tensors._LARGE) */
+#define SMALL_OUTPUT (4 << 20)
+
+/* A new contiguous output of `like`'s family, with `like`'s dtype (or float32). */
+static PyObject *new_output(PyObject *like, int torch, const int64_t *shape, int ndim,
+                            size_t elem, int f32)
+{
+    size_t bytes = elem;
+    for (int i = 0; i < ndim; i++)
+        bytes *= (size_t)shape[i];
+    if (bytes >= SMALL_OUTPUT)
+        return Py_NewRef(Py_NotImplemented);
+    PyObject *dims = PyTuple_New(ndim);
+    if (!dims)
+        return NULL;
+    for (int i = 0; i < ndim; i++) {
+        PyObject *n = PyLong_FromLongLong(shape[i]);
+        if (!n) {
+            Py_DECREF(dims);
+            return NULL;
+        }
+        PyTuple_SetItem(dims, i, n);
+    }
+    PyObject *r = NULL;
+    if (torch) {
+        PyObject *kw = PyDict_New(), *args = PyTuple_Pack(1, dims);
+        PyObject *dtype = f32 ? Py_NewRef(st.torch_f32) : PyObject_GetAttr(like, st.s_dtype);
+        if (kw && args && dtype && PyDict_SetItem(kw, st.s_dtype, dtype) == 0)
+            r = PyObject_Call(st.torch_empty, args, kw);
+        Py_XDECREF(dtype);
+        Py_XDECREF(kw);
+        Py_XDECREF(args);
+    } else {
+        PyObject *dtype = f32 ? Py_NewRef(st.np_float32) : PyObject_GetAttr(like, st.s_dtype);
+        if (dtype)
+            r = PyObject_CallFunctionObjArgs(st.np_empty, dims, dtype, NULL);
+        Py_XDECREF(dtype);
+    }
+    Py_DECREF(dims);
+    return r;
+}
+
+/* ---------------------------------------------------------------- arguments -- */
+/* A float option as the library's float32 (None: `none`); declines a type other than float
+ * or int, and values the Python path refuses or reports (0 where 0 means something else,
+ * values that round to 0 or overflow float32) */
+static int get_f32(PyObject *o, float none, int zero_ok, float *out)
+{
+    if (o == Py_None) {
+        *out = none;
+        return OK;
+    }
+    if (!PyFloat_CheckExact(o) && !PyLong_CheckExact(o))
+        return DECLINE;
+    const double x = PyFloat_AsDouble(o);
+    if (x == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return DECLINE;
+    }
+    const float f = (float)x;
+    if (!(fabs(x) <= FLT_MAX) || (x != 0 && f == 0) || (x == 0 && !zero_ok))
+        return DECLINE;
+    *out = f;
+    return OK;
+}
+
+/* one side of window_size: None or any negative value is unbounded (-1), as is anything from
+ * 2^62 on; ints only (a float side goes the Python way) */
+static int get_side(PyObject *o, int64_t *out)
+{
+    if (o == Py_None) {
+        *out = -1;
+        return OK;
+    }
+    if (!PyLong_Check(o))
+        return DECLINE;
+    int overflow = 0;
+    const long long n = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return DECLINE;
+    }
+    *out = overflow || n < 0 || n >= ((long long)1 << 62) ? -1 : (int64_t)n;
+    return OK;
+}
+
+static int get_window(PyObject *w, fw_attn_params *p)
+{
+    if (!PyTuple_Check(w) || PyTuple_Size(w) != 2)
+        return DECLINE;
+    int rc = get_side(PyTuple_GetItem(w, 0), &p->window_left);
+    return rc == OK ? get_side(PyTuple_GetItem(w, 1), &p->window_right) : rc;
+}
+
+static int get_int(PyObject *o, long long lo, long long hi, long long *out)
+{
+    if (!PyLong_Check(o))
+        return DECLINE;
+    int overflow = 0;
+    const long long n = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return DECLINE;
+    }
+    if (overflow || n < lo || n > hi)
+        return DECLINE;
+    *out = n;
+    return OK;
+}
+
+/* scale, causal, window, softcap, threads of an attention call */
+static int attn_params(PyObject *scale, PyObject *causal, PyObject *window, PyObject *softcap,
+                       PyObject *threads, int64_t d, fw_attn_params *p)
+{
+    st.attn_params_init(p);
+    long long th;
+    int rc = get_f32(scale, d > 0 ? (float)(1.0 / sqrt((double)d)) : 0.0f, 0, &p->scale);
+    if (rc == OK)
+        rc = get_f32(softcap, 0.0f, 1, &p->softcap);
+    if (rc == OK)
+        rc = get_window(window, p);
+    if (rc == OK)
+        rc = get_int(threads, 0, INT32_MAX, &th);
+    if (rc != OK)
+        return rc;
+    p->threads = (int32_t)th;
+    const int c = PyObject_IsTrue(causal);
+    if (c < 0) {
+        PyErr_Clear();
+        return DECLINE;
+    }
+    p->causal = c;
+    return OK;
+}
+
+/* The result of a fast call: the value, or NotImplemented where it declined */
+static PyObject *declined(int rc)
+{
+    if (rc == FAIL)
+        return NULL;
+    st.fallback++;
+    return Py_NewRef(Py_NotImplemented);
+}
+
+static PyObject *taken(PyObject *r)
+{
+    st.fast++;
+    return r;
+}
+
+#define TRY(x)                  \
+    do {                        \
+        int rc_ = (x);          \
+        if (rc_ != OK) {        \
+            rc = rc_;           \
+            goto done;          \
+        }                       \
+    } while (0)
+
+/* An output: the caller's (kept as is, validated by the library), or a new one */
+static int get_out(PyObject *given, PyObject *like, int torch, const int64_t *shape, int ndim,
+                   size_t elem, int f32, PyObject **obj, arr *a)
+{
+    if (given != Py_None) {
+        *obj = Py_NewRef(given);
+        return get_float(given, a, ndim);
+    }
+    *obj = new_output(like, torch, shape, ndim, elem, f32);
+    if (!*obj)
+        return FAIL;
+    if (*obj == Py_NotImplemented)
+        return DECLINE;
+    return get_float(*obj, a, ndim);
+}
+
+/* ------------------------------------------------------------ attention calls -- */
+
+/* flash_attn_func(q, k, v, scale, causal, window, softcap, threads, out, want_lse)
+ *   -> out, or (out, lse) with want_lse; q/k/v [b, s, h, d] */
+static PyObject *attn_func(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    (void)self;
+    if (n != 10) {
+        PyErr_SetString(PyExc_TypeError, "attn_func takes 10 arguments");
+        return NULL;
+    }
+    arr q, k, v, o, l;
+    PyObject *out = NULL, *lse = NULL;
+    fw_attn_params p;
+    int rc = OK;
+    const int want_lse = PyObject_IsTrue(a[9]) == 1;
+    TRY(get_float(a[0], &q, 4));
+    TRY(get_float(a[1], &k, 4));
+    TRY(get_float(a[2], &v, 4));
+    if (q.dtype == FW_INT32 || k.torch != q.torch || v.torch != q.torch)
+        TRY(DECLINE);
+    const int64_t b = q.t.shape[0], sq = q.t.shape[1], hq = q.t.shape[2], dv = v.t.shape[3];
+    TRY(attn_params(a[3], a[4], a[5], a[6], a[7], q.t.shape[3], &p));
+    const int64_t os[4] = {b, sq, hq, dv}, ls[3] = {b, hq, sq};
+    TRY(get_out(a[8], a[0], q.torch, os, 4, elem_size(q.t.dtype), 0, &out, &o));
+    if (want_lse)
+        TRY(get_out(Py_None, a[0], q.torch, ls, 3, 4, 1, &lse, &l));
+    fw_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = st.attn_fwd(&q.t, &k.t, &v.t, &o.t, want_lse ? &l.t : NULL, &p);
+    Py_END_ALLOW_THREADS
+    if (s != FW_OK)
+        TRY(DECLINE);
+done:
+    if (rc != OK) {
+        Py_XDECREF(out);
+        Py_XDECREF(lse);
+        return declined(rc);
+    }
+    if (!want_lse)
+        return taken(out);
+    PyObject *r = PyTuple_Pack(2, out, lse);
+    Py_DECREF(out);
+    Py_DECREF(lse);
+    return r ? taken(r) : NULL;
+}
+
+/* the longest sequence of int32 offsets cu[0..n] (0 if not monotone: the library refuses) */
+static int64_t longest(const fw_tensor *cu)
+{
+    const int32_t *c = cu->data;
+    int64_t m = 0;
+    for (int64_t i = 0; i + 1 < cu->shape[0]; i++)
+        if (c[i + 1] - (int64_t)c[i] > m)
+            m = c[i + 1] - (int64_t)c[i];
+    return m;
+}
+
+/* flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap,
+ *   threads, out, want_lse) -> out or (out, lse); q/k/v [total, h, d] */
+static PyObject *attn_varlen(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    (void)self;
+    if (n != 14) {
+        PyErr_SetString(PyExc_TypeError, "attn_varlen takes 14 arguments");
+        return NULL;
+    }
+    arr q, k, v, cq, ck, o, l;
+    PyObject *out = NULL, *lse = NULL;
+    fw_attn_params p;
+    long long maxq, maxk;
+    int rc = OK;
+    const int want_lse = PyObject_IsTrue(a[13]) == 1;
+    TRY(get_float(a[0], &q, 3));
+    TRY(get_float(a[1], &k, 3));
+    TRY(get_float(a[2], &v, 3));
+    if (q.dtype == FW_INT32 || k.torch != q.torch || v.torch != q.torch)
+        TRY(DECLINE);
+    TRY(get_index(a[3], &cq, 1));
+    TRY(get_index(a[4], &ck, 1));
+    if (cq.t.shape[0] != ck.t.shape[0] || cq.t.shape[0] < 1)
+        TRY(DECLINE);
+    TRY(get_int(a[5], 0, INT64_MAX, &maxq));
+    TRY(get_int(a[6], 0, INT64_MAX, &maxk));
+    if (maxq < longest(&cq.t) || maxk < longest(&ck.t))
+        TRY(DECLINE);
+    const int64_t tq = q.t.shape[0], hq = q.t.shape[1], dv = v.t.shape[2];
+    TRY(attn_params(a[7], a[8], a[9], a[10], a[11], q.t.shape[2], &p));
+    const int64_t os[3] = {tq, hq, dv}, ls[2] = {hq, tq};
+    TRY(get_out(a[12], a[0], q.torch, os, 3, elem_size(q.t.dtype), 0, &out, &o));
+    if (want_lse)
+        TRY(get_out(Py_None, a[0], q.torch, ls, 2, 4, 1, &lse, &l));
+    fw_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = st.attn_varlen(&q.t, &k.t, &v.t, cq.t.data, ck.t.data, cq.t.shape[0] - 1, &o.t,
+                       want_lse ? &l.t : NULL, &p);
+    Py_END_ALLOW_THREADS
+    if (s != FW_OK)
+        TRY(DECLINE);
+done:
+    if (rc != OK) {
+        Py_XDECREF(out);
+        Py_XDECREF(lse);
+        return declined(rc);
+    }
+    if (!want_lse)
+        return taken(out);
+    PyObject *r = PyTuple_Pack(2, out, lse);
+    Py_DECREF(out);
+    Py_DECREF(lse);
+    return r ? taken(r) : NULL;
+}
+
+/* sequences whose offsets or lengths live on the stack; more take the Python path */
+#define MAX_BATCH 4096
+
+/* flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
+ *   causal, window, softcap, threads, out) -> out; q [b, sq, hq, d], no lse, not packed */
+static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    (void)self;
+    if (n != 13) {
+        PyErr_SetString(PyExc_TypeError, "attn_kvcache takes 13 arguments");
+        return NULL;
+    }
+    arr q, kc, vc, kn, vn, sl, bt, o;
+    PyObject *out = NULL;
+    fw_attn_params p;
+    fw_kv_cache cache;
+    int32_t cu[MAX_BATCH + 1], lens[MAX_BATCH];
+    int rc = OK;
+    const int append = a[3] != Py_None;
+    if (append != (a[4] != Py_None))
+        TRY(DECLINE);
+    TRY(get_float(a[0], &q, 4));
+    TRY(get_float(a[1], &kc, 4));
+    TRY(get_float(a[2], &vc, 4));
+    if (q.dtype == FW_INT32 || kc.torch != q.torch || vc.torch != q.torch)
+        TRY(DECLINE);
+    const int64_t b = q.t.shape[0], sq = q.t.shape[1], hq = q.t.shape[2], dv = vc.t.shape[3];
+    if (b > MAX_BATCH || b * sq > INT32_MAX)
+        TRY(DECLINE);
+    memset(&cache, 0, sizeof cache);
+    cache.k = kc.t;
+    cache.v = vc.t;
+    /* cache_seqlens: an int for every sequence, or [b] int32 */
+    if (PyLong_Check(a[5])) {
+        long long len;
+        TRY(get_int(a[5], INT32_MIN, INT32_MAX, &len));
+        for (int64_t i = 0; i < b; i++)
+            lens[i] = (int32_t)len;
+        cache.seqlens = lens;
+    } else {
+        TRY(get_index(a[5], &sl, 1));
+        if (sl.t.shape[0] != b)
+            TRY(DECLINE);
+        cache.seqlens = sl.t.data;
+    }
+    if (a[6] != Py_None) {
+        TRY(get_index(a[6], &bt, 2));
+        if (bt.t.shape[0] != b || bt.t.shape[0] * bt.t.shape[1] == 0)
+            TRY(DECLINE);
+        cache.block_table = bt.t.data;
+        cache.max_pages = bt.t.shape[1];
+        cache.block_table_stride = b > 1 ? bt.t.stride[0] : bt.t.shape[1];
+    }
+    if (append) {
+        TRY(get_float(a[3], &kn, 4));
+        TRY(get_float(a[4], &vn, 4));
+        if (kn.t.shape[1] != sq || vn.t.shape[1] != sq)
+            TRY(DECLINE);
+        TRY(merge01(&kn.t));
+        TRY(merge01(&vn.t));
+    }
+    for (int64_t i = 0; i <= b; i++)
+        cu[i] = (int32_t)(i * sq);
+    TRY(attn_params(a[7], a[8], a[9], a[10], a[11], q.t.shape[3], &p));
+    TRY(merge01(&q.t));
+    const int64_t os[4] = {b, sq, hq, dv};
+    TRY(get_out(a[12], a[0], q.torch, os, 4, elem_size(q.t.dtype), 0, &out, &o));
+    TRY(merge01(&o.t));
+    fw_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = st.attn_kvcache(&q.t, append ? &kn.t : NULL, append ? &vn.t : NULL, cu, b, &cache, &o.t,
+                        NULL, &p);
+    Py_END_ALLOW_THREADS
+    if (s != FW_OK)
+        TRY(DECLINE);
+done:
+    if (rc != OK) {
+        Py_XDECREF(out);
+        return declined(rc);
+    }
+    return taken(out);
+}
+
+/* ------------------------------------------------------------- GDN decode -- */
+
+/* gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, l2norm, threads,
+ *   out) -> out (v's shape); q/k [N, H, K] or [N, 1, H, K], v [N, HV, V] or [N, 1, HV, V],
+ *   g/beta [N, HV] or [N, 1, HV] float32, state [slots, HV, K, V] contiguous float32 */
+static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    (void)self;
+    if (n != 11) {
+        PyErr_SetString(PyExc_TypeError, "gdn_decode takes 11 arguments");
+        return NULL;
+    }
+    arr q, k, v, g, beta, state, idx, o;
+    PyObject *out = NULL;
+    fw_gdn_params p;
+    int32_t order[MAX_BATCH];
+    long long th;
+    int rc = OK;
+    TRY(get_arr(a[2], &v));
+    const int squeeze = v.t.ndim == 4;
+    const int nd = squeeze ? 4 : 3;
+    TRY(get_float(a[0], &q, nd));
+    TRY(get_float(a[1], &k, nd));
+    if (v.dtype == FW_INT32 || v.t.ndim != nd || q.torch != v.torch || k.torch != v.torch)
+        TRY(DECLINE);
+    if (squeeze) {
+        if (q.t.shape[1] != 1 || k.t.shape[1] != 1 || v.t.shape[1] != 1)
+            TRY(DECLINE);
+        drop1(&q.t);
+        drop1(&k.t);
+        drop1(&v.t);
+    }
+    const int64_t N = v.t.shape[0], HV = v.t.shape[1], V = v.t.shape[2], K = q.t.shape[2];
+    if (N > MAX_BATCH)
+        TRY(DECLINE);
+    TRY(get_arr(a[3], &g));
+    TRY(get_arr(a[4], &beta));
+    arr *gb[2] = {&g, &beta};
+    for (int i = 0; i < 2; i++) {
+        fw_tensor *t = &gb[i]->t;
+        if (gb[i]->dtype != FW_F32 || t->ndim < 2 || t->ndim > 3 || t->shape[0] != N ||
+            t->shape[t->ndim - 1] != HV || (t->ndim == 3 && t->shape[1] != 1))
+            TRY(DECLINE);
+        if (t->ndim == 3)
+            drop1(t);
+    }
+    /* the state: a contiguous float32 slot array, used in place */
+    TRY(get_float(a[5], &state, 4));
+    const fw_tensor *S = &state.t;
+    if (state.dtype != FW_F32 || S->shape[1] != HV || S->shape[2] != K || S->shape[3] != V ||
+        S->stride[3] != 1 || S->stride[2] != V || S->stride[1] != K * V ||
+        S->stride[0] != HV * K * V)
+        TRY(DECLINE);
+    const int32_t *slots = order;
+    if (a[6] == Py_None) {
+        for (int64_t i = 0; i < N; i++)
+            order[i] = (int32_t)i;
+    } else {
+        TRY(get_index(a[6], &idx, 1));
+        if (idx.t.shape[0] != N)
+            TRY(DECLINE);
+        slots = idx.t.data;
+    }
+    st.gdn_params_init(&p);
+    TRY(get_f32(a[7], K > 0 ? (float)(1.0 / sqrt((double)K)) : 0.0f, 0, &p.scale));
+    const int l2 = PyObject_IsTrue(a[8]);
+    if (l2 < 0) {
+        PyErr_Clear();
+        TRY(DECLINE);
+    }
+    p.l2norm_qk = l2;
+    TRY(get_int(a[9], 0, INT32_MAX, &th));
+    p.threads = (int32_t)th;
+    const int64_t os[4] = {N, 1, HV, V}, os3[3] = {N, HV, V};
+    TRY(get_out(a[10], a[2], v.torch, squeeze ? os : os3, nd, elem_size(v.t.dtype), 0, &out,
+                &o));
+    if (squeeze) {
+        if (o.t.shape[1] != 1)
+            TRY(DECLINE);
+        drop1(&o.t);
+    }
+    fw_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = st.gdn_decode(&q.t, &k.t, &v.t, &g.t, &beta.t, state.t.data, S->shape[0], slots, &o.t, &p);
+    Py_END_ALLOW_THREADS
+    if (s != FW_OK)
+        TRY(DECLINE);
+done:
+    if (rc != OK) {
+        Py_XDECREF(out);
+        return declined(rc);
+    }
+    return taken(out);
+}
+
+/* -------------------------------------------------------------------- module -- */
+
+/* init(abi, fw_attn_fwd, fw_attn_varlen_fwd, fw_attn_kvcache_fwd, fw_gdn_decode,
+ *   fw_attn_params_init, fw_gdn_params_init): the library's ABI
+ * version and the addresses of its functions, from the ctypes binding. ImportError when the
+ * ABI differs from the header this was compiled with. */
+static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    (void)self;
+    if (n != 7) {
+        PyErr_SetString(PyExc_TypeError, "init takes 7 arguments");
+        return NULL;
+    }
+    const long abi = PyLong_AsLong(a[0]);
+    if (abi == -1 && PyErr_Occurred())
+        return NULL;
+    if (abi != FW_ABI_VERSION) {
+        PyErr_Format(PyExc_ImportError,
+                     "flywheel._fwext was compiled for ABI version %d, the library has %ld: "
+                     "rebuild both from one source tree",
+                     FW_ABI_VERSION, abi);
+        return NULL;
+    }
+    void *f[6];
+    for (int i = 0; i < 6; i++) {
+        f[i] = PyLong_AsVoidPtr(a[i + 1]);
+        if (!f[i]) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "init: a NULL function address");
+            return NULL;
+        }
+    }
+    /* POSIX: a function's address from dlsym (ctypes) converts back to its pointer type */
+    memcpy(&st.attn_fwd, &f[0], sizeof f[0]);
+    memcpy(&st.attn_varlen, &f[1], sizeof f[1]);
+    memcpy(&st.attn_kvcache, &f[2], sizeof f[2]);
+    memcpy(&st.gdn_decode, &f[3], sizeof f[3]);
+    memcpy(&st.attn_params_init, &f[4], sizeof f[4]);
+    memcpy(&st.gdn_params_init, &f[5], sizeof f[5]);
+    Py_RETURN_NONE;
+}
+
+/* stats() -> (calls the fast path ran, calls it declined) */
+static PyObject *stats(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("(KK)", st.fast, st.fallback);
+}
+
+static PyMethodDef methods[] = {
+    {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL, "the library's functions"},
+    {"attn_func", (PyCFunction)(void (*)(void))attn_func, METH_FASTCALL, "flash_attn_func"},
+    {"attn_varlen", (PyCFunction)(void (*)(void))attn_varlen, METH_FASTCALL,
+     "flash_attn_varlen_func"},
+    {"attn_kvcache", (PyCFunction)(void (*)(void))attn_kvcache, METH_FASTCALL,
+     "flash_attn_with_kvcache"},
+    {"gdn_decode", (PyCFunction)(void (*)(void))gdn_decode, METH_FASTCALL,
+     "gated_delta_rule_decode"},
+    {"stats", stats, METH_NOARGS, "(fast calls, declined calls)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "flywheel._fwext", "the compiled fast path of the flywheel binding",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fwext(void)
+{
+    PyObject *np = PyImport_ImportModule("numpy");
+    if (!np)
+        return NULL;
+    st.np_ndarray = PyObject_GetAttrString(np, "ndarray");
+    st.np_empty = PyObject_GetAttrString(np, "empty");
+    st.np_float32 = PyObject_GetAttrString(np, "float32");
+    Py_DECREF(np);
+    st.s_dlpack = PyUnicode_InternFromString("__dlpack__");
+    st.s_requires_grad = PyUnicode_InternFromString("requires_grad");
+    st.s_dtype = PyUnicode_InternFromString("dtype");
+    if (!st.np_ndarray || !st.np_empty || !st.np_float32 || !st.s_dlpack ||
+        !st.s_requires_grad || !st.s_dtype)
+        return NULL;
+    return PyModule_Create(&module);
+}

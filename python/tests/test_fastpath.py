@@ -1,0 +1,320 @@
+"""The compiled fast path (python/flywheel/_fwext.c) against the ctypes path it shortcuts.
+
+Every valid call the fast path takes must give the ctypes path's bits (outputs, lse, caches and
+states written in place), and every call it declines must behave exactly as the ctypes path
+(same result or same exception type and message). The tests count, with _fwext.stats(), that
+the fast path really took the calls meant for it. Skipped where the extension is not in use
+(FLYWHEEL_BINDING=ctypes: then the whole suite runs on ctypes alone, which `make test-python`
+does as its second pass).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import flywheel
+from flywheel import _lib
+
+from conftest import make, torch
+
+fast_only = pytest.mark.skipif(_lib.fast is None, reason="the compiled fast path is not in use")
+
+FAMS = ["numpy", "torch"] if torch is not None else ["numpy"]
+
+
+@pytest.mark.skipif(not os.environ.get("FLYWHEEL_EXPECT_BINDING"),
+                    reason="FLYWHEEL_EXPECT_BINDING is not set")
+def test_expected_binding():
+    """`make test-python` says which binding each pass must be on (a fast path that failed to
+    build must not pass as a ctypes run)."""
+    assert _lib.binding()[0] == os.environ["FLYWHEEL_EXPECT_BINDING"], _lib.binding()
+
+
+def both_paths(call):
+    """call() through the fast path and through ctypes alone: (fast result, ctypes result,
+    fast calls taken, calls declined). `call` builds its own inputs (so in-place writes of one
+    run do not feed the other)."""
+    before = _lib.fast.stats()
+    fast = _run(call)
+    after = _lib.fast.stats()
+    saved, _lib.fast = _lib.fast, None
+    try:
+        slow = _run(call)
+    finally:
+        _lib.fast = saved
+    return fast, slow, after[0] - before[0], after[1] - before[1]
+
+
+def _run(call):
+    try:
+        return ("ok", call())
+    except Exception as e:  # the type and message are what must agree
+        return ("raised", type(e), str(e))
+
+
+def _np(x):
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
+    return x.view(np.int16) if x.dtype.itemsize == 2 else x
+
+
+def same(a, b):
+    """Bit-identical results: arrays, tuples and lists of them, None."""
+    if isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+        return
+    if a is None or isinstance(a, (int, float, str, type)):
+        assert a == b
+        return
+    assert type(a) is type(b)
+    assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+    np.testing.assert_array_equal(_np(a), _np(b))
+
+
+def check(call, taken):
+    fast, slow, n_fast, n_declined = both_paths(call)
+    assert fast[0] == slow[0], (fast, slow)
+    if fast[0] == "raised":
+        assert fast[1:] == slow[1:]
+    else:
+        same(fast[1], slow[1])
+    if taken:
+        assert (n_fast, n_declined) == (1, 0)
+    else:
+        assert n_fast == 0
+
+
+@fast_only
+@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(causal=True, window_size=(5, 0)),
+                                  dict(softcap=3.5, softmax_scale=0.2),
+                                  dict(window_size=(None, 2**70))])
+def test_func_same_bits(family, dtype, opts):
+    def call(lse=False, with_out=False):
+        rng = np.random.default_rng(1)
+        q, _ = make(rng, (2, 5, 4, 24), dtype, family)
+        k, _ = make(rng, (2, 9, 2, 24), dtype, family)
+        v, _ = make(rng, (2, 9, 2, 16), dtype, family)
+        out = None
+        if with_out:
+            out = (torch.zeros((2, 5, 4, 16), dtype=q.dtype) if family == "torch"
+                   else np.zeros((2, 5, 4, 16), q.dtype))
+        r = flywheel.flash_attn_func(q, k, v, return_softmax_lse=lse, out=out, **opts)
+        return (r, out) if with_out else r
+    taken = _exportable(family, dtype)
+    check(call, taken)
+    check(lambda: call(lse=True), taken)
+    check(lambda: call(with_out=True), taken)
+
+
+@fast_only
+@pytest.mark.parametrize("family", FAMS)
+def test_varlen_same_bits(family):
+    def call(lse):
+        rng = np.random.default_rng(2)
+        q, _ = make(rng, (11, 6, 32), "float16", family)
+        k, _ = make(rng, (19, 2, 32), "float16", family)
+        v, _ = make(rng, (19, 2, 32), "float16", family)
+        cq = np.array([0, 3, 3, 11], np.int32)
+        ck = np.array([0, 7, 10, 19], np.int32)
+        if family == "torch":
+            cq, ck = torch.from_numpy(cq), torch.from_numpy(ck)
+        return flywheel.flash_attn_varlen_func(q, k, v, cq, ck, 8, 9, causal=True,
+                                               return_attn_probs=lse)
+    check(lambda: call(False), taken=True)
+    check(lambda: call(True), taken=True)
+
+
+def _exportable(family, dtype):
+    """numpy's DLPack export has no code for ml_dtypes' bfloat16: those calls go the ctypes way"""
+    return not (family == "numpy" and dtype == "bfloat16")
+
+
+def _cache_call(family, dtype, paged, append, seqlens_int, with_out, sq=1, b=3):
+    rng = np.random.default_rng(3)
+    hq, hkv, d, S, page = 8, 2, 64, 96, 16
+    q, _ = make(rng, (b, sq, hq, d), dtype, family)
+    if paged:
+        kc, _ = make(rng, (b * S // page, page, hkv, d), dtype, family)
+        vc, _ = make(rng, (b * S // page, page, hkv, d), dtype, family)
+        bt = np.random.default_rng(4).permutation(b * S // page).astype(np.int32).reshape(b, -1)
+    else:
+        kc, _ = make(rng, (b, S, hkv, d), dtype, family)
+        vc, _ = make(rng, (b, S, hkv, d), dtype, family)
+        bt = None
+    lens = np.array([40, 7, 80][:b], np.int32)
+    kn = vn = None
+    if append:
+        kn, _ = make(rng, (b, sq, hkv, d), dtype, family)
+        vn, _ = make(rng, (b, sq, hkv, d), dtype, family)
+    out = None
+    if family == "torch":
+        lens = torch.from_numpy(lens)
+        bt = None if bt is None else torch.from_numpy(bt)
+        if with_out:
+            out = torch.zeros((b, sq, hq, d), dtype=q.dtype)
+    elif with_out:
+        out = np.zeros((b, sq, hq, d), q.dtype)
+    r = flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=37 if seqlens_int else lens,
+                                         block_table=bt, causal=True, out=out)
+    return r, kc, vc, out
+
+
+@fast_only
+@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("append", [False, True])
+def test_kvcache_same_bits(family, dtype, paged, append):
+    for seqlens_int in (False, True):
+        for with_out in (False, True):
+            for sq in (1, 3):
+                check(lambda: _cache_call(family, dtype, paged, append, seqlens_int, with_out, sq),
+                      taken=_exportable(family, dtype))
+
+
+def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16"):
+    rng = np.random.default_rng(5)
+    N, H, HV, K, V, slots = 3, 2, 4, 16, 24, 5
+    lead = (N, 1) if squeeze else (N,)
+    q, _ = make(rng, lead + (H, K), dtype, family)
+    k, _ = make(rng, lead + (H, K), dtype, family)
+    v, _ = make(rng, lead + (HV, V), dtype, family)
+    g = -np.abs(rng.standard_normal(lead + (HV,))).astype(np.float32)
+    beta = rng.uniform(0, 1, lead + (HV,)).astype(np.float32)
+    state = rng.standard_normal((slots, HV, K, V)).astype(np.float32)
+    idx = np.array([4, 0, 2], np.int32) if with_idx else None
+    out = np.zeros(lead + (HV, V), v.dtype) if family == "numpy" and with_out else None
+    if family == "torch":
+        g, beta, state = torch.from_numpy(g), torch.from_numpy(beta), torch.from_numpy(state)
+        idx = None if idx is None else torch.from_numpy(idx)
+        if with_out:
+            out = torch.zeros(lead + (HV, V), dtype=v.dtype)
+    o = flywheel.gated_delta_rule_decode(q, k, v, g, beta, state, idx,
+                                         use_qk_l2norm_in_kernel=l2norm, out=out)
+    return o, state, out
+
+
+@fast_only
+@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("squeeze", [False, True])
+@pytest.mark.parametrize("with_idx", [False, True])
+def test_gdn_decode_same_bits(family, squeeze, with_idx):
+    for with_out in (False, True):
+        for l2norm in (False, True):
+            check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm, "float16"),
+                  taken=True)
+            check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm),
+                  taken=_exportable(family, "bfloat16"))
+
+
+def _readonly(x):
+    x = np.array(x)
+    x.setflags(write=False)
+    return x
+
+
+# calls the fast path must leave to the ctypes path, which copies, converts or refuses them
+def _declined_cases():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)
+    kv = rng.standard_normal((1, 6, 2, 8)).astype(np.float32)
+    cases = {
+        "float64 q": lambda: flywheel.flash_attn_func(q.astype(np.float64), kv, kv),
+        "read-only out": lambda: flywheel.flash_attn_func(q, kv, kv, out=_readonly(np.zeros_like(q))),
+        "read-only q (read only, so it runs)": lambda: flywheel.flash_attn_func(_readonly(q), kv, kv),
+        "negative strides": lambda: flywheel.flash_attn_func(q[:, ::-1], kv, kv),
+        "list q": lambda: flywheel.flash_attn_func(q.tolist(), kv, kv),
+        "float window": lambda: flywheel.flash_attn_func(q, kv, kv, window_size=(2.0, -1)),
+        "window list": lambda: flywheel.flash_attn_func(q, kv, kv, window_size=[2, 0]),
+        "scale 0": lambda: flywheel.flash_attn_func(q, kv, kv, softmax_scale=0),
+        "scale 1e-50": lambda: flywheel.flash_attn_func(q, kv, kv, softmax_scale=1e-50),
+        "scale inf": lambda: flywheel.flash_attn_func(q, kv, kv, softmax_scale=float("inf")),
+        "numpy scale": lambda: flywheel.flash_attn_func(q, kv, kv, softmax_scale=np.float32(0.3)),
+        "q and k of two dtypes": lambda: flywheel.flash_attn_func(q.astype(np.float16), kv, kv),
+        "head dims differ": lambda: flywheel.flash_attn_func(q, kv[..., :4], kv),
+        "3-D q": lambda: flywheel.flash_attn_func(q[0], kv, kv),
+        "int64 cu_seqlens": lambda: flywheel.flash_attn_varlen_func(
+            q[0], kv[0], kv[0], np.array([0, 4], np.int64), np.array([0, 6], np.int64), 4, 6),
+        "max_seqlen short": lambda: flywheel.flash_attn_varlen_func(
+            q[0], kv[0], kv[0], np.array([0, 4], np.int32), np.array([0, 6], np.int32), 3, 6),
+        "cu_seqlens decreasing": lambda: flywheel.flash_attn_varlen_func(
+            q[0], kv[0], kv[0], np.array([0, 5, 4], np.int32), np.array([0, 3, 6], np.int32),
+            5, 6),
+        "kvcache int64 seqlens": lambda: flywheel.flash_attn_with_kvcache(
+            q, kv.copy(), kv.copy(), cache_seqlens=np.array([3], np.int64)),
+        "kvcache seqlens too long": lambda: flywheel.flash_attn_with_kvcache(
+            q, kv.copy(), kv.copy(), cache_seqlens=9),
+        "kvcache read-only cache appended": lambda: flywheel.flash_attn_with_kvcache(
+            q, _readonly(kv), kv.copy(), kv[:, :4], kv[:, :4], cache_seqlens=0),
+        "kvcache k without v": lambda: flywheel.flash_attn_with_kvcache(
+            q, kv.copy(), kv.copy(), kv[:, :4], None, cache_seqlens=0),
+        "gdn bf16-typed g": lambda: flywheel.gated_delta_rule_decode(
+            q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float16), np.zeros((2, 2), np.float32),
+            np.zeros((2, 2, 8, 8), np.float32)),
+        "gdn float64 state": lambda: flywheel.gated_delta_rule_decode(
+            q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
+            np.zeros((2, 2, 8, 8), np.float64)),
+        "gdn duplicate slots": lambda: flywheel.gated_delta_rule_decode(
+            q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
+            np.zeros((2, 2, 8, 8), np.float32), np.array([1, 1], np.int32)),
+    }
+    if torch is not None:
+        tq = torch.from_numpy(q).requires_grad_()
+        tk = torch.from_numpy(kv)
+        cases["torch q requiring grad"] = lambda: flywheel.flash_attn_func(tq, tk, tk)
+        cases["torch q with numpy k"] = lambda: flywheel.flash_attn_func(tq.detach(), kv, kv)
+    return cases
+
+
+@fast_only
+@pytest.mark.parametrize("name", list(_declined_cases()))
+def test_declined_behaves_as_ctypes(name):
+    check(_declined_cases()[name], taken=False)
+
+
+@fast_only
+def test_binding_reports_compiled():
+    kind, origin = _lib.binding()
+    assert kind == "compiled" and origin.endswith("_fwext.abi3.so")
+
+
+def test_dlpack_producer_inputs():
+    """A DLPack producer that is neither numpy nor torch (JAX) is read as numpy, the result is
+    numpy, and it is the numpy input's result."""
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 5, 4, 16)).astype(np.float32)
+    kv = rng.standard_normal((1, 7, 2, 16)).astype(np.float32)
+    want = flywheel.flash_attn_func(q, kv, kv, causal=True)
+    got = flywheel.flash_attn_func(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(kv), causal=True)
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="read-only"):
+        flywheel.flash_attn_func(q, kv, kv, out=jnp.zeros((1, 5, 4, 16), jnp.float32))
+
+
+class _Producer:
+    """A minimal DLPack producer (what a third-party array type offers)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_any_dlpack_producer_inputs():
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 3, 2, 8)).astype(np.float16)
+    kv = rng.standard_normal((1, 4, 1, 8)).astype(np.float16)
+    got = flywheel.flash_attn_func(_Producer(q), _Producer(kv), _Producer(kv))
+    assert isinstance(got, np.ndarray) and got.dtype == np.float16
+    np.testing.assert_array_equal(got, flywheel.flash_attn_func(q, kv, kv))
