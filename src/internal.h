@@ -179,16 +179,20 @@ extern const fw_kernels fw_kernels_avx512bf16;
 
 /* ---------------------------------------------------------------- threads -- */
 
-/* fn(ctx, item, tid) for every item in [0, n) on up to `threads` threads (the caller is one
- * of them, tid 0). Items are taken in order by whichever thread is free; callers make each
- * item's result independent of the thread that runs it. Never fails: if threads cannot be
- * started, the remaining work runs on the threads that did. */
+/* fn(ctx, item, tid) for every item in [0, n) on up to `threads` workers, tid 0 ..
+ * min(threads, n) - 1, never two at once with one tid. Items are taken in order by whichever
+ * worker is free; callers make each item's result independent of the worker that runs it.
+ * The workers run on the host's loop (fw_set_parallel), OpenMP (FW_OPENMP) or the built-in
+ * pool (the caller is worker 0). Never fails: if threads cannot be started, the remaining
+ * work runs on the threads that did. */
 typedef void (*fw_item_fn)(void *ctx, int64_t item, int tid);
 void fw_parallel(int threads, int64_t n, fw_item_fn fn, void *ctx);
+/* Online CPUs, 1 .. FW_MAX_THREADS. */
 int fw_cpu_count(void);
 
-/* The threads a call runs on: `requested` (params->threads, validated), 0 = all CPUs. */
-static inline int fw_threads(int32_t requested) { return requested > 0 ? requested : fw_cpu_count(); }
+/* The threads a call runs on: `requested` (params->threads, validated), or for 0 the default
+ * of fw_set_parallel (all online CPUs unless set; OpenMP's in an FW_OPENMP build). */
+int fw_threads(int32_t requested);
 
 /* --------------------------------------------------------- small helpers -- */
 

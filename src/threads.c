@@ -1,23 +1,46 @@
-/* threads.c: a fork-join parallel loop with dynamic item assignment, on a pool of worker
- * threads that live between calls.
+/* threads.c: fw_parallel, the parallel loop of every call, and the threads it runs on.
+ *
+ * A loop of n items runs on `threads` workers (tid 0 .. threads - 1, the index of their
+ * scratch), each taking the next item from a shared counter (run_items) until none is left.
+ * Which worker runs an item never changes its result, and a worker that starts late or not
+ * at all leaves its items to the others, so a loop is correct on whatever concurrency the
+ * threads underneath give it. The workers come from one of three places, read once per loop:
+ *   - the host's loop (fw_set_parallel): task t of `threads` tasks is worker t;
+ *   - OpenMP (built with FW_OPENMP): an omp parallel region, worker omp_get_thread_num();
+ *   - the built-in pool (below).
  *
  * Why a pool: a decode step is 0.1-0.5 ms, and creating, exiting and joining threads per call
  * cost 50-100 us of it (measured: a batch-1 decode over 2K keys in two 1K-key items, items
  * 220 us each, call 290-410 us, of which 20 us before the first item and 35-70 us joining
- * after the last). Pool workers spin for FW_SPIN_US after a job before they sleep on a
- * condition variable, so calls in a loop (one per layer) find them awake.
+ * after the last). So workers live between calls, and after a job spin for the spin window
+ * (fw_set_spin_us) before they sleep, so that calls in a loop (one per layer) find them awake.
  *
- * One parallel region holds the pool at a time. A caller that finds it held (several
- * application threads calling at once) starts its own threads for that call, as before, so
- * concurrent calls never wait for each other. After fork() the child starts with an empty
- * pool. */
+ * Waking. The caller posts the job to each worker's slot and wakes only the workers that
+ * sleep, with one futex wake each on the slot's own word: a woken worker needs no lock, so a
+ * call after idle costs each worker one wake-up. The caller runs items meanwhile; when it
+ * finds none left it takes back the posts no worker has taken yet, so it never waits for a
+ * worker to wake up, only for the items already running.
+ *
+ * One call holds the pool at a time. A caller that finds it held (several application
+ * threads calling at once) starts its own threads for that call, so concurrent calls never
+ * wait for each other. After fork() the child starts with an empty pool. */
+#define _GNU_SOURCE 1 /* syscall(), sched_getcpu() */
+#include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 #include "internal.h"
+#ifdef FW_OPENMP
+#include <omp.h>
+#elif defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
-#define FW_SPIN_US 200.0
+#define FW_SPIN_US 200
 
 typedef struct {
     fw_item_fn fn;
@@ -36,19 +59,97 @@ static void run_items(job *j, int tid)
     }
 }
 
-static double now_us(void)
+/* ------------------------------------------------------------- settings -- */
+
+static struct {
+    pthread_mutex_t mu; /* guards fn and host, which a loop reads together */
+    fw_parallel_fn fn;
+    void *host;
+    atomic_int threads; /* what params->threads = 0 means; 0: the built-in default */
+    atomic_int spin_us;
+} set = {PTHREAD_MUTEX_INITIALIZER, NULL, NULL, 0, FW_SPIN_US};
+
+static pthread_once_t set_once = PTHREAD_ONCE_INIT;
+
+/* FLYWHEEL_SPIN_US, before the spin window is first read or written */
+static void set_init(void)
 {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e6 + (double)t.tv_nsec * 1e-3;
+    const char *e = getenv("FLYWHEEL_SPIN_US");
+    if (e && *e) {
+        char *end;
+        errno = 0;
+        const long us = strtol(e, &end, 10);
+        if (!*end && !errno && us >= 0 && us <= FW_MAX_SPIN_US)
+            atomic_store(&set.spin_us, (int)us);
+    }
 }
 
-static void cpu_relax(void)
+fw_status fw_set_parallel(fw_parallel_fn fn, void *host, int32_t threads)
 {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
+    fw_clear_error();
+    if (!fn && host)
+        return fw_fail(FW_ERR_ARG, "fw_set_parallel: a host without a loop function (pass NULL "
+                                   "for both to go back to the built-in threads)");
+    const fw_status s = fw_check_threads(threads);
+    if (s)
+        return s;
+    pthread_mutex_lock(&set.mu);
+    set.fn = fn;
+    set.host = host;
+    atomic_store_explicit(&set.threads, threads, memory_order_relaxed);
+    pthread_mutex_unlock(&set.mu);
+    return FW_OK;
+}
+
+fw_status fw_get_parallel(fw_parallel_fn *fn, void **host, int32_t *threads)
+{
+    fw_clear_error();
+    if (!fn || !host || !threads)
+        return fw_fail(FW_ERR_NULL, "fw_get_parallel: %s is NULL", !fn ? "fn" : !host ? "host" : "threads");
+    pthread_mutex_lock(&set.mu);
+    *fn = set.fn;
+    *host = set.host;
+    *threads = atomic_load_explicit(&set.threads, memory_order_relaxed);
+    pthread_mutex_unlock(&set.mu);
+    return FW_OK;
+}
+
+fw_status fw_set_spin_us(int32_t us)
+{
+    fw_clear_error();
+    if (us < 0 || us > FW_MAX_SPIN_US)
+        return fw_fail(FW_ERR_ARG, "spin window %d us; it must be 0 to %d", (int)us, FW_MAX_SPIN_US);
+    pthread_once(&set_once, set_init); /* so that FLYWHEEL_SPIN_US, read later, cannot undo it */
+    atomic_store_explicit(&set.spin_us, us, memory_order_relaxed);
+    return FW_OK;
+}
+
+int32_t fw_get_spin_us(void)
+{
+    pthread_once(&set_once, set_init);
+    return atomic_load_explicit(&set.spin_us, memory_order_relaxed);
+}
+
+int fw_cpu_count(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (n > FW_MAX_THREADS ? FW_MAX_THREADS : (int)n);
+}
+
+int fw_threads(int32_t requested)
+{
+    if (requested > 0)
+        return requested;
+    const int d = atomic_load_explicit(&set.threads, memory_order_relaxed);
+    if (d > 0)
+        return d;
+#ifdef FW_OPENMP
+    if (omp_get_active_level() >= omp_get_max_active_levels())
+        return 1; /* a region here would have one thread */
+    const int m = omp_get_max_threads();
+    return m > FW_MAX_THREADS ? FW_MAX_THREADS : m;
+#else
+    return fw_cpu_count();
 #endif
 }
 
@@ -83,63 +184,161 @@ static void run_spawned(job *j, int threads)
         pthread_join(th[t], NULL);
 }
 
+#ifdef FW_OPENMP
+/* A child forked from a process that has run OpenMP regions cannot run one: libgomp waits for
+ * its parent's threads, which the child does not have (measured: the fork test hung). So a
+ * forked child's loops start threads of their own. */
+static atomic_int forked;
+#else
 /* ------------------------------------------------------------------ pool -- */
 
+static double now_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e6 + (double)t.tv_nsec * 1e-3;
+}
+
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* The CPU this thread runs on, or -1 where that cannot be asked. */
+static int this_cpu(void)
+{
+#ifdef __linux__
+    return sched_getcpu();
+#else
+    return -1;
+#endif
+}
+
+/* Worker t's mailbox. The job travels in `post` (swapped out by whoever takes it: the worker
+ * to run it, or the caller to take it back); `seq`, bumped with every post, is the word a
+ * sleeping worker waits on. */
+typedef struct {
+    _Alignas(64) _Atomic(job *) post;
+    atomic_uint seq;
+    atomic_int sleeping; /* the worker sleeps on seq, or is about to */
+    atomic_int cpu;      /* while the worker runs a job: the CPU it took it on; else -1 */
+} slot;
+
+/* Sharing a CPU. Linux wakes a sleeping worker on its caller's CPU when it finds no idle one
+ * (wake-affine), and there the worker preempts the caller, runs the items, and then, spinning,
+ * would keep the caller off its CPU for the whole spin window: measured on a machine with
+ * every CPU busy, 2 items of 30 us took 265 us a call, call after call, and a caller spinning
+ * for a worker preempted on its CPU waited a scheduler tick (4 ms). So a worker does not spin
+ * on the CPU its caller last ran on, and a caller waiting for a worker on its own CPU yields
+ * it. */
 static struct {
-    pthread_mutex_t mu;    /* guards everything below but the atomics */
-    pthread_cond_t wake;   /* a new job was published */
-    int started;           /* workers running: tids 1 .. started */
-    atomic_int busy;       /* a parallel region holds the pool */
-    job *cur;              /* the job of generation gen */
-    int want;              /* workers 1 .. want take part in it */
-    atomic_ulong gen;      /* bumped for every job */
-    atomic_int active;     /* workers of the current job not yet done */
-    unsigned long born[FW_MAX_THREADS]; /* gen when worker t was started: its jobs come after */
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, 0, 0, 0, {0}};
+    atomic_int busy;       /* a call holds the pool */
+    int started;           /* workers 1 .. started run; changed only by the holder */
+    atomic_int active;     /* posts of the holder's job not yet finished or taken back */
+    atomic_int caller_cpu; /* the CPU the latest holder posted its job from, or -1 */
+    slot w[FW_MAX_THREADS];
+} pool;
+
+#ifdef __linux__
+_Static_assert(sizeof(atomic_uint) == 4, "a futex word is 32 bits");
+
+/* sleep until seq moves on from g (returns at once if it already has; may return spuriously) */
+static void sleep_on(slot *s, unsigned g)
+{
+    syscall(SYS_futex, &s->seq, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
+}
+
+static void wake(slot *s)
+{
+    syscall(SYS_futex, &s->seq, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+#else
+/* no futex: one condition variable for all slots */
+static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
+
+static void sleep_on(slot *s, unsigned g)
+{
+    pthread_mutex_lock(&sleep_mu);
+    while (atomic_load(&s->seq) == g)
+        pthread_cond_wait(&sleep_cv, &sleep_mu);
+    pthread_mutex_unlock(&sleep_mu);
+}
+
+static void wake(slot *s)
+{
+    (void)s;
+    pthread_mutex_lock(&sleep_mu);
+    pthread_cond_broadcast(&sleep_cv);
+    pthread_mutex_unlock(&sleep_mu);
+}
+#endif
+
+/* Until a job is posted: spin for the window (not on the caller's CPU), then sleep. The
+ * caller stores post, bumps seq, then reads sleeping; the worker stores sleeping, reads seq,
+ * then post (all seq_cst): either the caller sees sleeping and wakes it, or the worker sees
+ * the post, or the futex sees seq moved on. */
+static void await_post(slot *s)
+{
+    const int spin = atomic_load_explicit(&set.spin_us, memory_order_relaxed);
+    const int caller = atomic_load_explicit(&pool.caller_cpu, memory_order_relaxed);
+    if (spin > 0 && (caller < 0 || this_cpu() != caller)) {
+        const double until = now_us() + spin;
+        int spins = 0;
+        while (!atomic_load_explicit(&s->post, memory_order_relaxed) &&
+               (++spins % 256 != 0 || (now_us() < until && (caller < 0 || this_cpu() != caller))))
+            cpu_relax();
+    }
+    while (!atomic_load_explicit(&s->post, memory_order_relaxed)) {
+        atomic_store(&s->sleeping, 1);
+        const unsigned g = atomic_load(&s->seq);
+        if (!atomic_load(&s->post))
+            sleep_on(s, g);
+        atomic_store_explicit(&s->sleeping, 0, memory_order_relaxed);
+    }
+}
 
 static void *pool_main(void *arg)
 {
-    const int tid = (int)(intptr_t)arg;
-    pthread_mutex_lock(&pool.mu);
-    unsigned long seen = pool.born[tid];
-    pthread_mutex_unlock(&pool.mu);
+    slot *s = arg;
+    const int tid = (int)(s - pool.w);
     for (;;) {
-        /* spin a while for the next job, then sleep until one is published */
-        const double until = now_us() + FW_SPIN_US;
-        int spins = 0;
-        while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen &&
-               (++spins % 256 != 0 || now_us() < until))
-            cpu_relax();
-        /* generation, job and participants are published together under the mutex */
-        pthread_mutex_lock(&pool.mu);
-        while (atomic_load_explicit(&pool.gen, memory_order_relaxed) == seen)
-            pthread_cond_wait(&pool.wake, &pool.mu);
-        seen = atomic_load_explicit(&pool.gen, memory_order_relaxed);
-        job *j = pool.cur;
-        const int mine = tid <= pool.want;
-        pthread_mutex_unlock(&pool.mu);
-        if (mine) {
+        await_post(s);
+        job *j = atomic_exchange_explicit(&s->post, NULL, memory_order_acquire);
+        if (j) {
+            atomic_store_explicit(&s->cpu, this_cpu(), memory_order_relaxed);
             run_items(j, tid);
+            atomic_store_explicit(&s->cpu, -1, memory_order_relaxed);
             atomic_fetch_sub_explicit(&pool.active, 1, memory_order_release);
         }
     }
     return NULL;
 }
 
-static void pool_after_fork(void)
+/* A worker of the holder's job (1 .. want) runs on this CPU. */
+static int worker_here(int want)
 {
-    pthread_mutex_init(&pool.mu, NULL);
-    pthread_cond_init(&pool.wake, NULL);
-    pool.started = 0;
-    atomic_store(&pool.busy, 0);
-    atomic_store(&pool.active, 0);
+    const int me = this_cpu();
+    for (int t = 1; me >= 0 && t <= want; t++)
+        if (atomic_load_explicit(&pool.w[t].cpu, memory_order_relaxed) == me)
+            return 1;
+    return 0;
 }
 
-static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-
-static void pool_init(void)
+static int start_worker(int tid)
 {
-    pthread_atfork(NULL, NULL, pool_after_fork);
+    atomic_store_explicit(&pool.w[tid].cpu, -1, memory_order_relaxed);
+    pthread_t th;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    const int ok = pthread_create(&th, &at, pool_main, &pool.w[tid]) == 0;
+    pthread_attr_destroy(&at);
+    return ok;
 }
 
 /* Runs j on the pool with `threads` threads in all; 0 if the pool is held by another call. */
@@ -148,32 +347,66 @@ static int run_pool(job *j, int threads)
     int expected = 0;
     if (!atomic_compare_exchange_strong(&pool.busy, &expected, 1))
         return 0;
-    pthread_once(&pool_once, pool_init);
-    pthread_mutex_lock(&pool.mu);
-    while (pool.started < threads - 1) {
-        pthread_t th;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        pool.born[pool.started + 1] = atomic_load_explicit(&pool.gen, memory_order_relaxed);
-        const int ok = pthread_create(&th, &at, pool_main, (void *)(intptr_t)(pool.started + 1)) == 0;
-        pthread_attr_destroy(&at);
-        if (!ok)
-            break;
+    pthread_once(&set_once, set_init); /* before a worker reads the spin window */
+    while (pool.started < threads - 1 && start_worker(pool.started + 1))
         pool.started++;
-    }
     const int want = pool.started < threads - 1 ? pool.started : threads - 1;
-    pool.cur = j;
-    pool.want = want;
-    atomic_store_explicit(&pool.active, want, memory_order_release);
-    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_acq_rel);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.mu);
+    atomic_store_explicit(&pool.active, want, memory_order_relaxed);
+    atomic_store_explicit(&pool.caller_cpu, this_cpu(), memory_order_relaxed);
+    for (int t = 1; t <= want; t++) {
+        slot *s = &pool.w[t];
+        atomic_store(&s->post, j);
+        atomic_fetch_add(&s->seq, 1);
+        if (atomic_load(&s->sleeping))
+            wake(s);
+    }
     run_items(j, 0);
-    while (atomic_load_explicit(&pool.active, memory_order_acquire) > 0)
+    /* every item is taken: take back the posts no worker has taken */
+    for (int t = 1; t <= want; t++)
+        if (atomic_exchange_explicit(&pool.w[t].post, NULL, memory_order_relaxed))
+            atomic_fetch_sub_explicit(&pool.active, 1, memory_order_relaxed);
+    for (int spins = 0; atomic_load_explicit(&pool.active, memory_order_acquire) > 0;) {
         cpu_relax();
+        if (++spins % 256 == 0 && worker_here(want))
+            sched_yield();
+    }
     atomic_store_explicit(&pool.busy, 0, memory_order_release);
     return 1;
+}
+#endif /* !FW_OPENMP */
+
+/* The child of a fork has only the forking thread: no pool workers (nor OpenMP threads), and
+ * no other thread to release a lock it held at the fork. Registered when the library is
+ * loaded: the host may have used OpenMP before its first call into the library. */
+static void after_fork_child(void)
+{
+    pthread_mutex_init(&set.mu, NULL);
+#ifdef FW_OPENMP
+    atomic_store(&forked, 1);
+#else
+    pool.started = 0;
+    atomic_store(&pool.busy, 0);
+    atomic_store(&pool.active, 0);
+    for (int t = 0; t < FW_MAX_THREADS; t++) {
+        atomic_store(&pool.w[t].post, NULL);
+        atomic_store(&pool.w[t].sleeping, 0);
+        atomic_store(&pool.w[t].cpu, -1);
+    }
+#ifndef __linux__
+    pthread_mutex_init(&sleep_mu, NULL);
+    pthread_cond_init(&sleep_cv, NULL);
+#endif
+#endif
+}
+
+__attribute__((constructor)) static void threads_load(void)
+{
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+
+static void host_task(void *arg, int64_t t)
+{
+    run_items(arg, (int)t);
 }
 
 void fw_parallel(int threads, int64_t n, fw_item_fn fn, void *ctx)
@@ -187,12 +420,23 @@ void fw_parallel(int threads, int64_t n, fw_item_fn fn, void *ctx)
         run_items(&j, 0);
         return;
     }
+    pthread_mutex_lock(&set.mu);
+    const fw_parallel_fn host_fn = set.fn;
+    void *const host = set.host;
+    pthread_mutex_unlock(&set.mu);
+    if (host_fn) {
+        host_fn(host, threads, host_task, &j);
+        return;
+    }
+#ifdef FW_OPENMP
+    if (atomic_load_explicit(&forked, memory_order_relaxed)) {
+        run_spawned(&j, threads);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    run_items(&j, omp_get_thread_num());
+#else
     if (!run_pool(&j, threads))
         run_spawned(&j, threads);
-}
-
-int fw_cpu_count(void)
-{
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : (n > FW_MAX_THREADS ? FW_MAX_THREADS : (int)n);
+#endif
 }

@@ -77,8 +77,10 @@ static const test_suite main_suites[] = {
     {"api.version", test_version},
     {NULL, NULL}};
 
+extern const test_suite threads_suites[]; /* test_threads.c */
+
 static const test_suite *const groups[] = {main_suites, attn_suites, kvcache_suites, gdn_suites,
-                                           nan_suites};
+                                           nan_suites, threads_suites};
 #define NGROUPS (int)(sizeof groups / sizeof groups[0])
 
 #define MAX_PATTERNS 64

@@ -5,6 +5,7 @@
  *   flywheel bench attn [opts]   softmax attention benchmark (flywheel bench attn --help)
  *   flywheel bench kvcache       KV-cache append + attend: decode and chunked prefill
  *   flywheel bench gdn           Gated DeltaNet prefill (with baselines) and decode
+ *   flywheel bench threads       the parallel loop's latency, back to back and after idle gaps
  *   flywheel peak [threads]      this machine's measured FMA peak
  *   flywheel info                kernel tables and the default
  */
@@ -143,10 +144,10 @@ int bench_is_help(const char *arg) { return strcmp(arg, "-h") == 0 || strcmp(arg
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: flywheel run | bench attn|kvcache|gdn [options] | peak [threads] | info\n"
+            "usage: flywheel run | bench attn|kvcache|gdn|threads [options] | peak [threads] | info\n"
             "  run          the main job: headline kernels on real-size shapes (attention, KV cache,\n"
             "               Gated DeltaNet), checked against the float64 reference, with %% of peak\n"
-            "  bench attn|kvcache|gdn   see `flywheel bench attn --help` (kvcache, gdn alike)\n"
+            "  bench attn|kvcache|gdn|threads   see `flywheel bench attn --help` (the others alike)\n"
             "  peak [threads]           the FMA and bf16 dot-product peaks on 1..256 threads\n"
             "  info                     the kernel tables and the default\n");
 }
@@ -183,8 +184,10 @@ int main(int argc, char **argv)
             return bench_kvcache_main(argc - 3, argv + 3);
         if (strcmp(what, "gdn") == 0)
             return bench_gdn_main(argc - 3, argv + 3);
+        if (strcmp(what, "threads") == 0)
+            return bench_threads_main(argc - 3, argv + 3);
         usage(stderr);
-        fprintf(stderr, "flywheel: bench needs attn, kvcache or gdn%s%s\n", *what ? "; got " : "", what);
+        fprintf(stderr, "flywheel: bench needs attn, kvcache, gdn or threads%s%s\n", *what ? "; got " : "", what);
         return 2;
     }
     if (strcmp(cmd, "peak") == 0) {

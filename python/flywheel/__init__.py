@@ -22,7 +22,8 @@ Errors, one rule for every call:
   * NotImplementedError: options the library does not have.
 """
 
-from ._lib import FlywheelDtypeError, FlywheelError, get_num_threads, set_num_threads
+from ._lib import (FlywheelDtypeError, FlywheelError, get_num_threads, get_spin_us,
+                   set_num_threads, set_spin_us)
 from ._lib import lib as _clib
 from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
@@ -36,7 +37,8 @@ __all__ = [
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_verify",
-    "get_num_threads", "isa_tables", "default_isa", "set_num_threads",
+    "get_num_threads", "get_spin_us", "isa_tables", "default_isa", "set_num_threads",
+    "set_spin_us",
 ]
 
 

@@ -90,6 +90,24 @@ def set_num_threads(n):
     settings.threads = n
 
 
+def set_spin_us(us):
+    """How long (microseconds, 0 .. 10^6) the library's idle worker threads keep spinning for
+    the next call before they sleep: 0 gives the cores back to the host (torch's threads) as
+    soon as a call returns; the default is 200 (or FLYWHEEL_SPIN_US). Process-wide."""
+    try:
+        us = int(us)
+    except OverflowError:
+        raise ValueError(f"spin window must be an integer 0 .. 1000000, got {us!r}") from None
+    if us < 0 or us > 1000000:
+        raise ValueError(f"spin window must be 0 .. 1000000 us, got {us}")
+    check(lib.fw_set_spin_us(us))
+
+
+def get_spin_us():
+    """The spin window in microseconds (set_spin_us)."""
+    return lib.fw_get_spin_us()
+
+
 def get_num_threads():
     """The thread count set by set_num_threads (0 = all online CPUs)."""
     return settings.threads
@@ -223,6 +241,8 @@ _SIGNATURES = {
                                      _T, _P(GdnParams)]),
     "fw_gdn_commit": (ctypes.c_int, [_vp, _i64, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _vp,
                                      _vp, _sz, _P(GdnParams)]),
+    "fw_set_spin_us": (ctypes.c_int, [ctypes.c_int32]),
+    "fw_get_spin_us": (ctypes.c_int32, []),
     "fw_peak_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,
                                       _P(ctypes.c_double)]),
     "fw_peak_bf16_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,

@@ -28,7 +28,7 @@ def run(*args):
     (["bench", "kvcache", "--page", "abc"], "--page abc: expected an integer"),
     (["bench", "gdn", "--dk", "0"], "--dk 0: expected an integer from 1 to 1024"),
     (["bench", "gdn", "--frob"], "unknown option --frob"),
-    (["bench", "frob"], "bench needs attn, kvcache or gdn; got frob"),
+    (["bench", "frob"], "bench needs attn, kvcache, gdn or threads; got frob"),
     (["frob"], "unknown command frob"),
     (["peak", "x"], "peak x: expected an integer"),
     (["run", "extra"], "run takes no arguments"),

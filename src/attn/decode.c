@@ -101,6 +101,8 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     const int64_t kspan = ((p->hkv - 1) * p->ks[1] + (p->d - 1) * p->ks[2] + 1) * (int64_t)es;
     const int64_t vspan = ((p->hkv - 1) * p->vs[1] + (p->dv - 1) * p->vs[2] + 1) * (int64_t)es;
     const int64_t span = gqa && kspan == vspan && kspan <= 2 * p->hkv * kline ? kspan : 0;
+    /* a token row in `units` slices of whole cache lines (no division in the key loop) */
+    const int64_t slice = ((span + units - 1) / units + 63) & ~(int64_t)63;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
     unsigned touch = 0;
     const int64_t tfirst = klo < khi ? klo / FW_DEC_KEYS * FW_DEC_KEYS : khi;
@@ -121,6 +123,8 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             const int64_t kvh = gqa ? u : u / p->G;
             const char *kb = fw_elem(p->k, kvh * p->ks[1]), *vb = fw_elem(p->v, kvh * p->vs[1]);
             const int pf = gqa || u % p->G == 0;
+            /* iteration (u, j) is number u * nk + j of the tile: token row tt, slice part */
+            int64_t tt = span ? u * nk / units : 0, part = span ? u * nk % units : 0;
             for (int j = 0; j < nk; j++) {
                 /* A steady stream of prefetches for the next tile, in address order: iteration
                  * (u, j) takes slice u of token row j (all heads' K, then V) when the heads
@@ -128,15 +132,18 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                  * 32K keys): 10.9 GB/s prefetching per head, 12.0 GB/s with the whole next
                  * tile in one burst. */
                 if (j < nn && span) {
-                    const int64_t it = u * nk + j, tt = it / units, part = it % units;
                     if (tt < nn) {
-                        const int64_t b0 = span * part / units, b1 = span * (part + 1) / units;
+                        const int64_t b0 = part * slice, b1 = fw_min64(span, b0 + slice);
                         const char *kr = (const char *)p->k->data + koff[cur ^ 1][tt] * (int64_t)es;
                         const char *vr = (const char *)p->v->data + voff[cur ^ 1][tt] * (int64_t)es;
-                        for (int64_t b = b0 & ~(int64_t)63; b < b1; b += 64) {
+                        for (int64_t b = b0; b < b1; b += 64) {
                             __builtin_prefetch(kr + b, 0, 2);
                             __builtin_prefetch(vr + b, 0, 2);
                         }
+                    }
+                    if (++part == units) {
+                        part = 0;
+                        tt++;
                     }
                 } else if (j < nn && pf) {
                     for (int64_t b = 0; b < kline; b += 64)
