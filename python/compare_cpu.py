@@ -116,9 +116,14 @@ gdn-decode: one Gated DeltaNet decode step of N sequences (1 and 64; --gdn-n), Q
   every value head.
 
 small (= decode,gdn-decode): the rows of these two sections are the "small calls" table:
-  per-call time in microseconds (median, min-max) over --small-reps calls, each into a
+  per-call time in microseconds (median, min-max) over --small-reps rounds, each into a
   preallocated output wherever the system's API takes one (not: vLLM's and zentorch's GDN
-  decode ops, which return a new o).
+  decode ops, which return a new o). A round is --burst calls back to back after the pause
+  and one untimed call (per call: the burst's time / burst), as an engine step makes them:
+  measured on this VM,
+  a call after even 50 ms of idle cores pays the cores' wake-up (flywheel 0.6 ms for a
+  0.13 ms call, vLLM and zentorch 2-10 ms), which would measure the machine, not the kernels;
+  --burst 1 measures exactly that.
 
 Every system gets the same values: drawn once, rounded to bf16 and handed to each system in its
 own layout and dtype outside the timed region. One warm-up call each, then rounds that
@@ -397,9 +402,12 @@ def add_case(cases, system, build):
         cases.append(Case.skipped(system, f"{type(e).__name__}: {e}"))
 
 
-def run_interleaved(cases, reps):
-    """One warm-up call per case, then `reps` rounds calling every case once. A case that
-    raises is dropped with its error."""
+def run_interleaved(cases, reps, burst=1):
+    """One warm-up call per case, then `reps` rounds calling every case once, or `burst`
+    times back to back after one untimed call (the time per call is the burst's / burst;
+    then one more call after
+    the rounds, so that the check sees the result of one call on the prepared inputs). A case
+    that raises is dropped with its error."""
     for c in cases:
         if c.error is not None:
             continue
@@ -418,11 +426,23 @@ def run_interleaved(cases, reps):
                 if c.prepare:
                     c.prepare()
                 time.sleep(PAUSE_S)
+                if burst > 1:  # the cores' wake-up after the pause, untimed
+                    c.call()
                 t0 = time.perf_counter()
-                c.call()
-                c.times.append(time.perf_counter() - t0)
+                for _ in range(burst):
+                    c.call()
+                c.times.append((time.perf_counter() - t0) / burst)
             except Exception as e:
                 c.error, c.times = f"{type(e).__name__}: {e}", []
+    if burst > 1:
+        for c in live:
+            if c.error is None:
+                try:
+                    if c.prepare:
+                        c.prepare()
+                    c.call()
+                except Exception as e:
+                    c.error, c.times = f"{type(e).__name__}: {e}", []
     for c in live:
         if c.error is not None:
             continue
@@ -722,7 +742,7 @@ def decode_inputs(batch, ctx):
     return q, k, v, bt, seqs, decode_ref(q, k, v, seqs)
 
 
-def bench_decode(sys_, batch, ctx, dtype, inputs, reps):
+def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
     q, k, v, bt, seqs, ref = inputs
     pages = bt.shape[1]
     nblocks = batch * pages
@@ -837,7 +857,7 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps):
     add_case(cases, f"openvino {dtype}", openvino_case)
     add_case(cases, f"onnxruntime {'f16' if dtype == 'bf16' else 'f32'}", ort_case)
     with inference_mode(sys_):
-        run_interleaved(cases, reps)
+        run_interleaved(cases, reps, burst)
     size = 2 if dtype == "bf16" else 4
     nbytes = 2.0 * batch * ctx * HKV * D * size
     shape = f"attn decode {dtype} b={batch} ctx={ctx} Hq={HQ} Hkv={HKV} d={D}"
@@ -969,7 +989,7 @@ def gdn_decode_ref(q, k, v, g, beta, h0):
     return o, h
 
 
-def bench_gdn_decode(sys_, N, reps):
+def bench_gdn_decode(sys_, N, reps, burst=1):
     rng = np.random.default_rng(3)
     q = bf16_values(rng, (N, GH, GD))
     k = bf16_values(rng, (N, GH, GD))
@@ -1084,7 +1104,7 @@ def bench_gdn_decode(sys_, N, reps):
     # N > 1 ("Inplace update to inference tensor outside InferenceMode", from its worker
     # threads); the same mode for every system
     with inference_mode(sys_, plain_no_grad=True):
-        run_interleaved(cases, reps)
+        run_interleaved(cases, reps, burst)
     nbytes = 2.0 * N * GHV * GD * GD * 4
     shape = f"GDN decode bf16 N={N} H={GH} HV={GHV} dk=dv={GD}"
     return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
@@ -1238,6 +1258,9 @@ def main(argv=None):
                     help="timed calls per system for attn and gdn (default 5)")
     ap.add_argument("--small-reps", type=int, default=30,
                     help="timed calls per system for decode and gdn-decode (default 30)")
+    ap.add_argument("--burst", type=int, default=20,
+                    help="decode and gdn-decode: calls back to back per timed round, as an "
+                         "engine step makes them (default 20; 1: each call after a pause)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every system (default 2)")
     ap.add_argument("--t", type=int, default=4096, help="prefill sequence length (default 4096)")
     ap.add_argument("--decode", type=parse_decode, default=[(1, 1024), (1, 32768), (16, 4096)],
@@ -1276,7 +1299,8 @@ def main(argv=None):
             try:
                 inputs = decode_inputs(batch, ctx)
                 for dtype in ("bf16", "f32"):
-                    rows += bench_decode(sys_, batch, ctx, dtype, inputs, args.small_reps)
+                    rows += bench_decode(sys_, batch, ctx, dtype, inputs, args.small_reps,
+                                         args.burst)
             except Exception as e:
                 rows += section_failed(f"attn decode b={batch} ctx={ctx}", e)
             inputs = None
@@ -1284,7 +1308,7 @@ def main(argv=None):
         for n in args.gdn_n:
             log(f"gated deltanet decode, N={n} ...")
             try:
-                rows += bench_gdn_decode(sys_, n, args.small_reps)
+                rows += bench_gdn_decode(sys_, n, args.small_reps, args.burst)
             except Exception as e:
                 rows += section_failed(f"GDN decode N={n}", e)
     missing = dict(sys_.missing)
