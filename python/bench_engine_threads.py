@@ -7,8 +7,12 @@ out= given; GDN decode: gated_delta_rule_decode, 1 sequence, 16:32 heads, 128 x 
 bf16, out= given) and the torch op (torch.mm of an engine step's size: x [8, 2048] by
 w [2048, 4096], bf16), with torch and flywheel both on --threads threads:
   alone        the call back to back, nothing else running (median per call)
+  cold         the call after an evict: a one-thread numpy copy of 32 MiB, which leaves
+               the caches as the torch op does (its weights are 16 MiB) without torch's
+               threads: the call's time with its data out of cache and nothing else running
   interleaved  torch op, then the call, repeated: the call's time and the op's time, each
-               against its own time alone (ratio; 1.00 = no interference)
+               against its own time alone (ratio; 1.00 = no interference); the call also
+               against its cold time (what the threads cost, apart from the caches)
   after idle   the first calls after --idle seconds of sleep (what a request arriving at a
                quiet server sees): the first call and the median of the next 19, over 3 rounds
 The library (and so the threading mode) is FLYWHEEL_LIBRARY's: build/ (the default pool),
@@ -24,6 +28,7 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 
 import flywheel
@@ -72,6 +77,8 @@ def main():
     x, w = torch.randn(8, 2048, dtype=torch.bfloat16), torch.randn(2048, 4096, dtype=torch.bfloat16)
     y = torch.empty(8, 4096, dtype=torch.bfloat16)
     op = lambda: torch.mm(x, w, out=y)
+    src, dst = np.ones(8 << 20, np.float32), np.empty(8 << 20, np.float32)
+    evict = lambda: np.copyto(dst, src)
     config = {"library": os.environ.get("FLYWHEEL_LIBRARY", "(package)"),
               "binding": _lib.binding()[0], "threads": a.threads,
               "spin_us": os.environ.get("FLYWHEEL_SPIN_US", "default"),
@@ -85,6 +92,13 @@ def main():
             for _ in range(50):
                 f()
             alone = [med([timed(f) for _ in range(a.calls)]) for _ in range(a.rounds)]
+            cold = []
+            for _ in range(a.rounds):
+                tc = []
+                for _ in range(a.calls):
+                    evict()
+                    tc.append(timed(f))
+                cold.append(med(tc))
             inter_f, inter_op = [], []
             for _ in range(a.rounds):
                 tf, to = [], []
@@ -103,6 +117,8 @@ def main():
                 "call": name, "alone_us": med(alone), "alone_range": [min(alone), max(alone)],
                 "interleaved_us": med(inter_f), "interleaved_range": [min(inter_f), max(inter_f)],
                 "call_ratio": med(inter_f) / med(alone),
+                "cold_us": med(cold), "cold_range": [min(cold), max(cold)],
+                "call_ratio_cold": med(inter_f) / med(cold),
                 "op_alone_us": med(op_alone), "op_interleaved_us": med(inter_op),
                 "op_ratio": med(inter_op) / med(op_alone),
                 "after_idle_first_us": med(first), "after_idle_next_us": med(rest)})
@@ -110,11 +126,13 @@ def main():
         print(json.dumps({"config": config, "rows": rows}, indent=1))
         return
     print(" ".join(f"{k}={v}" for k, v in config.items()))
-    print(f"{'call':16} {'alone us':>10} {'interleaved':>12} {'ratio':>6} {'torch.mm alone':>15} "
-          f"{'interleaved':>12} {'ratio':>6} {'after idle: 1st':>16} {'next':>7}")
+    print(f"{'call':16} {'alone us':>10} {'cold':>7} {'interleaved':>12} {'/alone':>7} "
+          f"{'/cold':>6} {'torch.mm alone':>15} {'interleaved':>12} {'ratio':>6} "
+          f"{'after idle: 1st':>16} {'next':>7}")
     for r in rows:
-        print(f"{r['call']:16} {r['alone_us']:10.1f} {r['interleaved_us']:12.1f} "
-              f"{r['call_ratio']:6.2f} {r['op_alone_us']:15.1f} {r['op_interleaved_us']:12.1f} "
+        print(f"{r['call']:16} {r['alone_us']:10.1f} {r['cold_us']:7.1f} {r['interleaved_us']:12.1f} "
+              f"{r['call_ratio']:7.2f} {r['call_ratio_cold']:6.2f} "
+              f"{r['op_alone_us']:15.1f} {r['op_interleaved_us']:12.1f} "
               f"{r['op_ratio']:6.2f} {r['after_idle_first_us']:16.1f} "
               f"{r['after_idle_next_us']:7.1f}")
 
