@@ -116,6 +116,11 @@ typedef struct fw_kernels {
                         float *S);
     void (*dec_pv_bf16)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
                         uint32_t *PW, float *O);
+    /* Decode QK^T with f32 products straight from the key rows (contiguous rows of dtype dt:
+     * kdim 1), no transposed panel: S[r][j] = Q[r] . K[j] (Q scaled) for r < R, j < nk, and 0
+     * for j in [nk, FW_DEC_KEYS). */
+    void (*dec_qk_rows)(int R, int nk, int d, const float *Q, const void *const *rows, fw_dtype dt,
+                        float *S);
     /* Plain baseline: one query row against n keys, one key at a time with online softmax:
      * convert the key and value rows on use (like ggml's vector path), dot, scalar exp2,
      * axpy. q is f32 in log2 units (scaled by scale*log2(e), or by 1/softcap with cap2 > 0).
@@ -155,7 +160,7 @@ typedef struct fw_kernels {
 #define FW_KERNEL_ENTRIES(X)                                                                     \
     X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs)      \
     X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16)          \
-    X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(plain_row) X(peak) X(peak_bf16) X(stream_sum)  \
+    X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(plain_row) X(peak) X(peak_bf16) X(stream_sum)  \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
     X(gdn_dec_cols) X(gdn_step4)
 #define FW_KERNEL_ONE(f) +1
