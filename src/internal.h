@@ -59,6 +59,8 @@ typedef struct fw_softmax_args {
 
 /* The decode path: keys per tile (= FW_ATTN_BK) and the most query rows (G x n) it takes. */
 #define FW_DEC_KEYS 64
+/* decode contexts longer than this many keys sweep each tile's rows before using them */
+#define FW_DEC_SWEEP_KEYS 8192
 #define FW_DEC_ROWS 16
 
 typedef struct fw_kernels {

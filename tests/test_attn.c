@@ -1233,7 +1233,8 @@ static void test_contiguous_descriptors(void)
 static void test_decode_strided_extent(void)
 {
     case_begin("attention: decode on K/V with strided head dims reads nothing past them");
-    enum { SK = 40, HKV = 2, HQ = 4, D = 16 };
+    /* a context long enough for the kernel's row sweep (found by fuzz/fuzz_attn.c) */
+    enum { SK = FW_DEC_SWEEP_KEYS + 9, HKV = 2, HQ = 4, D = 16 };
     const int64_t n = (SK - 1) + (HKV - 1) * SK + (D - 1) * SK * HKV + 1;
     float *k = malloc(sizeof(float) * (size_t)n), *v = malloc(sizeof(float) * (size_t)n);
     float q[HQ * D], o[HQ * D];
