@@ -424,18 +424,24 @@ static int attn_params(PyObject *scale, PyObject *causal, PyObject *window, PyOb
     return OK;
 }
 
-/* The result of a fast call: the value, or NotImplemented where it declined */
-static PyObject *declined(int rc)
+/* The end of a fast call: NotImplemented (or the Python error) where it declined, else out,
+ * or (out, lse) when lse is not NULL. Takes over the references to out and lse. */
+static PyObject *finish(int rc, PyObject *out, PyObject *lse)
 {
-    if (rc == FAIL)
-        return NULL;
-    st.fallback++;
-    return Py_NewRef(Py_NotImplemented);
-}
-
-static PyObject *taken(PyObject *r)
-{
+    if (rc != OK) {
+        Py_XDECREF(out);
+        Py_XDECREF(lse);
+        if (rc == FAIL)
+            return NULL;
+        st.fallback++;
+        return Py_NewRef(Py_NotImplemented);
+    }
     st.fast++;
+    if (!lse)
+        return out;
+    PyObject *r = PyTuple_Pack(2, out, lse);
+    Py_DECREF(out);
+    Py_DECREF(lse);
     return r;
 }
 
@@ -499,17 +505,7 @@ static PyObject *attn_func(PyObject *self, PyObject *const *a, Py_ssize_t n)
     if (s != FW_OK)
         TRY(DECLINE);
 done:
-    if (rc != OK) {
-        Py_XDECREF(out);
-        Py_XDECREF(lse);
-        return declined(rc);
-    }
-    if (!want_lse)
-        return taken(out);
-    PyObject *r = PyTuple_Pack(2, out, lse);
-    Py_DECREF(out);
-    Py_DECREF(lse);
-    return r ? taken(r) : NULL;
+    return finish(rc, out, lse);
 }
 
 /* the longest sequence of int32 offsets cu[0..n] (0 if not monotone: the library refuses) */
@@ -566,17 +562,7 @@ static PyObject *attn_varlen(PyObject *self, PyObject *const *a, Py_ssize_t n)
     if (s != FW_OK)
         TRY(DECLINE);
 done:
-    if (rc != OK) {
-        Py_XDECREF(out);
-        Py_XDECREF(lse);
-        return declined(rc);
-    }
-    if (!want_lse)
-        return taken(out);
-    PyObject *r = PyTuple_Pack(2, out, lse);
-    Py_DECREF(out);
-    Py_DECREF(lse);
-    return r ? taken(r) : NULL;
+    return finish(rc, out, lse);
 }
 
 /* sequences whose offsets or lengths live on the stack; more take the Python path */
@@ -656,11 +642,7 @@ static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
     if (s != FW_OK)
         TRY(DECLINE);
 done:
-    if (rc != OK) {
-        Py_XDECREF(out);
-        return declined(rc);
-    }
-    return taken(out);
+    return finish(rc, out, NULL);
 }
 
 /* ------------------------------------------------------------- GDN decode -- */
@@ -751,11 +733,7 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
     if (s != FW_OK)
         TRY(DECLINE);
 done:
-    if (rc != OK) {
-        Py_XDECREF(out);
-        return declined(rc);
-    }
-    return taken(out);
+    return finish(rc, out, NULL);
 }
 
 /* -------------------------------------------------------------------- module -- */
