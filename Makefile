@@ -23,10 +23,14 @@ PYTHON ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/b
 print-python:
 	@echo $(PYTHON)
 
+# Every configure of a build directory names the same Python (FindPython caches what it
+# found; configuring one directory with two Pythons loses the fast path's target)
+PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
+
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python test-asan test-tsan test-omp compare compare-cpu bench-calls \
+.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu bench-calls \
         bench-threads bench-engine-threads print-python clean
 
 all: build
@@ -34,7 +38,7 @@ all: build
 # with the Python of the tests, so that the binding's compiled fast path is built for it
 build:
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_OPTIONS) \
-	  $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON)) >/dev/null
+	  $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
 run: build
@@ -102,20 +106,34 @@ compare-cpu: build $(PEERS_VENV)/.peers-deps
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:
-	@cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE=ON >/dev/null
+	@cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE=ON $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-asan -j $(JOBS)
 	FW_TEST_QUICK=1 $(BUILD)-asan/test_flywheel
+
+# The Python binding on the sanitized library and fast path ($(BUILD)-asan, with Python's
+# headers): the binding, attention and GDN tests, the sanitizer runtimes preloaded into the
+# (uninstrumented) interpreter.
+test-asan-python: $(VENV)/.test-deps
+	@cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE=ON \
+	  $(PY_CMAKE) >/dev/null
+	@cmake --build $(BUILD)-asan -j $(JOBS) --target flywheel_shared fwext
+	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-asan/libflywheel.so PYTHONPATH=$(abspath python) \
+	  FLYWHEEL_EXPECT_BINDING=compiled ASAN_OPTIONS=detect_leaks=0 \
+	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider python/tests/test_fastpath.py \
+	  python/tests/test_attention.py python/tests/test_gated_delta.py \
+	  python/tests/test_binding_args.py
 
 # ThreadSanitizer: concurrent callers and every threaded path, on the smaller sweep. The fork
 # test starts threads in a forked child, which TSan refuses unless told otherwise.
 test-tsan:
-	@cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE_THREAD=ON >/dev/null
+	@cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE_THREAD=ON $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-tsan -j $(JOBS) --target test_flywheel
 	TSAN_OPTIONS=die_after_fork=0 FW_TEST_QUICK=1 $(BUILD)-tsan/test_flywheel
 
 # The C tests on the OpenMP build (FW_OPENMP=ON, in $(BUILD)-omp), the full run.
 test-omp:
-	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON >/dev/null
+	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-omp -j $(JOBS) --target test_flywheel
 	$(BUILD)-omp/test_flywheel
 
@@ -130,7 +148,7 @@ bench-threads: build
 # OpenMP build sharing torch's libgomp ($(BUILD)-omp); python/bench_engine_threads.py.
 bench-engine-threads: build $(VENV)/.test-deps
 	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON \
-	  $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON)) >/dev/null
+	  $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-omp -j $(JOBS) --target flywheel_shared fwext
 	$(TREE_ENV) $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
 	$(TREE_ENV) FLYWHEEL_SPIN_US=0 $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
@@ -155,7 +173,7 @@ test-install: build
 
 # The C tests built with clang (Release), the full run.
 test-clang:
-	@cmake -S . -B $(BUILD)-clang -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang >/dev/null
+	@cmake -S . -B $(BUILD)-clang -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-clang -j $(JOBS) --target test_flywheel
 	$(BUILD)-clang/test_flywheel
 
@@ -177,7 +195,7 @@ FUZZ_HARNESSES ?= attn kvcache gdn diff
 
 # The libFuzzer harnesses (fuzz/, clang with AddressSanitizer and UBSan), in $(BUILD)-fuzz.
 fuzz-build:
-	@cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DFW_FUZZ=ON >/dev/null
+	@cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DFW_FUZZ=ON $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-fuzz -j $(JOBS) $(addprefix --target fuzz_,$(FUZZ_HARNESSES))
 
 # Each harness for FUZZ_SECONDS over its committed seed corpus and regression inputs
