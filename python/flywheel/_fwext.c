@@ -31,6 +31,15 @@
 #include <string.h>
 #include "flywheel.h"
 
+/* the functions below take a fixed number of positional arguments (from the Python side) */
+static int nargs(Py_ssize_t n, Py_ssize_t want, const char *name)
+{
+    if (n == want)
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, n);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ DLPack -- */
 /* The DLPack ABI (dlpack.h, v0.8: the "dltensor" capsule every exporter gives when called
  * without max_version), declared from its published specification. */
@@ -477,10 +486,8 @@ static int get_out(PyObject *given, PyObject *like, int torch, const int64_t *sh
 static PyObject *attn_func(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (n != 10) {
-        PyErr_SetString(PyExc_TypeError, "attn_func takes 10 arguments");
+    if (!nargs(n, 10, "attn_func"))
         return NULL;
-    }
     arr q, k, v, o, l;
     PyObject *out = NULL, *lse = NULL;
     fw_attn_params p;
@@ -489,7 +496,7 @@ static PyObject *attn_func(PyObject *self, PyObject *const *a, Py_ssize_t n)
     TRY(get_float(a[0], &q, 4));
     TRY(get_float(a[1], &k, 4));
     TRY(get_float(a[2], &v, 4));
-    if (q.dtype == FW_INT32 || k.torch != q.torch || v.torch != q.torch)
+    if (k.torch != q.torch || v.torch != q.torch)
         TRY(DECLINE);
     const int64_t b = q.t.shape[0], sq = q.t.shape[1], hq = q.t.shape[2], dv = v.t.shape[3];
     TRY(attn_params(a[3], a[4], a[5], a[6], a[7], q.t.shape[3], &p));
@@ -524,10 +531,8 @@ static int64_t longest(const fw_tensor *cu)
 static PyObject *attn_varlen(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (n != 14) {
-        PyErr_SetString(PyExc_TypeError, "attn_varlen takes 14 arguments");
+    if (!nargs(n, 14, "attn_varlen"))
         return NULL;
-    }
     arr q, k, v, cq, ck, o, l;
     PyObject *out = NULL, *lse = NULL;
     fw_attn_params p;
@@ -537,7 +542,7 @@ static PyObject *attn_varlen(PyObject *self, PyObject *const *a, Py_ssize_t n)
     TRY(get_float(a[0], &q, 3));
     TRY(get_float(a[1], &k, 3));
     TRY(get_float(a[2], &v, 3));
-    if (q.dtype == FW_INT32 || k.torch != q.torch || v.torch != q.torch)
+    if (k.torch != q.torch || v.torch != q.torch)
         TRY(DECLINE);
     TRY(get_index(a[3], &cq, 1));
     TRY(get_index(a[4], &ck, 1));
@@ -573,10 +578,8 @@ done:
 static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (n != 13) {
-        PyErr_SetString(PyExc_TypeError, "attn_kvcache takes 13 arguments");
+    if (!nargs(n, 13, "attn_kvcache"))
         return NULL;
-    }
     arr q, kc, vc, kn, vn, sl, bt, o;
     PyObject *out = NULL;
     fw_attn_params p;
@@ -589,7 +592,7 @@ static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
     TRY(get_float(a[0], &q, 4));
     TRY(get_float(a[1], &kc, 4));
     TRY(get_float(a[2], &vc, 4));
-    if (q.dtype == FW_INT32 || kc.torch != q.torch || vc.torch != q.torch)
+    if (kc.torch != q.torch || vc.torch != q.torch)
         TRY(DECLINE);
     const int64_t b = q.t.shape[0], sq = q.t.shape[1], hq = q.t.shape[2], dv = vc.t.shape[3];
     if (b > MAX_BATCH || b * sq > INT32_MAX)
@@ -653,10 +656,8 @@ done:
 static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (n != 11) {
-        PyErr_SetString(PyExc_TypeError, "gdn_decode takes 11 arguments");
+    if (!nargs(n, 11, "gdn_decode"))
         return NULL;
-    }
     arr q, k, v, g, beta, state, idx, o;
     PyObject *out = NULL;
     fw_gdn_params p;
@@ -745,10 +746,8 @@ done:
 static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (n != 7) {
-        PyErr_SetString(PyExc_TypeError, "init takes 7 arguments");
+    if (!nargs(n, 7, "init"))
         return NULL;
-    }
     const long abi = PyLong_AsLong(a[0]);
     if (abi == -1 && PyErr_Occurred())
         return NULL;
