@@ -123,6 +123,10 @@ typedef struct fw_kernels {
      * for j in [nk, FW_DEC_KEYS). */
     void (*dec_qk_rows)(int R, int nk, int d, const float *Q, const void *const *rows, fw_dtype dt,
                         float *S);
+    /* The same with bf16 products from bf16 key rows (contiguous), read as words:
+     * S[r][j] = scale * QW[r] . K[j], QW as for dec_qk_bf16 (R x ceil(d/2) words). */
+    void (*dec_qk_rows_bf16)(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
+                             float scale, float *S);
     /* Plain baseline: one query row against n keys, one key at a time with online softmax:
      * convert the key and value rows on use (like ggml's vector path), dot, scalar exp2,
      * axpy. q is f32 in log2 units (scaled by scale*log2(e), or by 1/softcap with cap2 > 0).
@@ -162,7 +166,8 @@ typedef struct fw_kernels {
 #define FW_KERNEL_ENTRIES(X)                                                                     \
     X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs)      \
     X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16)          \
-    X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(plain_row) X(peak) X(peak_bf16) X(stream_sum)  \
+    X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
+    X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
     X(gdn_dec_cols) X(gdn_step4)
 #define FW_KERNEL_ONE(f) +1

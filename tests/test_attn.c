@@ -890,6 +890,84 @@ static void test_bad_input(void)
 
 /* --------------------------------------------------- kernel table entries -- */
 
+/* The decode kernels that read key and value rows in place, against float64 sums: dec_qk_rows
+ * (f32 products, contiguous rows of any dtype), dec_qk_rows_bf16 (bf16 rows), dec_pv_bf16 on
+ * bf16 value rows (whose pairs come by unpacking, with O's columns permuted while in
+ * registers: O starts from random values) over value widths that take every column path of
+ * the table (blocks of 4 vectors, fewer, scalar columns), and S past nk cleared. */
+static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const *rows, int64_t kdim,
+                           int nk, int d, int R)
+{
+    if (kdim != 1)
+        return;
+    const int dw = (d + 1) / 2, dv = kt->vl * (4 + 2 * (nk % 2)) + nk % 3;
+    float *Q = malloc(sizeof(float) * (size_t)(R * d)), *S = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+    float *Kf = malloc(sizeof(float) * (size_t)(nk * d)), *O = malloc(sizeof(float) * (size_t)(R * dv));
+    float *O0 = malloc(sizeof(float) * (size_t)(R * dv));
+    uint32_t *QW = malloc(sizeof(uint32_t) * (size_t)(R * dw)), PW[FW_DEC_ROWS * FW_DEC_KEYS / 2];
+    uint16_t *V = malloc(sizeof(uint16_t) * (size_t)(nk * dv));
+    for (int j = 0; j < nk; j++)
+        kt->to_f32(rows[j], dt, 1, d, 1.0f, Kf + (size_t)j * d);
+    for (int i = 0; i < R * d; i++)
+        Q[i] = (float)rng_normal();
+    for (int pass = 0; pass < 1 + (dt == FW_BF16); pass++) {
+        const float scale = pass ? 0.375f : 1.0f;
+        for (int i = 0; i < R * FW_DEC_KEYS; i++)
+            S[i] = NAN;
+        if (pass) {
+            for (int r = 0; r < R; r++)
+                kt->pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
+            kt->dec_qk_rows_bf16(R, nk, d, QW, rows, scale, S);
+        } else {
+            kt->dec_qk_rows(R, nk, d, Q, rows, dt, S);
+        }
+        double worst = 0;
+        int zero = 1;
+        for (int r = 0; r < R; r++) {
+            for (int j = 0; j < nk; j++) {
+                double x = 0, a = 0;
+                for (int k = 0; k < d; k++) {
+                    const double qv = pass ? fw_bf16_to_f32(fw_f32_to_bf16(Q[r * d + k])) : Q[r * d + k];
+                    x += qv * Kf[j * d + k];
+                    a += fabs(qv * Kf[j * d + k]);
+                }
+                worst = fmax(worst, fabs(S[r * FW_DEC_KEYS + j] - scale * x) / (scale * a * 1e-6 * (d + 1) + 1e-30));
+            }
+            for (int j = nk; j < FW_DEC_KEYS; j++)
+                zero &= S[r * FW_DEC_KEYS + j] == 0.0f;
+        }
+        case_check(worst <= 1 && zero, "%s %s R %d nk %d d %d: residual %.3g of bound, tail %s",
+                   pass ? "dec_qk_rows_bf16" : "dec_qk_rows", dtn(dt), R, nk, d, worst, zero ? "zero" : "not zero");
+    }
+    /* dec_pv_bf16 on bf16 rows read in place */
+    const void *vrows[FW_DEC_KEYS];
+    for (int j = 0; j < nk; j++) {
+        vrows[j] = V + (size_t)j * dv;
+        for (int c = 0; c < dv; c++)
+            V[j * dv + c] = fw_f32_to_bf16((float)rng_normal());
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < FW_DEC_KEYS; j++)
+            S[r * FW_DEC_KEYS + j] = j < nk ? (float)rng_uniform() : 0.0f;
+    for (int i = 0; i < R * dv; i++)
+        O[i] = O0[i] = (float)rng_normal();
+    kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, PW, O);
+    double worst = 0;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < dv; c++) {
+            double x = O0[r * dv + c], a = fabs(x);
+            for (int j = 0; j < nk; j++) {
+                const double t = (double)fw_bf16_to_f32(fw_f32_to_bf16(S[r * FW_DEC_KEYS + j])) *
+                                 fw_bf16_to_f32(V[j * dv + c]);
+                x += t;
+                a += fabs(t);
+            }
+            worst = fmax(worst, fabs(O[r * dv + c] - x) / (a * 1e-6 * (nk + 1) + 1e-30));
+        }
+    case_check(worst <= 1, "dec_pv_bf16 bf16 rows R %d nk %d dv %d: residual %.3g of bound", R, nk, dv, worst);
+    free(Q); free(S); free(Kf); free(O); free(O0); free(QW); free(V);
+}
+
 static void test_micro_kernels(void)
 {
     for (int t = 0; t < ntables(); t++) {
@@ -1025,6 +1103,7 @@ static void test_micro_kernels(void)
                         worst = fmax(worst, fabs(O[r * dv + c] - x) / (1e-5 * (1 + fabs(x)) * (nk + 1)));
                     }
                 case_check(worst <= 1, "dec_pv R %d nk %d dv %d: residual %.3g of bound", R, nk, dv, worst);
+                check_dec_rows(kt, (fw_dtype)dt, rows, kdim, nk, d, R);
                 free(kraw); free(Kt); free(Q); free(S); free(V); free(O);
             }
         /* conversions: the table's vector paths equal the scalar functions */

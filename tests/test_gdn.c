@@ -3,7 +3,8 @@
  * chunked vs recurrent at T in {1, 63, 64, 65, 150, 1000}, dk != dv, HV/H in {1, 2, 3};
  * varlen packing equals per-sequence runs; a state carried across a split at a non-multiple
  * of 64 equals one run; decays near -50 per step stay finite; keys with cosine 0.9 keep the
- * inverse error <= 1e-6; every m of a verify commit equals sequential decode. Every table,
+ * inverse error <= 1e-6; every m of a verify commit equals sequential decode; the fused
+ * decode step on a column range against float64. Every table,
  * every dtype, both inverses, the recurrent baselines, thread counts, bad input. bf16
  * products (prefill, verify, commit): within 2x the error of the same-roundings reference.
  */
@@ -295,6 +296,62 @@ static void test_inverse_stability(void)
                     e = fmax(e, fabs(X[i * 64 + j] - Xd[i][j]));
             case_check(e <= 1e-6, "%s inverse error %.3g", method ? "blocked" : "forward", e);
         }
+        case_end();
+    }
+}
+
+/* (g) the fused decode step of every table on a column range that takes every path: whole
+ * blocks of GDN_CV vectors, a smaller block, scalar columns; the state's row stride is
+ * wider than the range, and the columns outside it stay as they were */
+static void test_decode_step(void)
+{
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        case_begin("gdn: fused decode step on a column range [%s]", kt->name);
+        rng_seed(41);
+        enum { DK = 37, LDH = 300 };
+        const int c0 = 3, c1 = c0 + kt->vl * (8 + 2) + 5;
+        static float h[DK * LDH], h0[DK * LDH], q[DK], k[DK], v[LDH], o[LDH];
+        for (int i = 0; i < DK * LDH; i++)
+            h[i] = h0[i] = (float)rng_normal();
+        for (int i = 0; i < DK; i++) {
+            q[i] = (float)rng_normal();
+            k[i] = (float)rng_normal() / 6;
+        }
+        for (int i = 0; i < LDH; i++) {
+            v[i] = (float)rng_normal();
+            o[i] = 7.0f;
+        }
+        const float alpha = 0.9f, beta = 0.6f;
+        double kq = 0;
+        for (int x = 0; x < DK; x++)
+            kq += (double)k[x] * q[x];
+        kt->gdn_dec_cols(h, LDH, DK, c0, c1, q, k, v, alpha, beta, (float)kq, o);
+        double eo = 0, eh = 0;
+        int outside = 1;
+        for (int c = 0; c < LDH; c++) {
+            if (c < c0 || c >= c1) {
+                outside &= o[c] == 7.0f;
+                for (int r = 0; r < DK; r++)
+                    outside &= h[r * LDH + c] == h0[r * LDH + c];
+                continue;
+            }
+            double a = 0, b = 0, sa = 0;
+            for (int r = 0; r < DK; r++) {
+                a += (double)k[r] * h0[r * LDH + c];
+                b += (double)q[r] * h0[r * LDH + c];
+                sa += fabs((double)q[r] * h0[r * LDH + c]) + fabs((double)k[r] * h0[r * LDH + c]);
+            }
+            const double dl = beta * (v[c] - alpha * a), want = alpha * b + dl * kq;
+            eo = fmax(eo, fabs(o[c] - want) / (1 + sa + fabs(want)));
+            for (int r = 0; r < DK; r++)
+                eh = fmax(eh, fabs(h[r * LDH + c] - (alpha * h0[r * LDH + c] + k[r] * dl)) /
+                                  (1 + fabs(h0[r * LDH + c]) + sa));
+        }
+        case_check(eo <= 1e-5 && eh <= 1e-5, "columns %d..%d: output error %.3g, state error %.3g", c0, c1, eo, eh);
+        case_check(outside, "columns outside the range were written");
         case_end();
     }
 }
@@ -618,6 +675,7 @@ const test_suite gdn_suites[] = {
     {"gdn.more_bad_input", test_more_bad_input},
     {"gdn.bad_input", test_gdn_bad_input},
     {"gdn.inverse_stability", test_inverse_stability},
+    {"gdn.decode_step", test_decode_step},
     {"gdn.verify_commit", test_verify_commit},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},

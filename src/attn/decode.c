@@ -167,9 +167,11 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 }
             }
             float *Ou = O + (size_t)u * R * dv;
-            /* f32 products on contiguous key rows read them in place; the rest go through a
-             * transposed panel */
-            if (bf16) {
+            /* contiguous key rows are read in place (bf16 products: bf16 rows, which already
+             * are their pairs); the rest go through a transposed panel */
+            if (bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1) {
+                kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, S);
+            } else if (bf16) {
                 kt->pack_kt_bf16(rows, p->k->dtype, p->ks[2], nk, d, KtW);
                 kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
             } else if (p->ks[2] == 1) {

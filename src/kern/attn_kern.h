@@ -762,8 +762,48 @@ static __attribute__((noinline)) void decb_pv_tail(int rt, int cv, int nk, int c
     decb_pv_tile(rt, cv, nk, c0, PW, V, dt, O, dv);
 }
 
+/* decb_pv_tile for bf16 value rows: the pairs by unpacking two rows' words (vpair_rows_bf16),
+ * not by converting and rounding them, with O's columns permuted to match while the tile
+ * holds them. cv = 4 (two pairs of vectors). */
+static const uint16_t dec_zero_row[FW_MAX_HEAD_DIM];
+
+FW_INLINE void decb_pv_tile_rows(const int rt, int nk, int c0, const uint32_t *PW,
+                                 const void *const *V, float *O, int dv)
+{
+    vf acc[DEC_RT][4];
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < 4; c += 2)
+            vcols_to_pairs(O + (size_t)r * dv + c0 + c * VL, &acc[r][c], &acc[r][c + 1]);
+    for (int j = 0; j < nk; j += 2) {
+        const uint16_t *r0 = (const uint16_t *)V[j] + c0;
+        const uint16_t *r1 = (j + 1 < nk ? (const uint16_t *)V[j + 1] : dec_zero_row) + c0;
+        vf vv[4];
+        for (int c = 0; c < 4; c += 2)
+            vpair_rows_bf16(r0 + c * VL, r1 + c * VL, &vv[c], &vv[c + 1]);
+        for (int c = 0; c < 4; c++)
+            vv[c] = vkeep(vv[c]);
+        for (int r = 0; r < rt; r++) {
+            vf pb = vbcast_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + j / 2);
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = vdpbf(acc[r][c], vv[c], pb);
+        }
+    }
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < 4; c += 2)
+            vpairs_to_cols(O + (size_t)r * dv + c0 + c * VL, acc[r][c], acc[r][c + 1]);
+}
+
+static __attribute__((noinline)) void decb_pv_rows_tail(int rt, int nk, int c0, const uint32_t *PW,
+                                                        const void *const *V, float *O, int dv)
+{
+    decb_pv_tile_rows(rt, nk, c0, PW, V, O, dv);
+}
+
 /* O[r][c] += sum_j P[r][j] V[j][c] with P rounded to bf16 pairs (into PW, R x FW_DEC_KEYS / 2
- * words) and V rows read in place, paired two keys at a time in registers. */
+ * words) and V rows read in place, paired two keys at a time in registers. Measured
+ * (avx512bf16, 4 rows, 64 keys, dv 128, cache-hot): bf16 rows paired by conversion and
+ * rounding 8.0 ns a key, by unpacking (decb_pv_tile_rows) 5.2; decode at 1K context, GQA
+ * 32:8, one thread, best of 300: 174 -> 153 us. */
 static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
                         uint32_t *PW, float *O)
 {
@@ -776,7 +816,11 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
         float *o = O + (size_t)r0 * dv;
         for (int c0 = 0; c0 < dvv; c0 += 4 * VL) {
             const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
-            if (rt == DEC_RT && cv == 4)
+            if (dt == FW_BF16 && cv == 4 && rt == DEC_RT)
+                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, o, dv);
+            else if (dt == FW_BF16 && cv == 4)
+                decb_pv_rows_tail(rt, nk, c0, pr, V, o, dv);
+            else if (rt == DEC_RT && cv == 4)
                 decb_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv);
             else
                 decb_pv_tail(rt, cv, nk, c0, pr, V, dt, o, dv);
@@ -799,18 +843,22 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
 
 /* Decode QK^T (f32 products) from the key rows themselves. A register block is DQ_RB query
  * rows by DQ_KB keys, VL accumulators in all, each summing its dot product along d in its
- * lanes; one transpose of the block then adds up every accumulator's lanes at once (lane i of
- * the sum of the transposed vectors is accumulator i's total): one VL x VL transpose per
- * DQ_KB keys (4 with AVX-512), where pack_kt's f32 panel took d / VL of them per VL keys (8
- * per 16 keys for d = 128). Measured, decode at 1K context, GQA 32:8, d 128, one thread, f32:
- * pack_kt was 40% of the time; the call 561 -> 394 us (best of 300, three runs each).
+ * lanes; vsum_each then adds up every accumulator's lanes at once (a tree of shuffles and
+ * adds, lane i of the result being accumulator i's total), and a whole block goes to S as
+ * DQ_RB rows of DQ_KB. pack_kt's f32 panel took d / VL transposes per VL keys (8 per 16 keys
+ * for d = 128). Measured, decode at 1K context, GQA 32:8, d 128, one thread, f32: pack_kt was
+ * 40% of the time; the call 561 -> 394 us (best of 300, three runs each). Summing each block
+ * by a full transpose, then a chain of adds, then lane by lane through memory, took as long
+ * as its FMAs: 16.2 ns a key for 4 rows against 9.4 with vsum_each and the row stores (8.7 is
+ * this machine's FMA rate), the whole call 300 -> 246 us.
  * With bf16 products the same scheme on vdpbf16ps was slower than pack_kt_bf16's panel
- * (254 -> 270 us: a bf16 row holds twice the elements per transpose), so it stays there. */
+ * (254 -> 270 us with the transpose sums: a bf16 row holds twice the elements per transpose),
+ * so it stays there. */
 #define DQ_RB (VL < 4 ? VL : 4)
 #define DQ_KB (VL / DQ_RB)
 
 /* The keys of a block (a valid row stands in for the keys past nk) and its query rows (row
- * r0 stands in past R); finished by dq_store. */
+ * r0 stands in past R). */
 FW_INLINE void dq_block(int R, int nk, int r0, int j0, const void *const *rows, const void **kr,
                         int *rr)
 {
@@ -820,14 +868,54 @@ FW_INLINE void dq_block(int R, int nk, int r0, int j0, const void *const *rows, 
         rr[r] = r0 + r < R ? r0 + r : r0;
 }
 
-/* the block's totals (lane r * DQ_KB + x: row r0 + r, key j0 + x) into t */
-FW_INLINE void dq_sum(vf *acc, float *t)
+/* Sets of accumulators per block that take turns along d: one with vectors (a block has VL
+ * independent sums), four in the portable table, whose one-lane block would otherwise be a
+ * single chain of dependent FMAs (measured there: bf16 rows 416 ns a key against 155 through
+ * the panel, whose register tile has many). */
+#define DQ_SETS (VL == 1 ? 4 : 1)
+
+FW_INLINE void dq_zero(vf acc[DQ_SETS][VL])
 {
-    vtranspose(acc);
-    vf tot = acc[0];
-    for (int i = 1; i < VL; i++)
-        tot = vadd(tot, acc[i]);
-    vstore(t, tot);
+    for (int e = 0; e < DQ_SETS; e++)
+        for (int i = 0; i < VL; i++)
+            acc[e][i] = vzero();
+}
+
+/* The block's totals, lane r * DQ_KB + x: row r0 + r, key j0 + x. */
+FW_INLINE vf dq_total(vf acc[DQ_SETS][VL])
+{
+    for (int e = 1; e < DQ_SETS; e++)
+        for (int i = 0; i < VL; i++)
+            acc[0][i] = vadd(acc[0][i], acc[e][i]);
+    return vsum_each(acc[0]);
+}
+
+/* One step along d: elements c .. c+VL-1 of the block's rows and keys (f32 products). */
+FW_INLINE void dq_step_f32(vf *acc, const void *const *kr, const int *rr, const float *Q, int d,
+                           fw_dtype dt, int c)
+{
+    vf kv[DQ_KB];
+    for (int x = 0; x < DQ_KB; x++)
+        kv[x] = vload_in(kr[x], dt, c);
+    for (int r = 0; r < DQ_RB; r++) {
+        const vf qv = vload(Q + (size_t)rr[r] * d + c);
+        for (int x = 0; x < DQ_KB; x++)
+            acc[r * DQ_KB + x] = vfma(qv, kv[x], acc[r * DQ_KB + x]);
+    }
+}
+
+/* One step along the words: words w .. w+VL-1 of the block's rows and keys (bf16 products). */
+FW_INLINE void dq_step_bf16(vf *acc, const void *const *kr, const int *rr, const uint32_t *QW,
+                            int dw, int w)
+{
+    vf kv[DQ_KB];
+    for (int x = 0; x < DQ_KB; x++)
+        kv[x] = vload_bits((const uint32_t *)kr[x] + w);
+    for (int r = 0; r < DQ_RB; r++) {
+        const vf qv = vload_bits(QW + (size_t)rr[r] * dw + w);
+        for (int x = 0; x < DQ_KB; x++)
+            acc[r * DQ_KB + x] = vdpbf(acc[r * DQ_KB + x], kv[x], qv);
+    }
 }
 
 static void dq_zero_tail(int R, int nk, float *S)
@@ -847,21 +935,23 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
             const void *kr[DQ_KB];
             int rr[DQ_RB];
             dq_block(R, nk, r0, j0, rows, kr, rr);
-            vf acc[VL];
-            for (int i = 0; i < VL; i++)
-                acc[i] = vzero();
-            for (int c = 0; c < dvec; c += VL) {
-                vf kv[DQ_KB];
-                for (int x = 0; x < DQ_KB; x++)
-                    kv[x] = vload_in(kr[x], dt, c);
-                for (int r = 0; r < DQ_RB; r++) {
-                    const vf qv = vload(Q + (size_t)rr[r] * d + c);
-                    for (int x = 0; x < DQ_KB; x++)
-                        acc[r * DQ_KB + x] = vfma(qv, kv[x], acc[r * DQ_KB + x]);
-                }
+            vf acc[DQ_SETS][VL];
+            dq_zero(acc);
+            int c = 0;
+            for (; c + DQ_SETS * VL <= dvec; c += DQ_SETS * VL)
+                for (int e = 0; e < DQ_SETS; e++)
+                    dq_step_f32(acc[e], kr, rr, Q, d, dt, c + e * VL);
+            for (; c < dvec; c += VL)
+                dq_step_f32(acc[0], kr, rr, Q, d, dt, c);
+            /* lane r * DQ_KB + x: row r0 + r, key j0 + x. A whole block goes straight to S
+             * (keys past nk too: dq_zero_tail clears them after); the rest lane by lane. */
+            const vf tot = dq_total(acc);
+            if (r0 + DQ_RB <= R && dvec == d) {
+                vstore_rows(S + (size_t)r0 * FW_DEC_KEYS + j0, FW_DEC_KEYS, tot);
+                continue;
             }
             float t[VL];
-            dq_sum(acc, t);
+            vstore(t, tot);
             for (int r = 0; r < DQ_RB && r0 + r < R; r++)
                 for (int x = 0; x < DQ_KB && j0 + x < nk; x++) {
                     float s = t[r * DQ_KB + x];
@@ -871,6 +961,51 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
                         s += Q[(size_t)(r0 + r) * d + c] * k;
                     }
                     S[(size_t)(r0 + r) * FW_DEC_KEYS + j0 + x] = s;
+                }
+        }
+    dq_zero_tail(R, nk, S);
+}
+
+/* Decode QK^T with bf16 products from bf16 key rows themselves (rows[j]: contiguous bf16,
+ * read as words: a bf16 row already is its pairs): S[r][j] = scale * QW[r] . K[j] for r < R,
+ * j < nk, 0 for j in [nk, FW_DEC_KEYS). The blocks of dec_qk_rows on vdpbf16ps. Measured
+ * (avx512bf16, 4 query rows, 64 keys, d 128, cache-hot): pack_kt_bf16's panel then
+ * dec_qk_bf16 7.9-8.1 ns a key, this 5.5-5.8; decode at 1K context, GQA 32:8, one thread,
+ * bf16, best of 300: 202 -> 174 us. */
+static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
+                             float scale, float *S)
+{
+    const int dw = (d + 1) / 2, wvec = d / 2 / VL * VL;
+    const vf sc = vset1(scale);
+    for (int r0 = 0; r0 < R; r0 += DQ_RB)
+        for (int j0 = 0; j0 < nk; j0 += DQ_KB) {
+            const void *kr[DQ_KB];
+            int rr[DQ_RB];
+            dq_block(R, nk, r0, j0, rows, kr, rr);
+            vf acc[DQ_SETS][VL];
+            dq_zero(acc);
+            int w = 0;
+            for (; w + DQ_SETS * VL <= wvec; w += DQ_SETS * VL)
+                for (int e = 0; e < DQ_SETS; e++)
+                    dq_step_bf16(acc[e], kr, rr, QW, dw, w + e * VL);
+            for (; w < wvec; w += VL)
+                dq_step_bf16(acc[0], kr, rr, QW, dw, w);
+            const vf tot = dq_total(acc);
+            if (r0 + DQ_RB <= R && wvec == dw && d % 2 == 0) {
+                vstore_rows(S + (size_t)r0 * FW_DEC_KEYS + j0, FW_DEC_KEYS, vmul(tot, sc));
+                continue;
+            }
+            float t[VL];
+            vstore(t, tot);
+            for (int r = 0; r < DQ_RB && r0 + r < R; r++)
+                for (int x = 0; x < DQ_KB && j0 + x < nk; x++) {
+                    float s = t[r * DQ_KB + x];
+                    for (int e = 2 * wvec; e < d; e++) {
+                        const uint32_t qw = QW[(size_t)(r0 + r) * dw + e / 2];
+                        s += fw_cvt_bf16_f32((uint16_t)(qw >> (16 * (e % 2)))) *
+                             fw_cvt_bf16_f32(((const uint16_t *)kr[x])[e]);
+                    }
+                    S[(size_t)(r0 + r) * FW_DEC_KEYS + j0 + x] = s * scale;
                 }
         }
     dq_zero_tail(R, nk, S);
@@ -1052,11 +1187,69 @@ static void tri_inv_blocked(const float *A, int lda, int L, float *X, int ldx)
         }
 }
 
-/* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most, so a
- * whole row of any supported dv: rows are read front to back): first
- * a = h^T k and b = h^T q over the rows, then delta = beta (v - alpha a),
- * o = alpha b + delta (k . q), and the update h = alpha h + k delta^T on the second pass. The
- * columns are independent, so threads can split them. */
+/* Column vectors of the state per register block of the decode step: the block's a and b
+ * sums (2 x GDN_CV accumulators) stay in registers over all dk rows. */
+#define GDN_CV 8
+
+/* a = h^T k, b = h^T q over rows 0 .. dk-1 for cv column vectors of h from column 0. */
+FW_INLINE void gdn_dec_ab(const int cv, const float *h, int64_t ldh, int dk, const float *q,
+                          const float *k, float *a, float *b)
+{
+    vf va[GDN_CV], vb[GDN_CV];
+    for (int c = 0; c < cv; c++)
+        va[c] = vb[c] = vzero();
+    for (int r = 0; r < dk; r++) {
+        const float *hr = h + (size_t)r * ldh;
+        const vf kr = vset1(k[r]), qr = vset1(q[r]);
+        for (int c = 0; c < cv; c++) {
+            const vf x = vload(hr + c * VL);
+            va[c] = vfma(kr, x, va[c]);
+            vb[c] = vfma(qr, x, vb[c]);
+        }
+    }
+    for (int c = 0; c < cv; c++) {
+        vstore(a + c * VL, va[c]);
+        vstore(b + c * VL, vb[c]);
+    }
+}
+
+/* h = alpha h + k dl^T for cv column vectors of h from column 0. */
+FW_INLINE void gdn_dec_update(const int cv, float *h, int64_t ldh, int dk, const float *k,
+                              const float *dl, float alpha)
+{
+    vf d[GDN_CV];
+    const vf al = vset1(alpha);
+    for (int c = 0; c < cv; c++)
+        d[c] = vload(dl + c * VL);
+    for (int r = 0; r < dk; r++) {
+        float *hr = h + (size_t)r * ldh;
+        const vf kr = vset1(k[r]);
+        for (int c = 0; c < cv; c++)
+            vstore(hr + c * VL, vfma(kr, d[c], vmul(al, vload(hr + c * VL))));
+    }
+}
+
+static __attribute__((noinline)) void gdn_dec_ab_tail(int cv, const float *h, int64_t ldh, int dk,
+                                                      const float *q, const float *k, float *a, float *b)
+{
+    gdn_dec_ab(cv, h, ldh, dk, q, k, a, b);
+}
+
+static __attribute__((noinline)) void gdn_dec_update_tail(int cv, float *h, int64_t ldh, int dk,
+                                                          const float *k, const float *dl, float alpha)
+{
+    gdn_dec_update(cv, h, ldh, dk, k, dl, alpha);
+}
+
+/* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most): first
+ * a = h^T k and b = h^T q, then delta = beta (v - alpha a), o = alpha b + delta (k . q), and
+ * the update h = alpha h + k delta^T on the second pass. Each pass takes GDN_CV column
+ * vectors at a time with their sums or deltas in registers, so h is the only array in
+ * memory it reads and writes. Measured (`flywheel bench gdn --decode --seqs 1 --h 16 --hv 32
+ * --dk 128 --dv 128 --dtype bf16`): with a and b in memory, loaded and stored for every row,
+ * 107 / 65 us a step on 1 / 2 threads; in registers, 70 / 45 us (64 sequences: 6.1-6.2 ->
+ * 5.7-5.8 ms, where DRAM bandwidth bounds it).
+ * The columns are independent, so threads can split them. */
 #define GDN_COLS 1024
 static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
                          const float *k, const float *v, float alpha, float beta, float kq,
@@ -1064,36 +1257,35 @@ static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const fl
 {
     float a[GDN_COLS], b[GDN_COLS], dl[GDN_COLS];
     const int n = c1 - c0, nv = n / VL * VL;
-    for (int c = 0; c < n; c++)
+    h += c0;
+    for (int c = 0; c < nv; c += GDN_CV * VL) {
+        const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
+        if (cv == GDN_CV)
+            gdn_dec_ab(GDN_CV, h + c, ldh, dk, q, k, a + c, b + c);
+        else
+            gdn_dec_ab_tail(cv, h + c, ldh, dk, q, k, a + c, b + c);
+    }
+    for (int c = nv; c < n; c++) {
         a[c] = b[c] = 0.0f;
-    for (int r = 0; r < dk; r++) {
-        const float *hr = h + (size_t)r * ldh + c0;
-        const vf kr = vset1(k[r]), qr = vset1(q[r]);
-        int c = 0;
-        for (; c < nv; c += VL) {
-            const vf x = vload(hr + c);
-            vstore(a + c, vfma(kr, x, vload(a + c)));
-            vstore(b + c, vfma(qr, x, vload(b + c)));
-        }
-        for (; c < n; c++) {
-            a[c] += k[r] * hr[c];
-            b[c] += q[r] * hr[c];
+        for (int r = 0; r < dk; r++) {
+            a[c] += k[r] * h[(size_t)r * ldh + c];
+            b[c] += q[r] * h[(size_t)r * ldh + c];
         }
     }
     for (int c = 0; c < n; c++) {
         dl[c] = beta * (v[c0 + c] - alpha * a[c]);
         o[c0 + c] = alpha * b[c] + dl[c] * kq;
     }
-    const vf al = vset1(alpha);
-    for (int r = 0; r < dk; r++) {
-        float *hr = h + (size_t)r * ldh + c0;
-        const vf kr = vset1(k[r]);
-        int c = 0;
-        for (; c < nv; c += VL)
-            vstore(hr + c, vfma(kr, vload(dl + c), vmul(al, vload(hr + c))));
-        for (; c < n; c++)
-            hr[c] = k[r] * dl[c] + alpha * hr[c];
+    for (int c = 0; c < nv; c += GDN_CV * VL) {
+        const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
+        if (cv == GDN_CV)
+            gdn_dec_update(GDN_CV, h + c, ldh, dk, k, dl + c, alpha);
+        else
+            gdn_dec_update_tail(cv, h + c, ldh, dk, k, dl + c, alpha);
     }
+    for (int r = 0; r < dk; r++)
+        for (int c = nv; c < n; c++)
+            h[(size_t)r * ldh + c] = k[r] * dl[c] + alpha * h[(size_t)r * ldh + c];
 }
 
 /* The plain recurrent step the baseline times: four separate passes over h, as ggml does:
@@ -1218,6 +1410,7 @@ const fw_kernels FW_TABLE = {
     .dec_qk_bf16 = dec_qk_bf16,
     .dec_pv_bf16 = dec_pv_bf16,
     .dec_qk_rows = dec_qk_rows,
+    .dec_qk_rows_bf16 = dec_qk_rows_bf16,
     .plain_row = plain_row,
     .peak = peak,
     .peak_bf16 = peak_bf16,

@@ -152,6 +152,52 @@ static inline vf vbf16_row(vf lo, vf hi)
     return _mm256_castsi256_ps(_mm256_permute4x64_epi64(p, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
+/* Pair words of two bf16 rows, 2 VL columns (see isa_avx512.h): lane L of lo holds columns
+ * 8L .. 8L+3, of hi 8L+4 .. 8L+7. */
+static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
+{
+    const __m256i a = _mm256_loadu_si256((const __m256i *)r0), b = _mm256_loadu_si256((const __m256i *)r1);
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(a, b));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(a, b));
+}
+
+/* 2 VL f32 columns of o in vpair_rows_bf16's order, and back. */
+static inline void vcols_to_pairs(const float *o, vf *lo, vf *hi)
+{
+    const vf o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+    *lo = _mm256_permute2f128_ps(o0, o1, 0x20);
+    *hi = _mm256_permute2f128_ps(o0, o1, 0x31);
+}
+
+static inline void vpairs_to_cols(float *o, vf lo, vf hi)
+{
+    _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* Lane i of the result: the sum of a[i]'s lanes, i < 8 (a tree; see isa_avx512.h). */
+static inline vf vsum_each(const vf *a)
+{
+    vf x[4], y[2];
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20), _mm256_permute2f128_ps(y[0], y[1], 0x31));
+}
+
+/* The lanes as 4 rows of 2: lanes 2r, 2r+1 to dst + r * ld. */
+static inline void vstore_rows(float *dst, int64_t ld, vf t)
+{
+    const __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
+    _mm_storel_pi((__m64 *)dst, lo);
+    _mm_storeh_pi((__m64 *)(dst + ld), lo);
+    _mm_storel_pi((__m64 *)(dst + 2 * ld), hi);
+    _mm_storeh_pi((__m64 *)(dst + 3 * ld), hi);
+}
+
 static inline float vhsum(vf x)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

@@ -180,6 +180,63 @@ static inline vf vbf16_row(vf lo, vf hi)
 }
 #endif
 
+/* Pair words of two bf16 rows, 2 VL columns from r0 and r1: word (r0[c], r1[c]) (r0 in the
+ * low half) for the columns of lo and hi, in the order vcols_to_pairs gives: unpacking works
+ * within 128-bit lanes, so lane L of lo holds columns 8L .. 8L+3 and of hi 8L+4 .. 8L+7. */
+static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
+{
+    const __m512i a = _mm512_loadu_si512(r0), b = _mm512_loadu_si512(r1);
+    *lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a, b));
+    *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a, b));
+}
+
+/* 2 VL f32 columns of o in vpair_rows_bf16's order, and back. */
+static inline void vcols_to_pairs(const float *o, vf *lo, vf *hi)
+{
+    const __m512i il = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(4));
+    const vf o0 = _mm512_loadu_ps(o), o1 = _mm512_loadu_ps(o + 16);
+    *lo = _mm512_permutex2var_ps(o0, il, o1);
+    *hi = _mm512_permutex2var_ps(o0, ih, o1);
+}
+
+static inline void vpairs_to_cols(float *o, vf lo, vf hi)
+{
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, i0, hi));
+    _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, i1, hi));
+}
+
+/* Lane i of the result: the sum of a[i]'s lanes, i < 16. A tree: each level adds two
+ * shuffles of a pair of vectors (30 shuffles and 15 adds; a transpose then a sum of the rows
+ * takes 64 shuffles). After the first two levels y[m]'s 128-bit lane L holds the partial sums
+ * of a[4m .. 4m+3] over that lane's elements; the last two add the lanes. */
+static inline vf vsum_each(const vf *a)
+{
+    vf x[8], y[4], w[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The lanes as 4 rows of 4: lanes 4r .. 4r+3 to dst + r * ld. */
+static inline void vstore_rows(float *dst, int64_t ld, vf t)
+{
+    _mm_storeu_ps(dst, _mm512_castps512_ps128(t));
+    _mm_storeu_ps(dst + ld, _mm512_extractf32x4_ps(t, 1));
+    _mm_storeu_ps(dst + 2 * ld, _mm512_extractf32x4_ps(t, 2));
+    _mm_storeu_ps(dst + 3 * ld, _mm512_extractf32x4_ps(t, 3));
+}
+
 /* Horizontal sum, for the plain baseline's dot products. */
 static inline float vhsum(vf x) { return _mm512_reduce_add_ps(x); }
 

@@ -100,6 +100,34 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
         ((uint16_t *)dst)[i] = fw_cvt_f32_f16(src[i]);
 }
 
+/* Pair words of two bf16 rows, 2 columns: lo for column 0, hi for column 1. */
+static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
+{
+    const uint32_t w0 = (uint32_t)r0[0] | (uint32_t)r1[0] << 16, w1 = (uint32_t)r0[1] | (uint32_t)r1[1] << 16;
+    memcpy(lo, &w0, 4);
+    memcpy(hi, &w1, 4);
+}
+
+static inline void vcols_to_pairs(const float *o, vf *lo, vf *hi)
+{
+    *lo = o[0];
+    *hi = o[1];
+}
+
+static inline void vpairs_to_cols(float *o, vf lo, vf hi)
+{
+    o[0] = lo;
+    o[1] = hi;
+}
+
+/* Lane i of the result: the sum of a[i]'s lanes (one lane, one vector). */
+static inline vf vsum_each(const vf *a) { return a[0]; }
+/* The lanes as 1 row of 1. */
+static inline void vstore_rows(float *dst, int64_t ld, vf t)
+{
+    (void)ld;
+    *dst = t;
+}
 static inline float vhsum(vf x) { return x; }
 
 /* ---- bf16 pairs (see "bf16 products" in attn_kern.h): one word, moved as a float's bits. */
