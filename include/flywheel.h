@@ -384,6 +384,62 @@ FW_API fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_ten
                             int64_t n_seqs, const float *initial_state, double *final_state,
                             const fw_tensor *out, const fw_gdn_params *params);
 
+/* ------------------------------------------------------- causal conv1d -- */
+
+#define FW_MAX_CONV_WIDTH 64 /* conv1d taps W: 1 .. FW_MAX_CONV_WIDTH */
+
+/* Activations of fw_conv1d_fwd. */
+typedef enum { FW_ACT_NONE = 0, FW_ACT_SILU = 1 } fw_activation;
+
+typedef struct fw_conv1d_params {
+    int32_t activation; /* fw_activation, applied after the bias */
+    int32_t threads;    /* 0 = all online CPUs */
+    const char *isa;    /* NULL = fw_isa_default() */
+} fw_conv1d_params;
+
+FW_API void fw_conv1d_params_init(fw_conv1d_params *p);
+
+/* Conv states in slots: cache [slots, S, D] holds a sequence's last S raw inputs, oldest
+ * first. idx (n_seqs entries, or NULL for slot i) picks each sequence's slot; a negative
+ * index means none (read: a zero state; written: not written). offsets (n_seqs entries, or
+ * NULL for 0) make a slot circular: its logical entry e lies at row (offsets[i] + e) mod S
+ * (causal-conv1d's cache_seqlens: read at cache_seqlens, written at cache_seqlens + length). */
+typedef struct fw_conv1d_state {
+    fw_tensor cache;
+    const int32_t *idx;
+    const int32_t *offsets;
+} fw_conv1d_state;
+
+/*
+ * Causal depthwise convolution over a batch of sequences, then bias, activation and residual:
+ *   out[t][c] = act(bias[c] + sum_{k<W} weight[c][k] * x[t - (W-1) + k][c]) + residual[t][c]
+ * where x before a sequence's first token is the sequence's initial state (its last W-1
+ * entries) or zero.
+ *   x, out, residual  [B, L, D]  f32 | bf16 | f16, any strides; residual may be NULL
+ *   weight [D, W] (W = 1 .. FW_MAX_CONV_WIDTH), bias [D] or NULL: f32 | bf16 | f16
+ *   cu_seqlens: NULL for B sequences of L tokens; else B = 1 and n_seqs sequences packed
+ *   along L (int32, n_seqs + 1 entries from 0 to L, non-decreasing)
+ *   init: the states sequences start from (S >= W-1), or NULL: zeros
+ *   final: where each sequence's last S inputs go, the state entries before its first token
+ *   taken from its initial state (zeros without one), or NULL. init and final may be the
+ *   same cache (in place): then no sequence may read a slot another one writes.
+ * Compute in f32; out is rounded once. Inputs are checked before anything is written: a
+ * refused call writes nothing. out must not overlap x, residual or the caches.
+ */
+FW_API fw_status fw_conv1d_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
+                               const int32_t *cu_seqlens, int64_t n_seqs,
+                               const fw_conv1d_state *init, const fw_conv1d_state *final,
+                               const fw_tensor *residual, const fw_tensor *out,
+                               const fw_conv1d_params *params);
+
+/* Float64 reference of fw_conv1d_fwd, the same arguments (out and final's cache may be
+ * FW_F64). */
+FW_API fw_status fw_conv1d_ref(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
+                               const int32_t *cu_seqlens, int64_t n_seqs,
+                               const fw_conv1d_state *init, const fw_conv1d_state *final,
+                               const fw_tensor *residual, const fw_tensor *out,
+                               const fw_conv1d_params *params);
+
 /* ---------------------------------------------------------------- threads -- */
 
 /*

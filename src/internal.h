@@ -157,6 +157,10 @@ typedef struct fw_kernels {
                          float *o);
     void (*gdn_step4)(float *h, int64_t ldh, int dk, int dv, const float *q, const float *k,
                       const float *v, float alpha, float beta, float *o, float *tmp);
+    /* One output row of the causal conv1d: y[c] = act(bias[c] + sum_{k<W} wt[k][c] taps[k][c])
+     * (+ res[c] when res is given), c < n; wt [W][n]; act SiLU (x / (1 + e^-x)) when silu. */
+    void (*conv1d_row)(int W, const float *const *taps, const float *wt, const float *bias,
+                       const float *res, int n, int silu, float *y);
 } fw_kernels;
 
 /* Every function entry of a table, in order. A table may leave entries NULL: the registry
@@ -169,7 +173,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_step4)
+    X(gdn_dec_cols) X(gdn_step4) X(conv1d_row)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

@@ -1011,6 +1011,41 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
     dq_zero_tail(R, nk, S);
 }
 
+/* ------------------------------------------------------------ causal conv1d -- */
+
+/* x / (1 + e^-x), e^-x as 2^(-x log2 e): -inf gives NaN (-inf / inf), as the formula does in
+ * the reference; a large negative x, -0. */
+FW_INLINE vf vsilu(vf x)
+{
+    return vdiv(x, vadd(vset1(1.0f), vexp2(vmul(x, vset1(-1.4426950408889634f)))));
+}
+
+static void conv1d_row(int W, const float *const *taps, const float *wt, const float *bias,
+                       const float *res, int n, int silu, float *y)
+{
+    int c = 0;
+    for (; c + VL <= n; c += VL) {
+        vf acc = vload(bias + c);
+        for (int k = 0; k < W; k++)
+            acc = vfma(vload(wt + (size_t)k * n + c), vload(taps[k] + c), acc);
+        if (silu)
+            acc = vsilu(acc);
+        if (res)
+            acc = vadd(acc, vload(res + c));
+        vstore(y + c, acc);
+    }
+    for (; c < n; c++) {
+        float acc = bias[c];
+        for (int k = 0; k < W; k++)
+            acc = fmaf(wt[(size_t)k * n + c], taps[k][c], acc);
+        if (silu)
+            acc = acc / (1.0f + expf(-acc));
+        if (res)
+            acc += res[c];
+        y[c] = acc;
+    }
+}
+
 /* ------------------------------------------------------------ plain baseline -- */
 
 static float dot(const float *x, const float *y, int n)
@@ -1422,4 +1457,5 @@ const fw_kernels FW_TABLE = {
     .tri_inv_blocked = tri_inv_blocked,
     .gdn_dec_cols = gdn_dec_cols,
     .gdn_step4 = gdn_step4,
+    .conv1d_row = conv1d_row,
 };

@@ -1,0 +1,360 @@
+/* conv/conv1d.c: causal depthwise conv1d over a batch of sequences (fw_conv1d_fwd): the
+ * check, then two parallel passes: the outputs, by items of (sequence, 64 tokens, 256
+ * channels), and after them the final states, by (sequence, 64 channels), so that a cache
+ * updated in place is read by the first pass before the second writes it. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "conv.h"
+
+#define CONV_TOKENS 64   /* tokens per output item */
+#define CONV_CHANNELS 256 /* channels per output item: W + 2 rows of them stay in L1 */
+#define CONV_STATE_CHANNELS 64
+
+void fw_conv1d_params_init(fw_conv1d_params *p)
+{
+    if (p)
+        memset(p, 0, sizeof *p);
+}
+
+/* Byte range [lo, hi) a tensor's elements span (hi = lo for an empty one). */
+static void byte_range(const fw_tensor *t, uintptr_t *lo, uintptr_t *hi)
+{
+    int64_t last = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] == 0) {
+            *lo = *hi = (uintptr_t)t->data;
+            return;
+        }
+        last += (t->shape[i] - 1) * t->stride[i];
+    }
+    *lo = (uintptr_t)t->data;
+    *hi = *lo + (uintptr_t)((last + 1) * (int64_t)fw_dtype_size(t->dtype));
+}
+
+static int overlap(const fw_tensor *a, const fw_tensor *b)
+{
+    uintptr_t al, ah, bl, bh;
+    byte_range(a, &al, &ah);
+    byte_range(b, &bl, &bh);
+    return al < bh && bl < ah;
+}
+
+static int same_view(const fw_tensor *a, const fw_tensor *b)
+{
+    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim)
+        return 0;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i] || a->stride[i] != b->stride[i])
+            return 0;
+    return 1;
+}
+
+/* A state's cache and indices: [slots, S, D], S >= min_s, indices < slots (negative: none),
+ * n <= slots without indices. */
+static fw_status check_state(const fw_conv1d_state *st, const char *what, int64_t n, int64_t D,
+                             int64_t min_s, unsigned dtypes, int64_t *S)
+{
+    char name[48];
+    snprintf(name, sizeof name, "%s cache", what);
+    fw_status s = fw_check_tensor(&st->cache, name, 3, dtypes);
+    if (s)
+        return s;
+    const int64_t slots = st->cache.shape[0];
+    *S = st->cache.shape[1];
+    if (st->cache.shape[2] != D)
+        return fw_fail(FW_ERR_SHAPE, "%s cache is [%lld, %lld, %lld]; its last dimension must be D = %lld",
+                       what, (long long)slots, (long long)*S, (long long)st->cache.shape[2], (long long)D);
+    if (*S < min_s)
+        return fw_fail(FW_ERR_SHAPE, "%s cache holds %lld entries per slot; the conv needs the last W-1 = %lld",
+                       what, (long long)*S, (long long)min_s);
+    if (!st->idx && n > slots)
+        return fw_fail(FW_ERR_INDEX, "%s cache has %lld slots for %lld sequences (no indices: slot i)",
+                       what, (long long)slots, (long long)n);
+    if (st->idx)
+        for (int64_t i = 0; i < n; i++)
+            if (st->idx[i] >= slots)
+                return fw_fail(FW_ERR_INDEX, "%s index %lld is %d, past the cache's %lld slots", what,
+                               (long long)i, (int)st->idx[i], (long long)slots);
+    return FW_OK;
+}
+
+typedef struct {
+    int64_t slot, seq;
+} slot_seq;
+
+static int by_slot(const void *a, const void *b)
+{
+    const slot_seq *x = a, *y = b;
+    return x->slot < y->slot ? -1 : x->slot > y->slot ? 1 : (x->seq > y->seq) - (x->seq < y->seq);
+}
+
+/* No two sequences write one slot; in place, no sequence reads a slot another writes. */
+static fw_status check_slots(const conv_prob *p, int inplace)
+{
+    slot_seq *wr = malloc(sizeof(slot_seq) * (size_t)(p->n > 0 ? p->n : 1));
+    if (!wr)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the slot check");
+    int64_t m = 0;
+    for (int64_t i = 0; i < p->n; i++) {
+        const int64_t s = conv_slot(p->final, i);
+        if (s >= 0)
+            wr[m++] = (slot_seq){s, i};
+    }
+    qsort(wr, (size_t)m, sizeof *wr, by_slot);
+    fw_status st = FW_OK;
+    for (int64_t j = 1; j < m && !st; j++)
+        if (wr[j].slot == wr[j - 1].slot)
+            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write final state slot %lld",
+                         (long long)wr[j - 1].seq, (long long)wr[j].seq, (long long)wr[j].slot);
+    for (int64_t i = 0; i < p->n && inplace && !st; i++) {
+        const int64_t s = conv_slot(p->init, i);
+        if (s < 0)
+            continue;
+        int64_t lo = 0, hi = m;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (wr[mid].slot < s)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < m && wr[lo].slot == s && wr[lo].seq != i)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %lld of the cache, which sequence %lld "
+                         "writes in the same call", (long long)i, (long long)s, (long long)wr[lo].seq);
+    }
+    free(wr);
+    return st;
+}
+
+fw_status fw_conv_check(conv_prob *p, const fw_tensor *x, const fw_tensor *weight,
+                        const fw_tensor *bias, const int32_t *cu, int64_t n,
+                        const fw_conv1d_state *init, const fw_conv1d_state *final,
+                        const fw_tensor *residual, const fw_tensor *out,
+                        const fw_conv1d_params *params, int ref)
+{
+    memset(p, 0, sizeof *p);
+    const unsigned f64 = ref ? 1u << FW_F64 : 0u;
+    fw_status s;
+    if ((s = fw_check_tensor(x, "x", 3, FW_DT_IN)) || (s = fw_check_tensor(weight, "weight", 2, FW_DT_IN)) ||
+        (s = fw_check_tensor(out, "out", 3, FW_DT_IN | f64)) ||
+        (bias && (s = fw_check_tensor(bias, "bias", 1, FW_DT_IN))) ||
+        (residual && (s = fw_check_tensor(residual, "residual", 3, FW_DT_IN))))
+        return s;
+    const int64_t B = x->shape[0], L = x->shape[1], D = x->shape[2], W = weight->shape[1];
+    for (int i = 0; i < 3; i++)
+        if (out->shape[i] != x->shape[i] || (residual && residual->shape[i] != x->shape[i]))
+            return fw_fail(FW_ERR_SHAPE, "out%s must be [B, L, D] = [%lld, %lld, %lld] like x",
+                           residual ? " and residual" : "", (long long)B, (long long)L, (long long)D);
+    if (weight->shape[0] != D || W < 1 || W > FW_MAX_CONV_WIDTH)
+        return fw_fail(FW_ERR_SHAPE, "weight is [%lld, %lld]; it must be [D, W] with D = %lld and W 1..%d",
+                       (long long)weight->shape[0], (long long)W, (long long)D, FW_MAX_CONV_WIDTH);
+    if (bias && bias->shape[0] != D)
+        return fw_fail(FW_ERR_SHAPE, "bias has %lld entries; it must have D = %lld", (long long)bias->shape[0],
+                       (long long)D);
+    if ((s = fw_check_no_alias(out, "out")))
+        return s;
+    if (params) {
+        if (params->activation != FW_ACT_NONE && params->activation != FW_ACT_SILU)
+            return fw_fail(FW_ERR_ARG, "activation is %d; it must be FW_ACT_NONE (0) or FW_ACT_SILU (1)",
+                           (int)params->activation);
+        if ((s = fw_check_threads(params->threads)))
+            return s;
+    }
+    if (cu) {
+        if (B != 1)
+            return fw_fail(FW_ERR_SHAPE, "with cu_seqlens, x must be one packed row [1, T, D]; it has %lld rows",
+                           (long long)B);
+        if (n < 0 || n > INT32_MAX)
+            return fw_fail(FW_ERR_ARG, "n_seqs is %lld; it must be 0..2^31-1", (long long)n);
+        if ((s = fw_check_cu_seqlens(cu, n, L, "cu_seqlens")))
+            return s;
+    } else {
+        n = B;
+    }
+    p->x = x; p->w = weight; p->b = bias; p->res = residual; p->out = out;
+    p->cu = cu; p->n = n; p->B = B; p->L = L; p->D = D; p->W = W;
+    p->silu = params && params->activation == FW_ACT_SILU;
+    if (init && (s = check_state(init, "init", n, D, W - 1, FW_DT_IN, &p->Si)))
+        return s;
+    if (final) {
+        if ((s = check_state(final, "final", n, D, 0, FW_DT_IN | f64, &p->So)) ||
+            (s = fw_check_no_alias(&final->cache, "final cache")))
+            return s;
+        if (final->offsets && p->So == 0)
+            return fw_fail(FW_ERR_SHAPE, "final cache has offsets but no entries per slot");
+    }
+    if (init && init->offsets && p->Si == 0)
+        return fw_fail(FW_ERR_SHAPE, "init cache has offsets but no entries per slot");
+    p->init = init;
+    p->final = final;
+    const int inplace = init && final && overlap(&init->cache, &final->cache);
+    if (inplace && !same_view(&init->cache, &final->cache))
+        return fw_fail(FW_ERR_STRIDE, "the init and final caches overlap but are not the same view: "
+                       "pass one cache for both to update it in place");
+    const fw_tensor *in[6] = {x, weight, bias, residual, init ? &init->cache : NULL, final ? &final->cache : NULL};
+    static const char *names[6] = {"x", "weight", "bias", "residual", "the init cache", "the final cache"};
+    for (int i = 0; i < 6; i++)
+        if (in[i] && overlap(out, in[i]))
+            return fw_fail(FW_ERR_STRIDE, "out overlaps %s; it must be a separate buffer", names[i]);
+    if (final && residual && overlap(&final->cache, residual))
+        return fw_fail(FW_ERR_STRIDE, "the final cache overlaps residual");
+    if (final && overlap(&final->cache, x))
+        return fw_fail(FW_ERR_STRIDE, "the final cache overlaps x");
+    return final ? check_slots(p, inplace) : FW_OK;
+}
+
+/* ------------------------------------------------------------------ passes -- */
+
+typedef struct {
+    const conv_prob *p;
+    const fw_kernels *kt;
+    const int64_t *first; /* first item of each sequence (n + 1 entries) */
+    int64_t nblk;         /* channel blocks */
+    float *ws;
+    size_t ws_stride;
+} conv_ctx;
+
+/* f32 copy of channels [c0, c0 + nc) of a state's logical entry e of sequence i (zeros for
+ * none: no state, no slot, or an entry before the slot's first). */
+static void state_row(const conv_ctx *c, const fw_conv1d_state *st, int64_t S, int64_t i, int64_t e,
+                      int64_t c0, int nc, float *dst)
+{
+    const int64_t slot = st ? conv_slot(st, i) : -1;
+    if (slot < 0 || e < 0) {
+        memset(dst, 0, sizeof(float) * (size_t)nc);
+        return;
+    }
+    const fw_tensor *t = &st->cache;
+    c->kt->to_f32(fw_elem(t, slot * t->stride[0] + conv_row(st, S, i, e) * t->stride[1] + c0 * t->stride[2]),
+                  t->dtype, t->stride[2], nc, 1.0f, dst);
+}
+
+/* Outputs of tokens [u0, u1) of sequence i, channels [c0, c0 + nc): a ring of the W rows of
+ * the window in f32 (x rows, or init entries before the sequence's start). */
+static void out_item(void *vctx, int64_t it, int tid)
+{
+    const conv_ctx *c = vctx;
+    const conv_prob *p = c->p;
+    const fw_kernels *kt = c->kt;
+    int64_t i = 0, lo = 0, hi = p->n;
+    while (lo < hi) { /* the sequence whose items hold `it` */
+        const int64_t mid = (lo + hi) / 2;
+        if (c->first[mid + 1] <= it)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    i = lo;
+    const int64_t k = it - c->first[i], blk = k % c->nblk, chunk = k / c->nblk;
+    int64_t b, t0, len;
+    conv_seq(p, i, &b, &t0, &len);
+    const int64_t u0 = chunk * CONV_TOKENS, u1 = fw_min64(len, u0 + CONV_TOKENS), c0 = blk * CONV_CHANNELS;
+    const int nc = (int)fw_min64(CONV_CHANNELS, p->D - c0), W = (int)p->W;
+    float *ws = c->ws + (size_t)tid * c->ws_stride;
+    float *wt = ws, *bias = wt + (size_t)W * CONV_CHANNELS, *y = bias + CONV_CHANNELS;
+    float *res = y + CONV_CHANNELS, *ring = res + CONV_CHANNELS;
+    for (int kk = 0; kk < W; kk++)
+        kt->to_f32(fw_elem(p->w, c0 * p->w->stride[0] + kk * p->w->stride[1]), p->w->dtype, p->w->stride[0], nc,
+                   1.0f, wt + (size_t)kk * nc);
+    if (p->b)
+        kt->to_f32(fw_elem(p->b, c0 * p->b->stride[0]), p->b->dtype, p->b->stride[0], nc, 1.0f, bias);
+    else
+        memset(bias, 0, sizeof(float) * (size_t)nc);
+    const float *taps[FW_MAX_CONV_WIDTH];
+    for (int64_t u = u0 - (W - 1); u < u1; u++) {
+        float *row = ring + (size_t)((u - u0 + W - 1) % W) * CONV_CHANNELS;
+        if (u >= 0)
+            kt->to_f32(fw_elem(p->x, conv_off(p->x, b, t0 + u, c0)), p->x->dtype, p->x->stride[2], nc, 1.0f, row);
+        else
+            state_row(c, p->init, p->Si, i, p->Si + u, c0, nc, row);
+        if (u < u0)
+            continue;
+        for (int kk = 0; kk < W; kk++)
+            taps[kk] = ring + (size_t)((u - (W - 1) + kk - u0 + W - 1) % W) * CONV_CHANNELS;
+        if (p->res)
+            kt->to_f32(fw_elem(p->res, conv_off(p->res, b, t0 + u, c0)), p->res->dtype, p->res->stride[2], nc,
+                       1.0f, res);
+        kt->conv1d_row(W, taps, wt, bias, p->res ? res : NULL, nc, p->silu, y);
+        kt->from_f32(y, nc, (char *)p->out->data + conv_off(p->out, b, t0 + u, c0) * (int64_t)fw_dtype_size(p->out->dtype),
+                     p->out->dtype, p->out->stride[2]);
+    }
+}
+
+/* Final state of sequence i, channels [c0, c0 + nc): the last So entries of (its initial
+ * state, its tokens), all read into the scratch before any is written (in place, a slot's
+ * rows move). */
+static void state_item(void *vctx, int64_t it, int tid)
+{
+    const conv_ctx *c = vctx;
+    const conv_prob *p = c->p;
+    const int64_t i = it / c->nblk, c0 = (it % c->nblk) * CONV_STATE_CHANNELS;
+    const int64_t slot = conv_slot(p->final, i);
+    if (slot < 0)
+        return;
+    const int nc = (int)fw_min64(CONV_STATE_CHANNELS, p->D - c0);
+    int64_t b, t0, len;
+    conv_seq(p, i, &b, &t0, &len);
+    float *buf = c->ws + (size_t)tid * c->ws_stride;
+    for (int64_t e = 0; e < p->So; e++) {
+        const int64_t u = len - p->So + e; /* token of the sequence; negative: before it */
+        float *row = buf + (size_t)e * CONV_STATE_CHANNELS;
+        if (u >= 0)
+            c->kt->to_f32(fw_elem(p->x, conv_off(p->x, b, t0 + u, c0)), p->x->dtype, p->x->stride[2], nc, 1.0f, row);
+        else
+            state_row(c, p->init, p->Si, i, p->Si + u, c0, nc, row);
+    }
+    const fw_tensor *t = &p->final->cache;
+    const int64_t es = (int64_t)fw_dtype_size(t->dtype);
+    for (int64_t e = 0; e < p->So; e++)
+        c->kt->from_f32(buf + (size_t)e * CONV_STATE_CHANNELS, nc,
+                        (char *)t->data + (slot * t->stride[0] + conv_row(p->final, p->So, i, e) * t->stride[1] +
+                                           c0 * t->stride[2]) * es,
+                        t->dtype, t->stride[2]);
+}
+
+fw_status fw_conv1d_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
+                        const int32_t *cu_seqlens, int64_t n_seqs,
+                        const fw_conv1d_state *init, const fw_conv1d_state *final,
+                        const fw_tensor *residual, const fw_tensor *out,
+                        const fw_conv1d_params *params)
+{
+    fw_clear_error();
+    conv_prob p;
+    fw_status s = fw_conv_check(&p, x, weight, bias, cu_seqlens, n_seqs, init, final, residual, out, params, 0);
+    if (s)
+        return s;
+    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
+    if (!kt)
+        return FW_ERR_UNSUPPORTED;
+    if (p.D == 0 || p.n == 0)
+        return FW_OK;
+    const int threads = fw_threads(params ? params->threads : 0);
+    conv_ctx c = {&p, kt, NULL, fw_ceil_div(p.D, CONV_CHANNELS), NULL, 0};
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(p.n + 1));
+    c.ws_stride = (size_t)(p.W + 3) * CONV_CHANNELS + (size_t)p.W * CONV_CHANNELS;
+    const size_t st_stride = (size_t)p.So * CONV_STATE_CHANNELS;
+    const size_t stride = c.ws_stride > st_stride ? c.ws_stride : st_stride;
+    c.ws = malloc(sizeof(float) * (size_t)threads * stride);
+    if (!first || !c.ws) {
+        free(first);
+        free(c.ws);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the conv1d workspace");
+    }
+    c.ws_stride = stride;
+    first[0] = 0;
+    for (int64_t i = 0; i < p.n; i++) {
+        int64_t b, t0, len;
+        conv_seq(&p, i, &b, &t0, &len);
+        first[i + 1] = first[i] + fw_ceil_div(len, CONV_TOKENS) * c.nblk;
+    }
+    c.first = first;
+    fw_parallel(threads, first[p.n], out_item, &c);
+    if (final) {
+        c.nblk = fw_ceil_div(p.D, CONV_STATE_CHANNELS);
+        fw_parallel(threads, p.n * c.nblk, state_item, &c);
+    }
+    free(first);
+    free(c.ws);
+    return FW_OK;
+}

@@ -1,0 +1,325 @@
+/*
+ * test_conv.c: the causal conv1d (fw_conv1d_fwd) against its float64 reference: every table,
+ * every dtype of x / weight / cache, widths 1..17, channel counts across the 256-channel
+ * blocks, lengths across the 64-token items (0, 1, short of W, long), packed (cu_seqlens) and
+ * batched, channel-last / channel-first / padded layouts, bias, SiLU, residual, and conv
+ * states: none, separate init and final, in place by slot index (with a skipped sequence),
+ * circular (offsets). Outputs within 2x the output rounding plus 2^-20 of the sum of the
+ * terms' magnitudes; final states bit-identical; NaN and inf where the reference has them;
+ * bit-identical results for any thread count; every class of bad input refused with nothing
+ * written.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "internal.h"
+#include "test_util.h"
+
+typedef struct {
+    int64_t B, L, D, W;
+    fw_dtype dt, wdt, cdt;
+    int layout;  /* 0: [B, L, D]; 1: stored [B, D, L] (causal-conv1d's); 2: rows padded */
+    int varlen;  /* cu_seqlens over one packed row */
+    int states;  /* 0 none, 1 init, 2 init + final apart, 3 in place by index, 4 circular */
+    int silu, res, bias;
+    int specials; /* a NaN and infinities in x */
+} ccase;
+
+/* A [B, L, D] tensor of dtype dt in `layout`, in a fresh buffer. */
+static fw_tensor conv_tensor(gbuf *g, fw_dtype dt, int64_t B, int64_t L, int64_t D, int layout)
+{
+    int64_t sh[3] = {B, L, D};
+    const int64_t pad = layout == 2 ? 3 : 0;
+    *g = gbuf_new((size_t)(B * L * (D + pad) + 1) * fw_dtype_size(dt));
+    fw_tensor t = fw_tensor_contiguous(g->p, dt, 3, sh);
+    if (layout == 1) {
+        t.stride[1] = 1;
+        t.stride[2] = L;
+    } else if (layout == 2) {
+        t.stride[1] = D + pad;
+        t.stride[0] = L * (D + pad);
+    }
+    return t;
+}
+
+/* A copy of t as f32 magnitudes, contiguous. */
+static fw_tensor abs_copy(const fw_tensor *t, float **buf)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    *buf = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    fw_tensor a = fw_tensor_contiguous(*buf, FW_F32, t->ndim, t->shape);
+    int64_t idx[FW_MAX_DIMS] = {0};
+    if (n > 0)
+        do
+            tset(&a, idx, fabs(tget(t, idx)));
+        while (tnext(t, idx));
+    return a;
+}
+
+/* Twice the rounding of a dtype: relative, and absolute among its subnormals. */
+static double unit_of(fw_dtype dt)
+{
+    return dt == FW_BF16 ? 0x1p-8 : dt == FW_F16 ? 0x1p-10 : 0x1p-23;
+}
+
+static double tiny_of(fw_dtype dt)
+{
+    return dt == FW_BF16 ? 0x1p-133 : dt == FW_F16 ? 0x1p-24 : 0x1p-149;
+}
+
+static void run_ccase(const ccase *cc, const fw_kernels *kt, uint64_t seed)
+{
+    rng_seed(seed);
+    const int64_t D = cc->D, W = cc->W;
+    int64_t B = cc->B, L = cc->L, n = cc->B;
+    int32_t cu[8] = {0};
+    if (cc->varlen) { /* lengths 0, 1, W-1, a long one, ... packed in one row */
+        static const int32_t lens[] = {0, 1, 3, 70, 2, 133, 5};
+        n = 7;
+        for (int i = 0; i < n; i++)
+            cu[i + 1] = cu[i] + lens[i];
+        B = 1;
+        L = cu[n];
+    }
+    gbuf gx, go, gr, gw, gb, gi, gf, gc, gref;
+    fw_tensor x = conv_tensor(&gx, cc->dt, B, L, D, cc->layout), out = conv_tensor(&go, cc->dt, B, L, D, cc->layout);
+    fw_tensor res = conv_tensor(&gr, cc->dt, B, L, D, 0);
+    int64_t wsh[2] = {D, W}, bsh[1] = {D}, rsh[3] = {B, L, D};
+    gw = gbuf_new((size_t)(D * W) * fw_dtype_size(cc->wdt));
+    gb = gbuf_new((size_t)D * fw_dtype_size(cc->wdt) + 1);
+    fw_tensor w = fw_tensor_contiguous(gw.p, cc->wdt, 2, wsh), bias = fw_tensor_contiguous(gb.p, cc->wdt, 1, bsh);
+    gref = gbuf_new((size_t)(B * L * D + 1) * sizeof(double));
+    fw_tensor ref = fw_tensor_contiguous(gref.p, FW_F64, 3, rsh);
+    tfill_normal(&x, 1.0);
+    tfill_normal(&res, 1.0);
+    tfill_normal(&w, 1.0 / sqrt((double)W));
+    tfill_normal(&bias, 0.5);
+    if (cc->specials && L > 2 && D > 1) {
+        int64_t a[3] = {0, L / 2, 1}, b2[3] = {0, 1, 0}, c3[3] = {0, L - 1, D - 1};
+        tset(&x, a, NAN);
+        tset(&x, b2, INFINITY);
+        tset(&x, c3, -INFINITY);
+    }
+    /* states: slots = n + 3, a permutation of slots, sequence 2 without a read slot */
+    const int64_t slots = n + 3, S = cc->states == 4 ? W + 2 : (cc->states == 2 ? W : W - 1);
+    int64_t ssh[3] = {slots, S, D};
+    gi = gbuf_new((size_t)(slots * S * D + 1) * fw_dtype_size(cc->cdt));
+    gf = gbuf_new((size_t)(slots * S * D + 1) * fw_dtype_size(cc->cdt));
+    gc = gbuf_new((size_t)(slots * S * D + 1) * fw_dtype_size(cc->cdt));
+    fw_tensor ci = fw_tensor_contiguous(gi.p, cc->cdt, 3, ssh), cf = fw_tensor_contiguous(gf.p, cc->cdt, 3, ssh);
+    fw_tensor cc2 = fw_tensor_contiguous(gc.p, cc->cdt, 3, ssh);
+    tfill_normal(&ci, 1.0);
+    tfill_normal(&cf, 1.0);
+    int32_t ridx[8], widx[8], roff[8], woff[8];
+    for (int64_t i = 0; i < n; i++) {
+        ridx[i] = (int32_t)((i * 3 + 1) % slots);
+        widx[i] = ridx[i];
+        roff[i] = (int32_t)(i * 5 - 3);
+        woff[i] = roff[i] + (cc->varlen ? cu[i + 1] - cu[i] : (int32_t)L);
+    }
+    if (n > 2) {
+        ridx[2] = -1;
+        widx[(n > 4) ? 4 : 0] = -1;
+    }
+    fw_conv1d_state si = {ci, NULL, NULL}, sf = {cf, NULL, NULL};
+    const fw_conv1d_state *pi = NULL, *pf = NULL;
+    switch (cc->states) {
+    case 1: pi = &si; break;
+    case 2: pi = &si; pf = &sf; break;
+    case 3: si.idx = ridx; sf = si; sf.idx = widx; pi = &si; pf = &sf; break;
+    case 4: si.idx = ridx; si.offsets = roff; sf = si; sf.offsets = woff; pi = &si; pf = &sf; break;
+    }
+    if (cc->states >= 3) { /* in place: final is the init cache; a sequence writes its own read slot */
+        for (int64_t i = 0; i < n; i++)
+            if (ridx[i] >= 0 && widx[i] >= 0)
+                widx[i] = ridx[i];
+        sf.cache = ci;
+    }
+    fw_conv1d_params p;
+    fw_conv1d_params_init(&p);
+    p.activation = cc->silu ? FW_ACT_SILU : FW_ACT_NONE;
+    p.isa = kt->name;
+    /* the reference: on a copy of the final cache (in place: of the init cache) */
+    const fw_tensor *fc = pf ? &pf->cache : NULL;
+    fw_conv1d_state rfs = pf ? *pf : si, ris = pi ? *pi : si;
+    if (pf) {
+        memcpy(gc.p, fc->data, (size_t)(slots * S * D) * fw_dtype_size(cc->cdt));
+        rfs.cache = cc2;
+        if (cc->states >= 3)
+            ris.cache = cc2;
+    }
+    /* the magnitudes of the terms: the same conv on |x|, |w|, |bias|, |init| (pre-activation) */
+    float *ax, *aw, *ab, *ai;
+    fw_tensor tax = abs_copy(&x, &ax), taw = abs_copy(&w, &aw), tab = abs_copy(&bias, &ab);
+    fw_tensor tai = abs_copy(&ci, &ai);
+    fw_status st = fw_conv1d_ref(&x, &w, cc->bias ? &bias : NULL, cc->varlen ? cu : NULL, n, pi ? &ris : NULL,
+                                 pf ? &rfs : NULL, cc->res ? &res : NULL, &ref, &p);
+    gbuf gm = gbuf_new((size_t)(B * L * D + 1) * sizeof(double));
+    fw_tensor mag = fw_tensor_contiguous(gm.p, FW_F64, 3, rsh);
+    fw_conv1d_state mis = ris;
+    mis.cache = tai;
+    fw_conv1d_params pm = p;
+    pm.activation = FW_ACT_NONE;
+    st |= fw_conv1d_ref(&tax, &taw, cc->bias ? &tab : NULL, cc->varlen ? cu : NULL, n, pi ? &mis : NULL, NULL,
+                        NULL, &mag, &pm);
+    st |= fw_conv1d_fwd(&x, &w, cc->bias ? &bias : NULL, cc->varlen ? cu : NULL, n, pi, pf, cc->res ? &res : NULL,
+                        &out, &p);
+    case_check(st == FW_OK, "status: %s", fw_last_error());
+    double worst = 0;
+    int specials_ok = 1;
+    int64_t idx[3] = {0};
+    if (B * L * D > 0)
+        do {
+            const double o = tget(&out, idx), r = tget(&ref, idx), m = tget(&mag, idx);
+            if (isnan(r) || isinf(r)) {
+                specials_ok &= isnan(r) ? isnan(o) : o == r;
+                continue;
+            }
+            const double rr = cc->res ? fabs(tget(&res, idx)) : 0.0;
+            worst = fmax(worst, fabs(o - r) / (2 * unit_of(cc->dt) * fabs(r) + 0x1p-20 * (m + rr) + tiny_of(cc->dt)));
+        } while (tnext(&out, idx));
+    case_check(worst <= 1, "out: error %.3g of the bound", worst);
+    case_check(specials_ok, "NaN or inf differs from the reference");
+    if (pf && S > 0) {
+        int same = 1;
+        int64_t j[3] = {0};
+        do {
+            const double a = tget(fc, j), b = tget(&cc2, j);
+            same &= a == b || (isnan(a) && isnan(b));
+        } while (tnext(fc, j));
+        case_check(same, "final states differ from the reference");
+    }
+    case_check(gbuf_guards_ok(&go) && gbuf_guards_ok(&gi) && gbuf_guards_ok(&gf), "wrote outside a buffer");
+    free(ax); free(aw); free(ab); free(ai);
+    gbuf_free(&gx); gbuf_free(&go); gbuf_free(&gr); gbuf_free(&gw); gbuf_free(&gb); gbuf_free(&gi);
+    gbuf_free(&gf); gbuf_free(&gc); gbuf_free(&gref); gbuf_free(&gm);
+}
+
+static void test_conv_sweep(void)
+{
+    static const int64_t Ws[] = {1, 2, 4, 5, 17}, Ds[] = {1, 7, 300, 33};
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        int k = 0;
+        for (int wi = 0; wi < 5; wi++)
+            for (int di = 0; di < 4; di++)
+                for (int states = 0; states < 5; states++, k++) {
+                    if (quick_mode() && k % 3)
+                        continue;
+                    ccase c = {2, 1 + (k * 37) % 150, Ds[di], Ws[wi], (fw_dtype)(k % 3), (fw_dtype)((k / 3) % 3),
+                               (fw_dtype)((k / 2) % 3), k % 3, k % 2, states, (k / 2) % 2, k % 4 == 1,
+                               (k / 4) % 2, k % 7 == 3};
+                    case_begin("conv1d [%s] W %lld D %lld L %lld %s x, %s w, %s cache, layout %d, %s, states %d%s%s%s",
+                               kt->name, (long long)c.W, (long long)c.D, (long long)c.L, fw_dtype_name(c.dt),
+                               fw_dtype_name(c.wdt), fw_dtype_name(c.cdt), c.layout, c.varlen ? "packed" : "batched",
+                               c.states, c.silu ? ", silu" : "", c.res ? ", residual" : "", c.bias ? ", bias" : "");
+                    run_ccase(&c, kt, 100 + (uint64_t)k);
+                    case_end();
+                }
+    }
+}
+
+/* The same call on 1, 2 and 3 threads: the same bits. */
+static void test_conv_threads(void)
+{
+    case_begin("conv1d: bit-identical outputs and states on 1, 2, 3 threads");
+    enum { L = 300, D = 700, W = 4, SL = 3 };
+    static float x[L * D], o[3][L * D], st[3][2 * SL * D], w[D * W];
+    int64_t xs[3] = {1, L, D}, ws[2] = {D, W}, ss[3] = {2, SL, D};
+    rng_seed(9);
+    for (int i = 0; i < L * D; i++)
+        x[i] = (float)rng_normal();
+    for (int i = 0; i < D * W; i++)
+        w[i] = (float)rng_normal();
+    int32_t cu[3] = {0, 101, L};
+    fw_tensor tx = fw_tensor_contiguous(x, FW_F32, 3, xs), tw = fw_tensor_contiguous(w, FW_F32, 2, ws);
+    for (int r = 0; r < 3; r++) {
+        for (int i = 0; i < 2 * SL * D; i++)
+            st[r][i] = (float)(i % 13);
+        fw_tensor to = fw_tensor_contiguous(o[r], FW_F32, 3, xs);
+        fw_conv1d_state s = {fw_tensor_contiguous(st[r], FW_F32, 3, ss), NULL, NULL};
+        fw_conv1d_params p;
+        fw_conv1d_params_init(&p);
+        p.threads = r + 1;
+        p.activation = FW_ACT_SILU;
+        case_check(fw_conv1d_fwd(&tx, &tw, NULL, cu, 2, &s, &s, NULL, &to, &p) == FW_OK, "status: %s",
+                   fw_last_error());
+    }
+    case_check(!memcmp(o[0], o[1], sizeof o[0]) && !memcmp(o[0], o[2], sizeof o[0]), "outputs differ");
+    case_check(!memcmp(st[0], st[1], sizeof st[0]) && !memcmp(st[0], st[2], sizeof st[0]), "states differ");
+    case_end();
+}
+
+/* Every class of bad input: the status, a message, and nothing written. */
+static void test_conv_bad_input(void)
+{
+    enum { L = 10, D = 8, W = 4, SLOTS = 3, S = 3 };
+    static float x[2 * L * D], o[2 * L * D], w[D * W], b[D], cache[SLOTS * S * D], cache2[SLOTS * S * D];
+    int64_t xs[3] = {2, L, D}, ws[2] = {D, W}, bs[1] = {D}, cs[3] = {SLOTS, S, D};
+    for (int i = 0; i < 2 * L * D; i++)
+        x[i] = 1.0f;
+    for (int i = 0; i < D * W; i++)
+        w[i] = 0.5f;
+    const fw_tensor tx = fw_tensor_contiguous(x, FW_F32, 3, xs), tw = fw_tensor_contiguous(w, FW_F32, 2, ws);
+    const fw_tensor tb = fw_tensor_contiguous(b, FW_F32, 1, bs), to = fw_tensor_contiguous(o, FW_F32, 3, xs);
+    const fw_tensor tc = fw_tensor_contiguous(cache, FW_F32, 3, cs), tc2 = fw_tensor_contiguous(cache2, FW_F32, 3, cs);
+    int32_t dup[2] = {1, 1}, oob[2] = {0, 3}, cross[2] = {0, 1}, crossw[2] = {1, 2}, cu_bad[3] = {0, 5, 4};
+    for (int k = 0; k < 19; k++) {
+        fw_tensor X = tx, Wt = tw, B = tb, O = to;
+        fw_conv1d_state si = {tc, NULL, NULL}, sf = {tc, NULL, NULL};
+        const fw_conv1d_state *pi = &si, *pf = &sf;
+        const fw_tensor *pb = &tb, *px = &X, *po = &O;
+        const int32_t *cu = NULL;
+        int64_t n = 2;
+        fw_conv1d_params p;
+        fw_conv1d_params_init(&p);
+        fw_status want = FW_ERR_SHAPE;
+        const char *what = "";
+        switch (k) {
+        case 0: px = NULL; want = FW_ERR_NULL; what = "NULL x"; break;
+        case 1: X.ndim = 2; what = "x of rank 2"; break;
+        case 2: X.dtype = FW_F64; want = FW_ERR_DTYPE; what = "f64 x"; break;
+        case 3: O.shape[1] = L - 1; what = "out shorter than x"; break;
+        case 4: Wt.shape[1] = 0; what = "W = 0"; break;
+        case 5: B.shape[0] = D - 1; pb = &B; what = "bias of D - 1"; break;
+        case 6: { static int32_t cu2[3] = {0, 4, 10}; cu = cu2; what = "cu_seqlens with 2 rows"; } break;
+        case 7: X.shape[0] = 1; O.shape[0] = 1; cu = cu_bad; want = FW_ERR_SEQLENS; what = "decreasing cu_seqlens"; break;
+        case 8: si.cache.shape[1] = W - 2; sf.cache = si.cache; what = "init of W - 2 entries"; break;
+        case 9: si.idx = oob; sf.idx = oob; want = FW_ERR_INDEX; what = "slot past the cache"; break;
+        case 10: sf.idx = dup; si.idx = dup; want = FW_ERR_INDEX; what = "two sequences write one slot"; break;
+        case 11: si.idx = cross; sf.idx = crossw; want = FW_ERR_INDEX; what = "a slot read by one sequence and written by another"; break;
+        case 12: sf.cache = tc; sf.cache.stride[1] = D + 1; sf.cache.shape[0] = 2; want = FW_ERR_STRIDE; what = "overlapping different views"; break;
+        case 13: O = X; want = FW_ERR_STRIDE; what = "out is x"; break;
+        case 14: p.activation = 7; want = FW_ERR_ARG; what = "activation 7"; break;
+        case 15: p.threads = -1; want = FW_ERR_ARG; what = "threads -1"; break;
+        case 16: O.stride[1] = 0; want = FW_ERR_STRIDE; what = "out with aliasing rows"; break;
+        case 17: X.stride[2] = INT64_MAX / 4; want = FW_ERR_OVERFLOW; what = "x extent overflowing"; break;
+        case 18: si.cache = tc2; sf.cache = tc2; sf.cache.data = o; want = FW_ERR_STRIDE; what = "final cache is out"; break;
+        }
+        (void)n;
+        memset(o, 0x7f, sizeof o);
+        for (int i = 0; i < SLOTS * S * D; i++)
+            cache[i] = cache2[i] = 3.0f;
+        case_begin("conv1d refuses %s", what);
+        fw_status st = fw_conv1d_fwd(px, &Wt, pb, cu, 2, pi, pf, NULL, po, &p);
+        int untouched = 1;
+        for (int i = 0; i < 2 * L * D; i++)
+            untouched &= ((uint32_t *)o)[i] == 0x7f7f7f7fu;
+        for (int i = 0; i < SLOTS * S * D; i++)
+            untouched &= cache[i] == 3.0f && cache2[i] == 3.0f;
+        case_check(st == want && fw_last_error()[0] != 0, "status %d (want %d), \"%s\"", (int)st, (int)want,
+                   fw_last_error());
+        case_check(untouched, "a refused call wrote");
+        case_end();
+    }
+}
+
+const test_suite conv_suites[] = {
+    {"conv.bad_input", test_conv_bad_input},
+    {"conv.threads_identical", test_conv_threads},
+    {"conv.sweep", test_conv_sweep},
+    {NULL, NULL}};
