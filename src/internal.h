@@ -157,10 +157,12 @@ typedef struct fw_kernels {
                          float *o);
     void (*gdn_step4)(float *h, int64_t ldh, int dk, int dv, const float *q, const float *k,
                       const float *v, float alpha, float beta, float *o, float *tmp);
-    /* One output row of the causal conv1d: y[c] = act(bias[c] + sum_{k<W} wt[k][c] taps[k][c])
-     * (+ res[c] when res is given), c < n; wt [W][n]; act SiLU (x / (1 + e^-x)) when silu. */
-    void (*conv1d_row)(int W, const float *const *taps, const float *wt, const float *bias,
-                       const float *res, int n, int silu, float *y);
+    /* One output row of the causal conv1d over n contiguous channels:
+     * y[c] = act(bias[c] + sum_{k<W} wt[k * ldw + c] taps[k][c]) (+ res[c] when res is given),
+     * act SiLU (x / (1 + e^-x)) when silu; taps of dtype tdt, res of rdt, y stored as ydt. */
+    void (*conv1d_row)(int W, const void *const *taps, fw_dtype tdt, const float *wt, int64_t ldw,
+                       const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
+                       fw_dtype ydt);
 } fw_kernels;
 
 /* Every function entry of a table, in order. A table may leave entries NULL: the registry

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
+#include "conv/conv.h"
 #include "test_util.h"
 
 typedef struct {
@@ -318,7 +319,22 @@ static void test_conv_bad_input(void)
     }
 }
 
+/* The channel block heuristic (conv/conv1d.c): whole rows unless that starves the threads. */
+static void test_conv_heuristics(void)
+{
+    case_begin("conv1d channel blocks");
+    case_check(fw_conv_channel_block(8192, 32, 2) == 8192, "prefill: whole rows");
+    case_check(fw_conv_channel_block(8192, 64, 2) == 8192, "64 decodes on 2 threads: whole rows");
+    case_check(fw_conv_channel_block(8192, 1, 2) == 1024, "one decode on 2 threads: 8 blocks, got %lld",
+               (long long)fw_conv_channel_block(8192, 1, 2));
+    case_check(fw_conv_channel_block(300, 1, 4) == 256, "at least 256 channels, got %lld",
+               (long long)fw_conv_channel_block(300, 1, 4));
+    case_check(fw_conv_channel_block(100, 1, 8) == 100, "fewer channels than a block");
+    case_end();
+}
+
 const test_suite conv_suites[] = {
+    {"conv.heuristics", test_conv_heuristics},
     {"conv.bad_input", test_conv_bad_input},
     {"conv.threads_identical", test_conv_threads},
     {"conv.sweep", test_conv_sweep},

@@ -43,6 +43,8 @@ int bench_kvcache_main(int argc, char **argv);
 int bench_kvcache_headline(void);
 int bench_gdn_main(int argc, char **argv);
 int bench_gdn_headline(void);
+int bench_conv_main(int argc, char **argv);
+int bench_conv_headline(void);
 int bench_threads_main(int argc, char **argv);
 
 #endif

@@ -5,6 +5,7 @@
  *   flywheel bench attn [opts]   softmax attention benchmark (flywheel bench attn --help)
  *   flywheel bench kvcache       KV-cache append + attend: decode and chunked prefill
  *   flywheel bench gdn           Gated DeltaNet prefill (with baselines) and decode
+ *   flywheel bench conv          causal conv1d prefill and decode
  *   flywheel bench threads       the parallel loop's latency, back to back and after idle gaps
  *   flywheel peak [threads]      this machine's measured FMA peak
  *   flywheel info                kernel tables and the default
@@ -144,10 +145,11 @@ int bench_is_help(const char *arg) { return strcmp(arg, "-h") == 0 || strcmp(arg
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: flywheel run | bench attn|kvcache|gdn|threads [options] | peak [threads] | info\n"
+            "usage: flywheel run | bench attn|kvcache|gdn|conv|threads [options] | peak [threads] | info\n"
             "  run          the main job: headline kernels on real-size shapes (attention, KV cache,\n"
-            "               Gated DeltaNet), checked against the float64 reference, with %% of peak\n"
-            "  bench attn|kvcache|gdn|threads   see `flywheel bench attn --help` (the others alike)\n"
+            "               Gated DeltaNet, causal conv1d), checked against the float64 reference,\n"
+            "               with %% of peak\n"
+            "  bench attn|kvcache|gdn|conv|threads   see `flywheel bench attn --help` (the others alike)\n"
             "  peak [threads]           the FMA and bf16 dot-product peaks on 1..256 threads\n"
             "  info                     the kernel tables and the default\n");
 }
@@ -173,6 +175,9 @@ int main(int argc, char **argv)
         printf("\nGated DeltaNet (Qwen3-Next shapes, bf16): chunked prefill against the plain 4-pass\n"
                "recurrence and the fused recurrent step in the same run; decode against the read bandwidth\n");
         fail |= bench_gdn_headline();
+        printf("\nCausal conv1d (Qwen3-Next's, bf16, width 4, SiLU): prefill GB/s against a copy of the same\n"
+               "bytes in the same run; decode of 64 sequences with their conv states in place\n");
+        fail |= bench_conv_headline();
         printf(fail ? "main job: FAILED\n" : "main job: all checks passed\n");
         return fail;
     }
@@ -184,10 +189,12 @@ int main(int argc, char **argv)
             return bench_kvcache_main(argc - 3, argv + 3);
         if (strcmp(what, "gdn") == 0)
             return bench_gdn_main(argc - 3, argv + 3);
+        if (strcmp(what, "conv") == 0)
+            return bench_conv_main(argc - 3, argv + 3);
         if (strcmp(what, "threads") == 0)
             return bench_threads_main(argc - 3, argv + 3);
         usage(stderr);
-        fprintf(stderr, "flywheel: bench needs attn, kvcache, gdn or threads%s%s\n", *what ? "; got " : "", what);
+        fprintf(stderr, "flywheel: bench needs attn, kvcache, gdn, conv or threads%s%s\n", *what ? "; got " : "", what);
         return 2;
     }
     if (strcmp(cmd, "peak") == 0) {

@@ -1,5 +1,6 @@
 """FlyWheel attention kernels in C, for CPUs: softmax attention (dense, varlen, paged KV cache)
-with flash-attn's calls, and Gated DeltaNet with flash-linear-attention's calls.
+with flash-attn's calls, Gated DeltaNet with flash-linear-attention's calls, and the causal
+conv1d of the layers around them (causal-conv1d's calls; fla's in flywheel.fla).
 
     import torch, flywheel
     out = flywheel.flash_attn_func(q, k, v, causal=True)   # q [b, s, hq, d] torch or numpy
@@ -25,7 +26,9 @@ Errors, one rule for every call:
 from ._lib import (FlywheelDtypeError, FlywheelError, get_num_threads, get_spin_us,
                    set_num_threads, set_spin_us)
 from ._lib import lib as _clib
+from . import fla
 from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .conv import causal_conv1d_fn, causal_conv1d_update
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                           gated_delta_rule_commit, gated_delta_rule_decode,
                           gated_delta_rule_verify)
@@ -33,7 +36,8 @@ from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gat
 __version__ = "0.1.0"
 
 __all__ = [
-    "FlywheelDtypeError", "FlywheelError", "GDNReplay", "chunk_gated_delta_rule",
+    "FlywheelDtypeError", "FlywheelError", "GDNReplay", "causal_conv1d_fn",
+    "causal_conv1d_update", "chunk_gated_delta_rule", "fla",
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_verify",

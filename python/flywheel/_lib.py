@@ -176,6 +176,22 @@ class GdnParams(ctypes.Structure):
     ]
 
 
+class Conv1dParams(ctypes.Structure):
+    _fields_ = [
+        ("activation", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("isa", ctypes.c_char_p),
+    ]
+
+
+class Conv1dState(ctypes.Structure):
+    _fields_ = [
+        ("cache", Tensor),
+        ("idx", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+    ]
+
+
 def _find_library():
     path = os.environ.get("FLYWHEEL_LIBRARY")
     if path:
@@ -241,6 +257,8 @@ _SIGNATURES = {
                                      _T, _P(GdnParams)]),
     "fw_gdn_commit": (ctypes.c_int, [_vp, _i64, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _vp,
                                      _vp, _sz, _P(GdnParams)]),
+    "fw_conv1d_fwd": (ctypes.c_int, [_T, _T, _T, _vp, _i64, _P(Conv1dState), _P(Conv1dState), _T,
+                                     _T, _P(Conv1dParams)]),
     "fw_set_spin_us": (ctypes.c_int, [ctypes.c_int32]),
     "fw_get_spin_us": (ctypes.c_int32, []),
     "fw_peak_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,

@@ -21,6 +21,10 @@ fw_status fw_conv_check(conv_prob *p, const fw_tensor *x, const fw_tensor *weigh
                         const fw_tensor *residual, const fw_tensor *out,
                         const fw_conv1d_params *params, int ref);
 
+/* Channels per output item of fw_conv1d_fwd for D channels, `chunks` token chunks of all
+ * sequences and `threads` threads (a pure function; conv/conv1d.c says why). */
+int64_t fw_conv_channel_block(int64_t D, int64_t chunks, int threads);
+
 /* Sequence i: batch row and first token along L, and its length. */
 static inline void conv_seq(const conv_prob *p, int64_t i, int64_t *b, int64_t *t0, int64_t *len)
 {

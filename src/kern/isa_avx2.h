@@ -113,9 +113,9 @@ static inline __m256i vround_bf16_bits(vf x)
     return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
 }
 
-static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+/* VL floats stored as dtype dt at element i of dst (rounded to nearest even). */
+static inline void vstore_as(void *dst, fw_dtype dt, int64_t i, vf x)
 {
-    vf x = _mm256_loadu_ps(src + i);
     if (dt == FW_F32) {
         _mm256_storeu_ps((float *)dst + i, x);
     } else if (dt == FW_F16) {
@@ -126,6 +126,11 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
         __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), packed);
     }
+}
+
+static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+{
+    vstore_as(dst, dt, i, _mm256_loadu_ps(src + i));
 }
 
 /* ---- bf16 pairs (see "bf16 products" in attn_kern.h), emulated with f32 FMAs. */

@@ -121,9 +121,9 @@ static inline __m512i vround_bf16_bits(vf x)
     return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
 }
 
-static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+/* VL floats stored as dtype dt at element i of dst (rounded to nearest even). */
+static inline void vstore_as(void *dst, fw_dtype dt, int64_t i, vf x)
 {
-    vf x = _mm512_loadu_ps(src + i);
     if (dt == FW_F32) {
         _mm512_storeu_ps((float *)dst + i, x);
     } else if (dt == FW_F16) {
@@ -133,6 +133,11 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
         __m512i r = _mm512_srli_epi32(vround_bf16_bits(x), 16);
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
     }
+}
+
+static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+{
+    vstore_as(dst, dt, i, _mm512_loadu_ps(src + i));
 }
 
 /* ---- bf16 pairs (see "bf16 products" in attn_kern.h): a vf holding VL 32-bit words, each

@@ -90,14 +90,20 @@ static inline vf vbf16_odd(vf w)
     return fw_cvt_bf16_f32((uint16_t)(u >> 16));
 }
 
-static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+/* One float stored as dtype dt at element i of dst (rounded to nearest even). */
+static inline void vstore_as(void *dst, fw_dtype dt, int64_t i, vf x)
 {
     if (dt == FW_F32)
-        ((float *)dst)[i] = src[i];
+        ((float *)dst)[i] = x;
     else if (dt == FW_BF16)
-        ((uint16_t *)dst)[i] = fw_cvt_f32_bf16(src[i]);
+        ((uint16_t *)dst)[i] = fw_cvt_f32_bf16(x);
     else
-        ((uint16_t *)dst)[i] = fw_cvt_f32_f16(src[i]);
+        ((uint16_t *)dst)[i] = fw_cvt_f32_f16(x);
+}
+
+static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
+{
+    vstore_as(dst, dt, i, src[i]);
 }
 
 /* Pair words of two bf16 rows, 2 columns: lo for column 0, hi for column 1. */
