@@ -48,7 +48,7 @@ extern "C" {
  * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
  * bindings check it at load time (the Python package refuses a library whose
  * fw_abi_version() differs from the number it was written for). */
-#define FW_ABI_VERSION 1
+#define FW_ABI_VERSION 2
 
 /* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
 FW_API const char *fw_version(void);
@@ -318,6 +318,8 @@ typedef struct fw_gdn_params {
                           bf16 products for bf16 q. Which operands are rounded: README, "Gated
                           DeltaNet on bf16 products". Decode, commit and the recurrent modes
                           always run f32 products on the f32 state. */
+    float l2norm_eps;  /* with l2norm_qk: x / sqrt(|x|^2 + eps); 0 = 1e-6 (fla's and
+                          transformers'; vLLM's CPU kernels use 1e-5) */
 } fw_gdn_params;
 
 FW_API void fw_gdn_params_init(fw_gdn_params *p);

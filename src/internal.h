@@ -147,7 +147,7 @@ typedef struct fw_kernels {
      * fused decode step on a block of at most FW_MAX_HEAD_DIM state columns; the 4-pass
      * recurrent step of the baseline (tmp: dv floats). */
     void (*exp2_inplace)(float *x, int64_t n);
-    void (*rows_l2scale)(float *x, int rows, int n, float scale, int l2);
+    void (*rows_l2scale)(float *x, int rows, int n, float scale, int l2, float eps);
     void (*gdn_gates)(int L, const float *gam, const float *beta, const float *KK, const float *QK,
                       float *A, float *G, int ldg);
     void (*tri_inv_fwd)(const float *A, int lda, int L, float *X, int ldx);

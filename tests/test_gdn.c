@@ -20,6 +20,7 @@ typedef struct {
     int l2;
     double gscale; /* g = -gscale * softplus(noise) */
     double corr;   /* keys: mix of one shared direction with weight corr */
+    float eps;     /* l2norm_eps (0: the default 1e-6) */
 } gcase;
 
 typedef struct {
@@ -105,9 +106,9 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
         cu[i + 1] = cu[i] + lens[i];
     gcase cc = *c;
     cc.T = cu[nseq];
-    case_begin("gdn T%lld (%d seqs) H%lld HV%lld dk%lld dv%lld %s l2 %d g x%.0f corr %.1f", (long long)cc.T,
-               nseq, (long long)c->H, (long long)c->HV, (long long)c->dk, (long long)c->dv,
-               fw_dtype_name(c->dt), c->l2, c->gscale, c->corr);
+    case_begin("gdn T%lld (%d seqs) H%lld HV%lld dk%lld dv%lld %s l2 %d (eps %g) g x%.0f corr %.1f",
+               (long long)cc.T, nseq, (long long)c->H, (long long)c->HV, (long long)c->dk, (long long)c->dv,
+               fw_dtype_name(c->dt), c->l2, (double)c->eps, c->gscale, c->corr);
     ginputs in;
     make_inputs(&in, &cc, seed);
     const int64_t no = cc.T * c->HV * c->dv, ns = (int64_t)nseq * c->HV * c->dk * c->dv;
@@ -121,6 +122,7 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
     fw_gdn_params p;
     fw_gdn_params_init(&p);
     p.l2norm_qk = c->l2;
+    p.l2norm_eps = c->eps;
     p.precision = FW_PREC_F32;
     fw_status st = fw_gdn_ref(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, rs, &tro, &p);
     case_check(st == FW_OK, "reference: %s", fw_last_error());
@@ -158,9 +160,14 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
             for (int64_t i = 0; i < ns; i++)
                 fd[i] = fin[i];
             const double eo = max_abs(got, ro, no), es = max_abs(fd, rs, ns);
-            if (m == 0) {
+            if (m == 0) { /* the fused recurrent step against float64, absolutely */
                 eplain = eo;
                 esplain = es;
+                double big = 0;
+                for (int64_t i = 0; i < no; i++)
+                    big = fmax(big, fabs(ro[i]));
+                const double bar = (c->dt == FW_F32 ? 1e-4 : 2 * (c->dt == FW_BF16 ? 0x1p-8 : 0x1p-10)) * (1 + big);
+                case_check(eo <= bar, "[%s] fused recurrent out error %.3g > %.3g", p.isa, eo, bar);
             } else {
                 case_check(eo <= 2 * eplain + 1e-5, "[%s mode %u] out error %.3g > 2 x plain %.3g + 1e-5", p.isa,
                            modes[m], eo, eplain);
@@ -490,7 +497,8 @@ static void test_gdn_bad_input(void)
         {"two sequences on one slot", FW_ERR_INDEX, 6}, {"null state", FW_ERR_NULL, 7}, {"verify of 65 tokens", FW_ERR_SEQLENS, 8},
         {"small replay buffer", FW_ERR_WORKSPACE, 9}, {"commit of more than verified", FW_ERR_ARG, 10},
         {"unknown flag", FW_ERR_ARG, 11}, {"nan beta", FW_ERR_ARG, 12}, {"precision 3", FW_ERR_ARG, 13},
-        {"precision -1 (verify)", FW_ERR_ARG, 14},
+        {"precision -1 (verify)", FW_ERR_ARG, 14}, {"l2norm_eps -1", FW_ERR_ARG, 15},
+        {"l2norm_eps NaN (decode)", FW_ERR_ARG, 16},
     };
     float replay[4096];
     for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
@@ -520,6 +528,9 @@ static void test_gdn_bad_input(void)
             ((float *)in.beta.data)[3] = saved; break;
         case 13: pp.precision = 3; st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp); break;
         case 14: pp.precision = -1;
+            st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu, 2, state, 4, idx, replay, 4096, &o, &pp); break;
+        case 15: pp.l2norm_eps = -1.0f; st = fw_gdn_prefill(&q, &in.k, &v, &g, &in.beta, cu, 2, NULL, NULL, &o, &pp); break;
+        case 16: pp.l2norm_eps = NAN;
             st = fw_gdn_verify(&q, &in.k, &v, &g, &in.beta, cu, 2, state, 4, idx, replay, 4096, &o, &pp); break;
         }
         bad_verdict(bad[b].what, st, bad[b].want, &ob, state);
@@ -668,6 +679,9 @@ static void sweep_varlen(void)
     run_gcase(&c, lens, 5, 60);
     gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9};
     run_gcase(&strong, lens, 5, 61);
+    /* an eps that moves the norms by several percent: every path must use it */
+    gcase eps = {0, 2, 2, 32, 24, FW_F32, 1, 1.0, 0.3, 4.0f};
+    run_gcase(&eps, lens, 5, 62);
 }
 
 const test_suite gdn_suites[] = {

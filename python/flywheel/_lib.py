@@ -13,7 +13,7 @@ import os
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _MAX_DIMS = 4
 
@@ -173,6 +173,7 @@ class GdnParams(ctypes.Structure):
         ("isa", ctypes.c_char_p),
         ("flags", ctypes.c_uint32),
         ("precision", ctypes.c_int32),
+        ("l2norm_eps", ctypes.c_float),
     ]
 
 

@@ -24,7 +24,7 @@ from . import _lib
 from . import _tensors as T
 
 
-def _params(q, scale, l2norm, flags=0, isa=None, precision=None):
+def _params(q, scale, l2norm, flags=0, isa=None, precision=None, l2norm_eps=None):
     p = _lib.GdnParams()
     if scale is None:
         # 0 is the library's 1/sqrt(K): with K = 0 the library reports the shape (FW_ERR_SHAPE)
@@ -39,6 +39,8 @@ def _params(q, scale, l2norm, flags=0, isa=None, precision=None):
     p.isa = _lib.isa_name(isa)
     p.flags = flags
     p.precision = _lib.precision(precision)
+    if l2norm_eps is not None:
+        p.l2norm_eps = _lib.float32_param(l2norm_eps, "l2norm_eps", "1e-6")
     return p
 
 
@@ -93,7 +95,7 @@ def _flatten(q, k, v, g, beta, cu_seqlens):
 
 
 def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                 cu_seqlens, flags, isa, gate_args, out, precision=None):
+                 cu_seqlens, flags, isa, gate_args, out, precision=None, l2norm_eps=None):
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, *gate_args)
     q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
@@ -108,7 +110,7 @@ def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use
                              f"{h0.shape}")
     o = T.output(out, v, (B, Tn, HV, V))
     ht = T.empty_like_family(q, (n, HV, K, V), "float32") if output_final_state else None
-    p = _params(q, scale, use_qk_l2norm, flags, isa, precision)
+    p = _params(q, scale, use_qk_l2norm, flags, isa, precision, l2norm_eps)
     o2 = T.merged_view(o, "out")
     _lib.check(_lib.lib.fw_gdn_prefill(T.describe(q2), T.describe(k2), T.describe(v2),
                                        T.describe(g2), T.describe(b2), T.ptr(cu), n,
@@ -122,7 +124,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                            chunk_indices=None, cp_context=None, *, use_gate_in_kernel=False,
                            A_log=None, dt_bias=None, out=None, isa=None, inverse="blocked",
-                           precision=None, **kwargs):
+                           precision=None, l2norm_eps=None, **kwargs):
     """Chunked (WY/UT form, 64-token chunks) prefill, fla's `chunk_gated_delta_rule`.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay, <= 0) and beta [B, T, HV];
@@ -135,8 +137,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     outputs). inverse="fwd_subst" selects the
     forward-substitution triangular inverse. precision of the chunk's products: None or
     "auto" (bf16 for bfloat16 q, as fla's chunk kernels), "f32" or "bf16" (which operands are
-    rounded: the README's "Gated DeltaNet on bf16 products"). Not supported (NotImplementedError):
-    state_v_first, cp_context, other fla keyword arguments.
+    rounded: the README's "Gated DeltaNet on bf16 products"). l2norm_eps: the epsilon inside
+    the in-kernel l2 norm's square root (None: 1e-6, fla's; vLLM's CPU kernels use 1e-5).
+    Not supported (NotImplementedError): state_v_first, cp_context, other fla keyword arguments.
     """
     _unsupported(kwargs, state_v_first=state_v_first, cp_context=cp_context)
     if inverse not in ("blocked", "fwd_subst"):
@@ -145,7 +148,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, flags, isa,
                         (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval), out, precision)
+                         allow_neg_eigval), out, precision, l2norm_eps)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
@@ -153,7 +156,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                                      A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, *, out=None, isa=None, **kwargs):
+                                     cu_seqlens=None, *, out=None, isa=None, l2norm_eps=None,
+                                     **kwargs):
     """Token-by-token recurrence (one fused pass over the state per token),
     fla's `fused_recurrent_gated_delta_rule`; arguments and results as
     chunk_gated_delta_rule. For decode into a slot array in place, see
@@ -178,7 +182,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, _lib.GDN_FUSED_RECURRENT, isa,
                         (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval), out)
+                         allow_neg_eigval), out, None, l2norm_eps)
 
 
 def _state_slots(state, HV, K, V, written):
@@ -217,16 +221,18 @@ def _indices(state_indices, n):
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=None,
-                            use_qk_l2norm_in_kernel=False, *, out=None, isa=None):
+                            use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
+                            l2norm_eps=None):
     """One decode step for N sequences, updating their states in a slot array in place.
 
     q, k [N, H, K] (or [N, 1, H, K]); v [N, HV, V] (or [N, 1, HV, V]); g, beta [N, HV]
     (or [N, 1, HV]); state [slots, HV, K, V] contiguous float32 (numpy or torch), sequence i
     using slot state_indices[i] (default i; distinct). Returns o with v's shape and dtype;
+    l2norm_eps: as in chunk_gated_delta_rule.
     out: an existing array of that shape (any float dtype the library writes) to write and
     return instead of a new one.
     """
-    if _lib.fast is not None and isa is None:
+    if _lib.fast is not None and isa is None and l2norm_eps is None:
         r = _lib.fast.gdn_decode(q, k, v, g, beta, state, state_indices, scale,
                                  use_qk_l2norm_in_kernel, _lib.settings.threads, out)
         if r is not NotImplemented:
@@ -263,7 +269,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
                              f" got {tuple(o.shape)}")
         if squeeze:
             o = o[:, 0]
-    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa)
+    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, None, l2norm_eps)
     _lib.check(_lib.lib.fw_gdn_decode(T.describe(q), T.describe(k), T.describe(v),
                                       T.describe(g), T.describe(beta), T.ptr(state), slots,
                                       T.ptr(idx), T.describe(o), p))
@@ -285,15 +291,15 @@ class GDNReplay:
 
 def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None,
                             scale=None, use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
-                            precision=None):
+                            precision=None, l2norm_eps=None):
     """Speculative verify: up to 64 draft tokens per sequence from the committed states, which
     are read and not changed.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
     state [slots, HV, K, V] contiguous float32; state_indices [N] (default 0..N-1).
     Returns (o [B, T, HV, V], replay); pass replay to gated_delta_rule_commit with the number
-    of accepted tokens per sequence. precision: as in chunk_gated_delta_rule. out: an existing
-    [B, T, HV, V] array to write as o instead of a new one.
+    of accepted tokens per sequence. precision, l2norm_eps: as in chunk_gated_delta_rule.
+    out: an existing [B, T, HV, V] array to write as o instead of a new one.
     """
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, False, None, None, False, False)
@@ -306,7 +312,7 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     floats = _lib.lib.fw_gdn_replay_floats(B * Tn, H, HV, K, V)
     replay = np.empty(max(floats, 1), dtype=np.float32)
     o = T.output(out, v, (B, Tn, HV, V))
-    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision)
+    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision, l2norm_eps)
     _lib.check(_lib.lib.fw_gdn_verify(T.describe(q2), T.describe(k2), T.describe(v2),
                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
                                       T.ptr(state), slots, T.ptr(idx), T.ptr(replay),

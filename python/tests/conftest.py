@@ -97,15 +97,16 @@ def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0,
     return out, lse
 
 
-def ref_gdn(q, k, v, g, beta, scale, h0=None, l2norm=False):
+def ref_gdn(q, k, v, g, beta, scale, h0=None, l2norm=False, eps=1e-6):
     """float64 Gated DeltaNet recurrence for one sequence: q, k [T, H, K], v [T, HV, V],
-    g, beta [T, HV], h0 [HV, K, V] -> o [T, HV, V], h [HV, K, V]."""
+    g, beta [T, HV], h0 [HV, K, V] -> o [T, HV, V], h [HV, K, V] (l2norm: x / sqrt(|x|^2 +
+    eps))."""
     Tn, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     r = HV // H
     if l2norm:
-        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + eps)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + eps)
     h = np.zeros((HV, K, V)) if h0 is None else h0.astype(np.float64).copy()
     o = np.zeros((Tn, HV, V))
     for t in range(Tn):

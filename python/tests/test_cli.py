@@ -28,7 +28,10 @@ def run(*args):
     (["bench", "kvcache", "--page", "abc"], "--page abc: expected an integer"),
     (["bench", "gdn", "--dk", "0"], "--dk 0: expected an integer from 1 to 1024"),
     (["bench", "gdn", "--frob"], "unknown option --frob"),
-    (["bench", "frob"], "bench needs attn, kvcache, gdn or threads; got frob"),
+    (["bench", "conv", "--w", "0"], "--w 0: expected an integer from 1 to 64"),
+    (["bench", "conv", "--dtype", "f64"], "--dtype f64: expected f32, bf16 or f16"),
+    (["bench", "conv", "--frob"], "unknown option --frob"),
+    (["bench", "frob"], "bench needs attn, kvcache, gdn, conv or threads; got frob"),
     (["frob"], "unknown command frob"),
     (["peak", "x"], "peak x: expected an integer"),
     (["run", "extra"], "run takes no arguments"),
@@ -40,7 +43,7 @@ def test_bad_arguments_exit_2_with_a_message(args, needle):
 
 @pytest.mark.parametrize("args", [["-h"], ["--help"], ["run", "--help"], ["peak", "--help"],
                                   ["bench", "attn", "-h"], ["bench", "kvcache", "--help"],
-                                  ["bench", "gdn", "-h"]])
+                                  ["bench", "gdn", "-h"], ["bench", "conv", "-h"]])
 def test_help_exits_0_with_usage(args):
     rc, out = run(*args)
     assert rc == 0 and "usage: flywheel" in out

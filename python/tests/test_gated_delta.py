@@ -200,6 +200,42 @@ def test_decode_steps_equal_the_recurrence(family):
     assert np.abs(as64(slots)[idx] - as64(want_h)).max() <= 1e-5
 
 
+@pytest.mark.parametrize("call", ["chunk", "fused_recurrent", "decode"])
+def test_l2norm_eps_is_used(call):
+    """l2norm_eps=0.5 against the recurrence with that epsilon, far from the default's."""
+    rng = np.random.default_rng(21)
+    Tn, H, HV, K, V = 5, 2, 4, 16, 16
+    q = (rng.standard_normal((1, Tn, H, K)) * 0.3).astype(np.float32)
+    k = (rng.standard_normal((1, Tn, H, K)) * 0.3).astype(np.float32)
+    v = rng.standard_normal((1, Tn, HV, V)).astype(np.float32)
+    g = (-0.2 * rng.random((1, Tn, HV))).astype(np.float32)
+    beta = rng.random((1, Tn, HV)).astype(np.float32)
+    scale = K ** -0.5
+    want, _ = ref_gdn(*(x[0].astype(np.float64) for x in (q, k, v, g, beta)), scale,
+                      l2norm=True, eps=0.5)
+    default, _ = ref_gdn(*(x[0].astype(np.float64) for x in (q, k, v, g, beta)), scale,
+                         l2norm=True)
+    if call == "decode":
+        state = np.zeros((1, HV, K, V), np.float32)
+        got = np.stack([flywheel.gated_delta_rule_decode(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
+            use_qk_l2norm_in_kernel=True, l2norm_eps=0.5) for t in range(Tn)], 1)[0]
+    else:
+        fn = (flywheel.chunk_gated_delta_rule if call == "chunk"
+              else flywheel.fused_recurrent_gated_delta_rule)
+        got = fn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, l2norm_eps=0.5)[0][0]
+    assert np.abs(got - want).max() <= 1e-5
+    assert np.abs(want - default).max() > 1e-2
+
+
+def test_bad_l2norm_eps_is_refused():
+    q = np.zeros((1, 2, 1, 4), np.float32)
+    v = np.zeros((1, 2, 1, 4), np.float32)
+    g = np.zeros((1, 2, 1), np.float32)
+    with pytest.raises(FlywheelError, match="l2norm_eps"):
+        flywheel.chunk_gated_delta_rule(q, q, v, g, g, l2norm_eps=-1.0)
+
+
 @pytest.mark.parametrize("accepted", [[0, 3], [5, 1], [2, 2]])
 def test_verify_then_commit_equals_decoding_the_accepted_tokens(accepted):
     rng = np.random.default_rng(15)

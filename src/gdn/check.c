@@ -49,6 +49,9 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
             return s;
         if (params->l2norm_qk != 0 && params->l2norm_qk != 1)
             return fw_fail(FW_ERR_ARG, "l2norm_qk is %d; it must be 0 or 1", (int)params->l2norm_qk);
+        if (!(params->l2norm_eps >= 0.0f) || !isfinite(params->l2norm_eps))
+            return fw_fail(FW_ERR_ARG, "l2norm_eps is %g; it must be finite and >= 0 (0 means 1e-6)",
+                           (double)params->l2norm_eps);
         if (params->flags & ~(uint32_t)(FW_GDN_FWD_SUBST | FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT))
             return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
         if (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16)
@@ -76,6 +79,7 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     p->cu = cu; p->n = n; p->T = T; p->H = H; p->HV = HV; p->r = HV / H; p->dk = dk; p->dv = dv;
     p->scale = params && params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)dk);
     p->l2 = params ? params->l2norm_qk : 0;
+    p->eps = params && params->l2norm_eps > 0.0f ? (double)params->l2norm_eps : 1e-6;
     p->bf16 = fw_attn_bf16_products(q->dtype, params ? params->precision : FW_PREC_AUTO);
     return FW_OK;
 }

@@ -154,8 +154,8 @@ static void chunk_rows(const gdn_ctx *c, float *K, float *Q, int64_t h, int64_t 
         c->kt->to_f32(at(p->k, t0 + i, h), p->k->dtype, p->k->stride[2], dk, 1.0f, K + (size_t)i * dk);
         c->kt->to_f32(at(p->q, t0 + i, h), p->q->dtype, p->q->stride[2], dk, 1.0f, Q + (size_t)i * dk);
     }
-    c->kt->rows_l2scale(K, L, dk, 1.0f, p->l2);
-    c->kt->rows_l2scale(Q, L, dk, qscale, p->l2);
+    c->kt->rows_l2scale(K, L, dk, 1.0f, p->l2, (float)p->eps);
+    c->kt->rows_l2scale(Q, L, dk, qscale, p->l2, (float)p->eps);
     if (c->replay)
         for (int i = 0; i < L; i++)
             memcpy(c->replay + (size_t)p->T * p->HV * (p->dv + 1) + ((size_t)(t0 + i) * p->H + h) * dk,
@@ -202,7 +202,7 @@ static void chunk_rhs(const gdn_ctx *c, float *RHS, const float *K, const float 
             if (q < c->w.pk) {
                 n = panel_cols(dk, q);
                 memcpy(rh, K + (size_t)i * dk + q * P, (size_t)n * sizeof(float));
-                c->kt->rows_l2scale(rh, 1, n, bet[i] * ex[i], 0);
+                c->kt->rows_l2scale(rh, 1, n, bet[i] * ex[i], 0, 0.0f);
             } else {
                 const int v0 = (q - (int)c->w.pk) * P;
                 n = panel_cols(p->dv, q - (int)c->w.pk);
@@ -265,7 +265,7 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
         for (int i = 0; i < L; i++) {
             float *ao = Ao + (size_t)i * (dk + GDN_C);
             memcpy(ao, Q + (size_t)i * dk, (size_t)dk * sizeof(float));
-            kt->rows_l2scale(ao, 1, dk, ex[i], 0);
+            kt->rows_l2scale(ao, 1, dk, ex[i], 0, 0.0f);
         }
         chunk_rhs(c, RHS, K, gam, vh, t0, L);
         chunk_inverse(c, Am, L, Ti);
@@ -290,10 +290,10 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
         /* h <- 2^g_last h + (2^(g_last - g) K^)^T Delta */
         memcpy(Kpp, K, (size_t)L * dk * sizeof(float));
         for (int i = 0; i < L; i++)
-            kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0);
+            kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e, q);
-            kt->rows_l2scale(HD, dk, P, ex[L - 1], 0);
+            kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
             kt->pv(L, dk, P, Kpp, dk, HD + (size_t)dk * P, HD);
         }
     }
@@ -361,7 +361,7 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
         if (update) { /* (2^(g_last - g) K^)b in pairs of tokens: the A operand of the update */
             for (int i = 0; i < L; i++) {
                 memcpy(Kpp + (size_t)i * dk, K + (size_t)i * dk, (size_t)dk * sizeof(float));
-                kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0);
+                kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
             }
             for (int x = 0; x < Lw; x++)
                 kt->pack_pairs(Kpp + (size_t)(2 * x) * dk, 2 * x + 1 < L ? Kpp + (size_t)(2 * x + 1) * dk : NULL,
@@ -388,7 +388,7 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
                 store_out(c, o, t0 + r, vh, q, panel_cols(p->dv, q));
             }
             if (update) { /* h <- 2^g_last h + (2^(g_last - g) K^)b^T Deltab */
-                kt->rows_l2scale(HD, dk, P, ex[L - 1], 0);
+                kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
                 kt->pv_bf16(Lw, dk, P, KPw, Dw, HD);
             }
         }

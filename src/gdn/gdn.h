@@ -12,6 +12,7 @@ typedef struct {
     const int32_t *cu;
     int64_t n, T, H, HV, r, dk, dv;
     double scale;
+    double eps; /* inside the l2 norm's sqrt */
     int l2;
     int bf16; /* bf16 products (params->precision resolved; the chunked passes only) */
 } gdn_prob;
@@ -37,13 +38,13 @@ static inline float scalar_at(const fw_tensor *t, int64_t i, int64_t j)
     return *(const float *)at(t, i, j);
 }
 
-/* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (eps inside the
+/* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (p->eps inside the
  * sqrt), by the same table kernel as the chunked path. */
 static inline void load_qk(const fw_kernels *kt, const gdn_prob *p, const fw_tensor *x, int64_t t,
                            int64_t h, double scale, float *dst)
 {
     kt->to_f32(at(x, t, h), x->dtype, x->stride[2], p->dk, 1.0f, dst);
-    kt->rows_l2scale(dst, 1, (int)p->dk, (float)scale, p->l2);
+    kt->rows_l2scale(dst, 1, (int)p->dk, (float)scale, p->l2, (float)p->eps);
 }
 
 /* State rows [dk][dv] of (sequence or slot) i, value head vh, in a [*, HV, dk, dv] array. */

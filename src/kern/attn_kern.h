@@ -1158,8 +1158,8 @@ static void exp2_inplace(float *x, int64_t n)
         x[i] = exp2f(x[i]);
 }
 
-/* Row r of x [rows][n] times scale / sqrt(|x_r|^2 + 1e-6) (l2 = 1) or times scale (l2 = 0). */
-static void rows_l2scale(float *x, int rows, int n, float scale, int l2)
+/* Row r of x [rows][n] times scale / sqrt(|x_r|^2 + eps) (l2 = 1) or times scale (l2 = 0). */
+static void rows_l2scale(float *x, int rows, int n, float scale, int l2, float eps)
 {
     for (int r = 0; r < rows; r++) {
         float *xr = x + (size_t)r * n, s = scale;
@@ -1174,7 +1174,7 @@ static void rows_l2scale(float *x, int rows, int n, float scale, int l2)
             double ss = vhsum(vadd(a0, a1));
             for (; i < n; i++)
                 ss += (double)xr[i] * xr[i];
-            s = (float)(scale / sqrt(ss + 1e-6));
+            s = (float)(scale / sqrt(ss + (double)eps));
         }
         const vf vs = vset1(s);
         int i = 0;

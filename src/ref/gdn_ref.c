@@ -15,7 +15,7 @@ static int64_t off3(const fw_tensor *t, int64_t i, int64_t j, int64_t x)
 /* x rounded to bf16 (nearest even). */
 static double rb(double x) { return (double)fw_cvt_bf16_f32(fw_cvt_f32_bf16((float)x)); }
 
-/* The normalised row (l2: x / sqrt(|x|^2 + 1e-6)) of token t, head hh of x, in double. */
+/* The normalised row (l2: x / sqrt(|x|^2 + eps)) of token t, head hh of x, in double. */
 static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh, double *dst)
 {
     double n = 0;
@@ -23,7 +23,7 @@ static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh
         dst[i] = fw_load_f64(x, off3(x, t, hh, i));
         n += dst[i] * dst[i];
     }
-    const double s = p->l2 ? 1.0 / sqrt(n + 1e-6) : 1.0;
+    const double s = p->l2 ? 1.0 / sqrt(n + p->eps) : 1.0;
     for (int64_t i = 0; i < p->dk; i++)
         dst[i] *= s;
 }
@@ -176,7 +176,7 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                     nq += qq[x] * qq[x];
                     nk += kk[x] * kk[x];
                 }
-                const double sq = p.scale / (p.l2 ? sqrt(nq + 1e-6) : 1.0), sk = p.l2 ? 1.0 / sqrt(nk + 1e-6) : 1.0;
+                const double sq = p.scale / (p.l2 ? sqrt(nq + p.eps) : 1.0), sk = p.l2 ? 1.0 / sqrt(nk + p.eps) : 1.0;
                 for (int64_t x = 0; x < dk; x++) {
                     qq[x] *= sq;
                     kk[x] *= sk;
