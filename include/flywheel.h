@@ -353,6 +353,32 @@ FW_API fw_status fw_gdn_decode(const fw_tensor *q, const fw_tensor *k, const fw_
                                const fw_tensor *out, const fw_gdn_params *params);
 
 /*
+ * A state pool as a serving engine keeps it: slot s at data + s * slot_stride floats, each
+ * [HV, dk, dv] f32 (slot_stride >= HV dk dv: engines pad slots to their page size). Sequence
+ * i starts from slot read[i] (negative, or read NULL: a zero state) and its final state goes
+ * to slot write[i] (negative: not written; write NULL: the read slot, in place). Read and
+ * write slots differ under prefix caching. No two sequences may write one slot, and no
+ * sequence may read a slot another one writes (FW_ERR_INDEX, nothing written).
+ */
+typedef struct fw_gdn_pool {
+    float *data;
+    int64_t slots, slot_stride;
+    const int32_t *read, *write;
+} fw_gdn_pool;
+
+/* Prefill (as fw_gdn_prefill) with the states in a pool. */
+FW_API fw_status fw_gdn_prefill_pool(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                     const fw_tensor *g, const fw_tensor *beta,
+                                     const int32_t *cu_seqlens, int64_t n_seqs,
+                                     const fw_gdn_pool *pool, const fw_tensor *out,
+                                     const fw_gdn_params *params);
+
+/* Decode (as fw_gdn_decode, N = q's first dimension) with the states in a pool. */
+FW_API fw_status fw_gdn_decode_pool(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                    const fw_tensor *g, const fw_tensor *beta, const fw_gdn_pool *pool,
+                                    const fw_tensor *out, const fw_gdn_params *params);
+
+/*
  * Speculative verify: n_i <= 64 tokens per sequence (cu_seqlens, as in prefill) from the
  * committed state in slot state_indices[i], which is read, not changed. Writes out for every
  * token and keeps, in the caller-owned `replay` buffer, what fw_gdn_commit needs to rebuild

@@ -215,7 +215,7 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
 /* (c) state carried across a split at a non-multiple of 64 equals one run; (b) via lens */
 static void test_split_state(void)
 {
-    gcase c = {150, 2, 4, 32, 24, FW_F32, 1, 1.0, 0.2};
+    gcase c = {150, 2, 4, 32, 24, FW_F32, 1, 1.0, 0.2, 0.0f};
     case_begin("gdn: state carried across a split at 100 equals one run");
     ginputs in;
     make_inputs(&in, &c, 5);
@@ -363,11 +363,104 @@ static void test_decode_step(void)
     }
 }
 
+/* (h) prefill and decode on a state pool (padded slots, read and write slots apart, a zero
+ * start, a sequence not written) give the bits of the dense calls on gathered states, write
+ * only their write slots, and refuse bad pools with nothing written */
+static void test_state_pool(void)
+{
+    enum { H = 2, HV = 4, DK = 16, DV = 24, N = 3, SLOTS = 8, PAD = 37 };
+    const int64_t ss = HV * DK * DV, stride = ss + PAD;
+    gcase c = {0, H, HV, DK, DV, FW_BF16, 1, 1.0, 0.3, 0.0f};
+    int32_t cu[N + 1] = {0, 70, 71, 100};
+    c.T = cu[N];
+    ginputs in;
+    make_inputs(&in, &c, 77);
+    static float pool[SLOTS * (HV * DK * DV + PAD)], pool0[SLOTS * (HV * DK * DV + PAD)];
+    static float init[N * HV * DK * DV], fin[N * HV * DK * DV];
+    rng_seed(78);
+    for (int64_t i = 0; i < SLOTS * stride; i++)
+        pool0[i] = (float)(0.2 * rng_normal());
+    /* sequence 0 reads 5 writes 2 (prefix caching), 1 starts from zeros and writes 6, 2 reads
+     * 3 and writes nothing */
+    int32_t rd[N] = {5, -1, 3}, wr[N] = {2, 6, -1};
+    for (int i = 0; i < N; i++)
+        for (int64_t x = 0; x < ss; x++)
+            init[i * ss + x] = rd[i] >= 0 ? pool0[rd[i] * stride + x] : 0.0f;
+    int64_t os[3] = {c.T, HV, DV};
+    gbuf o1 = gbuf_new((size_t)(c.T * HV * DV) * 2 + 1), o2 = gbuf_new((size_t)(c.T * HV * DV) * 2 + 1);
+    fw_tensor t1 = fw_tensor_contiguous(o1.p, FW_BF16, 3, os), t2 = fw_tensor_contiguous(o2.p, FW_BF16, 3, os);
+    fw_gdn_params p;
+    fw_gdn_params_init(&p);
+    p.l2norm_qk = 1;
+    fw_gdn_pool pl = {pool, SLOTS, stride, rd, wr};
+    for (int dec = 0; dec < 2; dec++) {
+        case_begin("gdn: %s on a state pool equals the dense call on gathered states", dec ? "decode" : "prefill");
+        memcpy(pool, pool0, sizeof pool);
+        fw_status st;
+        if (dec) { /* the first token of each sequence, one per sequence */
+            fw_tensor q = in.q, k = in.k, v = in.v, g = in.g, b = in.beta, o = t2, od = t1;
+            q.shape[0] = k.shape[0] = v.shape[0] = g.shape[0] = b.shape[0] = o.shape[0] = od.shape[0] = N;
+            st = fw_gdn_decode_pool(&q, &k, &v, &g, &b, &pl, &o, &p);
+            memcpy(fin, init, sizeof init);
+            int32_t id[N] = {0, 1, 2};
+            st |= fw_gdn_decode(&q, &k, &v, &g, &b, fin, N, id, &od, &p);
+            case_check(memcmp(o1.p, o2.p, (size_t)(N * HV * DV) * 2) == 0, "outputs differ");
+        } else {
+            st = fw_gdn_prefill_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, &pl, &t2, &p);
+            st |= fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, init, fin, &t1, &p);
+            case_check(memcmp(o1.p, o2.p, o1.bytes) == 0, "outputs differ");
+        }
+        case_check(st == FW_OK, "status: %s", fw_last_error());
+        int same = 1, kept = 1;
+        for (int64_t sl = 0; sl < SLOTS; sl++)
+            for (int64_t x = 0; x < stride; x++) {
+                const int64_t at_ = sl * stride + x;
+                int seq = -1;
+                for (int i = 0; i < N; i++)
+                    if (wr[i] == sl && x < ss)
+                        seq = i;
+                if (seq >= 0)
+                    same &= memcmp(&pool[at_], &fin[seq * ss + x], sizeof(float)) == 0;
+                else
+                    kept &= memcmp(&pool[at_], &pool0[at_], sizeof(float)) == 0;
+            }
+        case_check(same, "written slots differ from the dense call's final states");
+        case_check(kept, "a slot (or padding) that no sequence writes changed");
+        case_end();
+    }
+    case_begin("gdn: bad state pools are refused with nothing written");
+    int32_t dup[N] = {2, 2, -1}, cross_r[N] = {1, 4, -1}, cross_w[N] = {4, 7, -1}, past[N] = {0, 8, 1};
+    struct { const char *what; fw_gdn_pool pool; fw_status want; } bad[] = {
+        {"slot stride under a state", {pool, SLOTS, ss - 1, rd, wr}, FW_ERR_STRIDE},
+        {"slot past the pool", {pool, SLOTS, stride, past, NULL}, FW_ERR_INDEX},
+        {"two sequences write one slot", {pool, SLOTS, stride, rd, dup}, FW_ERR_INDEX},
+        {"a slot read by one sequence and written by another", {pool, SLOTS, stride, cross_r, cross_w}, FW_ERR_INDEX},
+        {"NULL data", {NULL, SLOTS, stride, rd, wr}, FW_ERR_NULL},
+        {"no indices", {pool, SLOTS, stride, NULL, NULL}, FW_ERR_NULL},
+        {"overflowing extent", {pool, INT64_MAX / 8, stride, rd, wr}, FW_ERR_OVERFLOW},
+    };
+    for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+        memcpy(pool, pool0, sizeof pool);
+        memset(o2.p, 0xA5, o2.bytes);
+        fw_status st = b % 2 ? fw_gdn_prefill_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, &bad[b].pool, &t2, &p)
+                             : fw_gdn_decode_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, &bad[b].pool, &t2, &p);
+        int untouched = memcmp(pool, pool0, sizeof pool) == 0;
+        for (size_t x = 0; x < o2.bytes; x++)
+            untouched &= ((unsigned char *)o2.p)[x] == 0xA5;
+        case_check(st == bad[b].want && untouched, "%s: status %d (want %d), \"%s\"%s", bad[b].what, (int)st,
+                   (int)bad[b].want, fw_last_error(), untouched ? "" : ", and it wrote");
+    }
+    case_end();
+    gbuf_free(&o1);
+    gbuf_free(&o2);
+    free_inputs(&in);
+}
+
 /* (f) verify + commit of every m equals sequential decode; decode equals the reference */
 static void test_verify_commit(void)
 {
     const int64_t H = 2, HV = 4, dk = 32, dv = 40, n = 7, N = 2;
-    gcase c = {n * N, H, HV, dk, dv, FW_F32, 1, 1.0, 0.3};
+    gcase c = {n * N, H, HV, dk, dv, FW_F32, 1, 1.0, 0.3, 0.0f};
     ginputs in;
     make_inputs(&in, &c, 17);
     const int64_t slots = 5, ss = HV * dk * dv;
@@ -479,7 +572,7 @@ static void bad_verdict(const char *what, fw_status st, fw_status want, const gb
 /* bad input: a status and a message; out and the state untouched */
 static void test_gdn_bad_input(void)
 {
-    gcase c = {10, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0};
+    gcase c = {10, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0, 0.0f};
     ginputs in;
     make_inputs(&in, &c, 2);
     int64_t os[3] = {10, 4, 8};
@@ -543,7 +636,7 @@ static void test_gdn_bad_input(void)
  * benchmarks and workspace query. */
 static void test_more_bad_input(void)
 {
-    gcase c = {3, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0};
+    gcase c = {3, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0, 0.0f};
     ginputs in;
     make_inputs(&in, &c, 9);
     int64_t os[3] = {3, 4, 8};
@@ -665,7 +758,7 @@ static void sweep_lengths(void)
         if (quick_mode() && T[i] > 150)
             continue;
         /* HV/H in {1, 2, 3}, dk != dv, every dtype, l2norm in and out of the kernel */
-        gcase c = {0, 2, 2 * (1 + i % 3), 32, 24, (fw_dtype)(i % 3), i % 2, 1.0, 0.3};
+        gcase c = {0, 2, 2 * (1 + i % 3), 32, 24, (fw_dtype)(i % 3), i % 2, 1.0, 0.3, 0.0f};
         int32_t len = (int32_t)T[i];
         run_gcase(&c, &len, 1, 40 + i);
     }
@@ -675,9 +768,9 @@ static void sweep_lengths(void)
 static void sweep_varlen(void)
 {
     static const int32_t lens[] = {65, 0, 1, 130, 7};
-    gcase c = {0, 2, 4, 48, 40, FW_BF16, 1, 1.0, 0.5};
+    gcase c = {0, 2, 4, 48, 40, FW_BF16, 1, 1.0, 0.5, 0.0f};
     run_gcase(&c, lens, 5, 60);
-    gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9};
+    gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9, 0.0f};
     run_gcase(&strong, lens, 5, 61);
     /* an eps that moves the norms by several percent: every path must use it */
     gcase eps = {0, 2, 2, 32, 24, FW_F32, 1, 1.0, 0.3, 4.0f};
@@ -690,6 +783,7 @@ const test_suite gdn_suites[] = {
     {"gdn.bad_input", test_gdn_bad_input},
     {"gdn.inverse_stability", test_inverse_stability},
     {"gdn.decode_step", test_decode_step},
+    {"gdn.state_pool", test_state_pool},
     {"gdn.verify_commit", test_verify_commit},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},

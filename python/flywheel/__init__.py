@@ -31,7 +31,7 @@ from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_
 from .conv import causal_conv1d_fn, causal_conv1d_update
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                           gated_delta_rule_commit, gated_delta_rule_decode,
-                          gated_delta_rule_verify)
+                          gated_delta_rule_prefill, gated_delta_rule_verify)
 
 __version__ = "0.1.0"
 
@@ -40,7 +40,8 @@ __all__ = [
     "causal_conv1d_update", "chunk_gated_delta_rule", "fla",
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "fused_recurrent_gated_delta_rule",
-    "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_verify",
+    "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
+    "gated_delta_rule_verify",
     "get_num_threads", "get_spin_us", "isa_tables", "default_isa", "set_num_threads",
     "set_spin_us",
 ]

@@ -177,6 +177,16 @@ class GdnParams(ctypes.Structure):
     ]
 
 
+class GdnPool(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("slots", ctypes.c_int64),
+        ("slot_stride", ctypes.c_int64),
+        ("read", ctypes.c_void_p),
+        ("write", ctypes.c_void_p),
+    ]
+
+
 class Conv1dParams(ctypes.Structure):
     _fields_ = [
         ("activation", ctypes.c_int32),
@@ -253,6 +263,9 @@ _SIGNATURES = {
     "fw_gdn_prefill": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _vp, _T,
                                       _P(GdnParams)]),
     "fw_gdn_decode": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _T, _P(GdnParams)]),
+    "fw_gdn_prefill_pool": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _P(GdnPool), _T,
+                                           _P(GdnParams)]),
+    "fw_gdn_decode_pool": (ctypes.c_int, [_T, _T, _T, _T, _T, _P(GdnPool), _T, _P(GdnParams)]),
     "fw_gdn_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
     "fw_gdn_verify": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _i64, _vp, _vp, _sz,
                                      _T, _P(GdnParams)]),

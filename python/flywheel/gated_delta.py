@@ -211,6 +211,38 @@ def _state_slots(state, HV, K, V, written):
     return state.shape[0]
 
 
+def _pool_slots(state, HV, K, V):
+    """A state pool the library reads and updates in place: float32 [slots, HV, K, V] whose
+    slots may lie further apart than HV K V floats (an engine's padded slots), each slot
+    contiguous. Returns (slots, slot stride in floats)."""
+    want = f"a float32 [slots, HV, K, V] = [slots, {HV}, {K}, {V}] array, each slot contiguous"
+    if T.is_torch(state):
+        torch = T._torch()
+        if state.device.type != "cpu":
+            raise NotImplementedError(f"state is on {state.device}: CPU tensors only")
+        f32, st = state.dtype == torch.float32, tuple(state.stride())
+    elif isinstance(state, np.ndarray):
+        f32, st = state.dtype == np.float32, tuple(s // 4 for s in state.strides)
+    else:
+        raise TypeError(f"state must be {want} (numpy or torch), got {type(state).__name__}")
+    if not f32:
+        raise TypeError(f"state: dtype {state.dtype} is not supported: state must be {want}")
+    if state.ndim != 4 or tuple(state.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state must be {want}, got shape {tuple(state.shape)}")
+    if st[1:] != (K * V, V, 1) or (state.shape[0] > 1 and st[0] < HV * K * V):
+        raise ValueError(f"state must be {want} (it is updated in place), got strides {st}")
+    T.check_writable(state, "state")
+    return state.shape[0], st[0] if state.shape[0] > 1 else HV * K * V
+
+
+def _pool(state, slots, stride, read, write):
+    p = _lib.GdnPool()
+    p.data = T.ptr(state)
+    p.slots, p.slot_stride = slots, stride
+    p.read, p.write = T.ptr(read), T.ptr(write)
+    return p
+
+
 def _indices(state_indices, n):
     if state_indices is None:
         return np.arange(n, dtype=np.int32)
@@ -222,17 +254,20 @@ def _indices(state_indices, n):
 
 def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=None,
                             use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
-                            l2norm_eps=None):
+                            l2norm_eps=None, read_state_indices=None):
     """One decode step for N sequences, updating their states in a slot array in place.
 
     q, k [N, H, K] (or [N, 1, H, K]); v [N, HV, V] (or [N, 1, HV, V]); g, beta [N, HV]
     (or [N, 1, HV]); state [slots, HV, K, V] contiguous float32 (numpy or torch), sequence i
     using slot state_indices[i] (default i; distinct). Returns o with v's shape and dtype;
-    l2norm_eps: as in chunk_gated_delta_rule.
+    l2norm_eps: as in chunk_gated_delta_rule. read_state_indices [N]: the slot each sequence
+    starts from when it is not its state_indices slot (prefix caching; negative: a zero
+    state); a negative state_indices entry then means the new state is not kept. With it,
+    state may also be a pool whose slots lie further apart (padded), each slot contiguous.
     out: an existing array of that shape (any float dtype the library writes) to write and
     return instead of a new one.
     """
-    if _lib.fast is not None and isa is None and l2norm_eps is None:
+    if _lib.fast is not None and isa is None and l2norm_eps is None and read_state_indices is None:
         r = _lib.fast.gdn_decode(q, k, v, g, beta, state, state_indices, scale,
                                  use_qk_l2norm_in_kernel, _lib.settings.threads, out)
         if r is not NotImplemented:
@@ -258,8 +293,17 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
             raise ValueError(f"{name} must be [N, HV] = {(N, HV)} (or [N, 1, HV]), got "
                              f"shape {x.shape}")
     g, beta = g.reshape(N, HV), beta.reshape(N, HV)
-    slots = _state_slots(state, HV, q.shape[-1], V, written=True)
-    idx = _indices(state_indices, N)
+    pool = None
+    if read_state_indices is not None:
+        slots, stride = _pool_slots(state, HV, q.shape[-1], V)
+        idx = _indices(state_indices, N)
+        ridx = T.index_array(read_state_indices, "read_state_indices")
+        if ridx.shape != (N,):
+            raise ValueError(f"read_state_indices must have {N} entries, got {ridx.shape}")
+        pool = _pool(state, slots, stride, ridx, idx)
+    else:
+        slots = _state_slots(state, HV, q.shape[-1], V, written=True)
+        idx = _indices(state_indices, N)
     if out is None:
         o = T.empty_like_family(v, (N, HV, V))
     else:
@@ -270,12 +314,51 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
         if squeeze:
             o = o[:, 0]
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, None, l2norm_eps)
-    _lib.check(_lib.lib.fw_gdn_decode(T.describe(q), T.describe(k), T.describe(v),
-                                      T.describe(g), T.describe(beta), T.ptr(state), slots,
-                                      T.ptr(idx), T.describe(o), p))
+    if pool is not None:
+        _lib.check(_lib.lib.fw_gdn_decode_pool(T.describe(q), T.describe(k), T.describe(v),
+                                               T.describe(g), T.describe(beta), pool,
+                                               T.describe(o), p))
+    else:
+        _lib.check(_lib.lib.fw_gdn_decode(T.describe(q), T.describe(k), T.describe(v),
+                                          T.describe(g), T.describe(beta), T.ptr(state), slots,
+                                          T.ptr(idx), T.describe(o), p))
     if out is not None:
         return out
     return o.reshape(N, 1, HV, V) if squeeze else o
+
+
+def gated_delta_rule_prefill(q, k, v, g, beta, state, state_indices, cu_seqlens=None,
+                             read_state_indices=None, scale=None, use_qk_l2norm_in_kernel=False,
+                             *, out=None, isa=None, precision=None, l2norm_eps=None):
+    """Chunked prefill with the states in a serving engine's pool, read and written in place.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
+    state [slots, HV, K, V] float32, each slot contiguous (slots may lie further apart:
+    padded); sequence i starts from slot read_state_indices[i] (default: state_indices[i];
+    negative: a zero state) and its final state goes to slot state_indices[i] (negative: not
+    kept). No two sequences may write one slot, nor read one another writes. Returns o
+    [B, T, HV, V] (out: an existing array to write instead). precision, l2norm_eps: as in
+    chunk_gated_delta_rule.
+    """
+    q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    g, beta = _gates(g, beta, False, None, None, False, False)
+    q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
+    n = cu.size - 1
+    B, Tn, HV, V = v.shape
+    slots, stride = _pool_slots(state, HV, q.shape[-1], V)
+    widx = _indices(state_indices, n)
+    ridx = widx
+    if read_state_indices is not None:
+        ridx = T.index_array(read_state_indices, "read_state_indices")
+        if ridx.shape != (n,):
+            raise ValueError(f"read_state_indices must have {n} entries, got {ridx.shape}")
+    o = T.output(out, v, (B, Tn, HV, V))
+    p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision, l2norm_eps)
+    _lib.check(_lib.lib.fw_gdn_prefill_pool(T.describe(q2), T.describe(k2), T.describe(v2),
+                                            T.describe(g2), T.describe(b2), T.ptr(cu), n,
+                                            _pool(state, slots, stride, ridx, widx),
+                                            T.describe(T.merged_view(o, "out")), p))
+    return o
 
 
 class GDNReplay:

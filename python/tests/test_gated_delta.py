@@ -228,6 +228,64 @@ def test_l2norm_eps_is_used(call):
     assert np.abs(want - default).max() > 1e-2
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_decode_on_a_padded_pool(family):
+    """A pool with padded slots, read and write slots apart, a zero start and a sequence not
+    kept: the bits of the dense calls on gathered states; other slots untouched."""
+    rng = np.random.default_rng(31)
+    H, HV, K, V, pad = 2, 4, 16, 16, 40
+    lens = [9, 1, 5]
+    Tn = sum(lens)
+    cu = np.array([0, 9, 10, 15], np.int32)
+    q, k = (rng.standard_normal((1, Tn, H, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, Tn, HV, V)).astype(np.float32)
+    g = (-0.3 * rng.random((1, Tn, HV))).astype(np.float32)
+    beta = rng.random((1, Tn, HV)).astype(np.float32)
+    raw = rng.standard_normal((6, HV * K * V + pad)).astype(np.float32)
+    before = raw.copy()
+    pool = np.lib.stride_tricks.as_strided(raw, (6, HV, K, V), (raw.strides[0], K * V * 4, V * 4, 4))
+    rd, wr = np.array([4, -1, 1], np.int32), np.array([0, 3, -1], np.int32)
+    init = np.stack([pool[r] if r >= 0 else np.zeros((HV, K, V), np.float32) for r in rd])
+    want_o, want_h = flywheel.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init,
+                                                     output_final_state=True, cu_seqlens=cu,
+                                                     use_qk_l2norm_in_kernel=True)
+    if family == "torch":
+        raw_t = torch.from_numpy(raw)
+        pool_arg = raw_t[:, :HV * K * V].view(6, HV, K, V)
+    else:
+        pool_arg = pool
+    o = flywheel.gated_delta_rule_prefill(q, k, v, g, beta, pool_arg, wr, cu_seqlens=cu,
+                                          read_state_indices=rd, use_qk_l2norm_in_kernel=True)
+    assert np.array_equal(as64(o), as64(want_o))
+    assert np.array_equal(raw[0, :HV * K * V].reshape(HV, K, V), want_h[0])
+    assert np.array_equal(raw[3, :HV * K * V].reshape(HV, K, V), want_h[1])
+    for s_ in (1, 2, 4, 5):
+        assert np.array_equal(raw[s_], before[s_])
+    assert np.array_equal(raw[:, HV * K * V:], before[:, HV * K * V:])
+    # decode: the first token of each sequence, slots as above, against the dense decode
+    raw[:] = before
+    dense = init.copy()
+    want = flywheel.gated_delta_rule_decode(q[0, :3], k[0, :3], v[0, :3], g[0, :3], beta[0, :3],
+                                            dense, np.arange(3, dtype=np.int32))
+    got = flywheel.gated_delta_rule_decode(q[0, :3], k[0, :3], v[0, :3], g[0, :3], beta[0, :3],
+                                           pool_arg, wr, read_state_indices=rd)
+    assert np.array_equal(as64(got), as64(want))
+    assert np.array_equal(raw[0, :HV * K * V].reshape(HV, K, V), dense[0])
+    assert np.array_equal(raw[3, :HV * K * V].reshape(HV, K, V), dense[1])
+    for s_ in (1, 2, 4, 5):
+        assert np.array_equal(raw[s_], before[s_])
+
+
+def test_pool_refuses_a_slot_read_by_one_and_written_by_another():
+    q = np.zeros((2, 1, 4), np.float32)
+    v = np.zeros((2, 1, 4), np.float32)
+    g = np.zeros((2, 1), np.float32)
+    state = np.ones((3, 1, 4, 4), np.float32)
+    with pytest.raises(FlywheelError, match="reads state slot 1"):
+        flywheel.gated_delta_rule_decode(q, q, v, g, g, state, [1, 2], read_state_indices=[0, 1])
+    assert (state == 1).all()
+
+
 def test_bad_l2norm_eps_is_refused():
     q = np.zeros((1, 2, 1, 4), np.float32)
     v = np.zeros((1, 2, 1, 4), np.float32)

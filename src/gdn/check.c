@@ -136,3 +136,71 @@ fw_status fw_gdn_check_slots(const int32_t *idx, int64_t n, int64_t slots, const
     free(sorted);
     return st;
 }
+
+/* The slot a pool gives sequence i to read from, or to write to (negative: none). */
+static int64_t pool_write(const fw_gdn_pool *pool, int64_t i)
+{
+    return pool->write ? pool->write[i] : pool->read ? pool->read[i] : -1;
+}
+
+fw_status fw_gdn_check_pool(const fw_gdn_pool *pool, int64_t n, int64_t HV, int64_t dk, int64_t dv)
+{
+    if (!pool)
+        return fw_fail(FW_ERR_NULL, "pool is NULL");
+    const int64_t state = HV * dk * dv;
+    if (pool->slots < 0)
+        return fw_fail(FW_ERR_ARG, "pool has %lld slots; it must be >= 0", (long long)pool->slots);
+    if (pool->slots > 1 && pool->slot_stride < state)
+        return fw_fail(FW_ERR_STRIDE, "pool slot_stride is %lld floats; a state is HV x dk x dv = %lld",
+                       (long long)pool->slot_stride, (long long)state);
+    int64_t extent;
+    if (pool->slots > 0 && (__builtin_mul_overflow(pool->slots - 1, pool->slot_stride, &extent) ||
+                            __builtin_add_overflow(extent, state, &extent) ||
+                            __builtin_mul_overflow(extent, (int64_t)sizeof(float), &extent)))
+        return fw_fail(FW_ERR_OVERFLOW, "pool: %lld slots of stride %lld overflow int64 bytes",
+                       (long long)pool->slots, (long long)pool->slot_stride);
+    if (pool->slots > 0 && !pool->data)
+        return fw_fail(FW_ERR_NULL, "pool has %lld slots but NULL data", (long long)pool->slots);
+    if (n > 0 && !pool->write && !pool->read)
+        return fw_fail(FW_ERR_NULL, "pool has neither read nor write indices: nothing to read or write");
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = pool->read ? pool->read[i] : -1, w = pool_write(pool, i);
+        if (r >= pool->slots || w >= pool->slots)
+            return fw_fail(FW_ERR_INDEX, "sequence %lld: %s slot %lld is past the pool's %lld slots", (long long)i,
+                           r >= pool->slots ? "read" : "write", (long long)(r >= pool->slots ? r : w),
+                           (long long)pool->slots);
+    }
+    slot_seq *wr = malloc(sizeof *wr * (size_t)(n > 0 ? n : 1));
+    if (!wr)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld slot entries to check", (long long)n);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (pool_write(pool, i) >= 0) {
+            wr[m].slot = (int32_t)pool_write(pool, i);
+            wr[m++].seq = i;
+        }
+    qsort(wr, (size_t)m, sizeof *wr, cmp_slot_seq);
+    fw_status st = FW_OK;
+    for (int64_t j = 1; j < m && !st; j++)
+        if (wr[j].slot == wr[j - 1].slot)
+            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write state slot %d", (long long)wr[j - 1].seq,
+                         (long long)wr[j].seq, (int)wr[j].slot);
+    for (int64_t i = 0; i < n && !st && pool->read; i++) {
+        const int64_t s = pool->read[i];
+        if (s < 0)
+            continue;
+        int64_t lo = 0, hi = m;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (wr[mid].slot < s)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < m && wr[lo].slot == s && wr[lo].seq != i)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads state slot %lld, which sequence %lld writes in the same call",
+                         (long long)i, (long long)s, (long long)wr[lo].seq);
+    }
+    free(wr);
+    return st;
+}

@@ -88,11 +88,30 @@ typedef struct {
     gdn_ws w;
     float *ws;
     uint32_t flags;
-    const float *init;  /* prefill: [N, HV, dk, dv] or NULL; verify: slot array */
-    float *final;       /* prefill: [N, HV, dk, dv] or NULL */
-    const int32_t *idx; /* verify: slot of each sequence */
+    /* states: sequence i's at init + slot * init_stride (slot = init_idx[i], or i without
+     * indices; negative: zeros), its final one at final + final_idx[i] * final_stride
+     * (negative: not written); init or final NULL: none */
+    const float *init;
+    float *final;
+    const int32_t *init_idx, *final_idx;
+    int64_t init_stride, final_stride;
+    int verify;
     float *replay;      /* verify: deltas [T][HV][dv], gammas [T][HV], keys [T][H][dk] */
 } gdn_ctx;
+
+/* Sequence seq's value head vh in the initial state (NULL: zeros), or in the final one
+ * (NULL: not written). */
+static const float *init_of(const gdn_ctx *c, int64_t seq, int64_t vh)
+{
+    const int64_t s = c->init_idx ? c->init_idx[seq] : seq;
+    return c->init && s >= 0 ? c->init + s * c->init_stride + vh * c->p->dk * c->p->dv : NULL;
+}
+
+static float *final_of(const gdn_ctx *c, int64_t seq, int64_t vh)
+{
+    const int64_t s = c->final_idx ? c->final_idx[seq] : seq;
+    return c->final && s >= 0 ? c->final + s * c->final_stride + vh * c->p->dk * c->p->dv : NULL;
+}
 
 /* Panel q of value head e's [h ; Delta]: h rows [0, dk), Delta rows [dk, dk + 64), 64 wide. */
 static float *hd_panel(const gdn_ctx *c, float *W, int64_t e, int64_t q)
@@ -427,18 +446,18 @@ static void chunked_item(void *vctx, int64_t idx, int tid)
     float *W = c->ws + (size_t)tid * c->w.total;
     const int64_t seq = idx / p->H, h = idx % p->H;
     const int64_t t0 = p->cu[seq], t1 = p->cu[seq + 1];
-    const int verify = c->idx != NULL;
-    for (int64_t e = 0; e < p->r; e++) {
-        const int64_t vh = h * p->r + e, src = verify ? c->idx[seq] : seq;
-        load_state(c, W, e, c->init ? c->init + state_off(p, src, vh) : NULL);
-    }
+    const int verify = c->verify;
+    for (int64_t e = 0; e < p->r; e++)
+        load_state(c, W, e, init_of(c, seq, h * p->r + e));
     memset(W + c->w.zero, 0, GDN_P * sizeof(float));
     for (int64_t t = t0; t < t1; t += GDN_C)
         (p->bf16 ? gdn_chunk_bf16 : gdn_chunk)(c, W, h, t, (int)fw_min64(GDN_C, t1 - t),
                                                (int)fw_min64(GDN_C, fw_max64(0, t1 - t - GDN_C)), !verify);
-    if (c->final)
-        for (int64_t e = 0; e < p->r; e++)
-            store_state(c, W, e, c->final + state_off(p, seq, h * p->r + e));
+    for (int64_t e = 0; e < p->r; e++) {
+        float *dst = final_of(c, seq, h * p->r + e);
+        if (dst)
+            store_state(c, W, e, dst);
+    }
 }
 
 /* Recurrent prefill item (the baselines): (sequence, value head), token by token. */
@@ -452,8 +471,9 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
     const int dk = (int)p->dk, dv = (int)p->dv;
     float *hst = W + c->w.hd, *q = W + c->w.qc, *k = W + c->w.kc, *v = W + c->w.wh, *o = v + dv,
           *tmp = o + dv;
+    const float *h0 = init_of(c, seq, vh);
     for (int64_t x = 0; x < p->dk * p->dv; x++)
-        hst[x] = c->init ? c->init[state_off(p, seq, vh) + x] : 0.0f;
+        hst[x] = h0 ? h0[x] : 0.0f;
     for (int64_t t = p->cu[seq]; t < p->cu[seq + 1]; t++) {
         load_qk(kt, p, p->q, t, h, p->scale, q);
         load_qk(kt, p, p->k, t, h, 1.0, k);
@@ -470,8 +490,9 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
         }
         kt->from_f32(o, dv, (void *)at(p->out, t, vh), p->out->dtype, p->out->stride[2]);
     }
-    if (c->final)
-        memcpy(c->final + state_off(p, seq, vh), hst, (size_t)(p->dk * p->dv) * sizeof(float));
+    float *dst = final_of(c, seq, vh);
+    if (dst)
+        memcpy(dst, hst, (size_t)(p->dk * p->dv) * sizeof(float));
 }
 
 /* Allocate per-thread workspace and run `fn` over n items. */
@@ -495,6 +516,21 @@ static fw_status gdn_run(gdn_ctx *c, const fw_gdn_params *params, int64_t n, fw_
     return FW_OK;
 }
 
+/* The prefill passes over c's states: the recurrent baselines by (sequence, value head), the
+ * chunked pass by (sequence, q/k head). A sequence's initial and final state may be one
+ * buffer: every item reads its own states before it writes them, and no two items share a
+ * state (the pool's check refuses a slot read by one sequence and written by another). */
+static fw_status prefill_run(gdn_ctx *c, const fw_gdn_params *params)
+{
+    const uint32_t fl = params ? params->flags : 0;
+    gdn_prob *p = (gdn_prob *)c->p;
+    if (fl & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)) {
+        p->bf16 = 0; /* the recurrent baselines run f32 products */
+        return gdn_run(c, params, p->n * p->HV, recurrent_item);
+    }
+    return gdn_run(c, params, p->n * p->H, chunked_item);
+}
+
 fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
                          const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
                          const float *initial_state, float *final_state, const fw_tensor *out,
@@ -510,14 +546,28 @@ fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor
     c.p = &p;
     c.init = initial_state;
     c.final = final_state;
-    const uint32_t fl = params ? params->flags : 0;
-    if (fl & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)) {
-        p.bf16 = 0; /* the recurrent baselines run f32 products */
-        return gdn_run(&c, params, n_seqs * p.HV, recurrent_item);
-    }
-    /* initial and final state may be one buffer: every item reads its own states before it
-     * writes them, and no two items share a state */
-    return gdn_run(&c, params, n_seqs * p.H, chunked_item);
+    c.init_stride = c.final_stride = p.HV * p.dk * p.dv;
+    return prefill_run(&c, params);
+}
+
+fw_status fw_gdn_prefill_pool(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
+                              const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
+                              const fw_gdn_pool *pool, const fw_tensor *out, const fw_gdn_params *params)
+{
+    fw_clear_error();
+    gdn_prob p;
+    fw_status s = fw_gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 0);
+    if (s || (s = fw_gdn_check_pool(pool, n_seqs, p.HV, p.dk, p.dv)))
+        return s;
+    gdn_ctx c;
+    memset(&c, 0, sizeof c);
+    c.p = &p;
+    c.init = pool->read ? pool->data : NULL;
+    c.final = pool->data;
+    c.init_idx = pool->read;
+    c.final_idx = pool->write ? pool->write : pool->read;
+    c.init_stride = c.final_stride = pool->slot_stride;
+    return prefill_run(&c, params);
 }
 
 /* ------------------------------------------------------- verify and commit -- */
@@ -552,7 +602,9 @@ fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
     memset(&c, 0, sizeof c);
     c.p = &p;
     c.init = state;
-    c.idx = state_indices;
+    c.init_idx = state_indices;
+    c.init_stride = p.HV * p.dk * p.dv;
+    c.verify = 1;
     c.replay = replay;
     fw_gdn_params vp;
     if (params)

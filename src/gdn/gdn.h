@@ -23,6 +23,10 @@ typedef struct {
 fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                        const fw_tensor *g, const fw_tensor *beta, const int32_t *cu, int64_t n,
                        int need_cu, const fw_tensor *out, const fw_gdn_params *params, int ref);
+/* A pool (fw_gdn_pool) for n sequences of HV x dk x dv states: every index a slot or
+ * negative, the stride and extent representable, writes distinct, no cross read/write. */
+fw_status fw_gdn_check_pool(const fw_gdn_pool *pool, int64_t n, int64_t HV, int64_t dk, int64_t dv);
+
 /* A slot array and the slots of n sequences: state non-NULL, idx non-NULL when n > 0,
  * slots >= 0, every index in [0, slots), and no two sequences on one slot (among any 4096
  * consecutive sequences). */
