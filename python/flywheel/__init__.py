@@ -26,7 +26,7 @@ Errors, one rule for every call:
 from ._lib import (FlywheelDtypeError, FlywheelError, get_num_threads, get_spin_us,
                    set_num_threads, set_spin_us)
 from ._lib import lib as _clib
-from . import fla
+from . import fla, tpu
 from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .conv import causal_conv1d_fn, causal_conv1d_update
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FlywheelDtypeError", "FlywheelError", "GDNReplay", "causal_conv1d_fn",
-    "causal_conv1d_update", "chunk_gated_delta_rule", "fla",
+    "causal_conv1d_update", "chunk_gated_delta_rule", "fla", "tpu",
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
