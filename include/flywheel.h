@@ -378,6 +378,64 @@ FW_API fw_status fw_gdn_decode_pool(const fw_tensor *q, const fw_tensor *k, cons
                                     const fw_tensor *g, const fw_tensor *beta, const fw_gdn_pool *pool,
                                     const fw_tensor *out, const fw_gdn_params *params);
 
+/* ------------------------------------------------------- GDN serving layer -- */
+
+/* The batch of one engine step (flywheel-tpu's fused_conv1d_gdn arguments): n_seqs
+ * sequences, sequence i's tokens rows [query_start_loc[i], query_start_loc[i + 1]) of the
+ * step; seq_lens[i] its whole length with them (seq_lens[i] == its query length: a new
+ * sequence, which starts from zero conv and recurrent states whatever its slot holds);
+ * state_indices[i] the slot its states go to and read_state_indices[i] (NULL: the same) the
+ * slot it starts from (they differ under prefix caching). Sequences [0, decode_end) are
+ * decodes of one token, [decode_end, mixed_end) prefills and chunked prefills, and those from
+ * mixed_end on are skipped. */
+typedef struct fw_gdn_batch {
+    int64_t n_seqs;
+    const int32_t *query_start_loc, *seq_lens, *state_indices, *read_state_indices;
+    int32_t decode_end, prefill_end, mixed_end;
+} fw_gdn_batch;
+
+/* The two slot caches of a GDN layer, slots = conv.shape[0]: conv [slots, K-1, dim] (f32 |
+ * bf16 | f16) the last K-1 raw qkv rows of a sequence; recurrent: slot s at recurrent + s *
+ * recurrent_stride floats, [n_v, d_k, d_v] f32. */
+typedef struct fw_gdn_caches {
+    fw_tensor conv;
+    float *recurrent;
+    int64_t recurrent_stride;
+} fw_gdn_caches;
+
+typedef struct fw_gdn_layer_params {
+    int32_t n_kq, n_v, d_k, d_v; /* q/k heads, value heads, their dims */
+    float scale;                 /* 0 = d_k^-1/2 */
+    float l2norm_eps;            /* 0 = 1e-6 */
+    int32_t zero_tail;           /* zero the out rows past the last token of sequence mixed_end - 1 */
+    int32_t threads;             /* 0 = all online CPUs */
+    const char *isa;             /* NULL = fw_isa_default() */
+    int32_t precision;           /* fw_precision of the chunked products (FW_PREC_AUTO: bf16 for bf16 qkv) */
+} fw_gdn_layer_params;
+
+FW_API void fw_gdn_layer_params_init(fw_gdn_layer_params *p);
+
+/*
+ * One Gated DeltaNet layer of an engine step, from the projections to the core's output:
+ *   qkv [T, dim] pre-conv rows, dim = 2 n_kq d_k + n_v d_v ([q | k | v], heads inside each)
+ *   b, a [T, n_v]; conv_weight [dim, K] (K = 1 .. FW_MAX_CONV_WIDTH), conv_bias [dim] or NULL;
+ *   a_log, dt_bias [n_v]; any float dtype (f32 | bf16 | f16) for each
+ *   out [T, n_v d_v]
+ * Causal conv over each sequence's rows from its conv state, then SiLU; q = l2norm(q) scale,
+ * k = l2norm(k) (eps inside the sqrt); beta = sigmoid(b); g = -exp(a_log) softplus(a +
+ * dt_bias); the gated delta rule from the recurrent state: decodes by the fused step,
+ * prefills by the chunked pass; both caches updated in their write slots. Everything is
+ * checked before anything is written (slots out of range, two sequences writing one slot, a
+ * slot read by one sequence and written by another, lengths that do not add up, a bad
+ * distribution). Workspace: the conv output and the gates, T x (dim + 2 n_v) elements,
+ * allocated inside the call.
+ */
+FW_API fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                              const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                              const fw_tensor *a_log, const fw_tensor *dt_bias,
+                              const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                              const fw_tensor *out, const fw_gdn_layer_params *params);
+
 /*
  * Speculative verify: n_i <= 64 tokens per sequence (cu_seqlens, as in prefill) from the
  * committed state in slot state_indices[i], which is read, not changed. Writes out for every

@@ -153,6 +153,29 @@ fw_status fw_check_no_alias(const fw_tensor *t, const char *what)
     return FW_OK;
 }
 
+/* Byte range [lo, hi) a tensor's elements span (hi = lo for an empty one). */
+static void byte_range(const fw_tensor *t, uintptr_t *lo, uintptr_t *hi)
+{
+    int64_t last = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] == 0) {
+            *lo = *hi = (uintptr_t)t->data;
+            return;
+        }
+        last += (t->shape[i] - 1) * t->stride[i];
+    }
+    *lo = (uintptr_t)t->data;
+    *hi = *lo + (uintptr_t)((last + 1) * (int64_t)fw_dtype_size(t->dtype));
+}
+
+int fw_overlap(const fw_tensor *a, const fw_tensor *b)
+{
+    uintptr_t al, ah, bl, bh;
+    byte_range(a, &al, &ah);
+    byte_range(b, &bl, &bh);
+    return al < bh && bl < ah;
+}
+
 fw_status fw_check_cu_seqlens(const int32_t *cu, int64_t n, int64_t total, const char *name)
 {
     if (!cu)

@@ -228,6 +228,8 @@ fw_status fw_check_no_alias(const fw_tensor *t, const char *what);
  * non-decreasing over its n + 1 entries, and cu[n] == total, the rows of the packed tensors
  * (total < 0: not checked). FW_ERR_NULL for NULL, else FW_ERR_SEQLENS. */
 fw_status fw_check_cu_seqlens(const int32_t *cu, int64_t n, int64_t total, const char *name);
+/* 1 if the byte ranges two tensors span intersect (an empty tensor spans none). */
+int fw_overlap(const fw_tensor *a, const fw_tensor *b);
 /* params->threads: 0 (all CPUs) .. FW_MAX_THREADS, else FW_ERR_ARG. */
 fw_status fw_check_threads(int32_t threads);
 

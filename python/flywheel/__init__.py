@@ -29,6 +29,7 @@ from ._lib import lib as _clib
 from . import fla, tpu
 from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .conv import causal_conv1d_fn, causal_conv1d_update
+from .layers import fused_conv1d_gdn
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                           gated_delta_rule_commit, gated_delta_rule_decode,
                           gated_delta_rule_prefill, gated_delta_rule_verify)
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FlywheelDtypeError", "FlywheelError", "GDNReplay", "causal_conv1d_fn",
     "causal_conv1d_update", "chunk_gated_delta_rule", "fla", "tpu",
-    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_conv1d_gdn",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
     "gated_delta_rule_verify",

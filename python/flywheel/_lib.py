@@ -187,6 +187,42 @@ class GdnPool(ctypes.Structure):
     ]
 
 
+class GdnBatch(ctypes.Structure):
+    _fields_ = [
+        ("n_seqs", ctypes.c_int64),
+        ("query_start_loc", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("state_indices", ctypes.c_void_p),
+        ("read_state_indices", ctypes.c_void_p),
+        ("decode_end", ctypes.c_int32),
+        ("prefill_end", ctypes.c_int32),
+        ("mixed_end", ctypes.c_int32),
+    ]
+
+
+class GdnCaches(ctypes.Structure):
+    _fields_ = [
+        ("conv", Tensor),
+        ("recurrent", ctypes.c_void_p),
+        ("recurrent_stride", ctypes.c_int64),
+    ]
+
+
+class GdnLayerParams(ctypes.Structure):
+    _fields_ = [
+        ("n_kq", ctypes.c_int32),
+        ("n_v", ctypes.c_int32),
+        ("d_k", ctypes.c_int32),
+        ("d_v", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("l2norm_eps", ctypes.c_float),
+        ("zero_tail", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("isa", ctypes.c_char_p),
+        ("precision", ctypes.c_int32),
+    ]
+
+
 class Conv1dParams(ctypes.Structure):
     _fields_ = [
         ("activation", ctypes.c_int32),
@@ -266,6 +302,8 @@ _SIGNATURES = {
     "fw_gdn_prefill_pool": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _P(GdnPool), _T,
                                            _P(GdnParams)]),
     "fw_gdn_decode_pool": (ctypes.c_int, [_T, _T, _T, _T, _T, _P(GdnPool), _T, _P(GdnParams)]),
+    "fw_gdn_layer": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _T, _P(GdnBatch), _P(GdnCaches), _T,
+                                    _P(GdnLayerParams)]),
     "fw_gdn_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
     "fw_gdn_verify": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _i64, _vp, _vp, _sz,
                                      _T, _P(GdnParams)]),

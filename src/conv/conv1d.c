@@ -30,29 +30,6 @@ void fw_conv1d_params_init(fw_conv1d_params *p)
         memset(p, 0, sizeof *p);
 }
 
-/* Byte range [lo, hi) a tensor's elements span (hi = lo for an empty one). */
-static void byte_range(const fw_tensor *t, uintptr_t *lo, uintptr_t *hi)
-{
-    int64_t last = 0;
-    for (int i = 0; i < t->ndim; i++) {
-        if (t->shape[i] == 0) {
-            *lo = *hi = (uintptr_t)t->data;
-            return;
-        }
-        last += (t->shape[i] - 1) * t->stride[i];
-    }
-    *lo = (uintptr_t)t->data;
-    *hi = *lo + (uintptr_t)((last + 1) * (int64_t)fw_dtype_size(t->dtype));
-}
-
-static int overlap(const fw_tensor *a, const fw_tensor *b)
-{
-    uintptr_t al, ah, bl, bh;
-    byte_range(a, &al, &ah);
-    byte_range(b, &bl, &bh);
-    return al < bh && bl < ah;
-}
-
 static int same_view(const fw_tensor *a, const fw_tensor *b)
 {
     if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim)
@@ -201,18 +178,18 @@ fw_status fw_conv_check(conv_prob *p, const fw_tensor *x, const fw_tensor *weigh
         return fw_fail(FW_ERR_SHAPE, "init cache has offsets but no entries per slot");
     p->init = init;
     p->final = final;
-    const int inplace = init && final && overlap(&init->cache, &final->cache);
+    const int inplace = init && final && fw_overlap(&init->cache, &final->cache);
     if (inplace && !same_view(&init->cache, &final->cache))
         return fw_fail(FW_ERR_STRIDE, "the init and final caches overlap but are not the same view: "
                        "pass one cache for both to update it in place");
     const fw_tensor *in[6] = {x, weight, bias, residual, init ? &init->cache : NULL, final ? &final->cache : NULL};
     static const char *names[6] = {"x", "weight", "bias", "residual", "the init cache", "the final cache"};
     for (int i = 0; i < 6; i++)
-        if (in[i] && overlap(out, in[i]))
+        if (in[i] && fw_overlap(out, in[i]))
             return fw_fail(FW_ERR_STRIDE, "out overlaps %s; it must be a separate buffer", names[i]);
-    if (final && residual && overlap(&final->cache, residual))
+    if (final && residual && fw_overlap(&final->cache, residual))
         return fw_fail(FW_ERR_STRIDE, "the final cache overlaps residual");
-    if (final && overlap(&final->cache, x))
+    if (final && fw_overlap(&final->cache, x))
         return fw_fail(FW_ERR_STRIDE, "the final cache overlaps x");
     return final ? check_slots(p, inplace) : FW_OK;
 }

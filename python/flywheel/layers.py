@@ -1,0 +1,108 @@
+"""The original FlyWheel package's serving-layer call for Gated DeltaNet (flywheel-tpu 0.3's
+fused_conv1d_gdn), on the C library's fw_gdn_layer: one call per layer per engine step over a
+ragged batch of decodes and prefills, both slot caches updated in place (numpy and torch) or
+returned as new arrays (JAX, which has no in-place update).
+"""
+
+import numpy as np
+
+from . import _lib
+from . import _tensors as T
+from .gated_delta import _pool_slots
+
+
+def _is_jax(x):
+    return type(x).__module__.startswith("jax")
+
+
+def _cache(x, name):
+    """A cache the call updates: numpy/torch in place; a JAX array as a writable numpy copy."""
+    if _is_jax(x):
+        return np.array(x), True
+    return T.check_writable(T.float_array(x, name, inplace=True), name), False
+
+
+def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
+                     dt_bias, query_start_loc, state_indices, distribution, seq_lens,
+                     read_state_indices, read_offsets=None, *, n_kq, n_v, d_k, d_v, kernel_size,
+                     num_spec_tokens=0, zero_initialize_out=True, compute_precision=None,
+                     decode_tile_size=4, mixed_tile_size=128, compute_chunk_size=64,
+                     precision=None, l2norm_eps=None, out=None, isa=None):
+    """Conv1d + SiLU + gated delta rule for one layer of an engine step.
+
+    qkv [T, 2 n_kq d_k + n_v d_v] pre-conv rows; b, a [T, n_v]; conv_state [slots, K-1, dim]
+    (the last K-1 raw rows of each sequence); recurrent_state [slots, n_v, d_k, d_v] float32
+    (slots may lie further apart, each contiguous); conv_weight [dim, 1, K] (or [dim, K]),
+    conv_bias [dim] or None; a_log, dt_bias [n_v]; query_start_loc [num_seqs + 1];
+    state_indices, seq_lens, read_state_indices [num_seqs]; distribution [decode_end,
+    prefill_end, mixed_end]. A sequence whose seq_len equals its query length starts from zero
+    states. q = l2norm(q) d_k^-1/2, k = l2norm(k) (eps 1e-6, or l2norm_eps), beta = sigmoid(b),
+    g = -exp(a_log) softplus(a + dt_bias). Returns ((conv_state, recurrent_state), out), out
+    [T, n_v d_v] in qkv's dtype, rows past the last sequence zeroed with zero_initialize_out.
+
+    decode_tile_size, mixed_tile_size and compute_chunk_size are the original's TPU tiling
+    and are accepted and ignored; compute_precision too (the original's dots round to bf16
+    whatever it says): precision= picks the chunked products as in chunk_gated_delta_rule.
+    Speculative windows (num_spec_tokens > 0, read_offsets) raise NotImplementedError: use
+    gated_delta_rule_verify and gated_delta_rule_commit.
+    """
+    if num_spec_tokens or (read_offsets is not None and np.any(np.asarray(read_offsets) != 0)):
+        raise NotImplementedError(
+            "speculative windows (num_spec_tokens > 0, read_offsets) are not supported by "
+            "fused_conv1d_gdn here: verify with gated_delta_rule_verify and keep the accepted "
+            "tokens with gated_delta_rule_commit")
+    del decode_tile_size, mixed_tile_size, compute_chunk_size, compute_precision
+    jax_in = _is_jax(qkv)
+    qkv = T.float_array(qkv, "qkv")
+    b, a = T.float_array(b, "b"), T.float_array(a, "a")
+    w = T.float_array(conv_weight, "conv_weight")
+    if w.ndim == 3 and w.shape[1] == 1:
+        w = w[:, 0]
+    if w.ndim != 2 or w.shape[1] != kernel_size:
+        raise ValueError(f"conv_weight must be [dim, 1, kernel_size] with kernel_size "
+                         f"{kernel_size}, got shape {tuple(T.float_array(conv_weight, 'w').shape)}")
+    cb = None if conv_bias is None else T.float_array(conv_bias, "conv_bias")
+    al, dtb = T.float_array(a_log, "a_log"), T.float_array(dt_bias, "dt_bias")
+    conv, conv_new = _cache(conv_state, "conv_state")
+    rec_jax = _is_jax(recurrent_state)
+    rec = np.array(recurrent_state, dtype=np.float32) if rec_jax else recurrent_state
+    slots, stride = _pool_slots(rec, n_v, d_k, d_v)
+    qsl = T.index_array(query_start_loc, "query_start_loc")
+    sidx = T.index_array(state_indices, "state_indices")
+    slen = T.index_array(seq_lens, "seq_lens")
+    ridx = (None if read_state_indices is None
+            else T.index_array(read_state_indices, "read_state_indices"))
+    dist = T.index_array(distribution, "distribution")
+    n = sidx.size
+    if dist.shape != (3,) or qsl.shape != (n + 1,) or slen.shape != (n,) or (
+            ridx is not None and ridx.shape != (n,)):
+        raise ValueError(f"distribution must have 3 entries, query_start_loc num_seqs + 1 = {n + 1}"
+                         f" and seq_lens, read_state_indices num_seqs = {n}; got {dist.shape}, "
+                         f"{qsl.shape}, {slen.shape}, {None if ridx is None else ridx.shape}")
+    o = T.output(out, qkv, (qkv.shape[0], n_v * d_v))
+    batch = _lib.GdnBatch()
+    batch.n_seqs = n
+    batch.query_start_loc, batch.seq_lens = T.ptr(qsl), T.ptr(slen)
+    batch.state_indices, batch.read_state_indices = T.ptr(sidx), T.ptr(ridx)
+    batch.decode_end, batch.prefill_end, batch.mixed_end = (int(x) for x in dist)
+    caches = _lib.GdnCaches()
+    caches.conv = T.describe(conv)
+    caches.recurrent = T.ptr(rec)
+    caches.recurrent_stride = stride
+    p = _lib.GdnLayerParams()
+    p.n_kq, p.n_v, p.d_k, p.d_v = n_kq, n_v, d_k, d_v
+    p.l2norm_eps = 0.0 if l2norm_eps is None else _lib.float32_param(l2norm_eps, "l2norm_eps",
+                                                                      "1e-6")
+    p.zero_tail = 1 if zero_initialize_out else 0
+    p.threads = _lib.settings.threads
+    p.isa = _lib.isa_name(isa)
+    p.precision = _lib.precision(precision)
+    _lib.check(_lib.lib.fw_gdn_layer(T.describe(qkv), T.describe(b), T.describe(a), T.describe(w),
+                                     None if cb is None else T.describe(cb), T.describe(al),
+                                     T.describe(dtb), batch, caches, T.describe(o), p))
+    if conv_new or rec_jax:
+        import jax.numpy as jnp
+        conv_out = jnp.asarray(conv) if conv_new else conv_state
+        rec_out = jnp.asarray(rec) if rec_jax else recurrent_state
+        return (conv_out, rec_out), (jnp.asarray(o) if jax_in else o)
+    return (conv_state, recurrent_state), o

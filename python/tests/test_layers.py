@@ -1,0 +1,155 @@
+"""flywheel.fused_conv1d_gdn (flywheel-tpu's serving-layer call) against a float64 reference
+built from the definitions: the causal conv from each sequence's conv slot (zeros for a new
+sequence), SiLU, the q/k/v split, the gates, and the gated delta rule from its recurrent slot;
+both caches' write slots, untouched slots and zeroed padding rows; bad batches refused with
+nothing written."""
+
+import numpy as np
+import pytest
+
+import flywheel
+from flywheel import FlywheelError
+from conftest import as64, ref_gdn, torch
+
+NKQ, NV, DK, DV, K = 2, 4, 16, 16, 4
+DIM = 2 * NKQ * DK + NV * DV
+SLOTS = 10
+
+
+def batch():
+    """3 decodes (slots 1, 2, 3), a chunked prefill of 600 tokens after 30 (reads slot 8, writes
+    4: prefix caching), a new sequence of 5 tokens (slot 5, holding garbage), a skipped one;
+    then padding rows."""
+    qlens = [1, 1, 1, 600, 5, 3]
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    seq_lens = np.array([7, 2, 40, 630, 5, 9], np.int32)
+    state_indices = np.array([1, 2, 3, 4, 5, 6], np.int32)
+    read = np.array([1, 2, 3, 8, 5, 6], np.int32)
+    dist = np.array([3, 5, 5], np.int32)
+    return qsl, seq_lens, state_indices, read, dist, int(qsl[-1]) + 4
+
+
+def inputs(rng, T):
+    qkv = rng.standard_normal((T, DIM)).astype(np.float32)
+    b = rng.standard_normal((T, NV)).astype(np.float32)
+    a = rng.standard_normal((T, NV)).astype(np.float32)
+    w = (rng.standard_normal((DIM, 1, K)) * 0.5).astype(np.float32)
+    bias = (rng.standard_normal(DIM) * 0.1).astype(np.float32)
+    a_log = np.log(rng.uniform(1, 8, NV)).astype(np.float32)
+    dt_bias = (rng.standard_normal(NV) * 0.5).astype(np.float32)
+    conv = rng.standard_normal((SLOTS, K - 1, DIM)).astype(np.float32)
+    rec = (rng.standard_normal((SLOTS, NV, DK, DV)) * 0.1).astype(np.float32)
+    return qkv, b, a, w, bias, a_log, dt_bias, conv, rec
+
+
+def reference(qkv, b, a, w, bias, a_log, dt_bias, conv, rec, qsl, seq_lens, sidx, read, dist):
+    qkv, b, a = (np.asarray(x, np.float64) for x in (qkv, b, a))
+    w, bias = np.asarray(w, np.float64)[:, 0], np.asarray(bias, np.float64)
+    conv, rec = np.asarray(conv, np.float64).copy(), np.asarray(rec, np.float64).copy()
+    conv0, rec0 = conv.copy(), rec.copy()
+    out = np.zeros((qkv.shape[0], NV * DV))
+    for i in range(int(dist[2])):
+        r0, r1 = int(qsl[i]), int(qsl[i + 1])
+        fresh = seq_lens[i] == r1 - r0
+        init = np.zeros((K - 1, DIM)) if fresh else conv0[read[i]]
+        x = np.concatenate([init, qkv[r0:r1]])
+        y = sum(x[k:k + r1 - r0] * w[:, k] for k in range(K)) + bias
+        y = y / (1 + np.exp(-y))
+        q = y[:, :NKQ * DK].reshape(-1, NKQ, DK)
+        k_ = y[:, NKQ * DK:2 * NKQ * DK].reshape(-1, NKQ, DK)
+        v = y[:, 2 * NKQ * DK:].reshape(-1, NV, DV)
+        xg = a[r0:r1] + dt_bias
+        g = -np.exp(np.asarray(a_log, np.float64)) * np.where(xg > 20, xg, np.log1p(np.exp(xg)))
+        beta = 1 / (1 + np.exp(-b[r0:r1]))
+        h0 = np.zeros((NV, DK, DV)) if fresh else rec0[read[i]]
+        o, h = ref_gdn(q, k_, v, g, beta, DK ** -0.5, h0, l2norm=True)
+        out[r0:r1] = o.reshape(r1 - r0, NV * DV)
+        conv[sidx[i]] = x[-(K - 1):]
+        rec[sidx[i]] = h
+    return out, conv, rec
+
+
+def test_layer_matches_the_reference():
+    rng = np.random.default_rng(5)
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, a, w, bias, a_log, dt_bias, conv, rec = inputs(rng, T)
+    want_o, want_conv, want_rec = reference(qkv, b, a, w, bias, a_log, dt_bias, conv, rec, qsl,
+                                            seq_lens, sidx, read, dist)
+    conv_before, rec_before = conv.copy(), rec.copy()
+    (c2, r2), o = flywheel.fused_conv1d_gdn(qkv, b, a, conv, rec, w, bias, a_log, dt_bias, qsl,
+                                             sidx, dist, seq_lens, read, n_kq=NKQ, n_v=NV,
+                                             d_k=DK, d_v=DV, kernel_size=K)
+    assert c2 is conv and r2 is rec
+    assert np.abs(o - want_o).max() <= 1e-4 * (1 + np.abs(want_o).max())
+    assert not o[int(qsl[5]):].any()                     # skipped sequence and padding: zero
+    for s in (1, 2, 3, 4, 5):
+        assert np.array_equal(conv[s], want_conv[s].astype(np.float32))
+        assert np.abs(rec[s] - want_rec[s]).max() <= 1e-4
+    for s in (0, 6, 7, 8, 9):                            # not written: read-only, skipped, free
+        assert np.array_equal(conv[s], conv_before[s]) and np.array_equal(rec[s], rec_before[s])
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_layer_on_bf16_torch_tensors_and_a_padded_pool():
+    rng = np.random.default_rng(6)
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, a, w, bias, a_log, dt_bias, conv, rec = inputs(rng, T)
+    tq = torch.from_numpy(qkv).to(torch.bfloat16)
+    qkv_b = tq.float().numpy()
+    raw = torch.zeros(SLOTS, NV * DK * DV + 24)
+    raw[:, :NV * DK * DV] = torch.from_numpy(rec.reshape(SLOTS, -1))
+    pool = raw[:, :NV * DK * DV].view(SLOTS, NV, DK, DV)
+    tconv = torch.from_numpy(conv).to(torch.bfloat16)
+    want_o, want_conv, want_rec = reference(qkv_b, b, a, w, bias, a_log, dt_bias,
+                                            tconv.float().numpy(), rec, qsl, seq_lens, sidx, read,
+                                            dist)
+    (_, _), o = flywheel.fused_conv1d_gdn(tq, torch.from_numpy(b), torch.from_numpy(a), tconv,
+                                          pool, torch.from_numpy(w), torch.from_numpy(bias),
+                                          torch.from_numpy(a_log), torch.from_numpy(dt_bias),
+                                          qsl, sidx, dist, seq_lens, read, n_kq=NKQ, n_v=NV,
+                                          d_k=DK, d_v=DV, kernel_size=K)
+    assert o.dtype == torch.bfloat16
+    # bf16 conv output, bf16 products in the chunked pass, bf16 out: a few bf16 ulps
+    assert np.abs(as64(o) - want_o).max() <= 0.05 * (1 + np.abs(want_o).max())
+    for s in (1, 2, 3, 4, 5):
+        assert np.array_equal(tconv[s].float().numpy(), want_conv[s].astype(np.float32))
+        assert np.abs(pool[s].numpy() - want_rec[s]).max() <= 0.02
+    assert not raw[:, NV * DK * DV:].any()
+
+
+@pytest.mark.parametrize("case", ["duplicate write slot", "read slot another writes",
+                                  "decode of two tokens", "bad distribution", "slot past the cache",
+                                  "seq_len below its tokens"])
+def test_bad_batches_are_refused_with_nothing_written(case):
+    rng = np.random.default_rng(7)
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, a, w, bias, a_log, dt_bias, conv, rec = inputs(rng, T)
+    sidx, read, dist, qsl, seq_lens = sidx.copy(), read.copy(), dist.copy(), qsl.copy(), seq_lens.copy()
+    if case == "duplicate write slot":
+        sidx[4] = sidx[3]
+    elif case == "read slot another writes":
+        read[3] = sidx[0]
+    elif case == "decode of two tokens":
+        dist[0] = 4
+    elif case == "bad distribution":
+        dist[:] = [4, 2, 5]
+    elif case == "slot past the cache":
+        sidx[2] = SLOTS
+    else:
+        seq_lens[3] = 100
+    conv0, rec0 = conv.copy(), rec.copy()
+    out = np.full((T, NV * DV), 7.0, np.float32)
+    with pytest.raises(FlywheelError):
+        flywheel.fused_conv1d_gdn(qkv, b, a, conv, rec, w, bias, a_log, dt_bias, qsl, sidx, dist,
+                                  seq_lens, read, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV,
+                                  kernel_size=K, out=out)
+    assert np.array_equal(conv, conv0) and np.array_equal(rec, rec0) and (out == 7.0).all()
+
+
+def test_speculative_windows_are_refused():
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, a, w, bias, a_log, dt_bias, conv, rec = inputs(np.random.default_rng(8), T)
+    with pytest.raises(NotImplementedError, match="gated_delta_rule_verify"):
+        flywheel.fused_conv1d_gdn(qkv, b, a, conv, rec, w, bias, a_log, dt_bias, qsl, sidx, dist,
+                                  seq_lens, read, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV,
+                                  kernel_size=K, num_spec_tokens=2)

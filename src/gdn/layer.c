@@ -1,0 +1,290 @@
+/* gdn/layer.c: one Gated DeltaNet layer of an engine step (fw_gdn_layer): every argument
+ * checked, then the causal conv (conv/conv1d.c) of every sequence's qkv rows from its conv
+ * slot into one buffer, the gates, and the gated delta rule on views of that buffer: the
+ * decodes by the fused step, the prefills by the chunked pass, both on the recurrent pool. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../conv/conv.h"
+#include "gdn.h"
+
+void fw_gdn_layer_params_init(fw_gdn_layer_params *p)
+{
+    if (p)
+        memset(p, 0, sizeof *p);
+}
+
+/* A view of rows [r0, r0 + n) of a 2-D [T, *] tensor as [n, heads, dim] from column c0. */
+static fw_tensor rows_view(const fw_tensor *t, int64_t r0, int64_t n, int64_t c0, int64_t heads, int64_t dim)
+{
+    fw_tensor v = *t;
+    v.data = (char *)t->data + (r0 * t->stride[0] + c0 * t->stride[1]) * (int64_t)fw_dtype_size(t->dtype);
+    v.ndim = 3;
+    v.shape[0] = n;
+    v.shape[1] = heads;
+    v.shape[2] = dim;
+    v.stride[0] = t->stride[0];
+    v.stride[1] = dim * t->stride[1];
+    v.stride[2] = t->stride[1];
+    return v;
+}
+
+static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n)
+{
+    fw_status s = fw_check_tensor(t, what, 1, FW_DT_IN);
+    if (!s && t->shape[0] != n)
+        s = fw_fail(FW_ERR_SHAPE, "%s has %lld entries; it must have n_v = %lld", what, (long long)t->shape[0],
+                    (long long)n);
+    return s;
+}
+
+static double load1(const fw_tensor *t, int64_t i, int64_t j)
+{
+    return fw_load_f64(t, i * t->stride[0] + (t->ndim > 1 ? j * t->stride[1] : 0));
+}
+
+/* Rows per window of the layer: the conv output of a window (LAYER_ROWS x dim elements,
+ * 4 MiB for Qwen3-Next's 8192 bf16 channels) stays in cache until the gated delta rule reads
+ * it, instead of a T x dim buffer whose pages a long prefill faults in on every call
+ * (measured, T = 4K: the layer at 1.32x the core alone with one buffer, of which the
+ * kernel's page clearing was 13% of the profile). A multiple of the chunk (64), so a long
+ * sequence cut into windows runs the same chunks. */
+#define LAYER_ROWS 256
+
+typedef struct {
+    const fw_tensor *qkv, *w, *bias, *out;
+    const int32_t *qsl, *ridx, *wr;
+    const fw_gdn_caches *caches;
+    void *cbuf;
+    float *g, *beta;
+    const fw_conv1d_params *cp;
+    const fw_gdn_params *gp;
+    int64_t nkq, nv, dk, dv, dim, slots;
+} layer_ctx;
+
+/* One window: sequences [s0, s1) whole (u1 < 0), or tokens [u0, u1) of sequence s0 alone:
+ * the conv from the conv slot (or, past a piece's start, from the rows before it in qkv),
+ * its final state written with the sequence's last token, then the decode step or the
+ * chunked pass from the recurrent read slot (a later piece: the write slot, where the
+ * earlier piece left it). */
+static fw_status layer_window(const layer_ctx *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
+{
+    const fw_tensor *qkv = L->qkv;
+    const int piece = u1 >= 0;
+    const int64_t len = L->qsl[s0 + 1] - L->qsl[s0];
+    const int64_t R0 = L->qsl[s0] + (piece ? u0 : 0), R1 = piece ? L->qsl[s0] + u1 : L->qsl[s1], rn = R1 - R0;
+    const int64_t n = s1 - s0, K = L->w->shape[1];
+    int32_t cu_local[LAYER_ROWS + 1], rd_local[1], wr_local[1];
+    const int32_t *cu = cu_local, *rd = L->ridx + s0, *wr = L->wr + s0;
+    for (int64_t i = 0; i <= n; i++)
+        cu_local[i] = piece ? (i ? (int32_t)rn : 0) : L->qsl[s0 + i] - (int32_t)R0;
+    /* the conv of rows [R0, R1) */
+    fw_tensor x = *qkv;
+    x.ndim = 3;
+    x.data = (char *)qkv->data + R0 * qkv->stride[0] * (int64_t)fw_dtype_size(qkv->dtype);
+    x.shape[0] = 1; x.shape[1] = rn; x.shape[2] = L->dim;
+    x.stride[0] = rn * qkv->stride[0]; x.stride[1] = qkv->stride[0]; x.stride[2] = qkv->stride[1];
+    const int64_t xs[3] = {1, rn, L->dim};
+    fw_tensor y = fw_tensor_contiguous(L->cbuf, qkv->dtype, 3, xs);
+    fw_conv1d_state cin = {L->caches->conv, rd, NULL}, cfin = {L->caches->conv, wr, NULL};
+    if (piece && u0 > 0) { /* the K-1 rows before the piece, in qkv, as a one-slot cache */
+        cin.cache = *qkv;
+        cin.cache.ndim = 3;
+        cin.cache.data = (char *)qkv->data + (R0 - (K - 1)) * qkv->stride[0] * (int64_t)fw_dtype_size(qkv->dtype);
+        cin.cache.shape[0] = 1; cin.cache.shape[1] = K - 1; cin.cache.shape[2] = L->dim;
+        cin.cache.stride[0] = 0; cin.cache.stride[1] = qkv->stride[0]; cin.cache.stride[2] = qkv->stride[1];
+        rd_local[0] = 0;
+        cin.idx = rd_local;
+    }
+    const int last = !piece || u1 == len;
+    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, NULL, &y, L->cp);
+    if (s)
+        return s;
+    /* the gated delta rule on views of the conv rows */
+    fw_tensor y2 = fw_tensor_contiguous(L->cbuf, qkv->dtype, 2, (int64_t[]){rn, L->dim});
+    fw_tensor o2 = *L->out;
+    const int64_t gs[2] = {rn, L->nv};
+    fw_tensor q = rows_view(&y2, 0, rn, 0, L->nkq, L->dk), k = rows_view(&y2, 0, rn, L->nkq * L->dk, L->nkq, L->dk);
+    fw_tensor v = rows_view(&y2, 0, rn, 2 * L->nkq * L->dk, L->nv, L->dv), o = rows_view(&o2, R0, rn, 0, L->nv, L->dv);
+    fw_tensor tg = fw_tensor_contiguous(L->g + R0 * L->nv, FW_F32, 2, gs);
+    fw_tensor tb = fw_tensor_contiguous(L->beta + R0 * L->nv, FW_F32, 2, gs);
+    if (piece && u0 > 0) { /* a later piece continues from the write slot */
+        wr_local[0] = wr[0];
+        rd = wr_local;
+    }
+    fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rd, wr};
+    return decode ? fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, L->gp)
+                  : fw_gdn_prefill_pool(&q, &k, &v, &tg, &tb, cu, n, &pool, &o, L->gp);
+}
+
+fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                       const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                       const fw_tensor *a_log, const fw_tensor *dt_bias,
+                       const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                       const fw_tensor *out, const fw_gdn_layer_params *params)
+{
+    fw_clear_error();
+    fw_status s;
+    if (!batch || !caches || !params)
+        return fw_fail(FW_ERR_NULL, "%s is NULL", !batch ? "batch" : !caches ? "caches" : "params");
+    const int64_t nkq = params->n_kq, nv = params->n_v, dk = params->d_k, dv = params->d_v;
+    if (nkq < 1 || nv < 1 || nv % nkq || dk < 1 || dk > FW_MAX_HEAD_DIM || dv < 1 || dv > FW_MAX_HEAD_DIM ||
+        nv > FW_MAX_HEADS)
+        return fw_fail(FW_ERR_SHAPE, "n_kq %lld, n_v %lld, d_k %lld, d_v %lld: n_v must be a multiple of n_kq "
+                       "(at most %d) and the dims 1..%d", (long long)nkq, (long long)nv, (long long)dk,
+                       (long long)dv, FW_MAX_HEADS, FW_MAX_HEAD_DIM);
+    if ((s = fw_check_tensor(qkv, "qkv", 2, FW_DT_IN)) || (s = fw_check_tensor(b, "b", 2, FW_DT_IN)) ||
+        (s = fw_check_tensor(conv_weight, "conv_weight", 2, FW_DT_IN)) ||
+        (s = fw_check_tensor(a, "a", 2, FW_DT_IN)) || (s = fw_check_tensor(out, "out", 2, FW_DT_IN)) ||
+        (s = check_vec(a_log, "a_log", nv)) || (s = check_vec(dt_bias, "dt_bias", nv)))
+        return s;
+    const int64_t T = qkv->shape[0], dim = 2 * nkq * dk + nv * dv;
+    if (qkv->shape[1] != dim)
+        return fw_fail(FW_ERR_SHAPE, "qkv has %lld columns; [q | k | v] needs 2 n_kq d_k + n_v d_v = %lld",
+                       (long long)qkv->shape[1], (long long)dim);
+    if (b->shape[0] != T || b->shape[1] != nv || a->shape[0] != T || a->shape[1] != nv)
+        return fw_fail(FW_ERR_SHAPE, "b and a must be [T, n_v] = [%lld, %lld]", (long long)T, (long long)nv);
+    if (out->shape[0] != T || out->shape[1] != nv * dv)
+        return fw_fail(FW_ERR_SHAPE, "out must be [T, n_v d_v] = [%lld, %lld]", (long long)T, (long long)(nv * dv));
+    if ((s = fw_check_no_alias(out, "out")))
+        return s;
+    /* the batch */
+    const int64_t n = batch->n_seqs;
+    const int32_t *qsl = batch->query_start_loc, *sl = batch->seq_lens, *wr = batch->state_indices;
+    const int32_t *rd = batch->read_state_indices ? batch->read_state_indices : wr;
+    const int64_t de = batch->decode_end, pe = batch->prefill_end, me = batch->mixed_end;
+    if (n < 0 || n > INT32_MAX)
+        return fw_fail(FW_ERR_ARG, "n_seqs is %lld; it must be 0..2^31-1", (long long)n);
+    if (!(0 <= de && de <= pe && pe <= me && me <= n))
+        return fw_fail(FW_ERR_ARG, "distribution [%lld, %lld, %lld] must be 0 <= decode_end <= prefill_end <= "
+                       "mixed_end <= n_seqs = %lld", (long long)de, (long long)pe, (long long)me, (long long)n);
+    if (me > 0 && (!qsl || !sl || !wr))
+        return fw_fail(FW_ERR_NULL, "%s is NULL", !qsl ? "query_start_loc" : !sl ? "seq_lens" : "state_indices");
+    if (me > 0 && (s = fw_check_cu_seqlens(qsl, me, -1, "query_start_loc")))
+        return s;
+    const int64_t used = me > 0 ? qsl[me] : 0;
+    if (used > T)
+        return fw_fail(FW_ERR_SEQLENS, "query_start_loc[%lld] = %lld is past qkv's %lld rows", (long long)me,
+                       (long long)used, (long long)T);
+    for (int64_t i = 0; i < me; i++) {
+        const int64_t ql = qsl[i + 1] - qsl[i];
+        if (i < de && ql != 1)
+            return fw_fail(FW_ERR_SEQLENS, "sequence %lld is a decode (before decode_end %lld) with %lld tokens; "
+                           "a decode has 1", (long long)i, (long long)de, (long long)ql);
+        if (sl[i] < ql)
+            return fw_fail(FW_ERR_SEQLENS, "seq_lens[%lld] = %d is less than its %lld new tokens", (long long)i,
+                           (int)sl[i], (long long)ql);
+    }
+    /* the caches: conv [slots, K-1, dim], the recurrent pool with the same slots */
+    const int64_t K = conv_weight->shape[1];
+    if ((s = fw_check_tensor(&caches->conv, "conv cache", 3, FW_DT_IN)))
+        return s;
+    const int64_t slots = caches->conv.shape[0];
+    if (caches->conv.shape[1] != K - 1 || caches->conv.shape[2] != dim)
+        return fw_fail(FW_ERR_SHAPE, "the conv cache is [%lld, %lld, %lld]; it must be [slots, K-1, dim] = "
+                       "[slots, %lld, %lld]", (long long)slots, (long long)caches->conv.shape[1],
+                       (long long)caches->conv.shape[2], (long long)(K - 1), (long long)dim);
+    /* slots: a new sequence reads none */
+    int32_t *ridx = malloc(sizeof(int32_t) * (size_t)(me > 0 ? me : 1));
+    if (!ridx)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's slot lists");
+    for (int64_t i = 0; i < me; i++)
+        ridx[i] = sl[i] > qsl[i + 1] - qsl[i] ? rd[i] : -1;
+    fw_gdn_pool pool = {caches->recurrent, slots, caches->recurrent_stride, ridx, wr};
+    s = fw_gdn_check_pool(&pool, me, nv, dk, dv);
+    for (int64_t i = 0; i < me && !s; i++)
+        if (wr[i] < 0)
+            s = fw_fail(FW_ERR_INDEX, "state_indices[%lld] is %d; every sequence writes a slot", (long long)i, (int)wr[i]);
+    /* the conv's arguments (its slots are the pool's, checked above) */
+    if (!s && (conv_weight->shape[0] != dim || K < 1 || K > FW_MAX_CONV_WIDTH))
+        s = fw_fail(FW_ERR_SHAPE, "conv_weight is [%lld, %lld]; it must be [dim, K] = [%lld, 1..%d]",
+                    (long long)conv_weight->shape[0], (long long)K, (long long)dim, FW_MAX_CONV_WIDTH);
+    if (!s && conv_bias && !(s = fw_check_tensor(conv_bias, "conv_bias", 1, FW_DT_IN)) && conv_bias->shape[0] != dim)
+        s = fw_fail(FW_ERR_SHAPE, "conv_bias has %lld entries; it must have dim = %lld",
+                    (long long)conv_bias->shape[0], (long long)dim);
+    if (!s)
+        s = fw_check_threads(params->threads);
+    const fw_tensor *ins[6] = {qkv, b, a, conv_weight, &caches->conv, conv_bias};
+    static const char *names[6] = {"qkv", "b", "a", "conv_weight", "the conv cache", "conv_bias"};
+    for (int i = 0; i < 6 && !s; i++)
+        if (ins[i] && fw_overlap(out, ins[i]))
+            s = fw_fail(FW_ERR_STRIDE, "out overlaps %s; it must be a separate buffer", names[i]);
+    if (!s && (fw_overlap(&caches->conv, qkv) || fw_overlap(&caches->conv, conv_weight)))
+        s = fw_fail(FW_ERR_STRIDE, "the conv cache overlaps qkv or conv_weight");
+    fw_conv1d_params cp;
+    fw_conv1d_params_init(&cp);
+    cp.activation = FW_ACT_SILU;
+    cp.threads = params->threads;
+    cp.isa = params->isa;
+    const size_t es = fw_dtype_size(qkv->dtype);
+    void *cbuf = malloc((size_t)(fw_min64(used, LAYER_ROWS) * dim) * es + 1);
+    float *gates = malloc(sizeof(float) * (size_t)(2 * used * nv + 1));
+    if (!s && (!cbuf || !gates))
+        s = fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's %lld x %lld conv rows", (long long)used, (long long)dim);
+    fw_gdn_params gp;
+    fw_gdn_params_init(&gp);
+    gp.scale = params->scale;
+    gp.l2norm_qk = 1;
+    gp.l2norm_eps = params->l2norm_eps;
+    gp.threads = params->threads;
+    gp.isa = params->isa;
+    gp.precision = params->precision;
+    if (!s && (!isfinite(params->scale) || !(params->l2norm_eps >= 0.0f) || !isfinite(params->l2norm_eps) ||
+               (params->zero_tail != 0 && params->zero_tail != 1)))
+        s = fw_fail(FW_ERR_ARG, "scale %g, l2norm_eps %g, zero_tail %d: finite, >= 0, and 0 or 1",
+                    (double)params->scale, (double)params->l2norm_eps, (int)params->zero_tail);
+    if (!s && (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16))
+        s = fw_fail(FW_ERR_ARG, "precision is %d", (int)params->precision);
+    if (!s && !fw_kernels_get(params->isa))
+        s = FW_ERR_UNSUPPORTED;
+    /* the gates (they do not depend on the conv): finite, or refused before anything is written */
+    float *g = gates, *beta = gates + used * nv;
+    for (int64_t t = 0; t < used && !s; t++)
+        for (int64_t h = 0; h < nv && !s; h++) {
+            const double x = load1(a, t, h) + load1(dt_bias, h, 0);
+            const double sp = x > 20.0 ? x : log1p(exp(x));
+            g[t * nv + h] = (float)(-exp(load1(a_log, h, 0)) * sp);
+            beta[t * nv + h] = (float)(1.0 / (1.0 + exp(-load1(b, t, h))));
+            if (!isfinite(g[t * nv + h]) || !isfinite(beta[t * nv + h]))
+                s = fw_fail(FW_ERR_ARG, "row %lld, value head %lld: the gates are not finite (g %g, beta %g from "
+                            "a %g, b %g, a_log %g, dt_bias %g)", (long long)t, (long long)h, (double)g[t * nv + h],
+                            (double)beta[t * nv + h], load1(a, t, h), load1(b, t, h), load1(a_log, h, 0),
+                            load1(dt_bias, h, 0));
+        }
+    if (s) {
+        free(ridx);
+        free(cbuf);
+        free(gates);
+        return s;
+    }
+    /* windows of at most LAYER_ROWS rows: the conv writes a window's rows into cbuf and the
+     * gated delta rule reads them there */
+    layer_ctx L = {qkv, conv_weight, conv_bias, out, qsl, ridx, wr, caches, cbuf, g, beta, &cp, &gp,
+                   nkq, nv, dk, dv, dim, slots};
+    for (int64_t d0 = 0; d0 < de && !s; d0 += LAYER_ROWS) /* decodes: whole sequences */
+        s = layer_window(&L, d0, fw_min64(de, d0 + LAYER_ROWS), 0, -1, 1);
+    for (int64_t i = de; i < me && !s;) {
+        const int64_t len = qsl[i + 1] - qsl[i];
+        if (len > LAYER_ROWS) { /* a long sequence: pieces of LAYER_ROWS tokens, state carried */
+            for (int64_t u0 = 0; u0 < len && !s; u0 += LAYER_ROWS)
+                s = layer_window(&L, i, i + 1, u0, fw_min64(len, u0 + LAYER_ROWS), 0);
+            i++;
+            continue;
+        }
+        int64_t j = i + 1; /* short ones together, up to LAYER_ROWS rows */
+        while (j < me && j - i < LAYER_ROWS && qsl[j + 1] - qsl[i] <= LAYER_ROWS)
+            j++;
+        s = layer_window(&L, i, j, 0, -1, 0);
+        i = j;
+    }
+    if (!s && params->zero_tail)
+        for (int64_t t = used; t < T; t++) {
+            const float zero = 0.0f;
+            for (int64_t c = 0; c < nv * dv; c++)
+                fw_store_f64(out, t * out->stride[0] + c * out->stride[1], (double)zero);
+        }
+    free(ridx);
+    free(cbuf);
+    free(gates);
+    return s;
+}
