@@ -195,7 +195,7 @@ test-baseline: build
 
 # ---- fuzzing ----
 FUZZ_SECONDS ?= 55
-FUZZ_HARNESSES ?= attn kvcache gdn diff
+FUZZ_HARNESSES ?= attn kvcache gdn conv diff
 
 .PHONY: fuzz fuzz-build fuzz-python
 
