@@ -43,6 +43,16 @@ Schemas (`Tensor(a!)`: written in place; SymInt is how torch spells an int argum
       bool use_qk_l2norm_in_kernel=False, str? precision=None) -> (Tensor o, Tensor replay)
   gated_delta_rule_commit(Tensor replay, Tensor accepted, Tensor(a!) state,
       Tensor cu_seqlens, SymInt num_heads, Tensor? state_indices=None) -> ()
+  causal_conv1d_fn(Tensor x, Tensor weight, Tensor? bias=None, Tensor? initial_states=None,
+      str? activation=None) -> Tensor out    (x [batch, dim, seqlen]; out laid out like x)
+  causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias=None,
+      str? activation=None, Tensor? cache_seqlens=None, Tensor? conv_state_indices=None)
+      -> Tensor out
+  fused_conv1d_gdn(Tensor qkv, Tensor b, Tensor a, Tensor(a!) conv_state,
+      Tensor(b!) recurrent_state, Tensor conv_weight, Tensor? conv_bias, Tensor a_log,
+      Tensor dt_bias, Tensor query_start_loc, Tensor state_indices, Tensor distribution,
+      Tensor seq_lens, Tensor read_state_indices, SymInt n_kq, SymInt n_v, SymInt d_k,
+      SymInt d_v, SymInt kernel_size, bool zero_initialize_out=True) -> Tensor out
 
 Out variants `<name>_out`, for engines that reuse buffers: the op's required arguments, then
 its outputs (written in place), then its options; they return nothing (a custom op may not
@@ -57,6 +67,9 @@ return an alias of an input, and torch 2.4's custom ops take no keyword-only ten
   gated_delta_rule_decode_out(q, k, v, g, beta, Tensor(a!) state, Tensor(b!) out, <options>)
   gated_delta_rule_verify_out(q, k, v, g, beta, state, Tensor(a!) out, Tensor(b!) replay,
       <options>)
+  causal_conv1d_fn_out(x, weight, Tensor(a!) out, <options>)
+  causal_conv1d_update_out(x, Tensor(a!) conv_state, weight, Tensor(b!) out, <options>)
+  fused_conv1d_gdn_out(qkv, ..., read_state_indices, Tensor(c!) out, n_kq, ..., <options>)
 The options are the op's, less return_softmax_lse (lse given = lse wanted) and
 output_final_state (final_state given = wanted). out is written by the library directly; lse,
 final_state and replay are computed as by the op and copied in (they are small).
@@ -99,7 +112,9 @@ import torch
 
 from . import _tensors as _T
 from . import attention as _attn
+from . import conv as _conv
 from . import gated_delta as _gdn
+from . import layers as _layers
 
 Tensor = torch.Tensor
 NAMESPACE = "flywheel"
@@ -452,6 +467,84 @@ def _gated_delta_rule_commit_fake(replay, accepted, state, cu_seqlens, num_heads
     return None
 
 
+# ---------------------------------------------------------- conv and the GDN layer: implementations
+
+def _causal_conv1d_fn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                      initial_states: Optional[Tensor] = None,
+                      activation: Optional[str] = None) -> Tensor:
+    out = torch.empty_like(x)
+    _conv.causal_conv1d_fn(x, weight, bias, initial_states=initial_states,
+                           activation=activation, out=out)
+    return out
+
+
+def _causal_conv1d_fn_fake(x, weight, bias=None, initial_states=None, activation=None):
+    return torch.empty_like(x)
+
+
+def _causal_conv1d_fn_out(x: Tensor, weight: Tensor, out: Tensor, bias: Optional[Tensor] = None,
+                          initial_states: Optional[Tensor] = None,
+                          activation: Optional[str] = None) -> None:
+    _conv.causal_conv1d_fn(x, weight, bias, initial_states=initial_states,
+                           activation=activation, out=out)
+
+
+def _causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor,
+                          bias: Optional[Tensor] = None, activation: Optional[str] = None,
+                          cache_seqlens: Optional[Tensor] = None,
+                          conv_state_indices: Optional[Tensor] = None) -> Tensor:
+    return _conv.causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                                      conv_state_indices)
+
+
+def _causal_conv1d_update_fake(x, conv_state, weight, bias=None, activation=None,
+                               cache_seqlens=None, conv_state_indices=None):
+    return x.new_empty(tuple(x.shape))
+
+
+def _causal_conv1d_update_out(x: Tensor, conv_state: Tensor, weight: Tensor, out: Tensor,
+                              bias: Optional[Tensor] = None, activation: Optional[str] = None,
+                              cache_seqlens: Optional[Tensor] = None,
+                              conv_state_indices: Optional[Tensor] = None) -> None:
+    _conv.causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                               conv_state_indices, out=out)
+
+
+def _fused_conv1d_gdn(qkv: Tensor, b: Tensor, a: Tensor, conv_state: Tensor,
+                      recurrent_state: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                      a_log: Tensor, dt_bias: Tensor, query_start_loc: Tensor,
+                      state_indices: Tensor, distribution: Tensor, seq_lens: Tensor,
+                      read_state_indices: Tensor, n_kq: int, n_v: int, d_k: int, d_v: int,
+                      kernel_size: int, zero_initialize_out: bool = True) -> Tensor:
+    _, out = _layers.fused_conv1d_gdn(
+        qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+        query_start_loc, state_indices, distribution, seq_lens, read_state_indices, n_kq=n_kq,
+        n_v=n_v, d_k=d_k, d_v=d_v, kernel_size=kernel_size,
+        zero_initialize_out=zero_initialize_out)
+    return out
+
+
+def _fused_conv1d_gdn_fake(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
+                           dt_bias, query_start_loc, state_indices, distribution, seq_lens,
+                           read_state_indices, n_kq, n_v, d_k, d_v, kernel_size,
+                           zero_initialize_out=True):
+    return qkv.new_empty((qkv.shape[0], n_v * d_v))
+
+
+def _fused_conv1d_gdn_out(qkv: Tensor, b: Tensor, a: Tensor, conv_state: Tensor,
+                          recurrent_state: Tensor, conv_weight: Tensor,
+                          conv_bias: Optional[Tensor], a_log: Tensor, dt_bias: Tensor,
+                          query_start_loc: Tensor, state_indices: Tensor, distribution: Tensor,
+                          seq_lens: Tensor, read_state_indices: Tensor, out: Tensor, n_kq: int,
+                          n_v: int, d_k: int, d_v: int, kernel_size: int,
+                          zero_initialize_out: bool = True) -> None:
+    _layers.fused_conv1d_gdn(
+        qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+        query_start_loc, state_indices, distribution, seq_lens, read_state_indices, n_kq=n_kq,
+        n_v=n_v, d_k=d_k, d_v=d_v, kernel_size=kernel_size,
+        zero_initialize_out=zero_initialize_out, out=out)
+
+
 # ------------------------------------------------------------------------------- registration
 
 # name -> (implementation, fake, arguments written in place)
@@ -477,6 +570,14 @@ _SPECS = {
     "gated_delta_rule_verify_out": (_gated_delta_rule_verify_out, None, ("out", "replay")),
     "gated_delta_rule_commit": (_gated_delta_rule_commit, _gated_delta_rule_commit_fake,
                                 ("state",)),
+    "causal_conv1d_fn": (_causal_conv1d_fn, _causal_conv1d_fn_fake, ()),
+    "causal_conv1d_fn_out": (_causal_conv1d_fn_out, None, ("out",)),
+    "causal_conv1d_update": (_causal_conv1d_update, _causal_conv1d_update_fake, ("conv_state",)),
+    "causal_conv1d_update_out": (_causal_conv1d_update_out, None, ("conv_state", "out")),
+    "fused_conv1d_gdn": (_fused_conv1d_gdn, _fused_conv1d_gdn_fake,
+                         ("conv_state", "recurrent_state")),
+    "fused_conv1d_gdn_out": (_fused_conv1d_gdn_out, None,
+                             ("conv_state", "recurrent_state", "out")),
 }
 
 OPS = tuple(_SPECS)  # the registered names: torch.ops.flywheel.<name>

@@ -122,7 +122,8 @@ def test_importing_flywheel_does_not_import_torch():
 def test_every_op_is_registered_and_reimport_does_not_fail():
     expected = {"flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
                 "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-                "gated_delta_rule_decode", "gated_delta_rule_verify", "gated_delta_rule_commit"}
+                "gated_delta_rule_decode", "gated_delta_rule_verify", "gated_delta_rule_commit",
+                "causal_conv1d_fn", "causal_conv1d_update", "fused_conv1d_gdn"}
     expected |= {n + "_out" for n in expected - {"gated_delta_rule_commit"}}
     assert set(fw_ops.OPS) == expected
     for name in fw_ops.OPS:
@@ -151,6 +152,10 @@ def test_mutation_annotations():
     assert written("gated_delta_rule_decode_out") == {"state", "out"}
     assert written("chunk_gated_delta_rule_out") == {"out", "final_state"}
     assert written("gated_delta_rule_verify_out") == {"out", "replay"}
+    assert written("causal_conv1d_fn") == set()
+    assert written("causal_conv1d_update") == {"conv_state"}
+    assert written("fused_conv1d_gdn") == {"conv_state", "recurrent_state"}
+    assert written("fused_conv1d_gdn_out") == {"conv_state", "recurrent_state", "out"}
 
 
 # ------------------------------------------------------------------- same bits as the calls
@@ -368,6 +373,48 @@ def test_forward_only_backward_raises():
     assert not out.requires_grad
 
 
+def conv_inputs():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 10, 16, generator=g).transpose(1, 2)        # [2, 16, 10] channel-last
+    return (x, torch.randn(16, 4, generator=g), torch.randn(16, generator=g),
+            torch.randn(2, 16, 3, generator=g))
+
+
+def layer_inputs():
+    """1 q/k head, 2 value heads, dims 8, width 3: a decode (seq_len 5) and a new 6-token
+    prefill, then 2 padding rows; 4 slots."""
+    g = torch.Generator().manual_seed(12)
+    T, dim = 9, 2 * 8 + 2 * 8
+    return (torch.randn(T, dim, generator=g), torch.randn(T, 2, generator=g),
+            torch.randn(T, 2, generator=g), torch.randn(4, 2, dim, generator=g),
+            torch.randn(4, 2, 8, 8, generator=g) * 0.1, torch.randn(dim, 1, 3, generator=g),
+            None, torch.rand(2, generator=g), torch.randn(2, generator=g),
+            torch.tensor([0, 1, 7], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+            torch.tensor([1, 2, 2], dtype=torch.int32), torch.tensor([5, 6], dtype=torch.int32),
+            torch.tensor([3, 2], dtype=torch.int32), 1, 2, 8, 8, 3)
+
+
+def test_conv_and_layer_ops_give_the_calls_bits():
+    x, w, b, h0 = conv_inputs()
+    want = flywheel.causal_conv1d_fn(x, w, b, initial_states=h0, activation="silu")
+    assert torch.equal(OPS.causal_conv1d_fn(x, w, b, h0, "silu"), want)
+    s1, s2 = torch.randn(4, 16, 3), None
+    s2 = s1.clone()
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    xt = x[:, :, 0].contiguous()
+    assert torch.equal(OPS.causal_conv1d_update(xt, s1, w, b, "silu", None, idx),
+                       flywheel.causal_conv1d_update(xt, s2, w, b, "silu",
+                                                     conv_state_indices=idx))
+    assert torch.equal(s1, s2)
+    args = layer_inputs()
+    c1, r1 = args[3].clone(), args[4].clone()
+    c2, r2 = args[3].clone(), args[4].clone()
+    o1 = OPS.fused_conv1d_gdn(*args[:3], c1, r1, *args[5:])
+    (_, _), o2 = flywheel.fused_conv1d_gdn(*args[:3], c2, r2, *args[5:14], n_kq=1, n_v=2,
+                                            d_k=8, d_v=8, kernel_size=3)
+    assert torch.equal(o1, o2) and torch.equal(c1, c2) and torch.equal(r1, r2)
+
+
 # ------------------------------------------------------------------------------------ opcheck
 
 def _opcheck_cases():
@@ -379,6 +426,8 @@ def _opcheck_cases():
     dq, dk, dv, dg, db, state, idx = decode_inputs()
     vq, vk, vv, vg, vb, vstate, vidx, vcu = verify_inputs()
     _, replay = OPS.gated_delta_rule_verify(vq, vk, vv, vg, vb, vstate, vidx, vcu)
+    cx, cw, cb, ch0 = conv_inputs()
+    la = layer_inputs()
     floats = replay.shape[0]
     return [
         ("flash_attn_func", (q, k, v), dict(causal=True, return_softmax_lse=True)),
@@ -413,6 +462,14 @@ def _opcheck_cases():
          {}),
         ("gated_delta_rule_commit",
          (replay, torch.tensor([1, 3], dtype=torch.int32), vstate.clone(), vcu, 2, vidx), {}),
+        ("causal_conv1d_fn", (cx, cw, cb, ch0), dict(activation="silu")),
+        ("causal_conv1d_fn_out", (cx, cw, torch.empty_like(cx), cb), {}),
+        ("causal_conv1d_update", (cx[:, :, 0].contiguous(), torch.randn(4, 16, 3), cw, cb),
+         dict(activation="silu", conv_state_indices=torch.tensor([3, 1], dtype=torch.int32))),
+        ("causal_conv1d_update_out", (cx[:, :, 0].contiguous(), torch.randn(2, 16, 3), cw,
+                                      torch.empty(2, 16), cb), {}),
+        ("fused_conv1d_gdn", la, {}),
+        ("fused_conv1d_gdn_out", la[:14] + (torch.empty(9, 16),) + la[14:], {}),
     ]
 
 
