@@ -393,17 +393,18 @@ static void test_state_pool(void)
     fw_gdn_params_init(&p);
     p.l2norm_qk = 1;
     fw_gdn_pool pl = {pool, SLOTS, stride, rd, wr};
+    /* decode: the first token of each sequence, one per sequence (rows 0 .. N-1) */
+    fw_tensor dq = in.q, dk = in.k, dv = in.v, dg = in.g, db = in.beta, dout = t2, dref = t1;
+    dq.shape[0] = dk.shape[0] = dv.shape[0] = dg.shape[0] = db.shape[0] = dout.shape[0] = dref.shape[0] = N;
     for (int dec = 0; dec < 2; dec++) {
         case_begin("gdn: %s on a state pool equals the dense call on gathered states", dec ? "decode" : "prefill");
         memcpy(pool, pool0, sizeof pool);
         fw_status st;
-        if (dec) { /* the first token of each sequence, one per sequence */
-            fw_tensor q = in.q, k = in.k, v = in.v, g = in.g, b = in.beta, o = t2, od = t1;
-            q.shape[0] = k.shape[0] = v.shape[0] = g.shape[0] = b.shape[0] = o.shape[0] = od.shape[0] = N;
-            st = fw_gdn_decode_pool(&q, &k, &v, &g, &b, &pl, &o, &p);
+        if (dec) {
+            st = fw_gdn_decode_pool(&dq, &dk, &dv, &dg, &db, &pl, &dout, &p);
             memcpy(fin, init, sizeof init);
             int32_t id[N] = {0, 1, 2};
-            st |= fw_gdn_decode(&q, &k, &v, &g, &b, fin, N, id, &od, &p);
+            st |= fw_gdn_decode(&dq, &dk, &dv, &dg, &db, fin, N, id, &dref, &p);
             case_check(memcmp(o1.p, o2.p, (size_t)(N * HV * DV) * 2) == 0, "outputs differ");
         } else {
             st = fw_gdn_prefill_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, &pl, &t2, &p);
@@ -443,7 +444,7 @@ static void test_state_pool(void)
         memcpy(pool, pool0, sizeof pool);
         memset(o2.p, 0xA5, o2.bytes);
         fw_status st = b % 2 ? fw_gdn_prefill_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, &bad[b].pool, &t2, &p)
-                             : fw_gdn_decode_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, &bad[b].pool, &t2, &p);
+                             : fw_gdn_decode_pool(&dq, &dk, &dv, &dg, &db, &bad[b].pool, &dout, &p);
         int untouched = memcmp(pool, pool0, sizeof pool) == 0;
         for (size_t x = 0; x < o2.bytes; x++)
             untouched &= ((unsigned char *)o2.p)[x] == 0xA5;
