@@ -320,6 +320,12 @@ typedef struct fw_gdn_params {
                           always run f32 products on the f32 state. */
     float l2norm_eps;  /* with l2norm_qk: x / sqrt(|x|^2 + eps); 0 = 1e-6 (fla's and
                           transformers'; vLLM's CPU kernels use 1e-5) */
+    /* Gates computed inside the kernels (Qwen3-Next's): with a_log ([HV], any float dtype),
+     * g holds the raw a (any float dtype) and the log decay is -exp(a_log) softplus(a +
+     * dt_bias) (dt_bias [HV] or NULL); with beta_sigmoid = 1, beta holds the raw b and beta
+     * = sigmoid(b). The computed gates must be finite (g <= 0), as given ones. */
+    const fw_tensor *a_log, *dt_bias;
+    int32_t beta_sigmoid;
 } fw_gdn_params;
 
 FW_API void fw_gdn_params_init(fw_gdn_params *p);

@@ -457,6 +457,87 @@ static void test_state_pool(void)
     free_inputs(&in);
 }
 
+/* (i) the gates computed inside the kernels (a_log, dt_bias, beta_sigmoid) give the bits of
+ * the same gates computed before the call, on prefill, decode and verify; bad gate params
+ * are refused */
+static void test_kernel_gates(void)
+{
+    enum { H = 2, HV = 4, DK = 16, DV = 16, N = 2 };
+    gcase c = {0, H, HV, DK, DV, FW_F32, 1, 1.0, 0.3, 0.0f};
+    int32_t cu[N + 1] = {0, 9, 14};
+    c.T = cu[N];
+    ginputs in;
+    make_inputs(&in, &c, 91);
+    static float a[14 * HV], b[14 * HV], g[14 * HV], beta[14 * HV], alog[HV], dtb[HV];
+    static float o1[14 * HV * DV], o2[14 * HV * DV], s1[3 * HV * DK * DV], s2[3 * HV * DK * DV];
+    rng_seed(92);
+    for (int h = 0; h < HV; h++) {
+        alog[h] = (float)(0.5 * rng_normal());
+        dtb[h] = (float)(0.5 * rng_normal());
+    }
+    for (int i = 0; i < 14 * HV; i++) {
+        a[i] = (float)(2 * rng_normal());
+        b[i] = (float)(2 * rng_normal());
+        const float y = a[i] + dtb[i % HV], sp = y > 20.0f ? y : log1pf(expf(y));
+        g[i] = -expf(alog[i % HV]) * sp;
+        beta[i] = 1.0f / (1.0f + expf(-b[i]));
+    }
+    int64_t gs[2] = {14, HV}, hs[1] = {HV}, os[3] = {14, HV, DV};
+    fw_tensor ta = fw_tensor_contiguous(a, FW_F32, 2, gs), tb = fw_tensor_contiguous(b, FW_F32, 2, gs);
+    fw_tensor tg = fw_tensor_contiguous(g, FW_F32, 2, gs), tbe = fw_tensor_contiguous(beta, FW_F32, 2, gs);
+    fw_tensor tal = fw_tensor_contiguous(alog, FW_F32, 1, hs), tdt = fw_tensor_contiguous(dtb, FW_F32, 1, hs);
+    fw_tensor to1 = fw_tensor_contiguous(o1, FW_F32, 3, os), to2 = fw_tensor_contiguous(o2, FW_F32, 3, os);
+    fw_gdn_params given, raw;
+    fw_gdn_params_init(&given);
+    given.l2norm_qk = 1;
+    raw = given;
+    raw.a_log = &tal;
+    raw.dt_bias = &tdt;
+    raw.beta_sigmoid = 1;
+    int32_t idx[N] = {2, 0};
+    float replay[4096];
+    for (int op = 0; op < 3; op++) {
+        case_begin("gdn: gates computed in the kernel equal the gates given (%s)",
+                   op == 0 ? "prefill" : op == 1 ? "decode" : "verify");
+        for (int i = 0; i < 3 * HV * DK * DV; i++)
+            s1[i] = s2[i] = (float)(0.1 * (i % 17) - 0.8);
+        fw_status st;
+        if (op == 0) {
+            st = fw_gdn_prefill(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, NULL, s1, &to1, &given);
+            st |= fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, s2, &to2, &raw);
+        } else if (op == 1) {
+            fw_tensor q = in.q, k = in.k, v = in.v, gg = tg, bb = tbe, aa = ta, b2 = tb, x1 = to1, x2 = to2;
+            q.shape[0] = k.shape[0] = v.shape[0] = gg.shape[0] = bb.shape[0] = aa.shape[0] = b2.shape[0] = N;
+            x1.shape[0] = x2.shape[0] = N;
+            st = fw_gdn_decode(&q, &k, &v, &gg, &bb, s1, 3, idx, &x1, &given);
+            st |= fw_gdn_decode(&q, &k, &v, &aa, &b2, s2, 3, idx, &x2, &raw);
+        } else {
+            st = fw_gdn_verify(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, s1, 3, idx, replay, 4096, &to1, &given);
+            st |= fw_gdn_verify(&in.q, &in.k, &in.v, &ta, &tb, cu, N, s2, 3, idx, replay, 4096, &to2, &raw);
+        }
+        case_check(st == FW_OK, "status: %s", fw_last_error());
+        case_check(!memcmp(o1, o2, sizeof o1) && !memcmp(s1, s2, sizeof s1), "outputs or states differ");
+        case_end();
+    }
+    case_begin("gdn: bad kernel-gate params are refused");
+    fw_gdn_params bad = raw;
+    bad.beta_sigmoid = 2;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, NULL, &to2, &bad) == FW_ERR_ARG, "beta_sigmoid 2");
+    bad = raw;
+    fw_tensor short_alog = tal;
+    short_alog.shape[0] = HV - 1;
+    bad.a_log = &short_alog;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, NULL, &to2, &bad) == FW_ERR_SHAPE, "a_log of HV - 1");
+    bad = given;
+    bad.dt_bias = &tdt;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, NULL, NULL, &to2, &bad) == FW_ERR_ARG, "dt_bias alone");
+    a[5] = INFINITY; /* softplus(inf) = inf: g = -inf, refused */
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, NULL, &to2, &raw) == FW_ERR_ARG &&
+                   strstr(fw_last_error(), "computed from a"), "an infinite raw a: %s", fw_last_error());
+    case_end();
+    free_inputs(&in);
+}
+
 /* (f) verify + commit of every m equals sequential decode; decode equals the reference */
 static void test_verify_commit(void)
 {
@@ -785,6 +866,7 @@ const test_suite gdn_suites[] = {
     {"gdn.inverse_stability", test_inverse_stability},
     {"gdn.decode_step", test_decode_step},
     {"gdn.state_pool", test_state_pool},
+    {"gdn.kernel_gates", test_kernel_gates},
     {"gdn.verify_commit", test_verify_commit},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},

@@ -174,6 +174,9 @@ class GdnParams(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("precision", ctypes.c_int32),
         ("l2norm_eps", ctypes.c_float),
+        ("a_log", ctypes.POINTER(Tensor)),
+        ("dt_bias", ctypes.POINTER(Tensor)),
+        ("beta_sigmoid", ctypes.c_int32),
     ]
 
 

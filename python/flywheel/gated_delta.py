@@ -211,6 +211,28 @@ def _state_slots(state, HV, K, V, written):
     return state.shape[0]
 
 
+def _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+    """Set p to compute the gates inside the kernels from the raw a (passed as g) and b (as
+    beta); returns the arrays p points into (keep them alive for the call)."""
+    keep = []
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log")
+        for x, name, field in ((A_log, "A_log", "a_log"), (dt_bias, "dt_bias", "dt_bias")):
+            if x is None:
+                continue
+            a = T.to_numpy_f32(x, name)
+            if a.shape != (HV,):
+                raise ValueError(f"{name} must be [HV] = [{HV}], got shape {a.shape}")
+            t = T.describe(a)
+            keep += [a, t]
+            setattr(p, field, _lib.ctypes.pointer(t))
+    elif dt_bias is not None:
+        raise ValueError("dt_bias is used with use_gate_in_kernel=True and A_log")
+    p.beta_sigmoid = 1 if use_beta_sigmoid_in_kernel else 0
+    return keep
+
+
 def _pool_slots(state, HV, K, V):
     """A state pool the library reads and updates in place: float32 [slots, HV, K, V] whose
     slots may lie further apart than HV K V floats (an engine's padded slots), each slot
@@ -254,20 +276,25 @@ def _indices(state_indices, n):
 
 def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=None,
                             use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
-                            l2norm_eps=None, read_state_indices=None):
+                            l2norm_eps=None, read_state_indices=None, use_gate_in_kernel=False,
+                            A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
     """One decode step for N sequences, updating their states in a slot array in place.
 
     q, k [N, H, K] (or [N, 1, H, K]); v [N, HV, V] (or [N, 1, HV, V]); g, beta [N, HV]
     (or [N, 1, HV]); state [slots, HV, K, V] contiguous float32 (numpy or torch), sequence i
     using slot state_indices[i] (default i; distinct). Returns o with v's shape and dtype;
-    l2norm_eps: as in chunk_gated_delta_rule. read_state_indices [N]: the slot each sequence
+    l2norm_eps: as in chunk_gated_delta_rule. use_gate_in_kernel with A_log [HV] (and
+    dt_bias [HV]): g is the raw a and the kernel computes g = -exp(A_log) softplus(a +
+    dt_bias); use_beta_sigmoid_in_kernel: beta is the raw b, the kernel takes sigmoid(b)
+    (Qwen3-Next's gates, computed inside the decode step). read_state_indices [N]: the slot each sequence
     starts from when it is not its state_indices slot (prefix caching; negative: a zero
     state); a negative state_indices entry then means the new state is not kept. With it,
     state may also be a pool whose slots lie further apart (padded), each slot contiguous.
     out: an existing array of that shape (any float dtype the library writes) to write and
     return instead of a new one.
     """
-    if _lib.fast is not None and isa is None and l2norm_eps is None and read_state_indices is None:
+    if (_lib.fast is not None and isa is None and l2norm_eps is None and read_state_indices is None
+            and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel):
         r = _lib.fast.gdn_decode(q, k, v, g, beta, state, state_indices, scale,
                                  use_qk_l2norm_in_kernel, _lib.settings.threads, out)
         if r is not NotImplemented:
@@ -314,6 +341,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
         if squeeze:
             o = o[:, 0]
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, None, l2norm_eps)
+    keep = _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     if pool is not None:
         _lib.check(_lib.lib.fw_gdn_decode_pool(T.describe(q), T.describe(k), T.describe(v),
                                                T.describe(g), T.describe(beta), pool,
@@ -322,6 +350,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
         _lib.check(_lib.lib.fw_gdn_decode(T.describe(q), T.describe(k), T.describe(v),
                                           T.describe(g), T.describe(beta), T.ptr(state), slots,
                                           T.ptr(idx), T.describe(o), p))
+    del keep  # the gate arrays p pointed into
     if out is not None:
         return out
     return o.reshape(N, 1, HV, V) if squeeze else o
@@ -374,14 +403,17 @@ class GDNReplay:
 
 def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None,
                             scale=None, use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
-                            precision=None, l2norm_eps=None):
+                            precision=None, l2norm_eps=None, use_gate_in_kernel=False,
+                            A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
     """Speculative verify: up to 64 draft tokens per sequence from the committed states, which
     are read and not changed.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
     state [slots, HV, K, V] contiguous float32; state_indices [N] (default 0..N-1).
     Returns (o [B, T, HV, V], replay); pass replay to gated_delta_rule_commit with the number
-    of accepted tokens per sequence. precision, l2norm_eps: as in chunk_gated_delta_rule.
+    of accepted tokens per sequence. precision, l2norm_eps: as in chunk_gated_delta_rule;
+    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel: as in
+    gated_delta_rule_decode (the gates computed inside the kernel).
     out: an existing [B, T, HV, V] array to write as o instead of a new one.
     """
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -396,10 +428,12 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     replay = np.empty(max(floats, 1), dtype=np.float32)
     o = T.output(out, v, (B, Tn, HV, V))
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision, l2norm_eps)
+    keep = _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     _lib.check(_lib.lib.fw_gdn_verify(T.describe(q2), T.describe(k2), T.describe(v2),
                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
                                       T.ptr(state), slots, T.ptr(idx), T.ptr(replay),
                                       floats, T.describe(T.merged_view(o, "out")), p))
+    del keep
     return o, GDNReplay(replay, cu, idx, H, HV, K, V)
 
 

@@ -286,6 +286,44 @@ def test_pool_refuses_a_slot_read_by_one_and_written_by_another():
     assert (state == 1).all()
 
 
+@pytest.mark.parametrize("call", ["decode", "verify"])
+def test_gates_computed_inside_the_kernel(call):
+    """Qwen3-Next's gates from raw a, b inside decode and verify: the outputs of the same
+    gates computed before the call."""
+    rng = np.random.default_rng(41)
+    N, H, HV, K, V = 3, 2, 4, 16, 16
+    q, k = (rng.standard_normal((N, H, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((N, HV, V)).astype(np.float32)
+    a, b = (rng.standard_normal((N, HV)).astype(np.float32) * 2 for _ in range(2))
+    A_log = (rng.standard_normal(HV) * 0.5).astype(np.float32)
+    dt_bias = (rng.standard_normal(HV) * 0.5).astype(np.float32)
+    x = a.astype(np.float64) + dt_bias
+    g = (-np.exp(A_log.astype(np.float64)) * np.log1p(np.exp(x))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-b.astype(np.float64)))).astype(np.float32)
+    s1 = (rng.standard_normal((4, HV, K, V)) * 0.1).astype(np.float32)
+    s2 = s1.copy()
+    idx = np.array([3, 0, 1], np.int32)
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True)
+    if call == "decode":
+        want = flywheel.gated_delta_rule_decode(q, k, v, g, beta, s1, idx,
+                                                use_qk_l2norm_in_kernel=True)
+        got = flywheel.gated_delta_rule_decode(q, k, v, a, b, s2, idx,
+                                               use_qk_l2norm_in_kernel=True, **kw)
+        assert np.abs(s1 - s2).max() <= 1e-5
+    else:
+        cu = np.array([0, 1, 3], np.int32)
+        want, _ = flywheel.gated_delta_rule_verify(q[None, :], k[None, :], v[None, :], g[None],
+                                                   beta[None], s1, idx[:2], cu,
+                                                   use_qk_l2norm_in_kernel=True)
+        got, _ = flywheel.gated_delta_rule_verify(q[None, :], k[None, :], v[None, :], a[None],
+                                                  b[None], s2, idx[:2], cu,
+                                                  use_qk_l2norm_in_kernel=True, **kw)
+    assert np.abs(as64(got) - as64(want)).max() <= 1e-5
+    with pytest.raises(ValueError, match="A_log"):
+        flywheel.gated_delta_rule_decode(q, k, v, a, b, s2, idx, use_gate_in_kernel=True)
+
+
 def test_bad_l2norm_eps_is_refused():
     q = np.zeros((1, 2, 1, 4), np.float32)
     v = np.zeros((1, 2, 1, 4), np.float32)

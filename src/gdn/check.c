@@ -17,9 +17,11 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
 {
     memset(p, 0, sizeof *p);
     fw_status s;
+    const int raw_g = params && params->a_log, raw_b = params && params->beta_sigmoid;
     if ((s = fw_check_tensor(q, "q", 3, FW_DT_IN)) || (s = fw_check_tensor(k, "k", 3, FW_DT_IN)) ||
-        (s = fw_check_tensor(v, "v", 3, FW_DT_IN)) || (s = fw_check_tensor(g, "g", 2, 1u << FW_F32)) ||
-        (s = fw_check_tensor(beta, "beta", 2, 1u << FW_F32)) ||
+        (s = fw_check_tensor(v, "v", 3, FW_DT_IN)) ||
+        (s = fw_check_tensor(g, raw_g ? "g (the raw a)" : "g", 2, raw_g ? FW_DT_IN : 1u << FW_F32)) ||
+        (s = fw_check_tensor(beta, raw_b ? "beta (the raw b)" : "beta", 2, raw_b ? FW_DT_IN : 1u << FW_F32)) ||
         (s = fw_check_tensor(out, "out", 3, FW_DT_IN | (ref ? 1u << FW_F64 : 0u))))
         return s;
     if (k->dtype != q->dtype || v->dtype != q->dtype)
@@ -49,6 +51,15 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
             return s;
         if (params->l2norm_qk != 0 && params->l2norm_qk != 1)
             return fw_fail(FW_ERR_ARG, "l2norm_qk is %d; it must be 0 or 1", (int)params->l2norm_qk);
+        if (params->beta_sigmoid != 0 && params->beta_sigmoid != 1)
+            return fw_fail(FW_ERR_ARG, "beta_sigmoid is %d; it must be 0 or 1", (int)params->beta_sigmoid);
+        if (params->a_log && ((s = fw_check_tensor(params->a_log, "a_log", 1, FW_DT_IN)) ||
+                              (params->dt_bias && (s = fw_check_tensor(params->dt_bias, "dt_bias", 1, FW_DT_IN)))))
+            return s;
+        if (params->a_log && (params->a_log->shape[0] != HV || (params->dt_bias && params->dt_bias->shape[0] != HV)))
+            return fw_fail(FW_ERR_SHAPE, "a_log and dt_bias must have HV = %lld entries", (long long)HV);
+        if (!params->a_log && params->dt_bias)
+            return fw_fail(FW_ERR_ARG, "dt_bias without a_log: the gates are computed from a_log");
         if (!(params->l2norm_eps >= 0.0f) || !isfinite(params->l2norm_eps))
             return fw_fail(FW_ERR_ARG, "l2norm_eps is %g; it must be finite and >= 0 (0 means 1e-6)",
                            (double)params->l2norm_eps);
@@ -64,24 +75,27 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
         if ((s = fw_check_cu_seqlens(cu, n, T, "cu_seqlens")))
             return s;
     }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < HV; j++) {
-            const float gv = ((const float *)g->data)[t * g->stride[0] + j * g->stride[1]];
-            const float bv = ((const float *)beta->data)[t * beta->stride[0] + j * beta->stride[1]];
-            if (!(gv <= 0.0f) || gv == -INFINITY)
-                return fw_fail(FW_ERR_ARG, "g[%lld][%lld] = %g: the log decay must be finite and <= 0",
-                               (long long)t, (long long)j, (double)gv);
-            if (!isfinite(bv))
-                return fw_fail(FW_ERR_ARG, "beta[%lld][%lld] = %g is not finite", (long long)t, (long long)j,
-                               (double)bv);
-        }
     p->q = q; p->k = k; p->v = v; p->g = g; p->beta = beta; p->out = out;
     p->cu = cu; p->n = n; p->T = T; p->H = H; p->HV = HV; p->r = HV / H; p->dk = dk; p->dv = dv;
     p->scale = params && params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)dk);
     p->l2 = params ? params->l2norm_qk : 0;
     p->eps = params && params->l2norm_eps > 0.0f ? (double)params->l2norm_eps : 1e-6;
     p->bf16 = fw_attn_bf16_products(q->dtype, params ? params->precision : FW_PREC_AUTO);
+    p->a_log = raw_g ? params->a_log : NULL;
+    p->dt_bias = raw_g ? params->dt_bias : NULL;
+    p->beta_sigmoid = raw_b;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < HV; j++) {
+            const float gv = gate_g(p, t, j), bv = gate_beta(p, t, j);
+            if (!(gv <= 0.0f) || gv == -INFINITY)
+                return fw_fail(FW_ERR_ARG, "g[%lld][%lld] = %g%s: the log decay must be finite and <= 0",
+                               (long long)t, (long long)j, (double)gv, p->a_log ? " (computed from a)" : "");
+            if (!isfinite(bv))
+                return fw_fail(FW_ERR_ARG, "beta[%lld][%lld] = %g%s is not finite", (long long)t, (long long)j,
+                               (double)bv, p->beta_sigmoid ? " (computed from b)" : "");
+        }
     return FW_OK;
+
 }
 
 typedef struct {

@@ -189,9 +189,9 @@ static void chunk_gates(const gdn_ctx *c, float *gam, int64_t vh, int64_t t0, in
     float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
     double acc = 0;
     for (int i = 0; i < L; i++) {
-        acc += scalar_at(p->g, t0 + i, vh);
+        acc += gate_g(p, t0 + i, vh);
         gam[i] = (float)(acc * FW_LOG2E);
-        bet[i] = scalar_at(p->beta, t0 + i, vh);
+        bet[i] = gate_beta(p, t0 + i, vh);
     }
     for (int i = 0; i < L; i++) {
         ex[i] = gam[i];
@@ -478,7 +478,7 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
         load_qk(kt, p, p->q, t, h, p->scale, q);
         load_qk(kt, p, p->k, t, h, 1.0, k);
         kt->to_f32(at(p->v, t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
-        const float alpha = expf(scalar_at(p->g, t, vh)), beta = scalar_at(p->beta, t, vh);
+        const float alpha = expf(gate_g(p, t, vh)), beta = gate_beta(p, t, vh);
         if (c->flags & FW_GDN_RECURRENT) {
             kt->gdn_step4(hst, dv, dk, dv, q, k, v, alpha, beta, o, tmp);
         } else {

@@ -47,7 +47,7 @@ static void decode_item(void *vctx, int64_t it, int tid)
     for (int x = 0; x < dk; x++)
         kq += k[x] * q[x];
     c->kt->gdn_dec_cols(h, dv, dk, c0, c1, q, k, v,
-                        expf(scalar_at(p->g, i, vh)), scalar_at(p->beta, i, vh), kq, o);
+                        expf(gate_g(p, i, vh)), gate_beta(p, i, vh), kq, o);
     c->kt->from_f32(o + c0, c1 - c0,
                     (char *)at(p->out, i, vh) + (int64_t)c0 * p->out->stride[2] * (int64_t)fw_dtype_size(p->out->dtype),
                     p->out->dtype, p->out->stride[2]);

@@ -13,6 +13,8 @@ typedef struct {
     int64_t n, T, H, HV, r, dk, dv;
     double scale;
     double eps; /* inside the l2 norm's sqrt */
+    const fw_tensor *a_log, *dt_bias; /* a_log: g is the raw a (fw_gdn_params) */
+    int beta_sigmoid;                 /* beta is the raw b */
     int l2;
     int bf16; /* bf16 products (params->precision resolved; the chunked passes only) */
 } gdn_prob;
@@ -39,7 +41,25 @@ static inline const char *at(const fw_tensor *t, int64_t i, int64_t j)
 
 static inline float scalar_at(const fw_tensor *t, int64_t i, int64_t j)
 {
-    return *(const float *)at(t, i, j);
+    return (float)fw_load_f64(t, i * t->stride[0] + j * t->stride[1]);
+}
+
+/* The log decay g and beta of token t, value head vh: given, or computed from the raw a and
+ * b (in float, the same here and in the reference). */
+static inline float gate_g(const gdn_prob *p, int64_t t, int64_t vh)
+{
+    const float x = scalar_at(p->g, t, vh);
+    if (!p->a_log)
+        return x;
+    const float y = x + (p->dt_bias ? (float)fw_load_f64(p->dt_bias, vh * p->dt_bias->stride[0]) : 0.0f);
+    const float sp = y > 20.0f ? y : log1pf(expf(y));
+    return -expf((float)fw_load_f64(p->a_log, vh * p->a_log->stride[0])) * sp;
+}
+
+static inline float gate_beta(const gdn_prob *p, int64_t t, int64_t vh)
+{
+    const float b = scalar_at(p->beta, t, vh);
+    return p->beta_sigmoid ? 1.0f / (1.0f + expf(-b)) : b;
 }
 
 /* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (p->eps inside the

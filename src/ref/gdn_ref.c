@@ -60,9 +60,9 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
                         Kb[i * dk + x] = rb(Kh[i * dk + x]);
                         Qb[i * dk + x] = rb(Qb[i * dk + x]);
                     }
-                    acc += scalar_at(p->g, t0 + i, vh);
+                    acc += gate_g(p, t0 + i, vh);
                     gam[i] = acc;
-                    bet[i] = scalar_at(p->beta, t0 + i, vh);
+                    bet[i] = gate_beta(p, t0 + i, vh);
                 }
                 /* T = (I + A)^-1, A_ij = beta_i e^(gam_i - gam_j) Kb_i . Kb_j (j < i), by rows;
                  * Gb = (e^(gam_i - gam_j) Qb_i . Kb_j)b (j <= i) */
@@ -181,7 +181,7 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                     qq[x] *= sq;
                     kk[x] *= sk;
                 }
-                const double al = exp((double)scalar_at(g, t, vh)), be = scalar_at(beta, t, vh);
+                const double al = exp((double)gate_g(&p, t, vh)), be = gate_beta(&p, t, vh);
                 for (int64_t y = 0; y < dv; y++) {
                     double acc = 0;
                     for (int64_t x = 0; x < dk; x++)
