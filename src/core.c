@@ -1,5 +1,6 @@
 /* core.c: status codes and messages, tensor descriptors and the checks every entry point
  * shares (tensors, cu_seqlens, threads), scalar dtype conversions. */
+#include <stdlib.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -174,6 +175,59 @@ int fw_overlap(const fw_tensor *a, const fw_tensor *b)
     byte_range(a, &al, &ah);
     byte_range(b, &bl, &bh);
     return al < bh && bl < ah;
+}
+
+typedef struct {
+    int64_t slot, seq;
+} slot_seq;
+
+static int by_slot(const void *a, const void *b)
+{
+    const slot_seq *x = a, *y = b;
+    return x->slot < y->slot ? -1 : x->slot > y->slot ? 1 : (x->seq > y->seq) - (x->seq < y->seq);
+}
+
+static int64_t slot_of(const int32_t *idx, int identity, int64_t i)
+{
+    return idx ? idx[i] : identity ? i : -1;
+}
+
+fw_status fw_check_slot_rw(int64_t n, const int32_t *read, int read_identity, const int32_t *write,
+                           int write_identity, int cross, const char *what)
+{
+    slot_seq *wr = malloc(sizeof(slot_seq) * (size_t)(n > 0 ? n : 1));
+    if (!wr)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld slot entries to check", (long long)n);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = slot_of(write, write_identity, i);
+        if (s >= 0)
+            wr[m++] = (slot_seq){s, i};
+    }
+    qsort(wr, (size_t)m, sizeof *wr, by_slot);
+    fw_status st = FW_OK;
+    for (int64_t j = 1; j < m && !st; j++)
+        if (wr[j].slot == wr[j - 1].slot)
+            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write %s slot %lld", (long long)wr[j - 1].seq,
+                         (long long)wr[j].seq, what, (long long)wr[j].slot);
+    for (int64_t i = 0; i < n && cross && !st; i++) {
+        const int64_t s = slot_of(read, read_identity, i);
+        if (s < 0)
+            continue;
+        int64_t lo = 0, hi = m;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (wr[mid].slot < s)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < m && wr[lo].slot == s && wr[lo].seq != i)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads %s slot %lld, which sequence %lld writes in the same call",
+                         (long long)i, what, (long long)s, (long long)wr[lo].seq);
+    }
+    free(wr);
+    return st;
 }
 
 fw_status fw_check_cu_seqlens(const int32_t *cu, int64_t n, int64_t total, const char *name)

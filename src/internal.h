@@ -228,6 +228,12 @@ fw_status fw_check_no_alias(const fw_tensor *t, const char *what);
  * non-decreasing over its n + 1 entries, and cu[n] == total, the rows of the packed tensors
  * (total < 0: not checked). FW_ERR_NULL for NULL, else FW_ERR_SEQLENS. */
 fw_status fw_check_cu_seqlens(const int32_t *cu, int64_t n, int64_t total, const char *name);
+/* The slots n sequences read and write in one call (slot of sequence i: idx[i], or i when idx
+ * is NULL and `identity`, else none; negative: none): no two sequences write one slot, and,
+ * with `cross`, no sequence reads a slot another writes. FW_ERR_INDEX naming both
+ * sequences and "<what> slot". */
+fw_status fw_check_slot_rw(int64_t n, const int32_t *read, int read_identity, const int32_t *write,
+                           int write_identity, int cross, const char *what);
 /* 1 if the byte ranges two tensors span intersect (an empty tensor spans none). */
 int fw_overlap(const fw_tensor *a, const fw_tensor *b);
 /* params->threads: 0 (all CPUs) .. FW_MAX_THREADS, else FW_ERR_ARG. */

@@ -15,6 +15,9 @@ int bench_dtype(const char *name, fw_dtype *dt);
 /* KV-cache-sized buffers: 2 MiB-aligned, asking for transparent huge pages as a serving
  * engine's cache pool would (release with free()). */
 void *bench_alloc(size_t bytes);
+/* n values of dtype dt (f32, bf16 or f16) uniform in [-scale, scale), from a xorshift stream
+ * of `seed`: the same inputs on every run. */
+void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed);
 /* Median of n doubles (sorts them). */
 double bench_median(double *x, int n);
 /* The machine's FMA peak on `threads` threads: the median of 3 runs of the widest table's

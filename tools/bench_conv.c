@@ -23,18 +23,6 @@ typedef struct {
     int threads, reps, json, first; /* first: channel-first x [B, D, L] in memory */
 } ccfg;
 
-static void fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed)
-{
-    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-        float x = (float)(((double)(s >> 11) * 0x1p-53 * 2.0 - 1.0) * scale);
-        if (dt == FW_F32) ((float *)p)[i] = x;
-        else if (dt == FW_BF16) ((uint16_t *)p)[i] = fw_f32_to_bf16(x);
-        else ((uint16_t *)p)[i] = fw_f32_to_f16(x);
-    }
-}
-
 /* [B, L, D] over p: channel-last, or channel-first memory ([B, D, L]) seen as [B, L, D]. */
 static fw_tensor view(void *p, fw_dtype dt, int64_t B, int64_t L, int64_t D, int first)
 {
@@ -144,8 +132,8 @@ static int run_prefill(const ccfg *c)
         free(x); free(o); free(w);
         return 1;
     }
-    fill(x, n, c->dt, 2.0, 1);
-    fill(w, (size_t)(c->D * c->W), c->dt, 0.5, 2);
+    bench_fill(x, n, c->dt, 2.0, 1);
+    bench_fill(w, (size_t)(c->D * c->W), c->dt, 0.5, 2);
     int64_t wsh[2] = {c->D, c->W};
     fw_tensor tx = view(x, c->dt, c->B, c->L, c->D, c->first), to = view(o, c->dt, c->B, c->L, c->D, c->first);
     fw_tensor tw = fw_tensor_contiguous(w, c->dt, 2, wsh);
@@ -201,9 +189,9 @@ static int run_decode(const ccfg *c)
         free(x); free(o); free(w); free(st); free(idx);
         return 1;
     }
-    fill(x, (size_t)(N * D), c->dt, 1.0, 3);
-    fill(w, (size_t)(D * c->W), c->dt, 0.5, 4);
-    fill(st, (size_t)(N * S * D), c->dt, 1.0, 5);
+    bench_fill(x, (size_t)(N * D), c->dt, 1.0, 3);
+    bench_fill(w, (size_t)(D * c->W), c->dt, 0.5, 4);
+    bench_fill(st, (size_t)(N * S * D), c->dt, 1.0, 5);
     for (int64_t i = 0; i < N; i++)
         idx[i] = (int32_t)(N - 1 - i);
     int64_t xs[3] = {N, 1, D}, wsh[2] = {D, c->W}, ss[3] = {N, S, D};

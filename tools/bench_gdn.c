@@ -34,18 +34,6 @@ static double flop_per_token_head(int64_t dk, int64_t dv)
     return 2.0 * (3.0 * dk * dv + C * (3.0 * dk + 2.0 * dv) + (C - 1) * (C - 2) / 6.0);
 }
 
-static void fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed)
-{
-    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-        float x = (float)(((double)(s >> 11) * 0x1p-53 * 2.0 - 1.0) * scale);
-        if (dt == FW_F32) ((float *)p)[i] = x;
-        else if (dt == FW_BF16) ((uint16_t *)p)[i] = fw_f32_to_bf16(x);
-        else ((uint16_t *)p)[i] = fw_f32_to_f16(x);
-    }
-}
-
 typedef struct {
     void *q, *k, *v, *o;
     float *g, *b, *st;
@@ -65,11 +53,11 @@ static int make(gbufs *B, const gcfg *c, int64_t T)
     B->st = calloc((size_t)(c->nseq * c->HV * c->dk * c->dv) + 1, sizeof(float));
     if (!B->q || !B->k || !B->v || !B->o || !B->g || !B->b || !B->st)
         return 0;
-    fill(B->q, (size_t)(T * c->H * c->dk), c->dt, 1.0, 1);
-    fill(B->k, (size_t)(T * c->H * c->dk), c->dt, 1.0, 2);
-    fill(B->v, (size_t)(T * c->HV * c->dv), c->dt, 1.0, 3);
-    fill(B->g, (size_t)(T * c->HV), FW_F32, 0.5, 4);
-    fill(B->b, (size_t)(T * c->HV), FW_F32, 0.5, 5);
+    bench_fill(B->q, (size_t)(T * c->H * c->dk), c->dt, 1.0, 1);
+    bench_fill(B->k, (size_t)(T * c->H * c->dk), c->dt, 1.0, 2);
+    bench_fill(B->v, (size_t)(T * c->HV * c->dv), c->dt, 1.0, 3);
+    bench_fill(B->g, (size_t)(T * c->HV), FW_F32, 0.5, 4);
+    bench_fill(B->b, (size_t)(T * c->HV), FW_F32, 0.5, 5);
     for (int64_t i = 0; i < T * c->HV; i++) {
         B->g[i] = -0.05f - fabsf(B->g[i]);
         B->b[i] = 0.5f + B->b[i] * 0.5f;

@@ -68,6 +68,18 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed)
+{
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+        float x = (float)(((double)(s >> 11) * 0x1p-53 * 2.0 - 1.0) * scale);
+        if (dt == FW_F32) ((float *)p)[i] = x;
+        else if (dt == FW_BF16) ((uint16_t *)p)[i] = fw_f32_to_bf16(x);
+        else ((uint16_t *)p)[i] = fw_f32_to_f16(x);
+    }
+}
+
 double bench_median(double *x, int n)
 {
     qsort(x, (size_t)n, sizeof *x, cmp_double);

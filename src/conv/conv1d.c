@@ -69,54 +69,6 @@ static fw_status check_state(const fw_conv1d_state *st, const char *what, int64_
     return FW_OK;
 }
 
-typedef struct {
-    int64_t slot, seq;
-} slot_seq;
-
-static int by_slot(const void *a, const void *b)
-{
-    const slot_seq *x = a, *y = b;
-    return x->slot < y->slot ? -1 : x->slot > y->slot ? 1 : (x->seq > y->seq) - (x->seq < y->seq);
-}
-
-/* No two sequences write one slot; in place, no sequence reads a slot another writes. */
-static fw_status check_slots(const conv_prob *p, int inplace)
-{
-    slot_seq *wr = malloc(sizeof(slot_seq) * (size_t)(p->n > 0 ? p->n : 1));
-    if (!wr)
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate the slot check");
-    int64_t m = 0;
-    for (int64_t i = 0; i < p->n; i++) {
-        const int64_t s = conv_slot(p->final, i);
-        if (s >= 0)
-            wr[m++] = (slot_seq){s, i};
-    }
-    qsort(wr, (size_t)m, sizeof *wr, by_slot);
-    fw_status st = FW_OK;
-    for (int64_t j = 1; j < m && !st; j++)
-        if (wr[j].slot == wr[j - 1].slot)
-            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write final state slot %lld",
-                         (long long)wr[j - 1].seq, (long long)wr[j].seq, (long long)wr[j].slot);
-    for (int64_t i = 0; i < p->n && inplace && !st; i++) {
-        const int64_t s = conv_slot(p->init, i);
-        if (s < 0)
-            continue;
-        int64_t lo = 0, hi = m;
-        while (lo < hi) {
-            const int64_t mid = (lo + hi) / 2;
-            if (wr[mid].slot < s)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo < m && wr[lo].slot == s && wr[lo].seq != i)
-            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %lld of the cache, which sequence %lld "
-                         "writes in the same call", (long long)i, (long long)s, (long long)wr[lo].seq);
-    }
-    free(wr);
-    return st;
-}
-
 fw_status fw_conv_check(conv_prob *p, const fw_tensor *x, const fw_tensor *weight,
                         const fw_tensor *bias, const int32_t *cu, int64_t n,
                         const fw_conv1d_state *init, const fw_conv1d_state *final,
@@ -191,7 +143,8 @@ fw_status fw_conv_check(conv_prob *p, const fw_tensor *x, const fw_tensor *weigh
         return fw_fail(FW_ERR_STRIDE, "the final cache overlaps residual");
     if (final && fw_overlap(&final->cache, x))
         return fw_fail(FW_ERR_STRIDE, "the final cache overlaps x");
-    return final ? check_slots(p, inplace) : FW_OK;
+    /* no two sequences write one slot; in place, no sequence reads a slot another writes */
+    return final ? fw_check_slot_rw(n, init ? init->idx : NULL, 1, final->idx, 1, inplace, "conv state") : FW_OK;
 }
 
 /* ------------------------------------------------------------------ passes -- */

@@ -184,37 +184,5 @@ fw_status fw_gdn_check_pool(const fw_gdn_pool *pool, int64_t n, int64_t HV, int6
                            r >= pool->slots ? "read" : "write", (long long)(r >= pool->slots ? r : w),
                            (long long)pool->slots);
     }
-    slot_seq *wr = malloc(sizeof *wr * (size_t)(n > 0 ? n : 1));
-    if (!wr)
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld slot entries to check", (long long)n);
-    int64_t m = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (pool_write(pool, i) >= 0) {
-            wr[m].slot = (int32_t)pool_write(pool, i);
-            wr[m++].seq = i;
-        }
-    qsort(wr, (size_t)m, sizeof *wr, cmp_slot_seq);
-    fw_status st = FW_OK;
-    for (int64_t j = 1; j < m && !st; j++)
-        if (wr[j].slot == wr[j - 1].slot)
-            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write state slot %d", (long long)wr[j - 1].seq,
-                         (long long)wr[j].seq, (int)wr[j].slot);
-    for (int64_t i = 0; i < n && !st && pool->read; i++) {
-        const int64_t s = pool->read[i];
-        if (s < 0)
-            continue;
-        int64_t lo = 0, hi = m;
-        while (lo < hi) {
-            const int64_t mid = (lo + hi) / 2;
-            if (wr[mid].slot < s)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo < m && wr[lo].slot == s && wr[lo].seq != i)
-            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads state slot %lld, which sequence %lld writes in the same call",
-                         (long long)i, (long long)s, (long long)wr[lo].seq);
-    }
-    free(wr);
-    return st;
+    return fw_check_slot_rw(n, pool->read, 0, pool->write ? pool->write : pool->read, 0, 1, "state");
 }
