@@ -48,7 +48,7 @@ extern "C" {
  * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
  * bindings check it at load time (the Python package refuses a library whose
  * fw_abi_version() differs from the number it was written for). */
-#define FW_ABI_VERSION 2
+#define FW_ABI_VERSION 3
 
 /* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
 FW_API const char *fw_version(void);
@@ -296,6 +296,10 @@ FW_API fw_status fw_attn_kvcache_ref(const fw_tensor *q, const fw_tensor *k_new,
  * h in R^{dk x dv} (f32, row-major [dk][dv], fla's layout; h = S^T of the paper):
  *   alpha_t = exp(g_t), delta_t = beta_t (v_t - alpha_t h^T k_t),
  *   h_t = alpha_t h_{t-1} + k_t delta_t^T,   o_t = h_t^T q_t
+ * KDA (Kimi Delta Attention, Kimi Linear) is the same rule with one decay per key channel:
+ * g [T, HV, dk] instead of [T, HV], A_t = diag(exp(g_t)) decays the state's rows:
+ *   delta_t = beta_t (v_t - h_{t-1}^T A_t k_t),   h_t = A_t h_{t-1} + k_t delta_t^T
+ * Every call below takes either form; g's rank says which.
  * where q_t = scale * q / sqrt(|q|^2 + 1e-6) and k_t = k / sqrt(|k|^2 + 1e-6) when l2norm_qk
  * is set (else q_t = scale * q, k_t = k). Value head j uses q/k head j / (HV / H).
  * States: [N or slots, HV, dk, dv] f32, element (i, j, a, b) at i*HV*dk*dv + j*dk*dv + a*dv + b
@@ -320,12 +324,15 @@ typedef struct fw_gdn_params {
                           always run f32 products on the f32 state. */
     float l2norm_eps;  /* with l2norm_qk: x / sqrt(|x|^2 + eps); 0 = 1e-6 (fla's and
                           transformers'; vLLM's CPU kernels use 1e-5) */
-    /* Gates computed inside the kernels (Qwen3-Next's): with a_log ([HV], any float dtype),
-     * g holds the raw a (any float dtype) and the log decay is -exp(a_log) softplus(a +
-     * dt_bias) (dt_bias [HV] or NULL); with beta_sigmoid = 1, beta holds the raw b and beta
-     * = sigmoid(b). The computed gates must be finite (g <= 0), as given ones. */
+    /* Gates computed inside the kernels (Qwen3-Next's, Kimi Linear's): with a_log ([HV], any
+     * float dtype), g holds the raw a (any float dtype) and the log decay is -exp(a_log)
+     * softplus(a + dt_bias) (dt_bias [HV], or [HV dk] for KDA, or NULL), or with lower_bound
+     * < 0 lower_bound sigmoid(exp(a_log) (a + dt_bias)) (fla's safe gate); with beta_sigmoid
+     * = 1, beta holds the raw b and beta = sigmoid(b). The computed gates must be finite (g
+     * <= 0), as given ones. */
     const fw_tensor *a_log, *dt_bias;
     int32_t beta_sigmoid;
+    float lower_bound; /* 0: the softplus gate; < 0 (finite): the sigmoid gate; needs a_log */
 } fw_gdn_params;
 
 FW_API void fw_gdn_params_init(fw_gdn_params *p);
@@ -334,11 +341,12 @@ FW_API void fw_gdn_params_init(fw_gdn_params *p);
  * Chunked prefill over a packed batch of N sequences (cu_seqlens: int32, N + 1 entries, 0 to
  * T, non-decreasing).
  *   q, k  [T, H, dk]    f32 | bf16 | f16          g     [T, HV] f32, per-token log decay (<= 0)
- *   v     [T, HV, dv]   same dtype as q           beta  [T, HV] f32
- *   out   [T, HV, dv]   f32 | bf16 | f16
+ *   v     [T, HV, dv]   same dtype as q                 or [T, HV, dk] f32 for KDA
+ *   out   [T, HV, dv]   f32 | bf16 | f16          beta  [T, HV] f32
  *   initial_state [N, HV, dk, dv] f32 or NULL (zeros); final_state [N, HV, dk, dv] f32 or NULL
  *   (they may be the same buffer). A sequence of length 0 returns its initial state.
  * Chunks of 64 tokens never span two sequences; all exponentials are of differences <= 0.
+ * KDA runs f32 products whatever params->precision says (README, "KDA").
  * Memory: per-thread workspace of O(64 x (dk + dv) + (HV/H) x dk x dv) floats, allocated
  * inside the call (FW_ERR_NOMEM if that fails).
  */
@@ -349,8 +357,8 @@ FW_API fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw
                                 const fw_tensor *out, const fw_gdn_params *params);
 
 /*
- * Decode: one token for each of N sequences. q, k [N, H, dk]; v [N, HV, dv]; g, beta [N, HV]
- * f32; out [N, HV, dv]. state: a slot array [slots, HV, dk, dv] f32; sequence i uses slot
+ * Decode: one token for each of N sequences. q, k [N, H, dk]; v [N, HV, dv]; g [N, HV] (KDA:
+ * [N, HV, dk]), beta [N, HV] f32; out [N, HV, dv]. state: a slot array [slots, HV, dk, dv] f32; sequence i uses slot
  * state_indices[i] (distinct, in [0, slots)) and it is updated in place.
  */
 FW_API fw_status fw_gdn_decode(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
@@ -448,10 +456,14 @@ FW_API fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw
  * token and keeps, in the caller-owned `replay` buffer, what fw_gdn_commit needs to rebuild
  * the state after any number m <= n_i of accepted tokens: per token and value head the
  * written delta (dv floats) and the chunk-local log decay, and per token and q/k head the
- * normalised key (dk floats). Size it with fw_gdn_replay_floats (T x (HV x (dv + 1) + H x dk)
- * floats). The buffer belongs to the caller; the library keeps no state between the calls.
+ * normalised key (dk floats), after one float that tags the layout. Size it with
+ * fw_gdn_replay_floats (1 + T x (HV x (dv + 1) + H x dk) floats). The buffer belongs to the
+ * caller; the library keeps no state between the calls.
  */
 FW_API size_t fw_gdn_replay_floats(int64_t T, int64_t H, int64_t HV, int64_t dk, int64_t dv);
+/* The replay of a KDA verify (g [T, HV, dk]) keeps a decay per key channel:
+ * 1 + T x (HV x (dv + dk) + H x dk) floats. */
+FW_API size_t fw_kda_replay_floats(int64_t T, int64_t H, int64_t HV, int64_t dk, int64_t dv);
 FW_API fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                                const fw_tensor *g, const fw_tensor *beta,
                                const int32_t *cu_seqlens, int64_t n_seqs, const float *state,

@@ -145,7 +145,8 @@ typedef struct fw_kernels {
     /* Gated DeltaNet (kern/attn_kern.h): x = 2^x; X = (I + A)^-1 for a strictly lower
      * triangular L x L A (L <= 64), by forward substitution or in blocked matmul form; the
      * fused decode step on a block of at most FW_MAX_HEAD_DIM state columns; the 4-pass
-     * recurrent step of the baseline (tmp: dv floats). */
+     * recurrent step of the baseline (tmp: dv floats). The steps decay state row r by
+     * decay[r] (dk floats: alike for GDN, per key channel for KDA). */
     void (*exp2_inplace)(float *x, int64_t n);
     void (*rows_l2scale)(float *x, int rows, int n, float scale, int l2, float eps);
     void (*gdn_gates)(int L, const float *gam, const float *beta, const float *KK, const float *QK,
@@ -153,10 +154,16 @@ typedef struct fw_kernels {
     void (*tri_inv_fwd)(const float *A, int lda, int L, float *X, int ldx);
     void (*tri_inv_blocked)(const float *A, int lda, int L, float *X, int ldx);
     void (*gdn_dec_cols)(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
-                         const float *k, const float *v, float alpha, float beta, float kq,
+                         const float *k, const float *v, const float *decay, float beta, float kq,
                          float *o);
     void (*gdn_step4)(float *h, int64_t ldh, int dk, int dv, const float *q, const float *k,
-                      const float *v, float alpha, float beta, float *o, float *tmp);
+                      const float *v, const float *decay, float beta, float *o, float *tmp);
+    /* KDA's chunk (kern/attn_kern.h): dst = x o 2^(g1 - g0) (x NULL: ones, g0 NULL: zeros);
+     * the pairs inside each diagonal FW_KDA_BLOCK-row block of A and of the gated QK, from
+     * the step decays E [L][dk] = 2^g. */
+    void (*exp2_scale)(int n, const float *x, const float *g1, const float *g0, float *dst);
+    void (*kda_diag)(int L, int dk, const float *Q, const float *K, const float *E, const float *beta,
+                     float *A, int lda, float *G, int ldg);
     /* One output row of the causal conv1d over n contiguous channels:
      * y[c] = act(bias[c] + sum_{k<W} wt[k * ldw + c] taps[k][c]) (+ res[c] when res is given),
      * act SiLU (x / (1 + e^-x)) when silu; taps of dtype tdt, res of rdt, y stored as ydt. */
@@ -164,6 +171,9 @@ typedef struct fw_kernels {
                        const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
                        fw_dtype ydt);
 } fw_kernels;
+
+/* KDA chunks: rows per diagonal block (kda_diag's; the driver's products cover the rest). */
+#define FW_KDA_BLOCK 16
 
 /* Every function entry of a table, in order. A table may leave entries NULL: the registry
  * fills them from the portable table (BLIS's way), which is legal because no entry's
@@ -175,7 +185,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_step4) X(conv1d_row)
+    X(gdn_dec_cols) X(gdn_step4) X(exp2_scale) X(kda_diag) X(conv1d_row)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

@@ -7,6 +7,8 @@
  * decode step on a column range against float64. Every table,
  * every dtype, both inverses, the recurrent baselines, thread counts, bad input. bf16
  * products (prefill, verify, commit): within 2x the error of the same-roundings reference.
+ * KDA (g [T, HV, dk]): the same sweeps over lengths across the 16-row blocks and 64-token
+ * chunks, verify + commit, its kernel gates (softplus and lower_bound) and its bad input.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -21,6 +23,7 @@ typedef struct {
     double gscale; /* g = -gscale * softplus(noise) */
     double corr;   /* keys: mix of one shared direction with weight corr */
     float eps;     /* l2norm_eps (0: the default 1e-6) */
+    int kda;       /* g [T, HV, dk]: one decay per key channel */
 } gcase;
 
 typedef struct {
@@ -30,17 +33,18 @@ typedef struct {
 
 static void make_inputs(ginputs *in, const gcase *c, uint64_t seed)
 {
-    int64_t qs[3] = {c->T, c->H, c->dk}, vs[3] = {c->T, c->HV, c->dv}, gs[2] = {c->T, c->HV};
+    int64_t qs[3] = {c->T, c->H, c->dk}, vs[3] = {c->T, c->HV, c->dv}, gs[3] = {c->T, c->HV, c->dk};
+    const int64_t gn = c->T * c->HV * (c->kda ? c->dk : 1);
     size_t es = fw_dtype_size(c->dt);
     in->bq = gbuf_new((size_t)(c->T * c->H * c->dk) * es + 1);
     in->bk = gbuf_new((size_t)(c->T * c->H * c->dk) * es + 1);
     in->bv = gbuf_new((size_t)(c->T * c->HV * c->dv) * es + 1);
-    in->bg = gbuf_new((size_t)(c->T * c->HV) * 4 + 1);
+    in->bg = gbuf_new((size_t)gn * 4 + 1);
     in->bb = gbuf_new((size_t)(c->T * c->HV) * 4 + 1);
     in->q = fw_tensor_contiguous(in->bq.p, c->dt, 3, qs);
     in->k = fw_tensor_contiguous(in->bk.p, c->dt, 3, qs);
     in->v = fw_tensor_contiguous(in->bv.p, c->dt, 3, vs);
-    in->g = fw_tensor_contiguous(in->bg.p, FW_F32, 2, gs);
+    in->g = fw_tensor_contiguous(in->bg.p, FW_F32, c->kda ? 3 : 2, gs);
     in->beta = fw_tensor_contiguous(in->bb.p, FW_F32, 2, gs);
     rng_seed(seed);
     tfill_normal(&in->q, 1.0);
@@ -65,11 +69,10 @@ static void make_inputs(ginputs *in, const gcase *c, uint64_t seed)
             }
         }
     free(dir);
-    for (int64_t i = 0; i < c->T * c->HV; i++) {
-        double z = rng_normal();
-        ((float *)in->g.data)[i] = (float)(-c->gscale * log1p(exp(z)));
+    for (int64_t i = 0; i < gn; i++)
+        ((float *)in->g.data)[i] = (float)(-c->gscale * log1p(exp(rng_normal())));
+    for (int64_t i = 0; i < c->T * c->HV; i++)
         ((float *)in->beta.data)[i] = (float)(1.0 / (1.0 + exp(-rng_normal())));
-    }
 }
 
 static void free_inputs(ginputs *in)
@@ -106,8 +109,9 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
         cu[i + 1] = cu[i] + lens[i];
     gcase cc = *c;
     cc.T = cu[nseq];
-    case_begin("gdn T%lld (%d seqs) H%lld HV%lld dk%lld dv%lld %s l2 %d (eps %g) g x%.0f corr %.1f",
-               (long long)cc.T, nseq, (long long)c->H, (long long)c->HV, (long long)c->dk, (long long)c->dv,
+    case_begin("%s T%lld (%d seqs) H%lld HV%lld dk%lld dv%lld %s l2 %d (eps %g) g x%.0f corr %.1f",
+               c->kda ? "kda" : "gdn", (long long)cc.T, nseq, (long long)c->H, (long long)c->HV,
+               (long long)c->dk, (long long)c->dv,
                fw_dtype_name(c->dt), c->l2, (double)c->eps, c->gscale, c->corr);
     ginputs in;
     make_inputs(&in, &cc, seed);
@@ -181,6 +185,14 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
                 case_check(memcmp(first, ob.p, ob.bytes) == 0, "[%s] 1 and 3 threads differ", p.isa);
             }
         }
+        if (c->kda) { /* KDA runs f32 products whatever precision asks: the bits of mode 0 */
+            p.flags = 0;
+            p.precision = FW_PREC_BF16;
+            st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, fin, &to, &p);
+            case_check(st == FW_OK && memcmp(first, ob.p, ob.bytes) == 0, "[%s] KDA with FW_PREC_BF16 differs",
+                       p.isa);
+            continue;
+        }
         /* bf16 products, both inverses: within 2 x the same-roundings reference's error */
         for (int m = 1; m < 3; m++) {
             p.flags = modes[m];
@@ -215,7 +227,7 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
 /* (c) state carried across a split at a non-multiple of 64 equals one run; (b) via lens */
 static void test_split_state(void)
 {
-    gcase c = {150, 2, 4, 32, 24, FW_F32, 1, 1.0, 0.2, 0.0f};
+    gcase c = {150, 2, 4, 32, 24, FW_F32, 1, 1.0, 0.2, 0.0f, 0};
     case_begin("gdn: state carried across a split at 100 equals one run");
     ginputs in;
     make_inputs(&in, &c, 5);
@@ -309,7 +321,8 @@ static void test_inverse_stability(void)
 
 /* (g) the fused decode step of every table on a column range that takes every path: whole
  * blocks of GDN_CV vectors, a smaller block, scalar columns; the state's row stride is
- * wider than the range, and the columns outside it stay as they were */
+ * wider than the range, and the columns outside it stay as they were. Each row has its own
+ * decay (KDA's step; GDN's is the case of equal ones). */
 static void test_decode_step(void)
 {
     for (int t = 0; t < fw_isa_count(); t++) {
@@ -320,22 +333,23 @@ static void test_decode_step(void)
         rng_seed(41);
         enum { DK = 37, LDH = 300 };
         const int c0 = 3, c1 = c0 + kt->vl * (8 + 2) + 5;
-        static float h[DK * LDH], h0[DK * LDH], q[DK], k[DK], v[LDH], o[LDH];
+        static float h[DK * LDH], h0[DK * LDH], q[DK], k[DK], v[LDH], o[LDH], al[DK];
         for (int i = 0; i < DK * LDH; i++)
             h[i] = h0[i] = (float)rng_normal();
         for (int i = 0; i < DK; i++) {
             q[i] = (float)rng_normal();
             k[i] = (float)rng_normal() / 6;
+            al[i] = (float)(0.5 + 0.5 * rng_uniform());
         }
         for (int i = 0; i < LDH; i++) {
             v[i] = (float)rng_normal();
             o[i] = 7.0f;
         }
-        const float alpha = 0.9f, beta = 0.6f;
+        const float beta = 0.6f;
         double kq = 0;
         for (int x = 0; x < DK; x++)
             kq += (double)k[x] * q[x];
-        kt->gdn_dec_cols(h, LDH, DK, c0, c1, q, k, v, alpha, beta, (float)kq, o);
+        kt->gdn_dec_cols(h, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, o);
         double eo = 0, eh = 0;
         int outside = 1;
         for (int c = 0; c < LDH; c++) {
@@ -347,14 +361,14 @@ static void test_decode_step(void)
             }
             double a = 0, b = 0, sa = 0;
             for (int r = 0; r < DK; r++) {
-                a += (double)k[r] * h0[r * LDH + c];
-                b += (double)q[r] * h0[r * LDH + c];
+                a += (double)al[r] * k[r] * h0[r * LDH + c];
+                b += (double)al[r] * q[r] * h0[r * LDH + c];
                 sa += fabs((double)q[r] * h0[r * LDH + c]) + fabs((double)k[r] * h0[r * LDH + c]);
             }
-            const double dl = beta * (v[c] - alpha * a), want = alpha * b + dl * kq;
+            const double dl = beta * (v[c] - a), want = b + dl * kq;
             eo = fmax(eo, fabs(o[c] - want) / (1 + sa + fabs(want)));
             for (int r = 0; r < DK; r++)
-                eh = fmax(eh, fabs(h[r * LDH + c] - (alpha * h0[r * LDH + c] + k[r] * dl)) /
+                eh = fmax(eh, fabs(h[r * LDH + c] - ((double)al[r] * h0[r * LDH + c] + k[r] * dl)) /
                                   (1 + fabs(h0[r * LDH + c]) + sa));
         }
         case_check(eo <= 1e-5 && eh <= 1e-5, "columns %d..%d: output error %.3g, state error %.3g", c0, c1, eo, eh);
@@ -370,7 +384,7 @@ static void test_state_pool(void)
 {
     enum { H = 2, HV = 4, DK = 16, DV = 24, N = 3, SLOTS = 8, PAD = 37 };
     const int64_t ss = HV * DK * DV, stride = ss + PAD;
-    gcase c = {0, H, HV, DK, DV, FW_BF16, 1, 1.0, 0.3, 0.0f};
+    gcase c = {0, H, HV, DK, DV, FW_BF16, 1, 1.0, 0.3, 0.0f, 0};
     int32_t cu[N + 1] = {0, 70, 71, 100};
     c.T = cu[N];
     ginputs in;
@@ -463,7 +477,7 @@ static void test_state_pool(void)
 static void test_kernel_gates(void)
 {
     enum { H = 2, HV = 4, DK = 16, DV = 16, N = 2 };
-    gcase c = {0, H, HV, DK, DV, FW_F32, 1, 1.0, 0.3, 0.0f};
+    gcase c = {0, H, HV, DK, DV, FW_F32, 1, 1.0, 0.3, 0.0f, 0};
     int32_t cu[N + 1] = {0, 9, 14};
     c.T = cu[N];
     ginputs in;
@@ -538,11 +552,118 @@ static void test_kernel_gates(void)
     free_inputs(&in);
 }
 
-/* (f) verify + commit of every m equals sequential decode; decode equals the reference */
-static void test_verify_commit(void)
+/* (i) KDA's gates computed inside the kernels (per-channel raw a, dt_bias [HV dk], the
+ * softplus gate and lower_bound's sigmoid gate, sigmoid beta) give the bits of the same gates
+ * given, on prefill, decode and verify; bad KDA shapes and gate params are refused */
+static void test_kda_gates(void)
 {
-    const int64_t H = 2, HV = 4, dk = 32, dv = 40, n = 7, N = 2;
-    gcase c = {n * N, H, HV, dk, dv, FW_F32, 1, 1.0, 0.3, 0.0f};
+    enum { H = 2, HV = 4, DK = 16, DV = 16, N = 2, TT = 14 };
+    gcase c = {0, H, HV, DK, DV, FW_F32, 1, 1.0, 0.3, 0.0f, 1};
+    int32_t cu[N + 1] = {0, 9, 14};
+    c.T = cu[N];
+    ginputs in;
+    make_inputs(&in, &c, 95);
+    static float a[TT * HV * DK], b[TT * HV], g[TT * HV * DK], beta[TT * HV], alog[HV], dtb[HV * DK];
+    static float o1[TT * HV * DV], o2[TT * HV * DV], s1[3 * HV * DK * DV], s2[3 * HV * DK * DV];
+    rng_seed(96);
+    for (int h = 0; h < HV; h++)
+        alog[h] = (float)(0.5 * rng_normal());
+    for (int i = 0; i < HV * DK; i++)
+        dtb[i] = (float)(0.5 * rng_normal());
+    for (int i = 0; i < TT * HV; i++) {
+        b[i] = (float)(2 * rng_normal());
+        beta[i] = 1.0f / (1.0f + expf(-b[i]));
+    }
+    for (int i = 0; i < TT * HV * DK; i++)
+        a[i] = (float)(2 * rng_normal());
+    int64_t gs[3] = {TT, HV, DK}, bs[2] = {TT, HV}, hs[1] = {HV}, ds[1] = {HV * DK}, os[3] = {TT, HV, DV};
+    fw_tensor ta = fw_tensor_contiguous(a, FW_F32, 3, gs), tb = fw_tensor_contiguous(b, FW_F32, 2, bs);
+    fw_tensor tg = fw_tensor_contiguous(g, FW_F32, 3, gs), tbe = fw_tensor_contiguous(beta, FW_F32, 2, bs);
+    fw_tensor tal = fw_tensor_contiguous(alog, FW_F32, 1, hs), tdt = fw_tensor_contiguous(dtb, FW_F32, 1, ds);
+    fw_tensor to1 = fw_tensor_contiguous(o1, FW_F32, 3, os), to2 = fw_tensor_contiguous(o2, FW_F32, 3, os);
+    fw_gdn_params given, raw;
+    fw_gdn_params_init(&given);
+    given.l2norm_qk = 1;
+    raw = given;
+    raw.a_log = &tal;
+    raw.dt_bias = &tdt;
+    raw.beta_sigmoid = 1;
+    int32_t idx[N] = {2, 0};
+    static float replay[8192];
+    for (int lb = 0; lb < 2; lb++) {
+        raw.lower_bound = lb ? -5.0f : 0.0f;
+        for (int i = 0; i < TT * HV * DK; i++) {
+            const int vh = (i / DK) % HV;
+            const float y = a[i] + dtb[vh * DK + i % DK], ea = expf(alog[vh]);
+            g[i] = lb ? -5.0f / (1.0f + expf(-ea * y)) : -ea * (y > 20.0f ? y : log1pf(expf(y)));
+        }
+        for (int op = 0; op < 3; op++) {
+            case_begin("kda: gates computed in the kernel equal the gates given (%s, %s gate)",
+                       op == 0 ? "prefill" : op == 1 ? "decode" : "verify", lb ? "lower_bound sigmoid" : "softplus");
+            for (int i = 0; i < 3 * HV * DK * DV; i++)
+                s1[i] = s2[i] = (float)(0.1 * (i % 17) - 0.8);
+            fw_status st;
+            if (op == 0) {
+                st = fw_gdn_prefill(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, NULL, s1, &to1, &given);
+                st |= fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, s2, &to2, &raw);
+            } else if (op == 1) {
+                fw_tensor q = in.q, k = in.k, v = in.v, gg = tg, bb = tbe, aa = ta, b2 = tb, x1 = to1, x2 = to2;
+                q.shape[0] = k.shape[0] = v.shape[0] = gg.shape[0] = bb.shape[0] = aa.shape[0] = b2.shape[0] = N;
+                x1.shape[0] = x2.shape[0] = N;
+                st = fw_gdn_decode(&q, &k, &v, &gg, &bb, s1, 3, idx, &x1, &given);
+                st |= fw_gdn_decode(&q, &k, &v, &aa, &b2, s2, 3, idx, &x2, &raw);
+            } else {
+                st = fw_gdn_verify(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, s1, 3, idx, replay, 8192, &to1, &given);
+                st |= fw_gdn_verify(&in.q, &in.k, &in.v, &ta, &tb, cu, N, s2, 3, idx, replay, 8192, &to2, &raw);
+            }
+            case_check(st == FW_OK, "status: %s", fw_last_error());
+            case_check(!memcmp(o1, o2, sizeof o1) && !memcmp(s1, s2, sizeof s1), "outputs or states differ");
+            case_end();
+        }
+    }
+    case_begin("kda: bad per-channel gates and gate params are refused");
+    fw_tensor wide = tg;
+    wide.shape[2] = DK - 1;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &wide, &tbe, cu, N, NULL, NULL, &to1, &given) == FW_ERR_SHAPE &&
+                   strstr(fw_last_error(), "per-channel"), "g [T, HV, dk - 1]: %s", fw_last_error());
+    fw_gdn_params bad = raw;
+    fw_tensor odd = tdt;
+    odd.shape[0] = HV * DK - 1;
+    bad.dt_bias = &odd;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, NULL, &to1, &bad) == FW_ERR_SHAPE,
+               "dt_bias of HV dk - 1: %s", fw_last_error());
+    bad = raw;
+    bad.lower_bound = 1.0f;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, NULL, &to1, &bad) == FW_ERR_ARG,
+               "lower_bound 1");
+    bad.lower_bound = -INFINITY;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, NULL, &to1, &bad) == FW_ERR_ARG,
+               "lower_bound -inf");
+    bad = given;
+    bad.lower_bound = -5.0f;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, NULL, NULL, &to1, &bad) == FW_ERR_ARG &&
+                   strstr(fw_last_error(), "a_log"), "lower_bound without a_log: %s", fw_last_error());
+    /* a GDN call with a dt_bias of HV x dk entries: only KDA takes one per channel */
+    fw_tensor g2 = tbe;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &g2, &tb, cu, N, NULL, NULL, &to1, &raw) == FW_ERR_SHAPE,
+               "GDN with dt_bias [HV dk]: %s", fw_last_error());
+    g[3 * HV * DK + 5] = NAN;
+    case_check(fw_gdn_prefill(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, NULL, NULL, &to1, &given) == FW_ERR_ARG &&
+                   strstr(fw_last_error(), "[3][0][5]"), "a NaN decay of one channel: %s", fw_last_error());
+    float small[64];
+    case_check(fw_gdn_verify(&in.q, &in.k, &in.v, &ta, &tb, cu, N, s1, 3, idx, small,
+                             fw_gdn_replay_floats(TT, H, HV, DK, DV), &to1, &raw) == FW_ERR_WORKSPACE &&
+                   strstr(fw_last_error(), "fw_kda_replay_floats"), "KDA verify, GDN-sized replay: %s", fw_last_error());
+    case_end();
+    free_inputs(&in);
+}
+
+/* (f) verify + commit of every m equals sequential decode (GDN, and KDA with kda set); the
+ * verify of bf16 products against the same-roundings reference (GDN) */
+static void verify_commit(int kda)
+{
+    const int64_t H = 2, HV = 4, dk = 32, dv = 40, n = 7, N = 2, gw = kda ? dk : 1;
+    gcase c = {n * N, H, HV, dk, dv, FW_F32, 1, 1.0, 0.3, 0.0f, kda};
     ginputs in;
     make_inputs(&in, &c, 17);
     const int64_t slots = 5, ss = HV * dk * dv;
@@ -554,12 +675,12 @@ static void test_verify_commit(void)
     int64_t os[3] = {2 * n, HV, dv};
     float *vo = malloc(sizeof(float) * (size_t)(2 * n * HV * dv)), *dob = malloc(sizeof(float) * (size_t)(HV * dv * 2));
     fw_tensor tvo = fw_tensor_contiguous(vo, FW_F32, 3, os);
-    size_t rf = fw_gdn_replay_floats(2 * n, H, HV, dk, dv);
+    size_t rf = (kda ? fw_kda_replay_floats : fw_gdn_replay_floats)(2 * n, H, HV, dk, dv);
     float *replay = malloc(sizeof(float) * rf);
     fw_gdn_params p;
     fw_gdn_params_init(&p);
     p.l2norm_qk = 1;
-    case_begin("gdn: verify + commit for every m equals sequential decode");
+    case_begin("%s: verify + commit for every m equals sequential decode", kda ? "kda" : "gdn");
     fw_status st = fw_gdn_verify(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, state, slots, idx, replay, rf, &tvo, &p);
     case_check(st == FW_OK, "verify: %s", fw_last_error());
     double worst_o = 0, worst_s = 0;
@@ -567,17 +688,17 @@ static void test_verify_commit(void)
         /* sequential decode of the first m tokens of each sequence from the committed state */
         memcpy(work, state, sizeof(float) * (size_t)(slots * ss));
         for (int t = 0; t < m; t++) {
-            int64_t q1[3] = {N, H, dk}, v1[3] = {N, HV, dv}, g1[2] = {N, HV};
-            float qd[2 * 2 * 32], kd[2 * 2 * 32], vd[2 * 4 * 40], gd[8], bd[8];
+            int64_t q1[3] = {N, H, dk}, v1[3] = {N, HV, dv}, g1[3] = {N, HV, dk};
+            float qd[2 * 2 * 32], kd[2 * 2 * 32], vd[2 * 4 * 40], gd[2 * 4 * 32], bd[8];
             for (int i = 0; i < N; i++) {
                 memcpy(qd + i * H * dk, (float *)in.q.data + (i * n + t) * H * dk, sizeof(float) * H * dk);
                 memcpy(kd + i * H * dk, (float *)in.k.data + (i * n + t) * H * dk, sizeof(float) * H * dk);
                 memcpy(vd + i * HV * dv, (float *)in.v.data + (i * n + t) * HV * dv, sizeof(float) * HV * dv);
-                memcpy(gd + i * HV, (float *)in.g.data + (i * n + t) * HV, sizeof(float) * HV);
+                memcpy(gd + i * HV * gw, (float *)in.g.data + (i * n + t) * HV * gw, sizeof(float) * HV * gw);
                 memcpy(bd + i * HV, (float *)in.beta.data + (i * n + t) * HV, sizeof(float) * HV);
             }
             fw_tensor tq = fw_tensor_contiguous(qd, FW_F32, 3, q1), tk = fw_tensor_contiguous(kd, FW_F32, 3, q1),
-                      tv = fw_tensor_contiguous(vd, FW_F32, 3, v1), tg = fw_tensor_contiguous(gd, FW_F32, 2, g1),
+                      tv = fw_tensor_contiguous(vd, FW_F32, 3, v1), tg = fw_tensor_contiguous(gd, FW_F32, kda ? 3 : 2, g1),
                       tb = fw_tensor_contiguous(bd, FW_F32, 2, g1), to = fw_tensor_contiguous(dob, FW_F32, 3, v1);
             st = fw_gdn_decode(&tq, &tk, &tv, &tg, &tb, work, slots, idx, &to, &p);
             case_check(st == FW_OK, "decode: %s", fw_last_error());
@@ -597,6 +718,25 @@ static void test_verify_commit(void)
     case_check(worst_o <= 2e-5, "verify outputs differ from sequential decode by %.3g", worst_o);
     case_check(worst_s <= 2e-5, "committed states differ from sequential decode by %.3g", worst_s);
     case_end();
+    if (kda) { /* a GDN commit of a KDA replay is not possible: the tag says which it is */
+        case_begin("kda: the replay's tag: a KDA replay one float short, an untagged one");
+        int32_t acc[2] = {1, 1};
+        float *com = malloc(sizeof(float) * (size_t)(slots * ss));
+        memcpy(com, state, sizeof(float) * (size_t)(slots * ss));
+        st = fw_gdn_commit(cu, N, acc, H, HV, dk, dv, com, slots, idx, replay, rf - 1, &p);
+        case_check(st == FW_ERR_WORKSPACE, "short KDA replay: %s", fw_status_string(st));
+        const float tag = replay[0];
+        replay[0] = 0.0f;
+        st = fw_gdn_commit(cu, N, acc, H, HV, dk, dv, com, slots, idx, replay, rf, &p);
+        case_check(st == FW_ERR_ARG && strstr(fw_last_error(), "tag"), "untagged replay: %s", fw_last_error());
+        replay[0] = tag;
+        case_check(!memcmp(com, state, sizeof(float) * (size_t)(slots * ss)), "state written");
+        free(com);
+        case_end();
+        free(state); free(work); free(vo); free(dob); free(replay);
+        free_inputs(&in);
+        return;
+    }
     /* verify on bf16 products: its outputs, and the state committed after every token, within
      * 2 x the error of the same-roundings reference of a prefill from the slots' states */
     case_begin("gdn: verify + commit on bf16 products against the same-roundings reference");
@@ -654,7 +794,7 @@ static void bad_verdict(const char *what, fw_status st, fw_status want, const gb
 /* bad input: a status and a message; out and the state untouched */
 static void test_gdn_bad_input(void)
 {
-    gcase c = {10, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0, 0.0f};
+    gcase c = {10, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0, 0.0f, 0};
     ginputs in;
     make_inputs(&in, &c, 2);
     int64_t os[3] = {10, 4, 8};
@@ -718,7 +858,7 @@ static void test_gdn_bad_input(void)
  * benchmarks and workspace query. */
 static void test_more_bad_input(void)
 {
-    gcase c = {3, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0, 0.0f};
+    gcase c = {3, 2, 4, 8, 8, FW_F32, 0, 1.0, 0.0, 0.0f, 0};
     ginputs in;
     make_inputs(&in, &c, 9);
     int64_t os[3] = {3, 4, 8};
@@ -840,7 +980,7 @@ static void sweep_lengths(void)
         if (quick_mode() && T[i] > 150)
             continue;
         /* HV/H in {1, 2, 3}, dk != dv, every dtype, l2norm in and out of the kernel */
-        gcase c = {0, 2, 2 * (1 + i % 3), 32, 24, (fw_dtype)(i % 3), i % 2, 1.0, 0.3, 0.0f};
+        gcase c = {0, 2, 2 * (1 + i % 3), 32, 24, (fw_dtype)(i % 3), i % 2, 1.0, 0.3, 0.0f, 0};
         int32_t len = (int32_t)T[i];
         run_gcase(&c, &len, 1, 40 + i);
     }
@@ -850,13 +990,41 @@ static void sweep_lengths(void)
 static void sweep_varlen(void)
 {
     static const int32_t lens[] = {65, 0, 1, 130, 7};
-    gcase c = {0, 2, 4, 48, 40, FW_BF16, 1, 1.0, 0.5, 0.0f};
+    gcase c = {0, 2, 4, 48, 40, FW_BF16, 1, 1.0, 0.5, 0.0f, 0};
     run_gcase(&c, lens, 5, 60);
-    gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9, 0.0f};
+    gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9, 0.0f, 0};
     run_gcase(&strong, lens, 5, 61);
     /* an eps that moves the norms by several percent: every path must use it */
-    gcase eps = {0, 2, 2, 32, 24, FW_F32, 1, 1.0, 0.3, 4.0f};
+    gcase eps = {0, 2, 2, 32, 24, FW_F32, 1, 1.0, 0.3, 4.0f, 0};
     run_gcase(&eps, lens, 5, 62);
+}
+
+/* KDA (per-channel decays): lengths across the chunk and block boundaries, GVA, every dtype,
+ * varlen with empty sequences, decays near -50 per step and channel */
+static void sweep_kda(void)
+{
+    static const int64_t T[] = {1, 15, 16, 17, 63, 64, 65, 150, 1000};
+    for (int i = 0; i < 9; i++) {
+        if (quick_mode() && T[i] > 150)
+            continue;
+        gcase c = {0, 2, 2 * (1 + i % 3), 32 + 8 * (i % 2), 24, (fw_dtype)(i % 3), i % 2, 1.0, 0.3, 0.0f, 1};
+        int32_t len = (int32_t)T[i];
+        run_gcase(&c, &len, 1, 140 + i);
+    }
+    static const int32_t lens[] = {65, 0, 1, 130, 7};
+    gcase c = {0, 2, 4, 48, 40, FW_BF16, 1, 1.0, 0.5, 0.0f, 1};
+    run_gcase(&c, lens, 5, 160);
+    gcase strong = {0, 1, 3, 32, 16, FW_F32, 1, 50.0, 0.9, 0.0f, 1};
+    run_gcase(&strong, lens, 5, 161);
+    gcase mild = {0, 1, 1, 128, 128, FW_F32, 1, 0.05, 0.3, 0.0f, 1};
+    int32_t len = 200;
+    run_gcase(&mild, &len, 1, 162);
+}
+
+static void test_verify_commit(void)
+{
+    verify_commit(0);
+    verify_commit(1);
 }
 
 const test_suite gdn_suites[] = {
@@ -867,8 +1035,10 @@ const test_suite gdn_suites[] = {
     {"gdn.decode_step", test_decode_step},
     {"gdn.state_pool", test_state_pool},
     {"gdn.kernel_gates", test_kernel_gates},
+    {"gdn.kda_gates", test_kda_gates},
     {"gdn.verify_commit", test_verify_commit},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},
     {"gdn.sweep_varlen", sweep_varlen},
+    {"gdn.sweep_kda", sweep_kda},
     {NULL, NULL}};

@@ -10,6 +10,8 @@
  * inputs), then with bf16 products the chunked kernel on f32 products (the same-run ratio),
  * the plain recurrence with four passes over the state per token (how ggml does it) and the
  * fused one-pass recurrent step; tokens/s for each.
+ * --kda: KDA, one decay per key channel (g [T, HV, dk]), on the same FLOP formula (its extra
+ * exponentials and decay products are not counted).
  * Decode: microseconds per step (one token for each of N sequences) and state bytes moved per
  * second (N x HV x dk x dv x 4 bytes, read and written: x 2) against the read bandwidth
  * measured in the same run.
@@ -26,6 +28,7 @@ typedef struct {
     int threads, reps, json, baselines;
     const char *isa;
     int prec; /* fw_precision of the chunked modes */
+    int kda;  /* g [T, HV, dk] */
 } gcfg;
 
 static double flop_per_token_head(int64_t dk, int64_t dv)
@@ -43,12 +46,13 @@ typedef struct {
 static int make(gbufs *B, const gcfg *c, int64_t T)
 {
     const size_t es = fw_dtype_size(c->dt);
-    int64_t qs[3] = {T, c->H, c->dk}, vs[3] = {T, c->HV, c->dv}, gs[2] = {T, c->HV};
+    int64_t qs[3] = {T, c->H, c->dk}, vs[3] = {T, c->HV, c->dv}, gs[3] = {T, c->HV, c->dk};
+    const int64_t gn = T * c->HV * (c->kda ? c->dk : 1);
     B->q = malloc((size_t)(T * c->H * c->dk) * es + 1);
     B->k = malloc((size_t)(T * c->H * c->dk) * es + 1);
     B->v = malloc((size_t)(T * c->HV * c->dv) * es + 1);
     B->o = malloc((size_t)(T * c->HV * c->dv) * es + 1);
-    B->g = malloc(sizeof(float) * (size_t)(T * c->HV) + 1);
+    B->g = malloc(sizeof(float) * (size_t)gn + 1);
     B->b = malloc(sizeof(float) * (size_t)(T * c->HV) + 1);
     B->st = calloc((size_t)(c->nseq * c->HV * c->dk * c->dv) + 1, sizeof(float));
     if (!B->q || !B->k || !B->v || !B->o || !B->g || !B->b || !B->st)
@@ -56,17 +60,17 @@ static int make(gbufs *B, const gcfg *c, int64_t T)
     bench_fill(B->q, (size_t)(T * c->H * c->dk), c->dt, 1.0, 1);
     bench_fill(B->k, (size_t)(T * c->H * c->dk), c->dt, 1.0, 2);
     bench_fill(B->v, (size_t)(T * c->HV * c->dv), c->dt, 1.0, 3);
-    bench_fill(B->g, (size_t)(T * c->HV), FW_F32, 0.5, 4);
+    bench_fill(B->g, (size_t)gn, FW_F32, 0.5, 4);
     bench_fill(B->b, (size_t)(T * c->HV), FW_F32, 0.5, 5);
-    for (int64_t i = 0; i < T * c->HV; i++) {
+    for (int64_t i = 0; i < gn; i++)
         B->g[i] = -0.05f - fabsf(B->g[i]);
+    for (int64_t i = 0; i < T * c->HV; i++)
         B->b[i] = 0.5f + B->b[i] * 0.5f;
-    }
     B->tq = fw_tensor_contiguous(B->q, c->dt, 3, qs);
     B->tk = fw_tensor_contiguous(B->k, c->dt, 3, qs);
     B->tv = fw_tensor_contiguous(B->v, c->dt, 3, vs);
     B->to = fw_tensor_contiguous(B->o, c->dt, 3, vs);
-    B->tg = fw_tensor_contiguous(B->g, FW_F32, 2, gs);
+    B->tg = fw_tensor_contiguous(B->g, FW_F32, c->kda ? 3 : 2, gs);
     B->tb = fw_tensor_contiguous(B->b, FW_F32, 2, gs);
     return 1;
 }
@@ -195,7 +199,7 @@ static int run_prefill(const gcfg *c)
         cu[i] = (int32_t)(c->T * i / c->nseq + (i < c->nseq ? (i % 2 ? 37 : -37) : 0));
     const double fl = flop_per_token_head(c->dk, c->dv) * (double)c->T * (double)c->HV;
     const double pk = bench_peak(c->threads), pkb = bench_peak_bf16(c->threads);
-    const int bf16 = bench_bf16_products(c->dt, c->prec);
+    const int bf16 = !c->kda && bench_bf16_products(c->dt, c->prec); /* KDA: f32 products */
     /* the chunked modes in the chosen precision; with bf16 products, the same on f32 products
      * (the same-run ratio); the recurrent baselines always run f32 products */
     const int cp = bf16 ? FW_PREC_BF16 : FW_PREC_F32;
@@ -203,7 +207,8 @@ static int run_prefill(const gcfg *c)
         {"chunked", 0, cp, 0}, {"chunked-fwdsubst", FW_GDN_FWD_SUBST, cp, 0}, {"chunked-f32", 0, FW_PREC_F32, 0},
         {"recurrent-4pass", FW_GDN_RECURRENT, FW_PREC_F32, 1}, {"recurrent-fused", FW_GDN_FUSED_RECURRENT, FW_PREC_F32, 1},
     };
-    double base = 0, tps_f32 = 0, tps_chunked = 0;
+    double base = 0, fused = 0, tps_f32 = 0, tps_chunked = 0;
+    const char *op = c->kda ? "kda" : "gdn";
     int fail = 0;
     for (int m = 0; m < 5; m++) {
         if ((m == 2 && !bf16) || (modes[m].baseline && !c->baselines))
@@ -223,18 +228,20 @@ static int run_prefill(const gcfg *c)
             tps_f32 = tps;
         if (m == 3)
             base = tps;
+        if (m == 4)
+            fused = tps;
         if (c->json)
-            printf("{\"op\":\"gdn_prefill\",\"variant\":\"%s\",\"T\":%lld,\"seqs\":%lld,\"H\":%lld,\"HV\":%lld,"
+            printf("{\"op\":\"%s_prefill\",\"variant\":\"%s\",\"T\":%lld,\"seqs\":%lld,\"H\":%lld,\"HV\":%lld,"
                    "\"dk\":%lld,\"dv\":%lld,\"dtype\":\"%s\",\"threads\":%d,\"seconds_median\":%.6g,"
                    "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"products\":\"%s\",\"peak_gflops\":%.2f,"
                    "\"peak_bf16_gflops\":%.2f,\"pct_peak\":%.1f}\n",
-                   modes[m].name, (long long)c->T, (long long)c->nseq, (long long)c->H, (long long)c->HV,
-                   (long long)c->dk, (long long)c->dv, fw_dtype_name(c->dt), c->threads, s, tps, gf,
+                   c->kda ? "kda" : "gdn", modes[m].name, (long long)c->T, (long long)c->nseq, (long long)c->H,
+                   (long long)c->HV, (long long)c->dk, (long long)c->dv, fw_dtype_name(c->dt), c->threads, s, tps, gf,
                    mb ? "bf16" : "f32", pk, pkb, 100 * gf / peak);
         else
-            printf("gdn prefill %-17s %-4s T=%-6lld seqs %-2lld H%lld HV%lld d%lld/%lld thr=%d  %8.4f s  %9.0f tok/s  "
+            printf("%s prefill %-17s %-4s T=%-6lld seqs %-2lld H%lld HV%lld d%lld/%lld thr=%d  %8.4f s  %9.0f tok/s  "
                    "%6.1f GFLOP/s  %5.1f%% of %.0f %s peak\n",
-                   modes[m].name, fw_dtype_name(c->dt), (long long)c->T, (long long)c->nseq, (long long)c->H,
+                   c->kda ? "kda" : "gdn", modes[m].name, fw_dtype_name(c->dt), (long long)c->T, (long long)c->nseq, (long long)c->H,
                    (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads, s, tps, gf, 100 * gf / peak,
                    peak, mb ? "bf16" : "FMA");
         fflush(stdout);
@@ -243,24 +250,26 @@ static int run_prefill(const gcfg *c)
         double e[4];
         const int pass = check_prefill(c, &B, cp, e);
         if (c->json)
-            printf("{\"op\":\"gdn_prefill_check\",\"T\":%lld,\"products\":\"%s\",\"out_err\":%.3g,"
+            printf("{\"op\":\"%s_prefill_check\",\"T\":%lld,\"products\":\"%s\",\"out_err\":%.3g,"
                    "\"out_bar\":%.3g,\"state_err\":%.3g,\"state_bar\":%.3g,\"check\":\"%s\"}\n",
-                   (long long)c->T, bf16 ? "bf16" : "f32", e[0], e[2], e[1], e[3], pass ? "pass" : "FAIL");
+                   op, (long long)c->T, bf16 ? "bf16" : "f32", e[0], e[2], e[1], e[3], pass ? "pass" : "FAIL");
         else
-            printf("gdn prefill T=%lld: chunked, %s products, head 0 against float64: out err %.2g (bar %.2g), "
+            printf("%s prefill T=%lld: chunked, %s products, head 0 against float64: out err %.2g (bar %.2g), "
                    "state err %.2g (bar %.2g) %s\n",
-                   (long long)c->T, bf16 ? "bf16" : "f32", e[0], e[2], e[1], e[3], pass ? "ok" : "FAIL");
+                   op, (long long)c->T, bf16 ? "bf16" : "f32", e[0], e[2], e[1], e[3], pass ? "ok" : "FAIL");
         fail |= !pass;
     }
     if (bf16 && tps_f32 > 0 && !fail)
-        printf(c->json ? "{\"op\":\"gdn_prefill_ratio\",\"T\":%lld,\"bf16_over_f32_products\":%.2f}\n"
-                       : "gdn prefill T=%lld: bf16 / f32 products tokens/s = %.2fx\n",
-               (long long)c->T, tps_chunked / tps_f32);
-    if (c->baselines && base > 0 && !fail) {
+        printf(c->json ? "{\"op\":\"%s_prefill_ratio\",\"T\":%lld,\"bf16_over_f32_products\":%.2f}\n"
+                       : "%s prefill T=%lld: bf16 / f32 products tokens/s = %.2fx\n",
+               op, (long long)c->T, tps_chunked / tps_f32);
+    if (c->baselines && base > 0 && fused > 0 && !fail) {
         const double s = time_prefill(c, &B, cu, 0, cp, c->reps);
-        printf(c->json ? "{\"op\":\"gdn_prefill_ratio\",\"T\":%lld,\"chunked_over_recurrent_4pass\":%.2f}\n"
-                       : "gdn prefill T=%lld: chunked / recurrent-4pass tokens/s = %.2fx\n",
-               (long long)c->T, ((double)c->T / s) / base);
+        printf(c->json ? "{\"op\":\"%s_prefill_ratio\",\"T\":%lld,\"chunked_over_recurrent_4pass\":%.2f,"
+                         "\"chunked_over_recurrent_fused\":%.2f}\n"
+                       : "%s prefill T=%lld: chunked / recurrent-4pass tokens/s = %.2fx, chunked / recurrent-fused "
+                         "= %.2fx\n",
+               op, (long long)c->T, ((double)c->T / s) / base, ((double)c->T / s) / fused);
     }
     free(cu);
     unmake(&B);
@@ -298,14 +307,14 @@ static int run_decode(const gcfg *c, int64_t N)
     double bw = 0;
     fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw);
     if (c->json)
-        printf("{\"op\":\"gdn_decode\",\"seqs\":%lld,\"HV\":%lld,\"dk\":%lld,\"dv\":%lld,\"threads\":%d,"
+        printf("{\"op\":\"%s_decode\",\"seqs\":%lld,\"HV\":%lld,\"dk\":%lld,\"dv\":%lld,\"threads\":%d,"
                "\"seconds_median\":%.6g,\"us_per_step\":%.2f,\"state_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f}\n",
-               (long long)N, (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads, s, s * 1e6,
-               bytes / s * 1e-9, bw, 100 * bytes / s * 1e-9 / bw);
+               c->kda ? "kda" : "gdn", (long long)N, (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads,
+               s, s * 1e6, bytes / s * 1e-9, bw, 100 * bytes / s * 1e-9 / bw);
     else
-        printf("gdn decode  %lld seqs x %lld heads (%.0f MiB state) thr=%d  %9.1f us/step  %6.1f GB/s state moved  "
+        printf("%s decode  %lld seqs x %lld heads (%.0f MiB state) thr=%d  %9.1f us/step  %6.1f GB/s state moved  "
                "%5.1f%% of %.1f GB/s read bandwidth\n",
-               (long long)N, (long long)c->HV, bytes / 2 / 1048576.0, c->threads, s * 1e6, bytes / s * 1e-9,
+               c->kda ? "kda" : "gdn", (long long)N, (long long)c->HV, bytes / 2 / 1048576.0, c->threads, s * 1e6, bytes / s * 1e-9,
                100 * bytes / s * 1e-9 / bw, bw);
     fflush(stdout);
     free(idx);
@@ -316,7 +325,7 @@ static int run_decode(const gcfg *c, int64_t N)
 
 static gcfg gdefaults(void)
 {
-    gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL, FW_PREC_AUTO};
+    gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL, FW_PREC_AUTO, 0};
     c.threads = bench_cpus();
     return c;
 }
@@ -348,14 +357,16 @@ int bench_gdn_main(int argc, char **argv)
         else if (!strcmp(a, "--decode")) mode = 2;
         else if (!strcmp(a, "--no-baselines")) c.baselines = 0;
         else if (!strcmp(a, "--json")) c.json = 1;
+        else if (!strcmp(a, "--kda")) c.kda = 1;
         else {
             if (!bench_is_help(a))
                 fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench gdn [--prefill | --decode] [--t T --seqs N --h H --hv HV --dk D --dv D\n"
                    "       --dtype f32|bf16|f16 --precision auto|f32|bf16 --threads N --reps N --isa NAME\n"
-                   "       --no-baselines --json]\n"
+                   "       --no-baselines --kda --json]\n"
                    "  with neither: prefill at T = 1K, 4K, 16K (one sequence, then a 4-sequence varlen batch)\n"
-                   "  with the recurrent baselines, then decode for 1 and 64 sequences\n");
+                   "  with the recurrent baselines, then decode for 1 and 64 sequences\n"
+                   "  --kda: KDA (a decay per key channel; f32 products)\n");
             return bench_is_help(a) ? 0 : 2;
         }
 #undef INT

@@ -13,7 +13,7 @@ import os
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _MAX_DIMS = 4
 
@@ -177,6 +177,7 @@ class GdnParams(ctypes.Structure):
         ("a_log", ctypes.POINTER(Tensor)),
         ("dt_bias", ctypes.POINTER(Tensor)),
         ("beta_sigmoid", ctypes.c_int32),
+        ("lower_bound", ctypes.c_float),
     ]
 
 
@@ -308,6 +309,7 @@ _SIGNATURES = {
     "fw_gdn_layer": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _T, _P(GdnBatch), _P(GdnCaches), _T,
                                     _P(GdnLayerParams)]),
     "fw_gdn_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
+    "fw_kda_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
     "fw_gdn_verify": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _i64, _vp, _vp, _sz,
                                      _T, _P(GdnParams)]),
     "fw_gdn_commit": (ctypes.c_int, [_vp, _i64, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _vp,

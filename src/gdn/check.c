@@ -1,6 +1,8 @@
 /* gdn/check.c: Gated DeltaNet's validation: params, the token tensors and cu_seqlens into
  * one gdn_prob (gdn.h), and the state slots of decode and verify. */
+#include <float.h>
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 #include <stdlib.h>
 #include "gdn.h"
@@ -11,6 +13,8 @@ void fw_gdn_params_init(fw_gdn_params *p)
         memset(p, 0, sizeof *p);
 }
 
+static fw_status check_gates(const gdn_prob *p);
+
 fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                        const fw_tensor *g, const fw_tensor *beta, const int32_t *cu, int64_t n,
                        int need_cu, const fw_tensor *out, const fw_gdn_params *params, int ref)
@@ -20,7 +24,8 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     const int raw_g = params && params->a_log, raw_b = params && params->beta_sigmoid;
     if ((s = fw_check_tensor(q, "q", 3, FW_DT_IN)) || (s = fw_check_tensor(k, "k", 3, FW_DT_IN)) ||
         (s = fw_check_tensor(v, "v", 3, FW_DT_IN)) ||
-        (s = fw_check_tensor(g, raw_g ? "g (the raw a)" : "g", 2, raw_g ? FW_DT_IN : 1u << FW_F32)) ||
+        (s = fw_check_tensor(g, raw_g ? "g (the raw a)" : "g", g && g->ndim == 3 ? 3 : 2,
+                             raw_g ? FW_DT_IN : 1u << FW_F32)) ||
         (s = fw_check_tensor(beta, raw_b ? "beta (the raw b)" : "beta", 2, raw_b ? FW_DT_IN : 1u << FW_F32)) ||
         (s = fw_check_tensor(out, "out", 3, FW_DT_IN | (ref ? 1u << FW_F64 : 0u))))
         return s;
@@ -39,6 +44,10 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     if (g->shape[1] != HV || beta->shape[1] != HV || out->shape[1] != HV || out->shape[2] != dv)
         return fw_fail(FW_ERR_SHAPE, "g and beta must be [T, HV] and out [T, HV, dv] with HV = %lld, dv = %lld",
                        (long long)HV, (long long)dv);
+    const int kda = g->ndim == 3;
+    if (kda && g->shape[2] != dk)
+        return fw_fail(FW_ERR_SHAPE, "g is [T, HV, %lld]: KDA's per-channel decays must be [T, HV, dk] with dk = %lld",
+                       (long long)g->shape[2], (long long)dk);
     if (dk < 1 || dk > FW_MAX_HEAD_DIM || dv < 1 || dv > FW_MAX_HEAD_DIM || HV > FW_MAX_HEADS)
         return fw_fail(FW_ERR_SHAPE, "head dims must be 1..%d (dk %lld, dv %lld) and HV at most %d",
                        FW_MAX_HEAD_DIM, (long long)dk, (long long)dv, FW_MAX_HEADS);
@@ -56,10 +65,19 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
         if (params->a_log && ((s = fw_check_tensor(params->a_log, "a_log", 1, FW_DT_IN)) ||
                               (params->dt_bias && (s = fw_check_tensor(params->dt_bias, "dt_bias", 1, FW_DT_IN)))))
             return s;
-        if (params->a_log && (params->a_log->shape[0] != HV || (params->dt_bias && params->dt_bias->shape[0] != HV)))
-            return fw_fail(FW_ERR_SHAPE, "a_log and dt_bias must have HV = %lld entries", (long long)HV);
+        if (params->a_log && params->a_log->shape[0] != HV)
+            return fw_fail(FW_ERR_SHAPE, "a_log must have HV = %lld entries", (long long)HV);
+        if (params->a_log && params->dt_bias && params->dt_bias->shape[0] != HV &&
+            !(kda && params->dt_bias->shape[0] == HV * dk))
+            return fw_fail(FW_ERR_SHAPE, "dt_bias must have HV = %lld entries%s", (long long)HV,
+                           kda ? " or, for KDA, HV x dk" : "");
         if (!params->a_log && params->dt_bias)
             return fw_fail(FW_ERR_ARG, "dt_bias without a_log: the gates are computed from a_log");
+        if (!(params->lower_bound <= 0.0f) || !isfinite(params->lower_bound))
+            return fw_fail(FW_ERR_ARG, "lower_bound is %g; it must be finite and < 0 (0: the softplus gate)",
+                           (double)params->lower_bound);
+        if (!params->a_log && params->lower_bound != 0.0f)
+            return fw_fail(FW_ERR_ARG, "lower_bound without a_log: it bounds the gates computed from a_log");
         if (!(params->l2norm_eps >= 0.0f) || !isfinite(params->l2norm_eps))
             return fw_fail(FW_ERR_ARG, "l2norm_eps is %g; it must be finite and >= 0 (0 means 1e-6)",
                            (double)params->l2norm_eps);
@@ -84,18 +102,92 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     p->a_log = raw_g ? params->a_log : NULL;
     p->dt_bias = raw_g ? params->dt_bias : NULL;
     p->beta_sigmoid = raw_b;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < HV; j++) {
-            const float gv = gate_g(p, t, j), bv = gate_beta(p, t, j);
-            if (!(gv <= 0.0f) || gv == -INFINITY)
-                return fw_fail(FW_ERR_ARG, "g[%lld][%lld] = %g%s: the log decay must be finite and <= 0",
-                               (long long)t, (long long)j, (double)gv, p->a_log ? " (computed from a)" : "");
+    p->lower_bound = raw_g ? params->lower_bound : 0.0f;
+    p->kda = kda;
+    if (kda)
+        p->bf16 = 0; /* KDA runs f32 products */
+    return check_gates(p);
+}
+
+/* Row (t, j) of a gate tensor x, n elements along its last dim (stride s, or one element), as
+ * float. */
+static void gate_row(const fw_tensor *x, int64_t t, int64_t j, int64_t n, float *dst)
+{
+    const int64_t base = t * x->stride[0] + j * x->stride[1], s = x->ndim == 3 ? x->stride[2] : 0;
+    if (x->dtype == FW_F32) {
+        const float *r = (const float *)x->data + base;
+        for (int64_t a = 0; a < n; a++)
+            dst[a] = r[a * s];
+    } else {
+        for (int64_t a = 0; a < n; a++)
+            dst[a] = (float)fw_load_f64(x, base + a * s);
+    }
+}
+
+/* Every log decay finite and <= 0, every beta finite, as the kernels will compute them
+ * (gdn.h, gate_g_at), without their exponentials: a given g is compared; from the raw a, with
+ * y = a + dt_bias and u = exp(a_log) y in float as there, the softplus gate -exp(a_log)
+ * softplus(y) is finite (and <= 0) exactly when y is not NaN and, where softplus(y) = y (y >
+ * 20), u is finite; the sigmoid gate lower_bound sigmoid(u) exactly when u is not NaN;
+ * exp(a_log) itself must be finite. The message gives the first bad gate's value. */
+static fw_status check_gates(const gdn_prob *p)
+{
+    const int64_t n = p->kda ? p->dk : 1;
+    float row[FW_MAX_HEAD_DIM], *ea = NULL, *bias = NULL;
+    if (p->a_log) {
+        ea = malloc(sizeof(float) * (size_t)(p->HV * (n + 1)));
+        if (!ea)
+            return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld gate parameters", (long long)(p->HV * (n + 1)));
+        bias = ea + p->HV;
+        for (int64_t j = 0; j < p->HV; j++) {
+            const double al = fw_load_f64(p->a_log, j * p->a_log->stride[0]);
+            ea[j] = expf((float)al);
+            if (!isfinite(ea[j])) {
+                free(ea);
+                return fw_fail(FW_ERR_ARG, "a_log[%lld] = %g: exp(a_log) must be finite", (long long)j, al);
+            }
+            for (int64_t a = 0; a < n; a++) {
+                const int64_t bi = p->dt_bias && p->dt_bias->shape[0] != p->HV ? j * p->dk + a : j;
+                bias[j * n + a] = p->dt_bias ? (float)fw_load_f64(p->dt_bias, bi * p->dt_bias->stride[0]) : 0.0f;
+            }
+        }
+    }
+    for (int64_t t = 0; t < p->T; t++)
+        for (int64_t j = 0; j < p->HV; j++) {
+            gate_row(p->g, t, j, n, row);
+            /* a flag per row first (branch-free, vectorised), the channel only on failure */
+            int any = 0;
+            if (!p->a_log) {
+                for (int64_t a = 0; a < n; a++)
+                    any |= !(row[a] <= 0.0f) | (row[a] == -INFINITY);
+            } else {
+                for (int64_t a = 0; a < n; a++) {
+                    const float y = row[a] + bias[j * n + a], u = ea[j] * y;
+                    any |= p->lower_bound < 0.0f ? u != u : (y != y) | ((y > 20.0f) & !(fabsf(u) <= FLT_MAX));
+                }
+            }
+            if (any) {
+                int64_t bad = 0;
+                while (bad < n - 1 && gate_g_at(p, t, j, bad) <= 0.0f && gate_g_at(p, t, j, bad) != -INFINITY)
+                    bad++;
+                free(ea);
+                char ch[32] = "";
+                if (p->kda)
+                    snprintf(ch, sizeof ch, "[%lld]", (long long)bad);
+                return fw_fail(FW_ERR_ARG, "g[%lld][%lld]%s = %g%s: the log decay must be finite and <= 0",
+                               (long long)t, (long long)j, ch, (double)gate_g_at(p, t, j, bad),
+                               p->a_log ? " (computed from a)" : "");
+            }
+        }
+    free(ea);
+    for (int64_t t = 0; t < p->T; t++)
+        for (int64_t j = 0; j < p->HV; j++) {
+            const float bv = gate_beta(p, t, j);
             if (!isfinite(bv))
                 return fw_fail(FW_ERR_ARG, "beta[%lld][%lld] = %g%s is not finite", (long long)t, (long long)j,
                                (double)bv, p->beta_sigmoid ? " (computed from b)" : "");
         }
     return FW_OK;
-
 }
 
 typedef struct {

@@ -28,12 +28,16 @@
 #define GDN_P 64
 #define GDN_W (GDN_C / 2) /* words of a chunk's tokens in pair layout */
 
+
 typedef struct {
     int64_t pk, pv;                 /* panels over dk and over dv */
     size_t kc, qc, ktr, kk, qk, am, ti, rhs, wu, wrow, aout, wh, kpp, zero, gam, hd; /* floats */
     /* bf16 products only (32-bit words, pair layout): K^ and Q^ rows, K^ transposed, the
      * gated QK, T rows, RHS panels, W rows, h and Delta of one panel, decayed keys, Q^ h */
-    size_t kw, qw, ktw, gw, tw, rhsw, ww, hw, dw, kpw, xo, total;
+    size_t kw, qw, ktw, gw, tw, rhsw, ww, hw, dw, kpw, xo;
+    /* KDA only: cumulative log2 decays G and step decays E per channel, the block-relative
+     * Q^ and K^, 2^G K^, decayed key rows of one block product, its two results, 2^G_last */
+    size_t gcs, gst, qb, kb, k2, kr, sq, sk, dl, total;
 } gdn_ws;
 
 /* The per-thread layout in floats; the bf16 panels sized by the table (panel_bytes). */
@@ -74,6 +78,16 @@ static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt)
     TAKE(dw, PANEL(C, P));
     TAKE(kpw, PANEL(C, dk));
     TAKE(xo, b * C * P);
+    const size_t kda = p->kda ? 1 : 0;
+    TAKE(gcs, kda * C * dk);
+    TAKE(gst, kda * C * dk);
+    TAKE(qb, kda * C * dk);
+    TAKE(kb, kda * C * dk);
+    TAKE(k2, kda * C * dk);
+    TAKE(kr, kda * C * dk);
+    TAKE(sq, kda * FW_KDA_BLOCK * C);
+    TAKE(sk, kda * FW_KDA_BLOCK * C);
+    TAKE(dl, kda * dk);
 #undef PANEL
 #undef TAKE
     w.total = o;
@@ -96,7 +110,8 @@ typedef struct {
     const int32_t *init_idx, *final_idx;
     int64_t init_stride, final_stride;
     int verify;
-    float *replay;      /* verify: deltas [T][HV][dv], gammas [T][HV], keys [T][H][dk] */
+    float *replay;      /* verify: the replay buffer (gdn.h: replay_at), or NULL */
+    replay_parts rp;
 } gdn_ctx;
 
 /* Sequence seq's value head vh in the initial state (NULL: zeros), or in the final one
@@ -177,8 +192,7 @@ static void chunk_rows(const gdn_ctx *c, float *K, float *Q, int64_t h, int64_t 
     c->kt->rows_l2scale(Q, L, dk, qscale, p->l2, (float)p->eps);
     if (c->replay)
         for (int i = 0; i < L; i++)
-            memcpy(c->replay + (size_t)p->T * p->HV * (p->dv + 1) + ((size_t)(t0 + i) * p->H + h) * dk,
-                   K + (size_t)i * dk, (size_t)dk * sizeof(float));
+            memcpy(c->rp.key + ((size_t)(t0 + i) * p->H + h) * dk, K + (size_t)i * dk, (size_t)dk * sizeof(float));
 }
 
 /* Value head vh's gates over the chunk, into gam (4 x 64 floats): gamma (log2 units, zero past
@@ -203,7 +217,7 @@ static void chunk_gates(const gdn_ctx *c, float *gam, int64_t vh, int64_t t0, in
         gam[i] = 0.0f;
     if (c->replay)
         for (int i = 0; i < L; i++)
-            c->replay[(size_t)p->T * p->HV * p->dv + (size_t)(t0 + i) * p->HV + vh] = gam[i];
+            c->rp.gam[(size_t)(t0 + i) * p->HV + vh] = gam[i];
 }
 
 /* The right-hand side [beta 2^g K^ | beta V] of value head vh, in panels of 64 columns (pk of
@@ -242,9 +256,79 @@ static void chunk_delta(const gdn_ctx *c, float *D, const float *U, const float 
         for (int x = 0; x < P; x++)
             D[(size_t)i * P + x] = U[(size_t)i * P + x] - Wh[(size_t)i * P + x];
         if (c->replay)
-            memcpy(c->replay + ((size_t)(t0 + i) * c->p->HV + vh) * dv + q * P, D + (size_t)i * P,
+            memcpy(c->rp.delta + ((size_t)(t0 + i) * c->p->HV + vh) * dv + q * P, D + (size_t)i * P,
                    (size_t)panel_cols(dv, q) * sizeof(float));
     }
+}
+
+/* KDA's per-channel gates of value head vh over the chunk (f32 products), with G the
+ * cumulative log2 decays per channel and E = 2^g the step decays. Fills what gdn_chunk reads
+ * in GDN's gates' place: gam with beta and unit decays (the decays are in the operands
+ * instead); K2 = 2^G o K^ (the keys of the RHS); Ao's first dk columns 2^G o Q^; Kpp =
+ * 2^(G_last - G) o K^; dl = 2^G_last (the state rows' decays); A (strictly lower, beta_i
+ * applied) and Ao's gated QK (lower with the diagonal):
+ *   A_ij = beta_i sum_x K^_ix K^_jx 2^(G_ix - G_jx),   QK_ij = sum_x Q^_ix K^_jx 2^(G_ix - G_jx).
+ * Pairs across blocks of 16 rows are products of 2^(G_i - G_b) o Q^_i (b the first row of
+ * i's block) with 2^(G_b - G_j) o K^_j: both exponents <= 0 (G does not increase), so nothing
+ * overflows, and a factor that underflows stands for a product below it. Pairs inside a
+ * block come from kda_diag. */
+static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, int L, float *Am, float *Ao)
+{
+    const gdn_prob *p = c->p;
+    const fw_kernels *kt = c->kt;
+    const gdn_ws *w = &c->w;
+    const int dk = (int)p->dk, lda = dk + GDN_C;
+    const float *K = W + w->kc, *Q = W + w->qc;
+    float *G = W + w->gcs, *E = W + w->gst, *Qb = W + w->qb, *Kb = W + w->kb, *K2 = W + w->k2;
+    float *Kr = W + w->kr, *Sq = W + w->sq, *Sk = W + w->sk, *Kpp = W + w->kpp, *gam = W + w->gam;
+    float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
+    for (int i = 0; i < L; i++) {
+        float *e = E + (size_t)i * dk, *gi = G + (size_t)i * dk;
+        if (p->a_log)
+            for (int x = 0; x < dk; x++)
+                e[x] = gate_g_at(p, t0 + i, vh, x) * (float)FW_LOG2E;
+        else
+            kt->to_f32(at(p->g, t0 + i, vh), FW_F32, p->g->stride[2], dk, (float)FW_LOG2E, e);
+        for (int x = 0; x < dk; x++)
+            gi[x] = (i ? gi[x - dk] : 0.0f) + e[x];
+        bet[i] = gate_beta(p, t0 + i, vh);
+        ex[i] = exl[i] = 1.0f;
+    }
+    for (int i = 0; i < GDN_C; i++)
+        gam[i] = 0.0f;
+    if (c->replay)
+        for (int i = 0; i < L; i++)
+            memcpy(c->rp.gam + ((size_t)(t0 + i) * p->HV + vh) * dk, G + (size_t)i * dk, sizeof(float) * (size_t)dk);
+    kt->exp2_inplace(E, (int64_t)L * dk);
+    const float *Gl = G + (size_t)(L - 1) * dk;
+    for (int i = 0; i < L; i++) {
+        const size_t r = (size_t)i * dk;
+        const float *gb = G + (size_t)(i / FW_KDA_BLOCK * FW_KDA_BLOCK) * dk;
+        kt->exp2_scale(dk, Q + r, G + r, gb, Qb + r);
+        kt->exp2_scale(dk, K + r, G + r, gb, Kb + r);
+        kt->exp2_scale(dk, Q + r, G + r, NULL, Ao + (size_t)i * lda);
+        kt->exp2_scale(dk, K + r, G + r, NULL, K2 + r);
+        kt->exp2_scale(dk, K + r, Gl, G + r, Kpp + r);
+        memset(Am + (size_t)i * GDN_C, 0, GDN_C * sizeof(float));
+        memset(Ao + (size_t)i * lda + dk, 0, GDN_C * sizeof(float));
+    }
+    kt->exp2_scale(dk, NULL, Gl, NULL, W + w->dl);
+    for (int b = FW_KDA_BLOCK; b < L; b += FW_KDA_BLOCK) {
+        const int R = L - b < FW_KDA_BLOCK ? L - b : FW_KDA_BLOCK;
+        const void *rows[GDN_C];
+        for (int j = 0; j < b; j++) {
+            kt->exp2_scale(dk, K + (size_t)j * dk, G + (size_t)b * dk, G + (size_t)j * dk, Kr + (size_t)j * dk);
+            rows[j] = Kr + (size_t)j * dk;
+        }
+        kt->dec_qk_rows(R, b, dk, Qb + (size_t)b * dk, rows, FW_F32, Sq);
+        kt->dec_qk_rows(R, b, dk, Kb + (size_t)b * dk, rows, FW_F32, Sk);
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < b; j++) {
+                Am[(size_t)(b + r) * GDN_C + j] = bet[b + r] * Sk[(size_t)r * GDN_C + j];
+                Ao[(size_t)(b + r) * lda + dk + j] = Sq[(size_t)r * GDN_C + j];
+            }
+    }
+    kt->kda_diag(L, dk, Q, K, E, bet, Am, GDN_C, Ao + dk, lda);
 }
 
 static void chunk_inverse(const gdn_ctx *c, const float *Am, int L, float *Ti)
@@ -268,25 +352,31 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
     float *Ao = W + w->aout, *Wh = W + w->wh, *Kpp = W + w->kpp, *zero = W + w->zero, *gam = W + w->gam;
     const float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
     chunk_rows(c, K, Q, h, t0, L, (float)p->scale);
-    const void *krows[GDN_C];
-    for (int i = 0; i < L; i++)
-        krows[i] = K + (size_t)i * dk;
-    /* K^T [dk][64] by the decode kernels' transposing pack (FW_DEC_KEYS == GDN_C), zero past L */
-    kt->pack_kt(krows, FW_F32, 1, L, dk, Kt);
-    /* the Gram matrices, once for all value heads of this q/k head */
-    kt->qk(L, dk, GDN_C, K, dk, Kt, zero, KK);
-    kt->qk(L, dk, GDN_C, Q, dk, Kt, zero, QK);
+    if (!p->kda) {
+        const void *krows[GDN_C];
+        for (int i = 0; i < L; i++)
+            krows[i] = K + (size_t)i * dk;
+        /* K^T [dk][64] by the decode kernels' transposing pack (FW_DEC_KEYS == GDN_C), zero past L */
+        kt->pack_kt(krows, FW_F32, 1, L, dk, Kt);
+        /* the Gram matrices, once for all value heads of this q/k head */
+        kt->qk(L, dk, GDN_C, K, dk, Kt, zero, KK);
+        kt->qk(L, dk, GDN_C, Q, dk, Kt, zero, QK);
+    }
     for (int64_t e = 0; e < p->r; e++) {
         const int64_t vh = h * p->r + e;
-        chunk_gates(c, gam, vh, t0, L);
-        /* A (strictly lower) and QK o Gamma o M (lower with the diagonal) */
-        kt->gdn_gates(L, gam, bet, KK, QK, Am, Ao + dk, dk + GDN_C);
-        for (int i = 0; i < L; i++) {
-            float *ao = Ao + (size_t)i * (dk + GDN_C);
-            memcpy(ao, Q + (size_t)i * dk, (size_t)dk * sizeof(float));
-            kt->rows_l2scale(ao, 1, dk, ex[i], 0, 0.0f);
+        if (p->kda) {
+            kda_chunk_gates(c, W, vh, t0, L, Am, Ao);
+        } else {
+            chunk_gates(c, gam, vh, t0, L);
+            /* A (strictly lower) and QK o Gamma o M (lower with the diagonal) */
+            kt->gdn_gates(L, gam, bet, KK, QK, Am, Ao + dk, dk + GDN_C);
+            for (int i = 0; i < L; i++) {
+                float *ao = Ao + (size_t)i * (dk + GDN_C);
+                memcpy(ao, Q + (size_t)i * dk, (size_t)dk * sizeof(float));
+                kt->rows_l2scale(ao, 1, dk, ex[i], 0, 0.0f);
+            }
         }
-        chunk_rhs(c, RHS, K, gam, vh, t0, L);
+        chunk_rhs(c, RHS, p->kda ? W + w->k2 : K, gam, vh, t0, L);
         chunk_inverse(c, Am, L, Ti);
         for (int q = 0; q < np; q++) /* [W | U] = T RHS, a panel at a time */
             kt->qk(L, L, P, Ti, GDN_C, RHS + (size_t)q * GDN_C * P, zero, WU + (size_t)q * GDN_C * P);
@@ -306,13 +396,20 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
         }
         if (!update)
             continue;
-        /* h <- 2^g_last h + (2^(g_last - g) K^)^T Delta */
-        memcpy(Kpp, K, (size_t)L * dk * sizeof(float));
-        for (int i = 0; i < L; i++)
-            kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
+        /* h <- 2^g_last h + (2^(g_last - g) K^)^T Delta (KDA: the decays per row of h, Kpp
+         * already decayed per channel) */
+        if (!p->kda) {
+            memcpy(Kpp, K, (size_t)L * dk * sizeof(float));
+            for (int i = 0; i < L; i++)
+                kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
+        }
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e, q);
-            kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
+            if (p->kda)
+                for (int x = 0; x < dk; x++)
+                    kt->rows_l2scale(HD + (size_t)x * P, 1, P, W[w->dl + (size_t)x], 0, 0.0f);
+            else
+                kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
             kt->pv(L, dk, P, Kpp, dk, HD + (size_t)dk * P, HD);
         }
     }
@@ -470,7 +567,7 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
     const int64_t seq = idx / p->HV, vh = idx % p->HV, h = vh / p->r;
     const int dk = (int)p->dk, dv = (int)p->dv;
     float *hst = W + c->w.hd, *q = W + c->w.qc, *k = W + c->w.kc, *v = W + c->w.wh, *o = v + dv,
-          *tmp = o + dv;
+          *tmp = o + dv, *dec = W + c->w.kpp;
     const float *h0 = init_of(c, seq, vh);
     for (int64_t x = 0; x < p->dk * p->dv; x++)
         hst[x] = h0 ? h0[x] : 0.0f;
@@ -478,15 +575,16 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
         load_qk(kt, p, p->q, t, h, p->scale, q);
         load_qk(kt, p, p->k, t, h, 1.0, k);
         kt->to_f32(at(p->v, t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
-        const float alpha = expf(gate_g(p, t, vh)), beta = gate_beta(p, t, vh);
+        const float beta = gate_beta(p, t, vh);
+        gate_decays(kt, p, t, vh, dec);
         if (c->flags & FW_GDN_RECURRENT) {
-            kt->gdn_step4(hst, dv, dk, dv, q, k, v, alpha, beta, o, tmp);
+            kt->gdn_step4(hst, dv, dk, dv, q, k, v, dec, beta, o, tmp);
         } else {
             float kq = 0;
             for (int x = 0; x < dk; x++)
                 kq += k[x] * q[x];
             for (int c0 = 0; c0 < dv; c0 += 64)
-                kt->gdn_dec_cols(hst, dv, dk, c0, (int)fw_min64(dv, c0 + 64), q, k, v, alpha, beta, kq, o);
+                kt->gdn_dec_cols(hst, dv, dk, c0, (int)fw_min64(dv, c0 + 64), q, k, v, dec, beta, kq, o);
         }
         kt->from_f32(o, dv, (void *)at(p->out, t, vh), p->out->dtype, p->out->stride[2]);
     }
@@ -574,9 +672,12 @@ fw_status fw_gdn_prefill_pool(const fw_tensor *q, const fw_tensor *k, const fw_t
 
 size_t fw_gdn_replay_floats(int64_t T, int64_t H, int64_t HV, int64_t dk, int64_t dv)
 {
-    if (T < 0 || H < 0 || HV < 0 || dk < 0 || dv < 0)
-        return 0;
-    return (size_t)T * ((size_t)HV * (size_t)(dv + 1) + (size_t)H * (size_t)dk);
+    return replay_size(T, H, HV, dk, dv, 0);
+}
+
+size_t fw_kda_replay_floats(int64_t T, int64_t H, int64_t HV, int64_t dk, int64_t dv)
+{
+    return replay_size(T, H, HV, dk, dv, 1);
 }
 
 fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
@@ -595,9 +696,10 @@ fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
                            (int)(cu_seqlens[i + 1] - cu_seqlens[i]), GDN_C);
     if (!replay)
         return fw_fail(FW_ERR_NULL, "replay is NULL");
-    const size_t need = fw_gdn_replay_floats(p.T, p.H, p.HV, p.dk, p.dv);
+    const size_t need = replay_size(p.T, p.H, p.HV, p.dk, p.dv, p.kda);
     if (replay_floats < need)
-        return fw_fail(FW_ERR_WORKSPACE, "replay holds %zu floats; this call needs %zu", replay_floats, need);
+        return fw_fail(FW_ERR_WORKSPACE, "replay holds %zu floats; this call needs %zu (%s)", replay_floats, need,
+                       p.kda ? "fw_kda_replay_floats: KDA keeps a decay per key channel" : "fw_gdn_replay_floats");
     gdn_ctx c;
     memset(&c, 0, sizeof c);
     c.p = &p;
@@ -606,6 +708,8 @@ fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
     c.init_stride = p.HV * p.dk * p.dv;
     c.verify = 1;
     c.replay = replay;
+    c.rp = replay_at(replay, p.T, p.HV, p.dk, p.dv, p.kda);
+    replay[0] = p.kda ? KDA_REPLAY_TAG : GDN_REPLAY_TAG;
     fw_gdn_params vp;
     if (params)
         vp = *params;
@@ -616,36 +720,37 @@ fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
 }
 
 /* Commit item (sequence i, value head vh): h = 2^g_{m-1} h_0 + sum_{j<m} 2^(g_{m-1} - g_j) k_j delta_j^T
- * with m = accepted[i] and g the chunk-local log decays (log2 units) kept by verify. */
+ * with m = accepted[i] and g the chunk-local log decays (log2 units) kept by verify; under KDA
+ * g is a vector, row x of h decays by 2^g_{m-1,x} and key channel x by 2^(g_{m-1,x} - g_{j,x}). */
 typedef struct {
     const int32_t *cu, *accepted;
     int64_t H, HV, dk, dv;
     float *state;
     const int32_t *idx;
-    const float *replay;
-    int64_t T;
+    replay_parts rp;
 } commit_ctx;
 
 static void commit_item(void *vctx, int64_t it, int tid)
 {
     const commit_ctx *c = vctx;
     const int64_t i = it / c->HV, vh = it % c->HV, m = c->accepted[i], t0 = c->cu[i];
-    const int64_t dk = c->dk, dv = c->dv;
+    const int64_t dk = c->dk, dv = c->dv, gw = c->rp.gw;
     if (m == 0)
         return;
-    const float *deltas = c->replay, *gams = c->replay + (size_t)c->T * c->HV * dv,
-                *keys = gams + (size_t)c->T * c->HV;
     float *h = c->state + ((size_t)c->idx[i] * c->HV + vh) * (size_t)(dk * dv);
-    const float glast = gams[(size_t)(t0 + m - 1) * c->HV + vh];
-    const float al = exp2f(glast);
-    for (int64_t x = 0; x < dk * dv; x++)
-        h[x] *= al;
+    const float *glast = c->rp.gam + ((size_t)(t0 + m - 1) * c->HV + vh) * gw;
+    for (int64_t x = 0; x < dk; x++) {
+        const float al = exp2f(glast[gw > 1 ? x : 0]);
+        for (int64_t y = 0; y < dv; y++)
+            h[x * dv + y] *= al;
+    }
     for (int64_t j = 0; j < m; j++) {
-        const float w = exp2f(glast - gams[(size_t)(t0 + j) * c->HV + vh]);
-        const float *kj = keys + ((size_t)(t0 + j) * c->H + vh / (c->HV / c->H)) * dk;
-        const float *dj = deltas + ((size_t)(t0 + j) * c->HV + vh) * dv;
+        const float *gj = c->rp.gam + ((size_t)(t0 + j) * c->HV + vh) * gw;
+        const float *kj = c->rp.key + ((size_t)(t0 + j) * c->H + vh / (c->HV / c->H)) * dk;
+        const float *dj = c->rp.delta + ((size_t)(t0 + j) * c->HV + vh) * dv;
         for (int64_t x = 0; x < dk; x++) {
-            const float a = w * kj[x];
+            const int64_t e = gw > 1 ? x : 0;
+            const float a = exp2f(glast[e] - gj[e]) * kj[x];
             for (int64_t y = 0; y < dv; y++)
                 h[x * dv + y] += a * dj[y];
         }
@@ -681,12 +786,17 @@ fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const int32_t
                            (long long)len);
     }
     const int64_t T = cu_seqlens[n_seqs];
-    if (replay_floats < fw_gdn_replay_floats(T, H, HV, dk, dv))
-        return fw_fail(FW_ERR_WORKSPACE, "replay holds %zu floats; %zu expected", replay_floats,
-                       fw_gdn_replay_floats(T, H, HV, dk, dv));
+    if (replay_floats < 1 || (replay[0] != GDN_REPLAY_TAG && replay[0] != KDA_REPLAY_TAG))
+        return fw_fail(FW_ERR_ARG, "replay was not written by fw_gdn_verify (its first float tags the layout)");
+    const int kda = replay[0] == KDA_REPLAY_TAG;
+    const size_t need = replay_size(T, H, HV, dk, dv, kda);
+    if (replay_floats < need)
+        return fw_fail(FW_ERR_WORKSPACE, "replay holds %zu floats; %zu expected (%s replay)", replay_floats, need,
+                       kda ? "a KDA" : "a GDN");
     if (params && (s = fw_check_threads(params->threads)))
         return s;
-    commit_ctx c = {cu_seqlens, accepted, H, HV, dk, dv, state, state_indices, replay, T};
+    commit_ctx c = {cu_seqlens, accepted, H, HV, dk, dv, state, state_indices,
+                    replay_at((float *)replay, T, HV, dk, dv, kda)};
     fw_parallel(fw_threads(params ? params->threads : 0), n_seqs * HV, commit_item, &c);
     return FW_OK;
 }

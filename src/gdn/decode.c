@@ -1,4 +1,4 @@
-/* gdn/decode.c: Gated DeltaNet decode: one token per sequence, the fused step on the state in
+/* gdn/decode.c: Gated DeltaNet (and KDA) decode: one token per sequence, the fused step on the state in
  * its slot, updated in place. */
 #include <math.h>
 #include <stdlib.h>
@@ -26,11 +26,12 @@ static void decode_item(void *vctx, int64_t it, int tid)
     const int64_t blk = it % c->nblk, vh = (it / c->nblk) % p->HV, i = it / (c->nblk * p->HV);
     const int64_t w = c->nblk == 1 ? p->dv : 64;
     const int dk = (int)p->dk, dv = (int)p->dv, c0 = (int)(blk * w), c1 = (int)fw_min64(dv, c0 + w);
-    float *W = c->ws + (size_t)tid * c->ws_stride, *q = W, *k = q + dk, *v = k + dk, *o = v + dv;
+    float *W = c->ws + (size_t)tid * c->ws_stride, *q = W, *k = q + dk, *v = k + dk, *o = v + dv,
+          *dec = o + dv;
     /* the state updated in place: the write slot's, after a copy of the read slot's columns
      * (or zeros) when they differ; a scratch copy when nothing is written */
     const int64_t rs = c->read ? c->read[i] : -1, wsl = c->write ? c->write[i] : rs, head = vh * dk * dv;
-    float *h = wsl >= 0 ? c->state + wsl * c->stride + head : o + dv + 16;
+    float *h = wsl >= 0 ? c->state + wsl * c->stride + head : dec + dk + 16;
     if (rs != wsl || wsl < 0) {
         const float *h0 = rs >= 0 ? c->state + rs * c->stride + head : NULL;
         for (int x = 0; x < dk; x++) {
@@ -46,8 +47,8 @@ static void decode_item(void *vctx, int64_t it, int tid)
     float kq = 0;
     for (int x = 0; x < dk; x++)
         kq += k[x] * q[x];
-    c->kt->gdn_dec_cols(h, dv, dk, c0, c1, q, k, v,
-                        expf(gate_g(p, i, vh)), gate_beta(p, i, vh), kq, o);
+    gate_decays(c->kt, p, i, vh, dec);
+    c->kt->gdn_dec_cols(h, dv, dk, c0, c1, q, k, v, dec, gate_beta(p, i, vh), kq, o);
     c->kt->from_f32(o + c0, c1 - c0,
                     (char *)at(p->out, i, vh) + (int64_t)c0 * p->out->stride[2] * (int64_t)fw_dtype_size(p->out->dtype),
                     p->out->dtype, p->out->stride[2]);
@@ -61,7 +62,7 @@ static fw_status decode_run(const gdn_prob *p, dec_ctx *c, const fw_gdn_params *
     c->p = p;
     c->kt = kt;
     const int threads = fw_threads(params ? params->threads : 0);
-    c->ws_stride = (size_t)(2 * p->dk + 2 * p->dv + 16) + (scratch ? (size_t)(p->dk * p->dv) : 0);
+    c->ws_stride = (size_t)(3 * p->dk + 2 * p->dv + 16) + (scratch ? (size_t)(p->dk * p->dv) : 0);
     c->nblk = p->T * p->HV >= threads ? 1 : (p->dv + 63) / 64;
     const int64_t n = p->T * p->HV * c->nblk;
     if (n == 0)

@@ -15,6 +15,8 @@ typedef struct {
     double eps; /* inside the l2 norm's sqrt */
     const fw_tensor *a_log, *dt_bias; /* a_log: g is the raw a (fw_gdn_params) */
     int beta_sigmoid;                 /* beta is the raw b */
+    float lower_bound;                /* < 0: the sigmoid gate (fw_gdn_params) */
+    int kda;                          /* g is [T, HV, dk]: one decay per key channel */
     int l2;
     int bf16; /* bf16 products (params->precision resolved; the chunked passes only) */
 } gdn_prob;
@@ -44,22 +46,49 @@ static inline float scalar_at(const fw_tensor *t, int64_t i, int64_t j)
     return (float)fw_load_f64(t, i * t->stride[0] + j * t->stride[1]);
 }
 
-/* The log decay g and beta of token t, value head vh: given, or computed from the raw a and
- * b (in float, the same here and in the reference). */
-static inline float gate_g(const gdn_prob *p, int64_t t, int64_t vh)
+/* The log decay g of token t, value head vh (key channel a under KDA; ignored otherwise), and
+ * beta: given, or computed from the raw a and b (in float, the same here and in the
+ * reference). */
+static inline float gate_g_at(const gdn_prob *p, int64_t t, int64_t vh, int64_t a)
 {
-    const float x = scalar_at(p->g, t, vh);
+    const int64_t ch = p->kda ? a : 0;
+    const float x = (float)fw_load_f64(p->g, t * p->g->stride[0] + vh * p->g->stride[1] +
+                                                 (p->kda ? ch * p->g->stride[2] : 0));
     if (!p->a_log)
         return x;
-    const float y = x + (p->dt_bias ? (float)fw_load_f64(p->dt_bias, vh * p->dt_bias->stride[0]) : 0.0f);
+    const int64_t bi = p->dt_bias && p->dt_bias->shape[0] != p->HV ? vh * p->dk + ch : vh;
+    const float y = x + (p->dt_bias ? (float)fw_load_f64(p->dt_bias, bi * p->dt_bias->stride[0]) : 0.0f);
+    const float ea = expf((float)fw_load_f64(p->a_log, vh * p->a_log->stride[0]));
+    if (p->lower_bound < 0.0f)
+        return p->lower_bound / (1.0f + expf(-ea * y));
     const float sp = y > 20.0f ? y : log1pf(expf(y));
-    return -expf((float)fw_load_f64(p->a_log, vh * p->a_log->stride[0])) * sp;
+    return -ea * sp;
 }
+
+static inline float gate_g(const gdn_prob *p, int64_t t, int64_t vh) { return gate_g_at(p, t, vh, 0); }
 
 static inline float gate_beta(const gdn_prob *p, int64_t t, int64_t vh)
 {
     const float b = scalar_at(p->beta, t, vh);
     return p->beta_sigmoid ? 1.0f / (1.0f + expf(-b)) : b;
+}
+
+/* The decays exp(g) of the dk state rows of token t, value head vh, into d: one value for all
+ * rows (GDN), or one per key channel (KDA), those by the table's exp2. */
+static inline void gate_decays(const fw_kernels *kt, const gdn_prob *p, int64_t t, int64_t vh, float *d)
+{
+    if (!p->kda) {
+        const float al = expf(gate_g(p, t, vh));
+        for (int64_t x = 0; x < p->dk; x++)
+            d[x] = al;
+        return;
+    }
+    if (p->a_log)
+        for (int64_t x = 0; x < p->dk; x++)
+            d[x] = gate_g_at(p, t, vh, x) * (float)FW_LOG2E;
+    else
+        kt->to_f32(at(p->g, t, vh), FW_F32, p->g->stride[2], p->dk, (float)FW_LOG2E, d);
+    kt->exp2_inplace(d, p->dk);
 }
 
 /* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (p->eps inside the
@@ -69,6 +98,34 @@ static inline void load_qk(const fw_kernels *kt, const gdn_prob *p, const fw_ten
 {
     kt->to_f32(at(x, t, h), x->dtype, x->stride[2], p->dk, 1.0f, dst);
     kt->rows_l2scale(dst, 1, (int)p->dk, (float)scale, p->l2, (float)p->eps);
+}
+
+/* The replay buffer of verify and commit: replay[0] tags its layout (GDN_REPLAY_TAG or
+ * KDA_REPLAY_TAG: commit reads a KDA replay differently and refuses an untagged buffer), then
+ * the deltas [T][HV][dv], the chunk-local log2 decays [T][HV][gw] (gw = dk for KDA, else 1)
+ * and the normalised keys [T][H][dk]. */
+#define GDN_REPLAY_TAG 1234.5f
+#define KDA_REPLAY_TAG 2345.5f
+typedef struct {
+    float *delta, *gam, *key;
+    int64_t gw;
+} replay_parts;
+
+static inline size_t replay_size(int64_t T, int64_t H, int64_t HV, int64_t dk, int64_t dv, int kda)
+{
+    if (T < 0 || H < 0 || HV < 0 || dk < 0 || dv < 0)
+        return 0;
+    return 1 + (size_t)T * ((size_t)HV * (size_t)(dv + (kda ? dk : 1)) + (size_t)H * (size_t)dk);
+}
+
+static inline replay_parts replay_at(float *replay, int64_t T, int64_t HV, int64_t dk, int64_t dv, int kda)
+{
+    replay_parts r;
+    r.gw = kda ? dk : 1;
+    r.delta = replay + 1;
+    r.gam = r.delta + (size_t)T * (size_t)(HV * dv);
+    r.key = r.gam + (size_t)T * (size_t)(HV * r.gw);
+    return r;
 }
 
 /* State rows [dk][dv] of (sequence or slot) i, value head vh, in a [*, HV, dk, dv] array. */

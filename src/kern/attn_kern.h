@@ -1270,20 +1270,79 @@ static void tri_inv_blocked(const float *A, int lda, int L, float *X, int ldx)
         }
 }
 
+/* KDA: dst = x o 2^(g1 - g0) over n elements (x NULL: ones; g0 NULL: zeros). The chunk's
+ * per-channel decays enter its operands this way, every exponent a difference <= 0. */
+static void exp2_scale(int n, const float *x, const float *g1, const float *g0, float *dst)
+{
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf e = g0 ? vsub(vload(g1 + i), vload(g0 + i)) : vload(g1 + i);
+        e = vexp2(e);
+        vstore(dst + i, x ? vmul(vload(x + i), e) : e);
+    }
+    for (; i < n; i++) {
+        const float e = exp2f(g1[i] - (g0 ? g0[i] : 0.0f));
+        dst[i] = x ? x[i] * e : e;
+    }
+}
+
+/* KDA's pairs inside each block of FW_KDA_BLOCK rows of a chunk (products cover the pairs across
+ * blocks). For j <= i in one block, KE = K_j o E_{j+1} o ... o E_i, with E_s the step decays
+ * 2^(g_s) [L][dk]: K_j decayed to row i by products, with no exponent of a difference at all.
+ *   A[i][j] = beta_i K_i . KE  (j < i),      G[i][j] = Q_i . KE  (j <= i)
+ * Entries outside the diagonal blocks are left as they are. */
+static void kda_diag(int L, int dk, const float *Q, const float *K, const float *E, const float *beta,
+                     float *A, int lda, float *G, int ldg)
+{
+    float ke[FW_MAX_HEAD_DIM];
+    const int nv = dk / VL * VL;
+    for (int b0 = 0; b0 < L; b0 += FW_KDA_BLOCK) {
+        const int b1 = b0 + FW_KDA_BLOCK < L ? b0 + FW_KDA_BLOCK : L;
+        for (int j = b0; j < b1; j++) {
+            memcpy(ke, K + (size_t)j * dk, sizeof(float) * (size_t)dk);
+            for (int i = j; i < b1; i++) {
+                const float *ki = K + (size_t)i * dk, *qi = Q + (size_t)i * dk, *ei = E + (size_t)i * dk;
+                vf sk = vzero(), sq = vzero();
+                int x = 0;
+                for (; x < nv; x += VL) {
+                    vf e = vload(ke + x);
+                    if (i > j) {
+                        e = vmul(e, vload(ei + x));
+                        vstore(ke + x, e);
+                    }
+                    sk = vfma(vload(ki + x), e, sk);
+                    sq = vfma(vload(qi + x), e, sq);
+                }
+                float tk = vhsum(sk), tq = vhsum(sq);
+                for (; x < dk; x++) {
+                    if (i > j)
+                        ke[x] *= ei[x];
+                    tk += ki[x] * ke[x];
+                    tq += qi[x] * ke[x];
+                }
+                if (i > j)
+                    A[(size_t)i * lda + j] = beta[i] * tk;
+                G[(size_t)i * ldg + j] = tq;
+            }
+        }
+    }
+}
+
 /* Column vectors of the state per register block of the decode step: the block's a and b
  * sums (2 x GDN_CV accumulators) stay in registers over all dk rows. */
 #define GDN_CV 8
 
-/* a = h^T k, b = h^T q over rows 0 .. dk-1 for cv column vectors of h from column 0. */
+/* a = h^T (d o k), b = h^T (d o q) over rows 0 .. dk-1 (d the rows' decays) for cv column
+ * vectors of h from column 0. */
 FW_INLINE void gdn_dec_ab(const int cv, const float *h, int64_t ldh, int dk, const float *q,
-                          const float *k, float *a, float *b)
+                          const float *k, const float *d, float *a, float *b)
 {
     vf va[GDN_CV], vb[GDN_CV];
     for (int c = 0; c < cv; c++)
         va[c] = vb[c] = vzero();
     for (int r = 0; r < dk; r++) {
         const float *hr = h + (size_t)r * ldh;
-        const vf kr = vset1(k[r]), qr = vset1(q[r]);
+        const vf kr = vset1(d[r] * k[r]), qr = vset1(d[r] * q[r]);
         for (int c = 0; c < cv; c++) {
             const vf x = vload(hr + c * VL);
             va[c] = vfma(kr, x, va[c]);
@@ -1296,37 +1355,39 @@ FW_INLINE void gdn_dec_ab(const int cv, const float *h, int64_t ldh, int dk, con
     }
 }
 
-/* h = alpha h + k dl^T for cv column vectors of h from column 0. */
+/* h = diag(decay) h + k dl^T for cv column vectors of h from column 0. */
 FW_INLINE void gdn_dec_update(const int cv, float *h, int64_t ldh, int dk, const float *k,
-                              const float *dl, float alpha)
+                              const float *dl, const float *decay)
 {
     vf d[GDN_CV];
-    const vf al = vset1(alpha);
     for (int c = 0; c < cv; c++)
         d[c] = vload(dl + c * VL);
     for (int r = 0; r < dk; r++) {
         float *hr = h + (size_t)r * ldh;
-        const vf kr = vset1(k[r]);
+        const vf kr = vset1(k[r]), al = vset1(decay[r]);
         for (int c = 0; c < cv; c++)
             vstore(hr + c * VL, vfma(kr, d[c], vmul(al, vload(hr + c * VL))));
     }
 }
 
 static __attribute__((noinline)) void gdn_dec_ab_tail(int cv, const float *h, int64_t ldh, int dk,
-                                                      const float *q, const float *k, float *a, float *b)
+                                                      const float *q, const float *k, const float *d,
+                                                      float *a, float *b)
 {
-    gdn_dec_ab(cv, h, ldh, dk, q, k, a, b);
+    gdn_dec_ab(cv, h, ldh, dk, q, k, d, a, b);
 }
 
 static __attribute__((noinline)) void gdn_dec_update_tail(int cv, float *h, int64_t ldh, int dk,
-                                                          const float *k, const float *dl, float alpha)
+                                                          const float *k, const float *dl,
+                                                          const float *decay)
 {
-    gdn_dec_update(cv, h, ldh, dk, k, dl, alpha);
+    gdn_dec_update(cv, h, ldh, dk, k, dl, decay);
 }
 
-/* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most): first
- * a = h^T k and b = h^T q, then delta = beta (v - alpha a), o = alpha b + delta (k . q), and
- * the update h = alpha h + k delta^T on the second pass. Each pass takes GDN_CV column
+/* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most), with
+ * D = diag(decay) the decays of h's rows (all alike for GDN, one per key channel for KDA):
+ * first a = h^T D k and b = h^T D q, then delta = beta (v - a), o = b + delta (k . q), and
+ * the update h = D h + k delta^T on the second pass. Each pass takes GDN_CV column
  * vectors at a time with their sums or deltas in registers, so h is the only array in
  * memory it reads and writes. Measured (`flywheel bench gdn --decode --seqs 1 --h 16 --hv 32
  * --dk 128 --dv 128 --dtype bf16`): with a and b in memory, loaded and stored for every row,
@@ -1335,7 +1396,7 @@ static __attribute__((noinline)) void gdn_dec_update_tail(int cv, float *h, int6
  * The columns are independent, so threads can split them. */
 #define GDN_COLS 1024
 static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
-                         const float *k, const float *v, float alpha, float beta, float kq,
+                         const float *k, const float *v, const float *decay, float beta, float kq,
                          float *o)
 {
     float a[GDN_COLS], b[GDN_COLS], dl[GDN_COLS];
@@ -1344,47 +1405,47 @@ static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const fl
     for (int c = 0; c < nv; c += GDN_CV * VL) {
         const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
         if (cv == GDN_CV)
-            gdn_dec_ab(GDN_CV, h + c, ldh, dk, q, k, a + c, b + c);
+            gdn_dec_ab(GDN_CV, h + c, ldh, dk, q, k, decay, a + c, b + c);
         else
-            gdn_dec_ab_tail(cv, h + c, ldh, dk, q, k, a + c, b + c);
+            gdn_dec_ab_tail(cv, h + c, ldh, dk, q, k, decay, a + c, b + c);
     }
     for (int c = nv; c < n; c++) {
         a[c] = b[c] = 0.0f;
         for (int r = 0; r < dk; r++) {
-            a[c] += k[r] * h[(size_t)r * ldh + c];
-            b[c] += q[r] * h[(size_t)r * ldh + c];
+            a[c] += decay[r] * k[r] * h[(size_t)r * ldh + c];
+            b[c] += decay[r] * q[r] * h[(size_t)r * ldh + c];
         }
     }
     for (int c = 0; c < n; c++) {
-        dl[c] = beta * (v[c0 + c] - alpha * a[c]);
-        o[c0 + c] = alpha * b[c] + dl[c] * kq;
+        dl[c] = beta * (v[c0 + c] - a[c]);
+        o[c0 + c] = b[c] + dl[c] * kq;
     }
     for (int c = 0; c < nv; c += GDN_CV * VL) {
         const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
         if (cv == GDN_CV)
-            gdn_dec_update(GDN_CV, h + c, ldh, dk, k, dl + c, alpha);
+            gdn_dec_update(GDN_CV, h + c, ldh, dk, k, dl + c, decay);
         else
-            gdn_dec_update_tail(cv, h + c, ldh, dk, k, dl + c, alpha);
+            gdn_dec_update_tail(cv, h + c, ldh, dk, k, dl + c, decay);
     }
     for (int r = 0; r < dk; r++)
         for (int c = nv; c < n; c++)
-            h[(size_t)r * ldh + c] = k[r] * dl[c] + alpha * h[(size_t)r * ldh + c];
+            h[(size_t)r * ldh + c] = k[r] * dl[c] + decay[r] * h[(size_t)r * ldh + c];
 }
 
 /* The plain recurrent step the baseline times: four separate passes over h, as ggml does:
- * decay, a = h^T k, h += k delta^T, o = h^T q. */
+ * decay (row r by decay[r]), a = h^T k, h += k delta^T, o = h^T q. */
 static void gdn_step4(float *h, int64_t ldh, int dk, int dv, const float *q, const float *k,
-                      const float *v, float alpha, float beta, float *o, float *tmp)
+                      const float *v, const float *decay, float beta, float *o, float *tmp)
 {
-    const vf al = vset1(alpha);
     const int nv = dv / VL * VL;
     for (int r = 0; r < dk; r++) {
         float *hr = h + (size_t)r * ldh;
+        const vf al = vset1(decay[r]);
         int c = 0;
         for (; c < nv; c += VL)
             vstore(hr + c, vmul(al, vload(hr + c)));
         for (; c < dv; c++)
-            hr[c] *= alpha;
+            hr[c] *= decay[r];
     }
     for (int c = 0; c < dv; c++)
         tmp[c] = 0.0f;
@@ -1505,5 +1566,7 @@ const fw_kernels FW_TABLE = {
     .tri_inv_blocked = tri_inv_blocked,
     .gdn_dec_cols = gdn_dec_cols,
     .gdn_step4 = gdn_step4,
+    .exp2_scale = exp2_scale,
+    .kda_diag = kda_diag,
     .conv1d_row = conv1d_row,
 };

@@ -1,4 +1,4 @@
-/* ref/gdn_ref.c: the float64 references of Gated DeltaNet (fw_gdn_ref): the plain
+/* ref/gdn_ref.c: the float64 references of Gated DeltaNet and KDA (fw_gdn_ref): the plain
  * recurrence token by token, and with bf16 products the chunked pass in double with the
  * kernel's roundings and no others. */
 #include <math.h>
@@ -158,9 +158,10 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
         return gdn_ref_bf16(&p, initial_state, final_state);
     const int64_t dk = p.dk, dv = p.dv;
     double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *qq = malloc(sizeof(double) * (size_t)dk),
-           *kk = malloc(sizeof(double) * (size_t)dk), *a = malloc(sizeof(double) * (size_t)dv);
-    if (!h || !qq || !kk || !a) {
-        free(h); free(qq); free(kk); free(a);
+           *kk = malloc(sizeof(double) * (size_t)dk), *a = malloc(sizeof(double) * (size_t)dv),
+           *al = malloc(sizeof(double) * (size_t)dk);
+    if (!h || !qq || !kk || !a || !al) {
+        free(h); free(qq); free(kk); free(a); free(al);
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
     }
     for (int64_t i = 0; i < n_seqs; i++)
@@ -181,16 +182,19 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                     qq[x] *= sq;
                     kk[x] *= sk;
                 }
-                const double al = exp((double)gate_g(&p, t, vh)), be = gate_beta(&p, t, vh);
+                /* the decay of each state row: one per key channel (KDA) or one for all */
+                for (int64_t x = 0; x < dk; x++)
+                    al[x] = p.kda || x == 0 ? exp((double)gate_g_at(&p, t, vh, x)) : al[0];
+                const double be = gate_beta(&p, t, vh);
                 for (int64_t y = 0; y < dv; y++) {
                     double acc = 0;
                     for (int64_t x = 0; x < dk; x++)
-                        acc += h[x * dv + y] * kk[x];
-                    a[y] = be * (fw_load_f64(v, off3(v, t, vh, y)) - al * acc); /* delta */
+                        acc += al[x] * h[x * dv + y] * kk[x];
+                    a[y] = be * (fw_load_f64(v, off3(v, t, vh, y)) - acc); /* delta */
                 }
                 for (int64_t x = 0; x < dk; x++)
                     for (int64_t y = 0; y < dv; y++)
-                        h[x * dv + y] = al * h[x * dv + y] + kk[x] * a[y];
+                        h[x * dv + y] = al[x] * h[x * dv + y] + kk[x] * a[y];
                 for (int64_t y = 0; y < dv; y++) {
                     double o = 0;
                     for (int64_t x = 0; x < dk; x++)
@@ -201,6 +205,6 @@ fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
             if (final_state)
                 memcpy(final_state + state_off(&p, i, vh), h, sizeof(double) * (size_t)(dk * dv));
         }
-    free(h); free(qq); free(kk); free(a);
+    free(h); free(qq); free(kk); free(a); free(al);
     return FW_OK;
 }
