@@ -128,7 +128,8 @@ test-asan-python: $(VENV)/.test-deps
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider python/tests/test_fastpath.py \
 	  python/tests/test_attention.py python/tests/test_gated_delta.py \
-	  python/tests/test_binding_args.py python/tests/test_conv.py python/tests/test_layers.py
+	  python/tests/test_binding_args.py python/tests/test_conv.py python/tests/test_layers.py \
+	  python/tests/test_kda.py
 
 # ThreadSanitizer: concurrent callers and every threaded path, on the smaller sweep. The fork
 # test starts threads in a forked child, which TSan refuses unless told otherwise.

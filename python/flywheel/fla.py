@@ -1,4 +1,5 @@
-"""flash-linear-attention's short-convolution calls (fla.modules.convolution), on the C
+"""flash-linear-attention's short-convolution calls (fla.modules.convolution) and its KDA calls
+(fla.ops.kda: chunk_kda, fused_recurrent_kda, from flywheel.kda), on the C
 library's fw_conv1d_fwd: channel-last [B, T, D] inputs, conv caches of the kernel width W
 ([N, D, W]: a sequence's last W inputs, oldest first; the conv reads the last W - 1),
 residual added after the activation.
@@ -11,6 +12,7 @@ Computed in float32, outputs rounded once; dtypes and errors as everywhere in fl
 
 from . import _tensors as T
 from .conv import bias_1d, params, run, state, swap12, weight_2d
+from .kda import chunk_kda, fused_recurrent_kda
 
 
 def _channels_last(x, D, name):
@@ -99,4 +101,4 @@ def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activa
     return y.reshape(shape), cache
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_update"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_kda", "fused_recurrent_kda"]

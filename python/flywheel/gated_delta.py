@@ -1,4 +1,6 @@
-"""Gated DeltaNet with flash-linear-attention's names, arguments and layouts (forward only).
+"""Gated DeltaNet with flash-linear-attention's names, arguments and layouts (forward only);
+the engine calls (decode, verify, commit, pool prefill) also take KDA's g [.., HV, K]
+(flywheel.fla.chunk_kda and fused_recurrent_kda have fla's KDA names).
 
 Per value head, with state h [K, V] float32 (fla's layout):
     h_t = exp(g_t) h_{t-1} + k_t beta_t (v_t - exp(g_t) h_{t-1}^T k_t)^T,   o_t = h_t^T (scale q_t)
@@ -74,14 +76,16 @@ def _gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kern
 
 
 def _flatten(q, k, v, g, beta, cu_seqlens):
-    """[B, T, ...] operands as packed [B*T, ...] views plus int32 cu_seqlens."""
+    """[B, T, ...] operands as packed [B*T, ...] views plus int32 cu_seqlens. g is [B, T, HV]
+    (GDN) or [B, T, HV, K] (KDA: a decay per key channel)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B, T, H, K] / [B, T, HV, V], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     B, Tn = q.shape[0], q.shape[1]
-    if g.shape != tuple(v.shape[:3]) or beta.shape != tuple(v.shape[:3]):
-        raise ValueError(f"g and beta must be [B, T, HV] = {tuple(v.shape[:3])}, got "
-                         f"{g.shape} and {beta.shape}")
+    kda = tuple(v.shape[:3]) + (q.shape[3],)
+    if (g.shape not in (tuple(v.shape[:3]), kda)) or beta.shape != tuple(v.shape[:3]):
+        raise ValueError(f"g must be [B, T, HV] = {tuple(v.shape[:3])} (or, for KDA, [B, T, HV, K]"
+                         f" = {kda}) and beta [B, T, HV], got {g.shape} and {beta.shape}")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
@@ -91,7 +95,7 @@ def _flatten(q, k, v, g, beta, cu_seqlens):
     else:
         cu = T.int32_offsets(B, Tn, "q [B, T, H, K]")
     return (T.merge_leading(q), T.merge_leading(k), T.merge_leading(v),
-            g.reshape(B * Tn, g.shape[2]), beta.reshape(B * Tn, beta.shape[2]), cu)
+            g.reshape((B * Tn,) + g.shape[2:]), beta.reshape(B * Tn, beta.shape[2]), cu)
 
 
 def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
@@ -162,23 +166,36 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     fla's `fused_recurrent_gated_delta_rule`; arguments and results as
     chunk_gated_delta_rule. For decode into a slot array in place, see
     gated_delta_rule_decode. Pass beta by keyword: as in fla, the 5th positional argument is
-    gk, and gk without beta raises ValueError saying so. Not supported (NotImplementedError):
-    per-channel gates gk / gv (KDA), state_v_first.
+    gk, and gk without beta raises ValueError saying so. gk [B, T, HV, K]: per-key-channel log
+    decays (KDA), added to g's when both are given. Not supported (NotImplementedError):
+    per-value-channel gates gv, state_v_first, gk with use_gate_in_kernel.
     """
     if gk is not None and beta is None:
         raise ValueError(
-            "gk was given and beta was not: per-channel gates gk (KDA) are not supported, and "
-            "beta must be passed by keyword (beta=...), because the 5th positional argument "
-            "of fla's fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...) is gk")
-    if gk is not None:
-        raise NotImplementedError("per-channel gates gk (KDA) are not supported: a scalar gate "
-                                  "g per token and head only")
+            "gk was given and beta was not: beta must be passed by keyword (beta=...), because "
+            "the 5th positional argument of fla's fused_recurrent_gated_delta_rule(q, k, v, g, "
+            "gk, gv, beta, ...) is gk")
     if gv is not None:
-        raise NotImplementedError("per-channel gates gv are not supported: a scalar gate g "
-                                  "per token and head only")
+        raise NotImplementedError("per-value-channel gates gv are not supported: a gate g per "
+                                  "token and head, or gk per key channel (KDA)")
     _unsupported(kwargs, state_v_first=state_v_first)
+    if gk is not None:
+        if use_gate_in_kernel:
+            raise NotImplementedError("gk with use_gate_in_kernel: for KDA's gates see "
+                                      "flywheel.fla.fused_recurrent_kda")
+        gk = T.to_numpy_f32(gk, "gk")
+        if gk.ndim != 4:
+            raise ValueError(f"gk must be [B, T, HV, K] (a log decay per key channel), got shape "
+                             f"{gk.shape}")
+        if g is not None:
+            g = T.to_numpy_f32(g, "g")
+            if gk.ndim != 4 or g.shape != gk.shape[:3]:
+                raise ValueError(f"g [B, T, HV] and gk [B, T, HV, K] do not match: {g.shape}, "
+                                 f"{gk.shape}")
+            gk = gk + g[..., None]
+        g = gk
     if g is None or beta is None:
-        raise NotImplementedError("g and beta are required (a scalar gate per token and head)")
+        raise NotImplementedError("g (or gk) and beta are required")
     return _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, _lib.GDN_FUSED_RECURRENT, isa,
                         (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
@@ -211,22 +228,35 @@ def _state_slots(state, HV, K, V, written):
     return state.shape[0]
 
 
-def _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+def _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                  K=None, lower_bound=None):
     """Set p to compute the gates inside the kernels from the raw a (passed as g) and b (as
-    beta); returns the arrays p points into (keep them alive for the call)."""
+    beta); returns the arrays p points into (keep them alive for the call). K: KDA's key dim
+    (dt_bias may then be [HV * K] or [HV, K]); lower_bound: the sigmoid gate (A_log None:
+    exp(A_log) = 1)."""
     keep = []
     if use_gate_in_kernel:
-        if A_log is None:
+        if A_log is None and lower_bound is None:
             raise ValueError("use_gate_in_kernel=True needs A_log")
+        if A_log is None:
+            A_log = np.zeros(HV, np.float32)
         for x, name, field in ((A_log, "A_log", "a_log"), (dt_bias, "dt_bias", "dt_bias")):
             if x is None:
                 continue
             a = T.to_numpy_f32(x, name)
-            if a.shape != (HV,):
-                raise ValueError(f"{name} must be [HV] = [{HV}], got shape {a.shape}")
+            if name == "dt_bias" and K is not None and a.size == HV * K and a.ndim <= 2:
+                a = a.reshape(HV * K)
+            elif a.shape != (HV,):
+                want = f"[HV] = [{HV}]" + (f" or [HV * K] = [{HV * K}]" if name == "dt_bias" and K
+                                           else "")
+                raise ValueError(f"{name} must be {want}, got shape {a.shape}")
             t = T.describe(a)
             keep += [a, t]
             setattr(p, field, _lib.ctypes.pointer(t))
+        if lower_bound is not None:
+            p.lower_bound = _lib.float32_param(lower_bound, "lower_bound", "none")
+            if not p.lower_bound < 0:
+                raise ValueError(f"lower_bound must be negative, got {lower_bound}")
     elif dt_bias is not None:
         raise ValueError("dt_bias is used with use_gate_in_kernel=True and A_log")
     p.beta_sigmoid = 1 if use_beta_sigmoid_in_kernel else 0
@@ -277,7 +307,8 @@ def _indices(state_indices, n):
 def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=None,
                             use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
                             l2norm_eps=None, read_state_indices=None, use_gate_in_kernel=False,
-                            A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
+                            A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                            lower_bound=None):
     """One decode step for N sequences, updating their states in a slot array in place.
 
     q, k [N, H, K] (or [N, 1, H, K]); v [N, HV, V] (or [N, 1, HV, V]); g, beta [N, HV]
@@ -291,10 +322,13 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     state); a negative state_indices entry then means the new state is not kept. With it,
     state may also be a pool whose slots lie further apart (padded), each slot contiguous.
     out: an existing array of that shape (any float dtype the library writes) to write and
-    return instead of a new one.
+    return instead of a new one. KDA: g [N, HV, K] (or [N, 1, HV, K]), a decay per key
+    channel; with use_gate_in_kernel, dt_bias may be [HV * K] and lower_bound selects the
+    sigmoid gate lower_bound * sigmoid(exp(A_log) (a + dt_bias)).
     """
     if (_lib.fast is not None and isa is None and l2norm_eps is None and read_state_indices is None
-            and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel):
+            and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel and lower_bound is None):
+        # (the compiled path takes GDN's g [N, HV] only: it declines KDA's [N, HV, K])
         r = _lib.fast.gdn_decode(q, k, v, g, beta, state, state_indices, scale,
                                  use_qk_l2norm_in_kernel, _lib.settings.threads, out)
         if r is not NotImplemented:
@@ -312,14 +346,17 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
         raise ValueError(f"q, k, v must be [N, H, K], [N, H, K], [N, HV, V], got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     N, HV, V = v.shape
+    K = q.shape[-1]
     g = T.to_numpy_f32(g, "g")
     beta = T.to_numpy_f32(beta, "beta")
-    for x, name in ((g, "g"), (beta, "beta")):
-        # the shape, not only the size: [HV, N] has N * HV entries in another order
-        if x.shape not in ((N, HV), (N, 1, HV)):
-            raise ValueError(f"{name} must be [N, HV] = {(N, HV)} (or [N, 1, HV]), got "
-                             f"shape {x.shape}")
-    g, beta = g.reshape(N, HV), beta.reshape(N, HV)
+    # the shape, not only the size: [HV, N] has N * HV entries in another order
+    if beta.shape not in ((N, HV), (N, 1, HV)):
+        raise ValueError(f"beta must be [N, HV] = {(N, HV)} (or [N, 1, HV]), got shape {beta.shape}")
+    kda = g.shape in ((N, HV, K), (N, 1, HV, K))
+    if g.shape not in ((N, HV), (N, 1, HV)) and not kda:
+        raise ValueError(f"g must be [N, HV] = {(N, HV)} (or [N, 1, HV]; KDA: [N, HV, K]), got "
+                         f"shape {g.shape}")
+    g, beta = g.reshape((N, HV, K) if kda else (N, HV)), beta.reshape(N, HV)
     pool = None
     if read_state_indices is not None:
         slots, stride = _pool_slots(state, HV, q.shape[-1], V)
@@ -341,7 +378,8 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
         if squeeze:
             o = o[:, 0]
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, None, l2norm_eps)
-    keep = _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    keep = _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                         K if kda else None, lower_bound)
     if pool is not None:
         _lib.check(_lib.lib.fw_gdn_decode_pool(T.describe(q), T.describe(k), T.describe(v),
                                                T.describe(g), T.describe(beta), pool,
@@ -392,9 +430,10 @@ def gated_delta_rule_prefill(q, k, v, g, beta, state, state_indices, cu_seqlens=
 
 class GDNReplay:
     """What gated_delta_rule_verify keeps for gated_delta_rule_commit: per token and value head
-    the written delta and chunk-local log decay, per token and q/k head the normalised key
-    (a float32 buffer of fw_gdn_replay_floats entries), with the batch layout it was made
-    for."""
+    the written delta and chunk-local log decay (one per key channel for KDA), per token and
+    q/k head the normalised key (a float32 buffer of fw_gdn_replay_floats or
+    fw_kda_replay_floats entries, its first float tagging which), with the batch layout it was
+    made for."""
 
     def __init__(self, buffer, cu, idx, H, HV, K, V):
         self.buffer, self.cu_seqlens, self.state_indices = buffer, cu, idx
@@ -404,9 +443,10 @@ class GDNReplay:
 def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None,
                             scale=None, use_qk_l2norm_in_kernel=False, *, out=None, isa=None,
                             precision=None, l2norm_eps=None, use_gate_in_kernel=False,
-                            A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
+                            A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                            lower_bound=None):
     """Speculative verify: up to 64 draft tokens per sequence from the committed states, which
-    are read and not changed.
+    are read and not changed. KDA: g [B, T, HV, K] (gates as in gated_delta_rule_decode).
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
     state [slots, HV, K, V] contiguous float32; state_indices [N] (default 0..N-1).
@@ -424,11 +464,14 @@ def gated_delta_rule_verify(q, k, v, g, beta, state, state_indices=None, cu_seql
     H, K = q.shape[2], q.shape[3]
     slots = _state_slots(state, HV, K, V, written=False)
     idx = _indices(state_indices, n)
-    floats = _lib.lib.fw_gdn_replay_floats(B * Tn, H, HV, K, V)
-    replay = np.empty(max(floats, 1), dtype=np.float32)
+    kda = g2.ndim == 3
+    floats = (_lib.lib.fw_kda_replay_floats if kda else _lib.lib.fw_gdn_replay_floats)(
+        B * Tn, H, HV, K, V)
+    replay = np.empty(floats, dtype=np.float32)
     o = T.output(out, v, (B, Tn, HV, V))
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision, l2norm_eps)
-    keep = _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    keep = _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                         K if kda else None, lower_bound)
     _lib.check(_lib.lib.fw_gdn_verify(T.describe(q2), T.describe(k2), T.describe(v2),
                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
                                       T.ptr(state), slots, T.ptr(idx), T.ptr(replay),

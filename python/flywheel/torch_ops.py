@@ -93,8 +93,8 @@ Choices where the Python calls differ:
     only when k and v are given (a schema cannot say "sometimes"), so under torch.compile a
     call without k, v is treated as a write too (functionalization may copy the caches).
   * gated_delta_rule_verify's replay is the float32 buffer of flywheel.GDNReplay, shape
-    [gdn_replay_floats(B*T, H, HV, K, V)] (include/flywheel.h: T x (HV x (V + 1) + H x K),
-    at least 1). gated_delta_rule_commit rebuilds the GDNReplay from it and from what a
+    [gdn_replay_floats(B*T, H, HV, K, V)] (include/flywheel.h: 1 + T x (HV x (V + 1) + H x K);
+    KDA's g [B, T, HV, K]: 1 + T x (HV x (V + K) + H x K)). gated_delta_rule_commit rebuilds the GDNReplay from it and from what a
     tensor cannot carry: cu_seqlens (the verify call's [N + 1] offsets; for [B, T] inputs
     torch.arange(B + 1, dtype=torch.int32) * T), num_heads (H, the q/k heads of the verify
     call) and state_indices (the verify call's; default 0..N-1). HV, K, V come from state.
@@ -122,12 +122,12 @@ NAMESPACE = "flywheel"
 __all__ = ["NAMESPACE", "OPS", "gdn_replay_floats"]
 
 
-def gdn_replay_floats(total_tokens, num_heads, num_v_heads, head_k_dim, head_v_dim):
+def gdn_replay_floats(total_tokens, num_heads, num_v_heads, head_k_dim, head_v_dim, kda=False):
     """The float32 entries of gated_delta_rule_verify's replay (fw_gdn_replay_floats of
-    include/flywheel.h, at least 1, as flywheel.gated_delta_rule_verify allocates it); works
-    on SymInts, for the fake kernels."""
-    n = total_tokens * (num_v_heads * (head_v_dim + 1) + num_heads * head_k_dim)
-    return torch.sym_max(n, 1) if isinstance(n, torch.SymInt) else max(n, 1)
+    include/flywheel.h, or fw_kda_replay_floats with kda: KDA's g [.., HV, K]), as
+    flywheel.gated_delta_rule_verify allocates it; works on SymInts, for the fake kernels."""
+    per_head = head_v_dim + (head_k_dim if kda else 1)
+    return 1 + total_tokens * (num_v_heads * per_head + num_heads * head_k_dim)
 
 
 def _no_lse(ref):
@@ -428,7 +428,7 @@ def _gated_delta_rule_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 def _gated_delta_rule_verify_fake(q, k, v, g, beta, state, state_indices=None, cu_seqlens=None,
                                   scale=None, use_qk_l2norm_in_kernel=False, precision=None):
     B, Tn, HV, V = v.shape
-    floats = gdn_replay_floats(B * Tn, q.shape[2], HV, q.shape[3], V)
+    floats = gdn_replay_floats(B * Tn, q.shape[2], HV, q.shape[3], V, g.dim() == 4)
     return v.new_empty(tuple(v.shape)), q.new_empty((floats,), dtype=torch.float32)
 
 

@@ -100,7 +100,7 @@ def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0,
 def ref_gdn(q, k, v, g, beta, scale, h0=None, l2norm=False, eps=1e-6):
     """float64 Gated DeltaNet recurrence for one sequence: q, k [T, H, K], v [T, HV, V],
     g, beta [T, HV], h0 [HV, K, V] -> o [T, HV, V], h [HV, K, V] (l2norm: x / sqrt(|x|^2 +
-    eps))."""
+    eps)). KDA: g [T, HV, K], a decay per key channel (row of h)."""
     Tn, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     r = HV // H
@@ -112,7 +112,7 @@ def ref_gdn(q, k, v, g, beta, scale, h0=None, l2norm=False, eps=1e-6):
     for t in range(Tn):
         for j in range(HV):
             kt, qt = k[t, j // r], q[t, j // r] * scale
-            h[j] *= np.exp(g[t, j])
+            h[j] *= np.exp(g[t, j])[:, None] if np.ndim(g[t, j]) else np.exp(g[t, j])
             delta = beta[t, j] * (v[t, j] - h[j].T @ kt)
             h[j] += np.outer(kt, delta)
             o[t, j] = h[j].T @ qt

@@ -401,7 +401,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="initial_state"):
         flywheel.chunk_gated_delta_rule(q, k, v, g, beta,
                                         initial_state=np.zeros((2, 4, 16, 16), np.float32))
-    with pytest.raises(NotImplementedError, match="gk"):
+    with pytest.raises(ValueError, match="gk must be"):  # gk is KDA's [B, T, HV, K]
         flywheel.fused_recurrent_gated_delta_rule(q, k, v, gk=g, beta=beta)
     with pytest.raises(NotImplementedError, match="state_v_first"):
         flywheel.chunk_gated_delta_rule(q, k, v, g, beta, state_v_first=True)
@@ -473,10 +473,10 @@ def test_five_positional_arguments_to_fused_recurrent():
     """fla's signature is (q, k, v, g, gk, gv, beta, ...): a 5th positional argument is gk."""
     rng = np.random.default_rng(22)
     (q, k, v, g, beta), _ = inputs(rng, 1, 8, 2, 4, 16, 16, "float32", "numpy")
-    with pytest.raises(ValueError, match=r"gk \(KDA\) are not supported.*beta=\.\.\.") as e:
+    with pytest.raises(ValueError, match=r"beta must be passed by keyword \(beta=\.\.\.\)") as e:
         flywheel.fused_recurrent_gated_delta_rule(q, k, v, g, beta)
     assert "5th positional argument" in str(e.value)
-    with pytest.raises(NotImplementedError, match=r"gk \(KDA\) are not supported"):
+    with pytest.raises(ValueError, match=r"KDA, \[B, T, HV, K\]"):  # gk: [B, T, HV, K]
         flywheel.fused_recurrent_gated_delta_rule(q, k, v, g, g[..., None], beta=beta)
     with pytest.raises(NotImplementedError, match="gv"):
         flywheel.fused_recurrent_gated_delta_rule(q, k, v, g, gv=g, beta=beta)
