@@ -425,24 +425,30 @@ typedef struct fw_gdn_layer_params {
     int32_t threads;             /* 0 = all online CPUs */
     const char *isa;             /* NULL = fw_isa_default() */
     int32_t precision;           /* fw_precision of the chunked products (FW_PREC_AUTO: bf16 for bf16 qkv) */
+    float lower_bound;           /* < 0: the sigmoid gate lower_bound sigmoid(exp(a_log) (a + dt_bias)) */
+    int32_t beta_activated;      /* 1: b holds beta itself (no sigmoid) */
 } fw_gdn_layer_params;
 
 FW_API void fw_gdn_layer_params_init(fw_gdn_layer_params *p);
 
 /*
- * One Gated DeltaNet layer of an engine step, from the projections to the core's output:
+ * One Gated DeltaNet (or KDA) layer of an engine step, from the projections to the core's
+ * output:
  *   qkv [T, dim] pre-conv rows, dim = 2 n_kq d_k + n_v d_v ([q | k | v], heads inside each)
- *   b, a [T, n_v]; conv_weight [dim, K] (K = 1 .. FW_MAX_CONV_WIDTH), conv_bias [dim] or NULL;
- *   a_log, dt_bias [n_v]; any float dtype (f32 | bf16 | f16) for each
+ *   b [T, n_v]; a [T, n_v] (GDN), or [T, n_v d_k] for KDA (flywheel-tpu's fused_conv1d_kda:
+ *   the raw gate of each key channel, head-major like q and k)
+ *   conv_weight [dim, K] (K = 1 .. FW_MAX_CONV_WIDTH), conv_bias [dim] or NULL;
+ *   a_log [n_v]; dt_bias [n_v] (KDA: [n_v d_k] or [n_v]); any float dtype for each
  *   out [T, n_v d_v]
  * Causal conv over each sequence's rows from its conv state, then SiLU; q = l2norm(q) scale,
- * k = l2norm(k) (eps inside the sqrt); beta = sigmoid(b); g = -exp(a_log) softplus(a +
- * dt_bias); the gated delta rule from the recurrent state: decodes by the fused step,
- * prefills by the chunked pass; both caches updated in their write slots. Everything is
- * checked before anything is written (slots out of range, two sequences writing one slot, a
- * slot read by one sequence and written by another, lengths that do not add up, a bad
- * distribution). Workspace: the conv output and the gates, T x (dim + 2 n_v) elements,
- * allocated inside the call.
+ * k = l2norm(k) (eps inside the sqrt); beta = sigmoid(b) (b itself with beta_activated);
+ * g = -exp(a_log) softplus(a + dt_bias), or lower_bound sigmoid(exp(a_log) (a + dt_bias));
+ * the gated delta rule from the recurrent state: decodes by the fused step, prefills by the
+ * chunked pass; both caches updated in their write slots. The gates are computed inside the
+ * kernels (fw_gdn_params' a_log). Everything is checked before anything is written (slots
+ * out of range, two sequences writing one slot, a slot read by one sequence and written by
+ * another, lengths that do not add up, a bad distribution, gates that are not finite).
+ * Workspace: the conv output of a window of at most 256 rows, allocated inside the call.
  */
 FW_API fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
                               const fw_tensor *conv_weight, const fw_tensor *conv_bias,

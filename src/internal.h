@@ -164,6 +164,9 @@ typedef struct fw_kernels {
     void (*exp2_scale)(int n, const float *x, const float *g1, const float *g0, float *dst);
     void (*kda_diag)(int L, int dk, const float *Q, const float *K, const float *E, const float *beta,
                      float *A, int lda, float *G, int ldg);
+    /* KDA's gates of a row computed in the kernels (fw_gdn_params.a_log), in log2 units:
+     * g2 = log2(e) x (-ea softplus(a + bias), or lb sigmoid(ea (a + bias)) with lb < 0). */
+    void (*kda_gates)(int n, const float *a, const float *bias, float ea, float lb, float *g2);
     /* One output row of the causal conv1d over n contiguous channels:
      * y[c] = act(bias[c] + sum_{k<W} wt[k * ldw + c] taps[k][c]) (+ res[c] when res is given),
      * act SiLU (x / (1 + e^-x)) when silu; taps of dtype tdt, res of rdt, y stored as ydt. */
@@ -185,7 +188,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_step4) X(exp2_scale) X(kda_diag) X(conv1d_row)
+    X(gdn_dec_cols) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

@@ -553,8 +553,10 @@ static void test_kernel_gates(void)
 }
 
 /* (i) KDA's gates computed inside the kernels (per-channel raw a, dt_bias [HV dk], the
- * softplus gate and lower_bound's sigmoid gate, sigmoid beta) give the bits of the same gates
- * given, on prefill, decode and verify; bad KDA shapes and gate params are refused */
+ * softplus gate and lower_bound's sigmoid gate, sigmoid beta) give the results of the same
+ * gates given to 1e-5 (the kernels' vectorised gates are within a few ulp of libm's: see
+ * test_kda_gate_kernel), on prefill, decode and verify; bad KDA shapes and gate params are
+ * refused */
 static void test_kda_gates(void)
 {
     enum { H = 2, HV = 4, DK = 16, DV = 16, N = 2, TT = 14 };
@@ -617,7 +619,12 @@ static void test_kda_gates(void)
                 st |= fw_gdn_verify(&in.q, &in.k, &in.v, &ta, &tb, cu, N, s2, 3, idx, replay, 8192, &to2, &raw);
             }
             case_check(st == FW_OK, "status: %s", fw_last_error());
-            case_check(!memcmp(o1, o2, sizeof o1) && !memcmp(s1, s2, sizeof s1), "outputs or states differ");
+            double eo = 0, es = 0;
+            for (size_t i = 0; i < sizeof o1 / sizeof o1[0]; i++)
+                eo = fmax(eo, fabs((double)o1[i] - o2[i]));
+            for (size_t i = 0; i < sizeof s1 / sizeof s1[0]; i++)
+                es = fmax(es, fabs((double)s1[i] - s2[i]));
+            case_check(eo <= 1e-5 && es <= 1e-5, "outputs differ by %.3g, states by %.3g", eo, es);
             case_end();
         }
     }
@@ -656,6 +663,42 @@ static void test_kda_gates(void)
                    strstr(fw_last_error(), "fw_kda_replay_floats"), "KDA verify, GDN-sized replay: %s", fw_last_error());
     case_end();
     free_inputs(&in);
+}
+
+/* (i) the kda_gates kernel of every table against the gates in double: y from -60 to 60 (both
+ * sides of softplus's threshold 20, and where e^-|y| is tiny), both gate forms, a row that
+ * takes the vector and the scalar paths. The double gate starts from the float y = a + bias
+ * and u = ea y, as any float evaluation does; the rounding of an exponent's argument x then
+ * costs about |x| ulp of e^x (libm's expf of a rounded float too), so the bar is (8 + 2|x|)
+ * float ulp of the value, plus 1e-37. */
+static void test_kda_gate_kernel(void)
+{
+    enum { N = 1003 };
+    static float a[N], bias[N], g2[N];
+    for (int i = 0; i < N; i++) {
+        a[i] = (float)(-60.0 + 120.0 * i / (N - 1));
+        bias[i] = (float)(0.01 * (i % 7) - 0.03);
+    }
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        for (int form = 0; form < 2; form++) {
+            case_begin("kda: the gate kernel against double [%s, %s gate]", kt->name, form ? "sigmoid" : "softplus");
+            const float ea = 1.7f, lb = form ? -5.0f : 0.0f;
+            kt->kda_gates(N, a, bias, ea, lb, g2);
+            double worst = 0;
+            for (int i = 0; i < N; i++) {
+                const float yf = a[i] + bias[i], uf = ea * yf;
+                const double y = yf, u = uf, sp = y > 20 ? y : log1p(exp(y));
+                const double want = (form ? lb / (1 + exp(-u)) : -(double)ea * sp) / log(2.0);
+                const double x = form ? fabs(u) : fabs(y);
+                worst = fmax(worst, fabs(g2[i] - want) / ((fabs(want) * 0x1p-23 + 1e-37) * (8 + 2 * x)));
+            }
+            case_check(worst <= 1, "worst error %.3g of the bar", worst);
+            case_end();
+        }
+    }
 }
 
 /* (f) verify + commit of every m equals sequential decode (GDN, and KDA with kda set); the
@@ -1036,6 +1079,7 @@ const test_suite gdn_suites[] = {
     {"gdn.state_pool", test_state_pool},
     {"gdn.kernel_gates", test_kernel_gates},
     {"gdn.kda_gates", test_kda_gates},
+    {"gdn.kda_gate_kernel", test_kda_gate_kernel},
     {"gdn.verify_commit", test_verify_commit},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},

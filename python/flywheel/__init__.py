@@ -29,7 +29,7 @@ from ._lib import lib as _clib
 from . import fla, tpu
 from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .conv import causal_conv1d_fn, causal_conv1d_update
-from .layers import fused_conv1d_gdn
+from .layers import fused_conv1d_gdn, fused_conv1d_kda
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                           gated_delta_rule_commit, gated_delta_rule_decode,
                           gated_delta_rule_prefill, gated_delta_rule_verify)
@@ -41,6 +41,7 @@ __all__ = [
     "FlywheelDtypeError", "FlywheelError", "GDNReplay", "causal_conv1d_fn",
     "causal_conv1d_update", "chunk_gated_delta_rule", "chunk_kda", "fla", "tpu",
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_conv1d_gdn",
+    "fused_conv1d_kda",
     "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
     "gated_delta_rule_verify",

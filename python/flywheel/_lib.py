@@ -224,6 +224,8 @@ class GdnLayerParams(ctypes.Structure):
         ("threads", ctypes.c_int32),
         ("isa", ctypes.c_char_p),
         ("precision", ctypes.c_int32),
+        ("lower_bound", ctypes.c_float),
+        ("beta_activated", ctypes.c_int32),
     ]
 
 

@@ -1,7 +1,7 @@
-"""The original FlyWheel package's serving-layer call for Gated DeltaNet (flywheel-tpu 0.3's
-fused_conv1d_gdn), on the C library's fw_gdn_layer: one call per layer per engine step over a
-ragged batch of decodes and prefills, both slot caches updated in place (numpy and torch) or
-returned as new arrays (JAX, which has no in-place update).
+"""The original FlyWheel package's serving-layer calls for Gated DeltaNet and KDA (flywheel-tpu
+0.3's fused_conv1d_gdn and fused_conv1d_kda), on the C library's fw_gdn_layer: one call per
+layer per engine step over a ragged batch of decodes and prefills, both slot caches updated in
+place (numpy and torch) or returned as new arrays (JAX, which has no in-place update).
 """
 
 import numpy as np
@@ -46,12 +46,51 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
     Speculative windows (num_spec_tokens > 0, read_offsets) raise NotImplementedError: use
     gated_delta_rule_verify and gated_delta_rule_commit.
     """
+    if np.shape(a)[-1:] != (n_v,):
+        raise ValueError(f"a must be [T, n_v] = [T, {n_v}], got shape {tuple(np.shape(a))} (KDA's "
+                         "per-channel gate: fused_conv1d_kda)")
+    return _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+                  query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
+                  read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
+                  zero_initialize_out, precision, l2norm_eps, out, isa, None, False)
+
+
+def fused_conv1d_kda(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
+                     dt_bias, query_start_loc, state_indices, distribution, seq_lens,
+                     read_state_indices, read_offsets=None, *, n_kq, n_v, d_k, d_v, kernel_size,
+                     num_spec_tokens=0, zero_initialize_out=True, compute_precision=None,
+                     decode_tile_size=4, mixed_tile_size=128, compute_chunk_size=64,
+                     lower_bound=None, beta_is_activated=False, l2norm_eps=None, out=None,
+                     isa=None):
+    """Conv1d + SiLU + KDA (Kimi Delta Attention) for one layer of an engine step: as
+    fused_conv1d_gdn, with g [T, n_v d_k] the raw gate of each key channel (head-major like q
+    and k) and dt_bias [n_v d_k]: the log decay -exp(a_log) softplus(g + dt_bias), or with
+    lower_bound lower_bound * sigmoid(exp(a_log) (g + dt_bias)); the state [d_k, d_v] decays
+    row by row. beta_is_activated: b holds beta itself. The chunked pass runs f32 products.
+    The original's TPU knobs (decode_tile_size, mixed_tile_size, compute_chunk_size,
+    compute_precision) are accepted and ignored; speculative windows raise
+    NotImplementedError (gated_delta_rule_verify / _commit take KDA's g).
+    """
+    if np.shape(g)[-1:] != (n_v * d_k,) or len(np.shape(g)) != 2:
+        raise ValueError(f"g must be [T, n_v d_k] = [T, {n_v * d_k}] (a raw gate per key "
+                         f"channel), got shape {tuple(np.shape(g))}")
+    return _layer(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+                  query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
+                  read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
+                  zero_initialize_out, None, l2norm_eps, out, isa, lower_bound,
+                  beta_is_activated)
+
+
+def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+           query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
+           read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens, zero_initialize_out,
+           precision, l2norm_eps, out, isa, lower_bound, beta_is_activated):
+    """fw_gdn_layer for both calls (a [T, n_v]: GDN; [T, n_v d_k]: KDA)."""
     if num_spec_tokens or (read_offsets is not None and np.any(np.asarray(read_offsets) != 0)):
         raise NotImplementedError(
             "speculative windows (num_spec_tokens > 0, read_offsets) are not supported by "
-            "fused_conv1d_gdn here: verify with gated_delta_rule_verify and keep the accepted "
-            "tokens with gated_delta_rule_commit")
-    del decode_tile_size, mixed_tile_size, compute_chunk_size, compute_precision
+            "the serving-layer calls here: verify with gated_delta_rule_verify and keep the "
+            "accepted tokens with gated_delta_rule_commit")
     jax_in = _is_jax(qkv)
     qkv = T.float_array(qkv, "qkv")
     b, a = T.float_array(b, "b"), T.float_array(a, "a")
@@ -97,6 +136,11 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
     p.threads = _lib.settings.threads
     p.isa = _lib.isa_name(isa)
     p.precision = _lib.precision(precision)
+    if lower_bound is not None:
+        p.lower_bound = _lib.float32_param(lower_bound, "lower_bound", "none")
+        if not p.lower_bound < 0:
+            raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+    p.beta_activated = 1 if beta_is_activated else 0
     _lib.check(_lib.lib.fw_gdn_layer(T.describe(qkv), T.describe(b), T.describe(a), T.describe(w),
                                      None if cb is None else T.describe(cb), T.describe(al),
                                      T.describe(dtb), batch, caches, T.describe(o), p))

@@ -42,7 +42,10 @@ def inputs(rng, T):
     return qkv, b, a, w, bias, a_log, dt_bias, conv, rec
 
 
-def reference(qkv, b, a, w, bias, a_log, dt_bias, conv, rec, qsl, seq_lens, sidx, read, dist):
+def reference(qkv, b, a, w, bias, a_log, dt_bias, conv, rec, qsl, seq_lens, sidx, read, dist,
+              lower_bound=None, beta_activated=False):
+    """The layer by the definitions in float64; a [T, NV] (GDN) or [T, NV * DK] (KDA, with
+    dt_bias [NV * DK]): the softplus gate, or lower_bound's sigmoid gate."""
     qkv, b, a = (np.asarray(x, np.float64) for x in (qkv, b, a))
     w, bias = np.asarray(w, np.float64)[:, 0], np.asarray(bias, np.float64)
     conv, rec = np.asarray(conv, np.float64).copy(), np.asarray(rec, np.float64).copy()
@@ -58,9 +61,18 @@ def reference(qkv, b, a, w, bias, a_log, dt_bias, conv, rec, qsl, seq_lens, sidx
         q = y[:, :NKQ * DK].reshape(-1, NKQ, DK)
         k_ = y[:, NKQ * DK:2 * NKQ * DK].reshape(-1, NKQ, DK)
         v = y[:, 2 * NKQ * DK:].reshape(-1, NV, DV)
-        xg = a[r0:r1] + dt_bias
-        g = -np.exp(np.asarray(a_log, np.float64)) * np.where(xg > 20, xg, np.log1p(np.exp(xg)))
-        beta = 1 / (1 + np.exp(-b[r0:r1]))
+        kda = a.shape[1] == NV * DK
+        ea = np.exp(np.asarray(a_log, np.float64))
+        if kda:
+            xg = a[r0:r1].reshape(-1, NV, DK) + np.asarray(dt_bias, np.float64).reshape(NV, DK)
+            ea = ea[:, None]
+        else:
+            xg = a[r0:r1] + dt_bias
+        if lower_bound is None:
+            g = -ea * np.where(xg > 20, xg, np.log1p(np.exp(np.minimum(xg, 20))))
+        else:
+            g = lower_bound / (1 + np.exp(-ea * xg))
+        beta = b[r0:r1] if beta_activated else 1 / (1 + np.exp(-b[r0:r1]))
         h0 = np.zeros((NV, DK, DV)) if fresh else rec0[read[i]]
         o, h = ref_gdn(q, k_, v, g, beta, DK ** -0.5, h0, l2norm=True)
         out[r0:r1] = o.reshape(r1 - r0, NV * DV)
@@ -153,3 +165,54 @@ def test_speculative_windows_are_refused():
         flywheel.fused_conv1d_gdn(qkv, b, a, conv, rec, w, bias, a_log, dt_bias, qsl, sidx, dist,
                                   seq_lens, read, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV,
                                   kernel_size=K, num_spec_tokens=2)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("beta_activated", [False, True])
+def test_kda_layer_matches_the_reference(lower_bound, beta_activated):
+    """fused_conv1d_kda: the raw gate per key channel g [T, n_v d_k], dt_bias [n_v d_k], the
+    softplus or the lower-bound sigmoid gate, b as logits or as beta itself."""
+    rng = np.random.default_rng(15)
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, _, w, bias, a_log, _, conv, rec = inputs(rng, T)
+    g = rng.standard_normal((T, NV * DK)).astype(np.float32)
+    dt_bias = (rng.standard_normal(NV * DK) * 0.5).astype(np.float32)
+    if beta_activated:
+        b = rng.uniform(0.1, 0.9, (T, NV)).astype(np.float32)
+    want_o, want_conv, want_rec = reference(qkv, b, g, w, bias, a_log, dt_bias, conv, rec, qsl,
+                                            seq_lens, sidx, read, dist, lower_bound,
+                                            beta_activated)
+    conv_before, rec_before = conv.copy(), rec.copy()
+    (c2, r2), o = flywheel.fused_conv1d_kda(qkv, b, g, conv, rec, w, bias, a_log, dt_bias, qsl,
+                                             sidx, dist, seq_lens, read, n_kq=NKQ, n_v=NV,
+                                             d_k=DK, d_v=DV, kernel_size=K,
+                                             lower_bound=lower_bound,
+                                             beta_is_activated=beta_activated)
+    assert c2 is conv and r2 is rec
+    assert np.abs(o - want_o).max() <= 1e-4 * (1 + np.abs(want_o).max())
+    assert not o[int(qsl[5]):].any()
+    for s in (1, 2, 3, 4, 5):
+        assert np.array_equal(conv[s], want_conv[s].astype(np.float32))
+        assert np.abs(rec[s] - want_rec[s]).max() <= 1e-4
+    for s in (0, 6, 7, 8, 9):
+        assert np.array_equal(conv[s], conv_before[s]) and np.array_equal(rec[s], rec_before[s])
+
+
+def test_kda_layer_bad_gates_are_refused_with_nothing_written():
+    rng = np.random.default_rng(16)
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, _, w, bias, a_log, _, conv, rec = inputs(rng, T)
+    g = rng.standard_normal((T, NV * DK)).astype(np.float32)
+    dt_bias = np.zeros(NV * DK, np.float32)
+    kw = dict(n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV, kernel_size=K)
+    args = (w, bias, a_log, dt_bias, qsl, sidx, dist, seq_lens, read)
+    with pytest.raises(ValueError, match="n_v d_k"):
+        flywheel.fused_conv1d_kda(qkv, b, g[:, :NV], conv, rec, *args, **kw)
+    with pytest.raises(ValueError, match="fused_conv1d_kda"):
+        flywheel.fused_conv1d_gdn(qkv, b, g, conv, rec, *args, **kw)
+    g[int(qsl[4]) + 2, 5] = np.nan  # a row of the last prefill: found before anything is written
+    conv0, rec0 = conv.copy(), rec.copy()
+    out = np.full((T, NV * DV), 7.0, np.float32)
+    with pytest.raises(FlywheelError, match="computed from a"):
+        flywheel.fused_conv1d_kda(qkv, b, g, conv, rec, *args, **kw, out=out)
+    assert np.array_equal(conv, conv0) and np.array_equal(rec, rec0) and (out == 7.0).all()

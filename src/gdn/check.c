@@ -190,6 +190,24 @@ static fw_status check_gates(const gdn_prob *p)
     return FW_OK;
 }
 
+fw_status fw_gdn_check_gates(const fw_tensor *g, const fw_tensor *beta, int64_t HV, int64_t dk,
+                             const fw_gdn_params *params)
+{
+    gdn_prob p;
+    memset(&p, 0, sizeof p);
+    p.g = g;
+    p.beta = beta;
+    p.T = g->shape[0];
+    p.HV = HV;
+    p.dk = dk;
+    p.kda = g->ndim == 3;
+    p.a_log = params->a_log;
+    p.dt_bias = params->a_log ? params->dt_bias : NULL;
+    p.lower_bound = params->a_log ? params->lower_bound : 0.0f;
+    p.beta_sigmoid = params->beta_sigmoid;
+    return check_gates(&p);
+}
+
 typedef struct {
     int32_t slot;
     int64_t seq;

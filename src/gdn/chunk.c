@@ -284,11 +284,7 @@ static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, 
     float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
     for (int i = 0; i < L; i++) {
         float *e = E + (size_t)i * dk, *gi = G + (size_t)i * dk;
-        if (p->a_log)
-            for (int x = 0; x < dk; x++)
-                e[x] = gate_g_at(p, t0 + i, vh, x) * (float)FW_LOG2E;
-        else
-            kt->to_f32(at(p->g, t0 + i, vh), FW_F32, p->g->stride[2], dk, (float)FW_LOG2E, e);
+        kda_log2_decays(kt, p, t0 + i, vh, e, Sq);
         for (int x = 0; x < dk; x++)
             gi[x] = (i ? gi[x - dk] : 0.0f) + e[x];
         bet[i] = gate_beta(p, t0 + i, vh);
@@ -576,7 +572,7 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
         load_qk(kt, p, p->k, t, h, 1.0, k);
         kt->to_f32(at(p->v, t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
         const float beta = gate_beta(p, t, vh);
-        gate_decays(kt, p, t, vh, dec);
+        gate_decays(kt, p, t, vh, dec, dec + dk);
         if (c->flags & FW_GDN_RECURRENT) {
             kt->gdn_step4(hst, dv, dk, dv, q, k, v, dec, beta, o, tmp);
         } else {

@@ -31,7 +31,7 @@ static void decode_item(void *vctx, int64_t it, int tid)
     /* the state updated in place: the write slot's, after a copy of the read slot's columns
      * (or zeros) when they differ; a scratch copy when nothing is written */
     const int64_t rs = c->read ? c->read[i] : -1, wsl = c->write ? c->write[i] : rs, head = vh * dk * dv;
-    float *h = wsl >= 0 ? c->state + wsl * c->stride + head : dec + dk + 16;
+    float *h = wsl >= 0 ? c->state + wsl * c->stride + head : dec + 2 * dk + 16;
     if (rs != wsl || wsl < 0) {
         const float *h0 = rs >= 0 ? c->state + rs * c->stride + head : NULL;
         for (int x = 0; x < dk; x++) {
@@ -47,7 +47,7 @@ static void decode_item(void *vctx, int64_t it, int tid)
     float kq = 0;
     for (int x = 0; x < dk; x++)
         kq += k[x] * q[x];
-    gate_decays(c->kt, p, i, vh, dec);
+    gate_decays(c->kt, p, i, vh, dec, dec + dk);
     c->kt->gdn_dec_cols(h, dv, dk, c0, c1, q, k, v, dec, gate_beta(p, i, vh), kq, o);
     c->kt->from_f32(o + c0, c1 - c0,
                     (char *)at(p->out, i, vh) + (int64_t)c0 * p->out->stride[2] * (int64_t)fw_dtype_size(p->out->dtype),
@@ -62,7 +62,7 @@ static fw_status decode_run(const gdn_prob *p, dec_ctx *c, const fw_gdn_params *
     c->p = p;
     c->kt = kt;
     const int threads = fw_threads(params ? params->threads : 0);
-    c->ws_stride = (size_t)(3 * p->dk + 2 * p->dv + 16) + (scratch ? (size_t)(p->dk * p->dv) : 0);
+    c->ws_stride = (size_t)(4 * p->dk + 2 * p->dv + 16) + (scratch ? (size_t)(p->dk * p->dv) : 0);
     c->nblk = p->T * p->HV >= threads ? 1 : (p->dv + 63) / 64;
     const int64_t n = p->T * p->HV * c->nblk;
     if (n == 0)

@@ -27,6 +27,12 @@ typedef struct {
 fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                        const fw_tensor *g, const fw_tensor *beta, const int32_t *cu, int64_t n,
                        int need_cu, const fw_tensor *out, const fw_gdn_params *params, int ref);
+/* The gates alone, as fw_gdn_check checks them: g [T, HV] or [T, HV, dk] (KDA) and beta
+ * [T, HV], given or raw (params' a_log, dt_bias, lower_bound, beta_sigmoid, already checked
+ * for shape). The layer checks a whole step's gates before its first window. */
+fw_status fw_gdn_check_gates(const fw_tensor *g, const fw_tensor *beta, int64_t HV, int64_t dk,
+                             const fw_gdn_params *params);
+
 /* A pool (fw_gdn_pool) for n sequences of HV x dk x dv states: every index a slot or
  * negative, the stride and extent representable, writes distinct, no cross read/write. */
 fw_status fw_gdn_check_pool(const fw_gdn_pool *pool, int64_t n, int64_t HV, int64_t dk, int64_t dv);
@@ -73,9 +79,27 @@ static inline float gate_beta(const gdn_prob *p, int64_t t, int64_t vh)
     return p->beta_sigmoid ? 1.0f / (1.0f + expf(-b)) : b;
 }
 
+/* KDA's log2 decays of token t, value head vh, into g2 (dk floats): given, or from the raw a
+ * by the table's kda_gates (the same as gate_g_at to a few ulp). bias: dk floats of scratch. */
+static inline void kda_log2_decays(const fw_kernels *kt, const gdn_prob *p, int64_t t, int64_t vh, float *g2,
+                                   float *bias)
+{
+    if (!p->a_log) {
+        kt->to_f32(at(p->g, t, vh), FW_F32, p->g->stride[2], p->dk, (float)FW_LOG2E, g2);
+        return;
+    }
+    const float ea = expf((float)fw_load_f64(p->a_log, vh * p->a_log->stride[0]));
+    const int per_channel = p->dt_bias && p->dt_bias->shape[0] != p->HV;
+    for (int64_t x = 0; p->dt_bias && x < p->dk; x++)
+        bias[x] = (float)fw_load_f64(p->dt_bias, (per_channel ? vh * p->dk + x : vh) * p->dt_bias->stride[0]);
+    kt->to_f32(at(p->g, t, vh), p->g->dtype, p->g->stride[2], p->dk, 1.0f, g2);
+    kt->kda_gates((int)p->dk, g2, p->dt_bias ? bias : NULL, ea, p->lower_bound, g2);
+}
+
 /* The decays exp(g) of the dk state rows of token t, value head vh, into d: one value for all
- * rows (GDN), or one per key channel (KDA), those by the table's exp2. */
-static inline void gate_decays(const fw_kernels *kt, const gdn_prob *p, int64_t t, int64_t vh, float *d)
+ * rows (GDN), or one per key channel (KDA), those by the table's exp2. scratch: dk floats. */
+static inline void gate_decays(const fw_kernels *kt, const gdn_prob *p, int64_t t, int64_t vh, float *d,
+                               float *scratch)
 {
     if (!p->kda) {
         const float al = expf(gate_g(p, t, vh));
@@ -83,11 +107,7 @@ static inline void gate_decays(const fw_kernels *kt, const gdn_prob *p, int64_t 
             d[x] = al;
         return;
     }
-    if (p->a_log)
-        for (int64_t x = 0; x < p->dk; x++)
-            d[x] = gate_g_at(p, t, vh, x) * (float)FW_LOG2E;
-    else
-        kt->to_f32(at(p->g, t, vh), FW_F32, p->g->stride[2], p->dk, (float)FW_LOG2E, d);
+    kda_log2_decays(kt, p, t, vh, d, scratch);
     kt->exp2_inplace(d, p->dk);
 }
 

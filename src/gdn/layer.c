@@ -1,6 +1,7 @@
-/* gdn/layer.c: one Gated DeltaNet layer of an engine step (fw_gdn_layer): every argument
- * checked, then the causal conv (conv/conv1d.c) of every sequence's qkv rows from its conv
- * slot into one buffer, the gates, and the gated delta rule on views of that buffer: the
+/* gdn/layer.c: one Gated DeltaNet (or KDA) layer of an engine step (fw_gdn_layer): every
+ * argument checked, the gates included, then window by window the causal conv (conv/conv1d.c)
+ * of the sequences' qkv rows from their conv slots into a buffer, and the gated delta rule on
+ * views of that buffer, with the gates computed in its kernels from the raw a and b: the
  * decodes by the fused step, the prefills by the chunked pass, both on the recurrent pool. */
 #include <math.h>
 #include <stdlib.h>
@@ -29,18 +30,23 @@ static fw_tensor rows_view(const fw_tensor *t, int64_t r0, int64_t n, int64_t c0
     return v;
 }
 
-static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n)
+/* A view of rows [r0, r0 + n) of a 2-D tensor. */
+static fw_tensor rows2(const fw_tensor *t, int64_t r0, int64_t n)
 {
-    fw_status s = fw_check_tensor(t, what, 1, FW_DT_IN);
-    if (!s && t->shape[0] != n)
-        s = fw_fail(FW_ERR_SHAPE, "%s has %lld entries; it must have n_v = %lld", what, (long long)t->shape[0],
-                    (long long)n);
-    return s;
+    fw_tensor v = *t;
+    v.data = (char *)t->data + r0 * t->stride[0] * (int64_t)fw_dtype_size(t->dtype);
+    v.shape[0] = n;
+    return v;
 }
 
-static double load1(const fw_tensor *t, int64_t i, int64_t j)
+/* a_log [n_v], or dt_bias [n_v] (or [n_v d_k] when per_channel, KDA's). */
+static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n, int64_t per_channel)
 {
-    return fw_load_f64(t, i * t->stride[0] + (t->ndim > 1 ? j * t->stride[1] : 0));
+    fw_status s = fw_check_tensor(t, what, 1, FW_DT_IN);
+    if (!s && t->shape[0] != n && t->shape[0] != per_channel)
+        s = fw_fail(FW_ERR_SHAPE, "%s has %lld entries; it must have n_v = %lld%s", what, (long long)t->shape[0],
+                    (long long)n, per_channel > 0 ? " or, for KDA, n_v d_k" : "");
+    return s;
 }
 
 /* Rows per window of the layer: the conv output of a window (LAYER_ROWS x dim elements,
@@ -52,14 +58,14 @@ static double load1(const fw_tensor *t, int64_t i, int64_t j)
 #define LAYER_ROWS 256
 
 typedef struct {
-    const fw_tensor *qkv, *w, *bias, *out;
+    const fw_tensor *qkv, *w, *bias, *out, *a, *b;
     const int32_t *qsl, *ridx, *wr;
     const fw_gdn_caches *caches;
     void *cbuf;
-    float *g, *beta;
     const fw_conv1d_params *cp;
     const fw_gdn_params *gp;
     int64_t nkq, nv, dk, dv, dim, slots;
+    int kda;
 } layer_ctx;
 
 /* One window: sequences [s0, s1) whole (u1 < 0), or tokens [u0, u1) of sequence s0 alone:
@@ -103,11 +109,10 @@ static fw_status layer_window(const layer_ctx *L, int64_t s0, int64_t s1, int64_
     /* the gated delta rule on views of the conv rows */
     fw_tensor y2 = fw_tensor_contiguous(L->cbuf, qkv->dtype, 2, (int64_t[]){rn, L->dim});
     fw_tensor o2 = *L->out;
-    const int64_t gs[2] = {rn, L->nv};
     fw_tensor q = rows_view(&y2, 0, rn, 0, L->nkq, L->dk), k = rows_view(&y2, 0, rn, L->nkq * L->dk, L->nkq, L->dk);
     fw_tensor v = rows_view(&y2, 0, rn, 2 * L->nkq * L->dk, L->nv, L->dv), o = rows_view(&o2, R0, rn, 0, L->nv, L->dv);
-    fw_tensor tg = fw_tensor_contiguous(L->g + R0 * L->nv, FW_F32, 2, gs);
-    fw_tensor tb = fw_tensor_contiguous(L->beta + R0 * L->nv, FW_F32, 2, gs);
+    /* the raw gates of these rows: the kernels compute g and beta from them */
+    fw_tensor tg = L->kda ? rows_view(L->a, R0, rn, 0, L->nv, L->dk) : rows2(L->a, R0, rn), tb = rows2(L->b, R0, rn);
     if (piece && u0 > 0) { /* a later piece continues from the write slot */
         wr_local[0] = wr[0];
         rd = wr_local;
@@ -135,15 +140,19 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
                        (long long)dv, FW_MAX_HEADS, FW_MAX_HEAD_DIM);
     if ((s = fw_check_tensor(qkv, "qkv", 2, FW_DT_IN)) || (s = fw_check_tensor(b, "b", 2, FW_DT_IN)) ||
         (s = fw_check_tensor(conv_weight, "conv_weight", 2, FW_DT_IN)) ||
-        (s = fw_check_tensor(a, "a", 2, FW_DT_IN)) || (s = fw_check_tensor(out, "out", 2, FW_DT_IN)) ||
-        (s = check_vec(a_log, "a_log", nv)) || (s = check_vec(dt_bias, "dt_bias", nv)))
+        (s = fw_check_tensor(a, "a", 2, FW_DT_IN)) || (s = fw_check_tensor(out, "out", 2, FW_DT_IN)))
+        return s;
+    /* a [T, n_v d_k]: KDA, a decay per key channel (d_k = 1 is GDN either way) */
+    const int kda = dk > 1 && a->shape[1] == nv * dk;
+    if ((s = check_vec(a_log, "a_log", nv, 0)) || (s = check_vec(dt_bias, "dt_bias", nv, kda ? nv * dk : 0)))
         return s;
     const int64_t T = qkv->shape[0], dim = 2 * nkq * dk + nv * dv;
     if (qkv->shape[1] != dim)
         return fw_fail(FW_ERR_SHAPE, "qkv has %lld columns; [q | k | v] needs 2 n_kq d_k + n_v d_v = %lld",
                        (long long)qkv->shape[1], (long long)dim);
-    if (b->shape[0] != T || b->shape[1] != nv || a->shape[0] != T || a->shape[1] != nv)
-        return fw_fail(FW_ERR_SHAPE, "b and a must be [T, n_v] = [%lld, %lld]", (long long)T, (long long)nv);
+    if (b->shape[0] != T || b->shape[1] != nv || a->shape[0] != T || (a->shape[1] != nv && !kda))
+        return fw_fail(FW_ERR_SHAPE, "b must be [T, n_v] = [%lld, %lld] and a [T, n_v] (or, for KDA, [T, n_v d_k] = "
+                       "[%lld, %lld])", (long long)T, (long long)nv, (long long)T, (long long)(nv * dk));
     if (out->shape[0] != T || out->shape[1] != nv * dv)
         return fw_fail(FW_ERR_SHAPE, "out must be [T, n_v d_v] = [%lld, %lld]", (long long)T, (long long)(nv * dv));
     if ((s = fw_check_no_alias(out, "out")))
@@ -218,9 +227,9 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
     cp.isa = params->isa;
     const size_t es = fw_dtype_size(qkv->dtype);
     void *cbuf = malloc((size_t)(fw_min64(used, LAYER_ROWS) * dim) * es + 1);
-    float *gates = malloc(sizeof(float) * (size_t)(2 * used * nv + 1));
-    if (!s && (!cbuf || !gates))
+    if (!s && !cbuf)
         s = fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's %lld x %lld conv rows", (long long)used, (long long)dim);
+    /* the core's parameters: the gates computed in its kernels from the raw a and b */
     fw_gdn_params gp;
     fw_gdn_params_init(&gp);
     gp.scale = params->scale;
@@ -229,38 +238,36 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
     gp.threads = params->threads;
     gp.isa = params->isa;
     gp.precision = params->precision;
+    gp.a_log = a_log;
+    gp.dt_bias = dt_bias;
+    gp.lower_bound = params->lower_bound;
+    gp.beta_sigmoid = !params->beta_activated;
     if (!s && (!isfinite(params->scale) || !(params->l2norm_eps >= 0.0f) || !isfinite(params->l2norm_eps) ||
-               (params->zero_tail != 0 && params->zero_tail != 1)))
-        s = fw_fail(FW_ERR_ARG, "scale %g, l2norm_eps %g, zero_tail %d: finite, >= 0, and 0 or 1",
-                    (double)params->scale, (double)params->l2norm_eps, (int)params->zero_tail);
+               (params->zero_tail != 0 && params->zero_tail != 1) ||
+               (params->beta_activated != 0 && params->beta_activated != 1) ||
+               !(params->lower_bound <= 0.0f) || !isfinite(params->lower_bound)))
+        s = fw_fail(FW_ERR_ARG, "scale %g, l2norm_eps %g, zero_tail %d, beta_activated %d, lower_bound %g: finite, "
+                    ">= 0, 0 or 1, 0 or 1, finite and <= 0", (double)params->scale, (double)params->l2norm_eps,
+                    (int)params->zero_tail, (int)params->beta_activated, (double)params->lower_bound);
     if (!s && (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16))
         s = fw_fail(FW_ERR_ARG, "precision is %d", (int)params->precision);
     if (!s && !fw_kernels_get(params->isa))
         s = FW_ERR_UNSUPPORTED;
-    /* the gates (they do not depend on the conv): finite, or refused before anything is written */
-    float *g = gates, *beta = gates + used * nv;
-    for (int64_t t = 0; t < used && !s; t++)
-        for (int64_t h = 0; h < nv && !s; h++) {
-            const double x = load1(a, t, h) + load1(dt_bias, h, 0);
-            const double sp = x > 20.0 ? x : log1p(exp(x));
-            g[t * nv + h] = (float)(-exp(load1(a_log, h, 0)) * sp);
-            beta[t * nv + h] = (float)(1.0 / (1.0 + exp(-load1(b, t, h))));
-            if (!isfinite(g[t * nv + h]) || !isfinite(beta[t * nv + h]))
-                s = fw_fail(FW_ERR_ARG, "row %lld, value head %lld: the gates are not finite (g %g, beta %g from "
-                            "a %g, b %g, a_log %g, dt_bias %g)", (long long)t, (long long)h, (double)g[t * nv + h],
-                            (double)beta[t * nv + h], load1(a, t, h), load1(b, t, h), load1(a_log, h, 0),
-                            load1(dt_bias, h, 0));
-        }
+    /* the gates of every row used (they do not depend on the conv): finite, or refused
+     * before anything is written */
+    if (!s) {
+        fw_tensor tg = kda ? rows_view(a, 0, used, 0, nv, dk) : rows2(a, 0, used), tb = rows2(b, 0, used);
+        s = fw_gdn_check_gates(&tg, &tb, nv, dk, &gp);
+    }
     if (s) {
         free(ridx);
         free(cbuf);
-        free(gates);
         return s;
     }
     /* windows of at most LAYER_ROWS rows: the conv writes a window's rows into cbuf and the
      * gated delta rule reads them there */
-    layer_ctx L = {qkv, conv_weight, conv_bias, out, qsl, ridx, wr, caches, cbuf, g, beta, &cp, &gp,
-                   nkq, nv, dk, dv, dim, slots};
+    layer_ctx L = {qkv, conv_weight, conv_bias, out, a, b, qsl, ridx, wr, caches, cbuf, &cp, &gp,
+                   nkq, nv, dk, dv, dim, slots, kda};
     for (int64_t d0 = 0; d0 < de && !s; d0 += LAYER_ROWS) /* decodes: whole sequences */
         s = layer_window(&L, d0, fw_min64(de, d0 + LAYER_ROWS), 0, -1, 1);
     for (int64_t i = de; i < me && !s;) {
@@ -285,6 +292,5 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
         }
     free(ridx);
     free(cbuf);
-    free(gates);
     return s;
 }

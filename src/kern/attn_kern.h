@@ -1286,6 +1286,50 @@ static void exp2_scale(int n, const float *x, const float *g1, const float *g0, 
     }
 }
 
+/* log(1 + z) for z in [0, 1] with only vector arithmetic: 1 + z = 2^e m, e = [z > sqrt2 - 1],
+ * m in [sqrt(1/2), sqrt2], t = (m - 1) / (m + 1) from z itself ((z - 1) / (z + 3) or z /
+ * (z + 2), so 1 + z is never rounded), log m = 2 atanh t to t^9 (|t| <= 0.172: the next term
+ * is below 4e-10). */
+FW_INLINE vf vlog1p_unit(vf z)
+{
+    const vm big = vlt(vset1(0.41421356f), z);
+    const vf t = vsel(big, vdiv(vsub(z, vset1(1.0f)), vadd(z, vset1(3.0f))), vdiv(z, vadd(z, vset1(2.0f))));
+    const vf s = vmul(t, t);
+    vf p = vfma(s, vset1(1.0f / 9.0f), vset1(1.0f / 7.0f));
+    p = vfma(p, s, vset1(1.0f / 5.0f));
+    p = vfma(p, s, vset1(1.0f / 3.0f));
+    p = vfma(p, s, vset1(1.0f));
+    return vadd(vmul(vadd(t, t), p), vsel(big, vset1(0.69314718f), vzero()));
+}
+
+/* KDA's gates of one row, in log2 units, from the raw a (n channels) and the value head's
+ * dt_bias row (NULL: 0), ea = exp(a_log), lb = lower_bound: y = a + dt_bias, then
+ * -ea softplus(y) (lb = 0; softplus(y) = max(y, 0) + log1p(e^-|y|), and y above 20) or
+ * lb sigmoid(ea y). Vectorised; within a few ulp of gate_g_at's libm form (gdn.h). */
+static void kda_gates(int n, const float *a, const float *bias, float ea, float lb, float *g2)
+{
+    const float l2e = 1.44269504088896341f; /* log2(e) */
+    const vf L2E = vset1(l2e), E = vset1(ea);
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        const vf y = bias ? vadd(vload(a + i), vload(bias + i)) : vload(a + i);
+        vf g;
+        if (lb < 0.0f) {
+            g = vdiv(vset1(lb), vadd(vset1(1.0f), vexp2(vmul(vmul(vset1(-1.0f), vmul(E, y)), L2E))));
+        } else {
+            const vf ay = vmax(y, vsub(vzero(), y));
+            const vf sp = vadd(vmax(y, vzero()), vlog1p_unit(vexp2(vmul(vsub(vzero(), ay), L2E))));
+            g = vmul(vsub(vzero(), E), vsel(vlt(vset1(20.0f), y), y, sp));
+        }
+        vstore(g2 + i, vmul(g, L2E));
+    }
+    for (; i < n; i++) {
+        const float y = a[i] + (bias ? bias[i] : 0.0f);
+        const float g = lb < 0.0f ? lb / (1.0f + expf(-ea * y)) : -ea * (y > 20.0f ? y : log1pf(expf(y)));
+        g2[i] = g * l2e;
+    }
+}
+
 /* KDA's pairs inside each block of FW_KDA_BLOCK rows of a chunk (products cover the pairs across
  * blocks). For j <= i in one block, KE = K_j o E_{j+1} o ... o E_i, with E_s the step decays
  * 2^(g_s) [L][dk]: K_j decayed to row i by products, with no exponent of a difference at all.
@@ -1568,5 +1612,6 @@ const fw_kernels FW_TABLE = {
     .gdn_step4 = gdn_step4,
     .exp2_scale = exp2_scale,
     .kda_diag = kda_diag,
+    .kda_gates = kda_gates,
     .conv1d_row = conv1d_row,
 };
