@@ -156,7 +156,7 @@ static void prefetch_row(const fw_tensor *x, int64_t t, int64_t j, int64_t n, in
 }
 
 /* Part `part` of `parts` of the next chunk's rows (nxt tokens from t0 + 64): q and k of head
- * h, v and out of its value heads, a part before each panel's products. */
+ * h, v and out (and KDA's g) of its value heads, a part before each panel's products. */
 static void prefetch_next(const gdn_ctx *c, int64_t h, int64_t t0, int nxt, int part, int parts)
 {
     const gdn_prob *p = c->p;
@@ -167,6 +167,8 @@ static void prefetch_next(const gdn_ctx *c, int64_t h, int64_t t0, int nxt, int 
         for (int64_t e = 0; e < p->r; e++) {
             prefetch_row(p->v, t, h * p->r + e, p->dv, 0);
             prefetch_row(p->out, t, h * p->r + e, p->dv, 1);
+            if (p->kda) /* KDA's decay rows, as far apart as v's */
+                prefetch_row(p->g, t, h * p->r + e, p->dk, 0);
         }
     }
 }
