@@ -3,7 +3,10 @@
 Dense causal prefill and decode: PyTorch CPU SDPA (f32, bf16), JAX
 jax.nn.dot_product_attention (XLA CPU; f32, bf16), ggml flash_attn_ext (ggml-python; K/V f16,
 as llama.cpp's default cache). Gated DeltaNet prefill and decode: ggml gated_delta_net and
-fla's torch reference (naive_chunk_gated_delta_rule / naive_recurrent_gated_delta_rule).
+fla's torch reference (naive_chunk_gated_delta_rule / naive_recurrent_gated_delta_rule). KDA
+(a decay per key channel, Kimi Linear's shapes) prefill and decode: ggml gated_delta_net with
+per-channel gates (g [dk, HV, T, n]) and fla's torch reference (naive_chunk_kda /
+naive_recurrent_kda).
 flywheel-tpu (the original FlyWheel, JAX Pallas) runs in interpret mode on small shapes as a
 correctness oracle for the softmax kernels; it is not timed.
 
@@ -14,9 +17,13 @@ against flywheel's f32 result.
 
 FLOP formulas: attention 2 (d + dv) per visible (query, key) pair and query head;
 Gated DeltaNet 2 (3 dk dv + 64 (3 dk + 2 dv) + 63 * 62 / 6) per token and value head
-(the chunked pass's products as dense tiles, chunk 64). Decode: GB/s of K/V (attention) or of state read and written (GDN).
+(the chunked pass's products as dense tiles, chunk 64), and the same for KDA (its exponentials
+and decay products not counted). Decode: GB/s of K/V (attention) or of state read and written
+(GDN, KDA).
 
 Usage: python python/compare.py [--out docs/compare] [--threads N] [--reps R] [--quick]
+                                [--only attn-prefill,attn-decode,gdn-prefill,gdn-decode,
+                                        kda-prefill,kda-decode,oracle]
 """
 
 import argparse
@@ -37,6 +44,7 @@ from flywheel import _lib
 
 HQ, HKV, D = 32, 8, 128                 # make run's attention shape (Llama-3-8B-like GQA)
 GH, GHV, GD = 16, 32, 128               # make run's GDN shape (Qwen3-Next)
+KH, KHV, KD = 32, 32, 128               # KDA's (Kimi Linear)
 
 
 def log(*a):
@@ -80,6 +88,7 @@ class Peers:
                               lambda m: m.config.update("jax_platforms", "cpu"))
         self.ggml = self._load("ggml", "ggml (ggml-python)")
         self.fla = self._load("fla.ops.gated_delta_rule.naive", "fla")
+        self.fla_kda = self._load("fla.ops.kda.naive", "fla (KDA)")
         self.fwtpu = self._load("flywheel_tpu", "flywheel-tpu")
         if self.fwtpu is None and sys.version_info < (3, 12):
             self.missing["flywheel-tpu"] = ("not installed here: it needs Python >= 3.12 and "
@@ -160,10 +169,13 @@ def ggml_attention(ggml, q, k, v, causal, threads):
 def ggml_gdn(ggml, q, k, v, g, beta, state, threads):
     """ggml_gated_delta_net over n_seqs sequences of n_tokens: q, k [n, t, HV, dk] (already
     l2-normalised and expanded to the value heads, since ggml maps heads by modulo),
-    v [n, t, HV, dv], g/beta [n, t, HV], state [n, HV, dk, dv] (fla layout; ggml holds each
-    head's state transposed). ggml scales q by 1/sqrt(dv) itself."""
+    v [n, t, HV, dv], g [n, t, HV] (or KDA's [n, t, HV, dk]: ggml takes a gate per key channel
+    from g's shape), beta [n, t, HV], state [n, HV, dk, dv] (fla layout; ggml holds each
+    head's state transposed). ggml scales q by 1/sqrt(dv) itself. Its last argument (1) is the
+    number of states the op keeps."""
     n, t, hv, dk = q.shape
     dv = v.shape[-1]
+    gk = g.shape[3] if g.ndim == 4 else 1
     st = np.ascontiguousarray(state.transpose(0, 1, 3, 2))
     mem = q.nbytes * 2 + v.nbytes * 2 + st.nbytes * 2 + g.nbytes * 2
     gg = GgmlGraph(ggml, mem + (64 << 20))
@@ -171,7 +183,7 @@ def ggml_gdn(ggml, q, k, v, g, beta, state, threads):
     tq = gg.tensor(f32, [dk, hv, t, n], np.ascontiguousarray(q))
     tk = gg.tensor(f32, [dk, hv, t, n], np.ascontiguousarray(k))
     tv = gg.tensor(f32, [dv, hv, t, n], np.ascontiguousarray(v))
-    tg = gg.tensor(f32, [1, hv, t, n], np.ascontiguousarray(g))
+    tg = gg.tensor(f32, [gk, hv, t, n], np.ascontiguousarray(g))
     tb = gg.tensor(f32, [1, hv, t, n], np.ascontiguousarray(beta))
     ts = gg.tensor(f32, [dv, dv, hv, n], st)
     out = ggml.ggml_gated_delta_net(gg.ctx, tq, tk, tv, tg, tb, ts, 1)
@@ -370,6 +382,100 @@ def bench_gdn_decode(P, rows, n, reps):
                  lambda: box["o"][:, 0].numpy(), ref, reps, moved, "GB/s state")
 
 
+def kda_inputs(rng, n, T):
+    q, k = (bf16_values(rng, (n, T, KH, KD)) for _ in range(2))
+    q /= np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)  # pre-normalised: ggml has no l2norm
+    k /= np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    v = bf16_values(rng, (n, T, KHV, KD))
+    g = (-np.abs(rng.standard_normal((n, T, KHV, KD))) * 0.1).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((n, T, KHV))))).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def kda_flop(T):
+    C = 64
+    return 2.0 * (3 * KD * KD + C * (3 * KD + 2 * KD) + (C - 1) * (C - 2) / 6.0) * T * KHV
+
+
+def bench_kda_prefill(P, rows, T, reps):
+    rng = np.random.default_rng(T + 4)
+    q, k, v, g, beta = kda_inputs(rng, 1, T)
+    op, size = "KDA prefill", f"T={T}"
+    ref = flywheel.chunk_kda(q, k, v, g, beta)[0][0].astype(np.float64)
+    flop = kda_flop(T)
+    torch = P.torch
+    for dt in ("float32", "bfloat16"):
+        a = [torch.from_numpy(x).to(getattr(torch, dt)) for x in (q, k, v)]
+        gb = [torch.from_numpy(g), torch.from_numpy(beta)]
+        box = {}
+
+        def ours(a=a, gb=gb, box=box):
+            box["o"] = flywheel.chunk_kda(*a, *gb)[0]
+        run_peer(rows, op, "flywheel chunk (f32 products)", dt, size, ours,
+                 lambda box=box: box["o"][0].float().numpy(), ref, reps, flop, "GFLOP/s")
+    box = {}
+
+    def fused():
+        box["o"] = flywheel.fused_recurrent_kda(q, k, v, g, beta)[0]
+    run_peer(rows, op, "flywheel fused recurrent", "float32", size, fused,
+             lambda: box["o"][0], ref, max(1, reps // 2), flop, "GFLOP/s")
+    if P.ggml is not None:
+        try:
+            run, res, gg = ggml_gdn(P.ggml, q, k, v, g, beta,
+                                    np.zeros((1, KHV, KD, KD), np.float32), P.threads)
+            run_peer(rows, op, "ggml gated_delta_net (gate per channel)", "float32", size, run,
+                     lambda: res()[0], ref, max(1, reps // 2), flop, "GFLOP/s")
+            gg.free()
+        except Exception as e:
+            rows.append(Row(op, "ggml gated_delta_net (gate per channel)", "float32", size,
+                            note=f"failed: {e}"))
+    if P.fla_kda is not None:
+        a = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
+        box = {}
+
+        def fla():
+            box["o"] = P.fla_kda.naive_chunk_kda(*a)[0]
+        run_peer(rows, op, "fla naive_chunk_kda (torch)", "float32", size, fla,
+                 lambda: box["o"][0].numpy(), ref, 1, flop, "GFLOP/s")
+
+
+def bench_kda_decode(P, rows, n, reps):
+    rng = np.random.default_rng(n + 5)
+    q, k, v, g, beta = kda_inputs(rng, n, 1)
+    state0 = (rng.standard_normal((n, KHV, KD, KD)) * 0.05).astype(np.float32)
+    op, size = "KDA decode", f"{n} seqs"
+    moved = 2.0 * n * KHV * KD * KD * 4
+    st = state0.copy()
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    ref = flywheel.gated_delta_rule_decode(*args, st).astype(np.float64)
+    box = {}
+
+    def ours():  # the state advances each call, as in serving; the diff uses the first call
+        box["o"] = flywheel.gated_delta_rule_decode(*args, st)
+    run_peer(rows, op, "flywheel", "float32", size, ours, lambda: ref, ref, reps, moved,
+             "GB/s state")
+    if P.ggml is not None:
+        try:
+            run, res, gg = ggml_gdn(P.ggml, q, k, v, g, beta, state0, P.threads)
+            run_peer(rows, op, "ggml gated_delta_net (gate per channel)", "float32", size, run,
+                     lambda: res()[:, 0], ref, reps, moved, "GB/s state")
+            gg.free()
+        except Exception as e:
+            rows.append(Row(op, "ggml gated_delta_net (gate per channel)", "float32", size,
+                            note=f"failed: {e}"))
+    torch = P.torch
+    if P.fla_kda is not None:
+        a = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
+        h0 = torch.from_numpy(state0)
+        box = {}
+
+        def fla():
+            box["o"] = P.fla_kda.naive_recurrent_kda(*a, initial_state=h0,
+                                                     output_final_state=True)[0]
+        run_peer(rows, op, "fla naive_recurrent_kda (torch)", "float32", size, fla,
+                 lambda: box["o"][:, 0].numpy(), ref, reps, moved, "GB/s state")
+
+
 def oracle(P, rows):
     """flywheel-tpu's Pallas kernels in interpret mode against flywheel on small shapes."""
     if P.fwtpu is None:
@@ -423,8 +529,10 @@ def oracle(P, rows):
 
 def row_peak(r, peaks):
     """The peak a row is measured against: bf16 rows (bf16 products, for flywheel) the bf16
-    dot-product peak, every other row the FMA peak; both measured in the same run."""
-    return peaks["bf16"] if r.dtype == "bfloat16" else peaks["f32"]
+    dot-product peak, every other row (and flywheel's KDA, on f32 products whatever the
+    input dtype) the FMA peak; both measured in the same run."""
+    bf16 = r.dtype == "bfloat16" and "f32 products" not in r.system
+    return peaks["bf16"] if bf16 else peaks["f32"]
 
 
 def fmt_table(rows, peaks):
@@ -443,7 +551,7 @@ def fmt_table(rows, peaks):
             thr = f"{r.value / 1e9:.1f} {r.unit}"
             if r.unit == "GFLOP/s":
                 pk = row_peak(r, peaks)
-                kind = "bf16" if r.dtype == "bfloat16" else "FMA"
+                kind = "bf16" if pk == peaks["bf16"] else "FMA"
                 thr += f" ({100 * r.value / 1e9 / pk:.0f}% of {kind} peak)"
         ratio = "-"
         if r.seconds and best.get((r.op, r.size)):
@@ -461,7 +569,8 @@ def plot(rows, outdir, peaks):
     files = []
     for op, xlabel, fname in (("attn prefill", "sequence length T (causal)", "attn_prefill.png"),
                               ("attn decode", "context length", "attn_decode.png"),
-                              ("GDN prefill", "sequence length T", "gdn_prefill.png")):
+                              ("GDN prefill", "sequence length T", "gdn_prefill.png"),
+                              ("KDA prefill", "sequence length T", "kda_prefill.png")):
         sel = [r for r in rows if r.op == op and r.value]
         if not sel:
             continue
@@ -509,7 +618,15 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small sweep (a smoke test)")
+    sections = ["attn-prefill", "attn-decode", "gdn-prefill", "gdn-decode", "kda-prefill",
+                "kda-decode", "oracle"]
+    ap.add_argument("--only", default=",".join(sections),
+                    help="comma-separated sections (default: all): " + ", ".join(sections))
     args = ap.parse_args()
+    only = args.only.split(",")
+    for name in only:
+        if name not in sections:
+            ap.error(f"--only: unknown section {name!r}; the sections are {', '.join(sections)}")
     P_THREADS[0] = args.threads
     flywheel.set_num_threads(args.threads)
     P = Peers(args.threads)
@@ -526,16 +643,21 @@ def main():
     gdn_T = [256, 512] if args.quick else [512, 1024, 2048, 4096]
     gdn_n = [4] if args.quick else [1, 64]
     decode_reps = max(args.reps, 5)
-    for label, sizes, bench, reps in (("attention prefill T=", prefill_T, bench_prefill, args.reps),
-                                      ("attention decode ctx=", decode_L, bench_decode, decode_reps),
-                                      ("GDN prefill T=", gdn_T, bench_gdn_prefill, args.reps),
-                                      ("GDN decode, sequences: ", gdn_n, bench_gdn_decode,
-                                       decode_reps)):
+    for name, label, sizes, bench, reps in (
+            ("attn-prefill", "attention prefill T=", prefill_T, bench_prefill, args.reps),
+            ("attn-decode", "attention decode ctx=", decode_L, bench_decode, decode_reps),
+            ("gdn-prefill", "GDN prefill T=", gdn_T, bench_gdn_prefill, args.reps),
+            ("gdn-decode", "GDN decode, sequences: ", gdn_n, bench_gdn_decode, decode_reps),
+            ("kda-prefill", "KDA prefill T=", gdn_T, bench_kda_prefill, args.reps),
+            ("kda-decode", "KDA decode, sequences: ", gdn_n, bench_kda_decode, decode_reps)):
+        if name not in only:
+            continue
         for x in sizes:
             log(f"{label}{x}")
             bench(P, rows, x, reps)
-    log("flywheel-tpu oracle")
-    oracle(P, rows)
+    if "oracle" in only:
+        log("flywheel-tpu oracle")
+        oracle(P, rows)
     for name, why in P.missing.items():
         if name != "flywheel-tpu":
             rows.append(Row("-", name, "-", "-", note=why))
@@ -561,7 +683,7 @@ def main():
               f"{args.reps} runs (decode: {decode_reps}).\n\n"
               f"Shapes: attention hq={HQ}, hkv={HKV}, d={D}, batch 1 (prefill causal; decode one "
               f"query token against a cache of `ctx` tokens); GDN H={GH}, HV={GHV}, "
-              f"dk=dv={GD}. Inputs are the same values for everyone (bf16-representable). "
+              f"dk=dv={GD}; KDA H=HV={KHV}, dk=dv={KD}. Inputs are the same values for everyone (bf16-representable). "
               f"`vs flywheel` is flywheel's fastest time for that op and size (any dtype) over the "
               f"row's time: below 1, the row is slower.\n\n")
     body = header + table + "\n\n" + "".join(f"![{p}]({p})\n" for p in plots)
