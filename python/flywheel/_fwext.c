@@ -686,6 +686,11 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
     arr *gb[2] = {&g, &beta};
     for (int i = 0; i < 2; i++) {
         fw_tensor *t = &gb[i]->t;
+        /* KDA's g [N, HV, K]: a decay per key channel, passed as it is ([N, 1, 1] with HV =
+         * K = 1 is the same either way) */
+        if (i == 0 && t->ndim == 3 && t->shape[0] == N && t->shape[1] == HV && t->shape[2] == K &&
+            g.dtype == FW_F32 && !(HV == 1 && K == 1))
+            continue;
         if (gb[i]->dtype != FW_F32 || t->ndim < 2 || t->ndim > 3 || t->shape[0] != N ||
             t->shape[t->ndim - 1] != HV || (t->ndim == 3 && t->shape[1] != 1))
             TRY(DECLINE);

@@ -328,7 +328,6 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     """
     if (_lib.fast is not None and isa is None and l2norm_eps is None and read_state_indices is None
             and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel and lower_bound is None):
-        # (the compiled path takes GDN's g [N, HV] only: it declines KDA's [N, HV, K])
         r = _lib.fast.gdn_decode(q, k, v, g, beta, state, state_indices, scale,
                                  use_qk_l2norm_in_kernel, _lib.settings.threads, out)
         if r is not NotImplemented:

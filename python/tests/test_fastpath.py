@@ -177,14 +177,14 @@ def test_kvcache_same_bits(family, dtype, paged, append):
                       taken=_exportable(family, dtype))
 
 
-def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16"):
+def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16", kda=False):
     rng = np.random.default_rng(5)
     N, H, HV, K, V, slots = 3, 2, 4, 16, 24, 5
     lead = (N, 1) if squeeze else (N,)
     q, _ = make(rng, lead + (H, K), dtype, family)
     k, _ = make(rng, lead + (H, K), dtype, family)
     v, _ = make(rng, lead + (HV, V), dtype, family)
-    g = -np.abs(rng.standard_normal(lead + (HV,))).astype(np.float32)
+    g = -np.abs(rng.standard_normal(lead + ((HV, K) if kda else (HV,)))).astype(np.float32)
     beta = rng.uniform(0, 1, lead + (HV,)).astype(np.float32)
     state = rng.standard_normal((slots, HV, K, V)).astype(np.float32)
     idx = np.array([4, 0, 2], np.int32) if with_idx else None
@@ -210,6 +210,9 @@ def test_gdn_decode_same_bits(family, squeeze, with_idx):
                   taken=True)
             check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm),
                   taken=_exportable(family, "bfloat16"))
+            # KDA's g [N, HV, K]; [N, 1, HV, K] goes the ctypes way
+            check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm, "float16", True),
+                  taken=not squeeze)
 
 
 def _readonly(x):
