@@ -4,6 +4,7 @@
  * The problem: packed batches (sequences past a 64-token chunk now and then), any HV/H ratio,
  * head dims, dtypes and layouts (fuzz_util.h), decays from gentle to -50 per token, with or
  * without the in-kernel l2 norm, initial and final states (absent, separate or one buffer),
+ * KDA's per-channel decays (g [T, HV, dk]) a third of the time,
  * and broken on purpose now and then: a positive, NaN or -inf decay, a NaN beta, a slot out of
  * range or used twice, a verify window over 64 tokens, a replay buffer one float short, an
  * accepted count out of range, offsets that do not add up.
@@ -27,12 +28,13 @@ typedef struct {
     int vq, vk, vv;
 } gdn_inputs;
 
-/* q, k [T, H, dk], v [T, HV, dv], g and beta [T, HV] f32, out [T, HV, dv]; g and beta drawn
- * here (g <= 0 with a per-call scale of decay, beta in [0, 1]). Returns 1 if broken. */
+/* q, k [T, H, dk], v [T, HV, dv], g [T, HV] (KDA: [T, HV, dk]) and beta [T, HV] f32, out
+ * [T, HV, dv]; g and beta drawn here (g <= 0 with a per-call scale of decay, beta in [0, 1]).
+ * Returns 1 if broken. */
 static int draw_inputs(fz_in *in, gdn_inputs *x, fw_dtype dt, fw_dtype odt, int64_t T, int64_t H,
-                       int64_t HV, int64_t dk, int64_t dv, int l2)
+                       int64_t HV, int64_t dk, int64_t dv, int l2, int kda)
 {
-    int64_t qs[3] = {T, H, dk}, vs[3] = {T, HV, dv}, gs[2] = {T, HV};
+    int64_t qs[3] = {T, H, dk}, vs[3] = {T, HV, dv}, gs[3] = {T, HV, dk};
     x->vq = fz_vclass(in);
     x->vk = fz_vclass(in);
     x->vv = fz_vclass(in);
@@ -41,21 +43,30 @@ static int draw_inputs(fz_in *in, gdn_inputs *x, fw_dtype dt, fw_dtype odt, int6
     /* without the norm, keys of length about 1 keep the recurrence contractive */
     fz_tensor_new(in, &x->k, dt, 3, qs, 0, FZ_ALL, x->vk, l2 ? 1 + fz_range(in, 0, 2) : 1 / sqrt((double)dk));
     fz_tensor_new(in, &x->v, dt, 3, vs, 0, FZ_ALL, x->vv, 1 + fz_range(in, 0, 2));
-    fz_tensor_new(in, &x->g, FW_F32, 2, gs, 0, FZ_ALL, FZ_MODERATE, 1);
+    fz_tensor_new(in, &x->g, FW_F32, kda ? 3 : 2, gs, 0, FZ_ALL, FZ_MODERATE, 1);
+    /* a wrong rank can make g the other valid form: GDN's [T, HV] from KDA's [T, HV, dk], or
+     * KDA's [T, HV, 1] from GDN's when dk = 1 */
+    const fw_tensor *gt = &x->g.t;
+    if (x->g.bad && gt->ndim != (kda ? 3 : 2) && gt->shape[0] == T && gt->shape[1] == HV &&
+        (gt->ndim == 2 || (gt->ndim == 3 && gt->shape[2] == dk)))
+        x->g.bad = 0;
     fz_tensor_new(in, &x->beta, FW_F32, 2, gs, 0, FZ_ALL, FZ_MODERATE, 1);
     fz_tensor_new(in, &x->o, odt, 3, vs, 1, FZ_ALL, 0, 0);
     int bad = x->q.bad | x->k.bad | x->v.bad | x->g.bad | x->beta.bad | x->o.bad;
     static const double decay[4] = {0.01, 0.5, 5, 50};
     const double gmax = decay[fz_range(in, 0, 3)];
-    int64_t idx[2] = {0, 0};
+    int64_t idx[3] = {0, 0, 0};
     if (fz_numel(&x->g.t) && x->g.t.data && x->beta.t.data && !x->g.bad && !x->beta.bad) {
-        do {
+        do
             tset(&x->g.t, idx, -gmax * rng_uniform());
+        while (tnext(&x->g.t, idx));
+        do
             tset(&x->beta.t, idx, rng_uniform());
-        } while (tnext(&x->g.t, idx));
+        while (tnext(&x->beta.t, idx));
         if (fz_chance(in, 8)) { /* a decay > 0, NaN or -inf, or a NaN beta */
             idx[0] = fz_range(in, 0, T - 1);
             idx[1] = fz_range(in, 0, HV - 1);
+            idx[2] = fz_range(in, 0, dk - 1);
             static const double badv[4] = {0.5, NAN, -INFINITY, NAN};
             int w = (int)fz_range(in, 0, 3);
             tset(w == 3 ? &x->beta.t : &x->g.t, idx, badv[w]);
@@ -176,9 +187,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         dk = dv = 1 + dk % 8; /* keeps an execution under a few milliseconds */
     const int64_t nstate = n * HV * dk * dv, slot_floats = HV * dk * dv;
     gdn_inputs x;
-    bad |= draw_inputs(&in, &x, dt, odt, T, H, HV, dk, dv, p.l2norm_qk);
+    bad |= draw_inputs(&in, &x, dt, odt, T, H, HV, dk, dv, p.l2norm_qk, fz_chance(&in, 3));
+    const int kda = x.g.t.ndim == 3; /* after draw_inputs: a wrong rank may switch the form */
+    /* KDA runs f32 products whatever the precision */
     const int bf16 = !(p.flags & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)) &&
-                     fw_attn_bf16_products(dt, p.precision) && op != 4;
+                     fw_attn_bf16_products(dt, p.precision) && op != 4 && !kda;
     const int values = x.vq != FZ_HUGE && x.vk != FZ_HUGE && x.vv != FZ_HUGE;
     /* README, "NaN and inf": a NaN or inf in k or v reaches every later output of its value
      * heads (from its chunk's start on the chunked pass); inf arithmetic may end as inf or NaN */
@@ -186,8 +199,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        (x.vq == FZ_SPECIAL || x.vk == FZ_SPECIAL || x.vv == FZ_SPECIAL ? FZ_ANY_NONFINITE : 0);
 
     fz_desc[0] = 0;
-    fz_describe("gdn %s N %lld T %lld H %lld HV %lld dk %lld dv %lld l2 %d threads %d isa %s flags %u "
-                "precision %d scale %g", op < 4 ? "prefill" : op == 4 ? "decode" : "verify+commit",
+    fz_describe("%s %s N %lld T %lld H %lld HV %lld dk %lld dv %lld l2 %d threads %d isa %s flags %u "
+                "precision %d scale %g", kda ? "kda" : "gdn", op < 4 ? "prefill" : op == 4 ? "decode" : "verify+commit",
                 (long long)n, (long long)T, (long long)H, (long long)HV, (long long)dk, (long long)dv,
                 (int)p.l2norm_qk, (int)p.threads, p.isa ? p.isa : "default", (unsigned)p.flags,
                 (int)p.precision, (double)p.scale);
@@ -283,10 +296,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 free(mine);
             }
         } else {
-            size_t need = fw_gdn_replay_floats(T, H, HV, dk, dv);
+            size_t need = (kda ? fw_kda_replay_floats : fw_gdn_replay_floats)(T, H, HV, dk, dv);
             int short_replay = fz_chance(&in, 8) && need > 0;
             size_t have = need - (size_t)short_replay;
-            bad |= short_replay && T > 0;
+            bad |= short_replay; /* one float short even at T = 0: the layout's tag */
             float *replay = malloc(have * 4 + 4);
             fw_status st = fw_gdn_verify(&x.q.t, &x.k.t, &x.v.t, &x.g.t, &x.beta.t, cu, n, state, slots, idx,
                                          replay, have, &x.o.t, &p);

@@ -35,9 +35,10 @@ typedef struct {
     /* bf16 products only (32-bit words, pair layout): K^ and Q^ rows, K^ transposed, the
      * gated QK, T rows, RHS panels, W rows, h and Delta of one panel, decayed keys, Q^ h */
     size_t kw, qw, ktw, gw, tw, rhsw, ww, hw, dw, kpw, xo;
-    /* KDA only: cumulative log2 decays G and step decays E per channel, the block-relative
-     * Q^ and K^, 2^G K^, decayed key rows of one block product, its two results, 2^G_last */
-    size_t gcs, gst, qb, kb, k2, kr, sq, sk, dl, total;
+    /* KDA only: cumulative log2 decays G per channel (doubles) and step decays E, the
+     * block-relative Q^ and K^, 2^G K^, decayed key rows of one block product, its two
+     * results, 2^G_last, one row of exponents */
+    size_t gcs, gst, qb, kb, k2, kr, sq, sk, dl, gx, total;
 } gdn_ws;
 
 /* The per-thread layout in floats; the bf16 panels sized by the table (panel_bytes). */
@@ -79,7 +80,7 @@ static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt)
     TAKE(kpw, PANEL(C, dk));
     TAKE(xo, b * C * P);
     const size_t kda = p->kda ? 1 : 0;
-    TAKE(gcs, kda * C * dk);
+    TAKE(gcs, kda * 2 * C * dk);
     TAKE(gst, kda * C * dk);
     TAKE(qb, kda * C * dk);
     TAKE(kb, kda * C * dk);
@@ -88,6 +89,7 @@ static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt)
     TAKE(sq, kda * FW_KDA_BLOCK * C);
     TAKE(sk, kda * FW_KDA_BLOCK * C);
     TAKE(dl, kda * dk);
+    TAKE(gx, kda * dk);
 #undef PANEL
 #undef TAKE
     w.total = o;
@@ -273,7 +275,16 @@ static void chunk_delta(const gdn_ctx *c, float *D, const float *U, const float 
  * Pairs across blocks of 16 rows are products of 2^(G_i - G_b) o Q^_i (b the first row of
  * i's block) with 2^(G_b - G_j) o K^_j: both exponents <= 0 (G does not increase), so nothing
  * overflows, and a factor that underflows stands for a product below it. Pairs inside a
- * block come from kda_diag. */
+ * block come from kda_diag. G is summed in double and each exponent is a difference taken
+ * in double, then rounded: with strong decays |G| reaches thousands within a chunk, where a
+ * float's ulp (5e-4 at 4096) would be the error of every small difference, 3e-4 relative in
+ * its exponential. */
+static void kda_exponent(int dk, const double *g1, const double *g0, float *dst)
+{
+    for (int x = 0; x < dk; x++)
+        dst[x] = (float)(g1[x] - (g0 ? g0[x] : 0.0));
+}
+
 static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, int L, float *Am, float *Ao)
 {
     const gdn_prob *p = c->p;
@@ -281,41 +292,46 @@ static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, 
     const gdn_ws *w = &c->w;
     const int dk = (int)p->dk, lda = dk + GDN_C;
     const float *K = W + w->kc, *Q = W + w->qc;
-    float *G = W + w->gcs, *E = W + w->gst, *Qb = W + w->qb, *Kb = W + w->kb, *K2 = W + w->k2;
+    double *G = (double *)(W + w->gcs);
+    float *E = W + w->gst, *Qb = W + w->qb, *Kb = W + w->kb, *K2 = W + w->k2, *X = W + w->gx;
     float *Kr = W + w->kr, *Sq = W + w->sq, *Sk = W + w->sk, *Kpp = W + w->kpp, *gam = W + w->gam;
     float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
     for (int i = 0; i < L; i++) {
-        float *e = E + (size_t)i * dk, *gi = G + (size_t)i * dk;
+        float *e = E + (size_t)i * dk;
+        double *gi = G + (size_t)i * dk;
         kda_log2_decays(kt, p, t0 + i, vh, e, Sq);
         for (int x = 0; x < dk; x++)
-            gi[x] = (i ? gi[x - dk] : 0.0f) + e[x];
+            gi[x] = (i ? gi[x - dk] : 0.0) + e[x];
         bet[i] = gate_beta(p, t0 + i, vh);
         ex[i] = exl[i] = 1.0f;
+        if (c->replay)
+            kda_exponent(dk, gi, NULL, c->rp.gam + ((size_t)(t0 + i) * p->HV + vh) * dk);
     }
     for (int i = 0; i < GDN_C; i++)
         gam[i] = 0.0f;
-    if (c->replay)
-        for (int i = 0; i < L; i++)
-            memcpy(c->rp.gam + ((size_t)(t0 + i) * p->HV + vh) * dk, G + (size_t)i * dk, sizeof(float) * (size_t)dk);
     kt->exp2_inplace(E, (int64_t)L * dk);
-    const float *Gl = G + (size_t)(L - 1) * dk;
+    const double *Gl = G + (size_t)(L - 1) * dk;
     for (int i = 0; i < L; i++) {
         const size_t r = (size_t)i * dk;
-        const float *gb = G + (size_t)(i / FW_KDA_BLOCK * FW_KDA_BLOCK) * dk;
-        kt->exp2_scale(dk, Q + r, G + r, gb, Qb + r);
-        kt->exp2_scale(dk, K + r, G + r, gb, Kb + r);
-        kt->exp2_scale(dk, Q + r, G + r, NULL, Ao + (size_t)i * lda);
-        kt->exp2_scale(dk, K + r, G + r, NULL, K2 + r);
-        kt->exp2_scale(dk, K + r, Gl, G + r, Kpp + r);
+        kda_exponent(dk, G + r, G + (size_t)(i / FW_KDA_BLOCK * FW_KDA_BLOCK) * dk, X);
+        kt->exp2_scale(dk, Q + r, X, NULL, Qb + r);
+        kt->exp2_scale(dk, K + r, X, NULL, Kb + r);
+        kda_exponent(dk, G + r, NULL, X);
+        kt->exp2_scale(dk, Q + r, X, NULL, Ao + (size_t)i * lda);
+        kt->exp2_scale(dk, K + r, X, NULL, K2 + r);
+        kda_exponent(dk, Gl, G + r, X);
+        kt->exp2_scale(dk, K + r, X, NULL, Kpp + r);
         memset(Am + (size_t)i * GDN_C, 0, GDN_C * sizeof(float));
         memset(Ao + (size_t)i * lda + dk, 0, GDN_C * sizeof(float));
     }
-    kt->exp2_scale(dk, NULL, Gl, NULL, W + w->dl);
+    kda_exponent(dk, Gl, NULL, X);
+    kt->exp2_scale(dk, NULL, X, NULL, W + w->dl);
     for (int b = FW_KDA_BLOCK; b < L; b += FW_KDA_BLOCK) {
         const int R = L - b < FW_KDA_BLOCK ? L - b : FW_KDA_BLOCK;
         const void *rows[GDN_C];
         for (int j = 0; j < b; j++) {
-            kt->exp2_scale(dk, K + (size_t)j * dk, G + (size_t)b * dk, G + (size_t)j * dk, Kr + (size_t)j * dk);
+            kda_exponent(dk, G + (size_t)b * dk, G + (size_t)j * dk, X);
+            kt->exp2_scale(dk, K + (size_t)j * dk, X, NULL, Kr + (size_t)j * dk);
             rows[j] = Kr + (size_t)j * dk;
         }
         kt->dec_qk_rows(R, b, dk, Qb + (size_t)b * dk, rows, FW_F32, Sq);
