@@ -401,11 +401,20 @@ FW_API fw_status fw_gdn_decode_pool(const fw_tensor *q, const fw_tensor *k, cons
  * state_indices[i] the slot its states go to and read_state_indices[i] (NULL: the same) the
  * slot it starts from (they differ under prefix caching). Sequences [0, decode_end) are
  * decodes of one token, [decode_end, mixed_end) prefills and chunked prefills, and those from
- * mixed_end on are skipped. */
+ * mixed_end on are skipped.
+ * Speculative windows (flywheel-tpu's, num_spec_tokens > 0): sequences [0, decode_end) are
+ * then verify windows of 1 .. num_spec_tokens + 1 tokens. Window i starts from slot
+ * read_state_indices[i] + read_offsets[i] (read_offsets NULL: + 0) and writes, after each of
+ * its tokens t, a checkpoint of both states to slot state_indices[i] + t (a group of
+ * consecutive slots per sequence; the engine keeps the checkpoint of the last accepted
+ * token). gated_delta_rule_verify / _commit do the same by replaying kept deltas instead
+ * (README, "GDN serving layer": which to choose). */
 typedef struct fw_gdn_batch {
     int64_t n_seqs;
     const int32_t *query_start_loc, *seq_lens, *state_indices, *read_state_indices;
     int32_t decode_end, prefill_end, mixed_end;
+    int32_t num_spec_tokens;
+    const int32_t *read_offsets;
 } fw_gdn_batch;
 
 /* The two slot caches of a GDN layer, slots = conv.shape[0]: conv [slots, K-1, dim] (f32 |

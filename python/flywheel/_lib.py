@@ -201,6 +201,8 @@ class GdnBatch(ctypes.Structure):
         ("decode_end", ctypes.c_int32),
         ("prefill_end", ctypes.c_int32),
         ("mixed_end", ctypes.c_int32),
+        ("num_spec_tokens", ctypes.c_int32),
+        ("read_offsets", ctypes.c_void_p),
     ]
 
 

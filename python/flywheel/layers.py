@@ -40,11 +40,15 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
     g = -exp(a_log) softplus(a + dt_bias). Returns ((conv_state, recurrent_state), out), out
     [T, n_v d_v] in qkv's dtype, rows past the last sequence zeroed with zero_initialize_out.
 
+    Speculative windows (num_spec_tokens > 0): the first decode_end sequences are verify
+    windows of 1 .. num_spec_tokens + 1 tokens; window i starts from slot
+    read_state_indices[i] + read_offsets[i] and writes the conv and recurrent checkpoint after
+    each of its tokens t to slot state_indices[i] + t, as the original does
+    (gated_delta_rule_verify / _commit do it by replay instead: README).
+
     decode_tile_size, mixed_tile_size and compute_chunk_size are the original's TPU tiling
     and are accepted and ignored; compute_precision too (the original's dots round to bf16
     whatever it says): precision= picks the chunked products as in chunk_gated_delta_rule.
-    Speculative windows (num_spec_tokens > 0, read_offsets) raise NotImplementedError: use
-    gated_delta_rule_verify and gated_delta_rule_commit.
     """
     if np.shape(a)[-1:] != (n_v,):
         raise ValueError(f"a must be [T, n_v] = [T, {n_v}], got shape {tuple(np.shape(a))} (KDA's "
@@ -68,8 +72,7 @@ def fused_conv1d_kda(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_b
     lower_bound lower_bound * sigmoid(exp(a_log) (g + dt_bias)); the state [d_k, d_v] decays
     row by row. beta_is_activated: b holds beta itself. The chunked pass runs f32 products.
     The original's TPU knobs (decode_tile_size, mixed_tile_size, compute_chunk_size,
-    compute_precision) are accepted and ignored; speculative windows raise
-    NotImplementedError (gated_delta_rule_verify / _commit take KDA's g).
+    compute_precision) are accepted and ignored; speculative windows as in fused_conv1d_gdn.
     """
     if np.shape(g)[-1:] != (n_v * d_k,) or len(np.shape(g)) != 2:
         raise ValueError(f"g must be [T, n_v d_k] = [T, {n_v * d_k}] (a raw gate per key "
@@ -86,11 +89,6 @@ def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
            read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens, zero_initialize_out,
            precision, l2norm_eps, out, isa, lower_bound, beta_is_activated):
     """fw_gdn_layer for both calls (a [T, n_v]: GDN; [T, n_v d_k]: KDA)."""
-    if num_spec_tokens or (read_offsets is not None and np.any(np.asarray(read_offsets) != 0)):
-        raise NotImplementedError(
-            "speculative windows (num_spec_tokens > 0, read_offsets) are not supported by "
-            "the serving-layer calls here: verify with gated_delta_rule_verify and keep the "
-            "accepted tokens with gated_delta_rule_commit")
     jax_in = _is_jax(qkv)
     qkv = T.float_array(qkv, "qkv")
     b, a = T.float_array(b, "b"), T.float_array(a, "a")
@@ -124,6 +122,13 @@ def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
     batch.query_start_loc, batch.seq_lens = T.ptr(qsl), T.ptr(slen)
     batch.state_indices, batch.read_state_indices = T.ptr(sidx), T.ptr(ridx)
     batch.decode_end, batch.prefill_end, batch.mixed_end = (int(x) for x in dist)
+    batch.num_spec_tokens = int(num_spec_tokens)
+    offs = None
+    if num_spec_tokens and read_offsets is not None:
+        offs = T.index_array(read_offsets, "read_offsets")
+        if offs.shape != (n,):
+            raise ValueError(f"read_offsets must have num_seqs = {n} entries, got {offs.shape}")
+        batch.read_offsets = T.ptr(offs)
     caches = _lib.GdnCaches()
     caches.conv = T.describe(conv)
     caches.recurrent = T.ptr(rec)

@@ -53,6 +53,13 @@ Schemas (`Tensor(a!)`: written in place; SymInt is how torch spells an int argum
       Tensor dt_bias, Tensor query_start_loc, Tensor state_indices, Tensor distribution,
       Tensor seq_lens, Tensor read_state_indices, SymInt n_kq, SymInt n_v, SymInt d_k,
       SymInt d_v, SymInt kernel_size, bool zero_initialize_out=True) -> Tensor out
+  chunk_kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None,
+      Tensor? initial_state=None, bool output_final_state=False,
+      bool use_qk_l2norm_in_kernel=False, bool use_gate_in_kernel=False, Tensor? A_log=None,
+      Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, bool safe_gate=False,
+      float? lower_bound=None, Tensor? cu_seqlens=None) -> (Tensor o, Tensor final_state)
+  fused_conv1d_kda(...as fused_conv1d_gdn, with g [T, n_v d_k] for a..., float? lower_bound=None,
+      bool beta_is_activated=False) -> Tensor out
 
 Out variants `<name>_out`, for engines that reuse buffers: the op's required arguments, then
 its outputs (written in place), then its options; they return nothing (a custom op may not
@@ -114,6 +121,7 @@ from . import _tensors as _T
 from . import attention as _attn
 from . import conv as _conv
 from . import gated_delta as _gdn
+from . import kda as _kda
 from . import layers as _layers
 
 Tensor = torch.Tensor
@@ -545,6 +553,53 @@ def _fused_conv1d_gdn_out(qkv: Tensor, b: Tensor, a: Tensor, conv_state: Tensor,
         zero_initialize_out=zero_initialize_out, out=out)
 
 
+def _chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+               scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
+               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+               use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
+               dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+               safe_gate: bool = False, lower_bound: Optional[float] = None,
+               cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    o, h = _kda.chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens, A_log=A_log,
+        dt_bias=dt_bias)
+    return o, _final(h, q)
+
+
+def _chunk_kda_fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                    dt_bias=None, use_beta_sigmoid_in_kernel=False, safe_gate=False,
+                    lower_bound=None, cu_seqlens=None):
+    return _prefill_fake(q, v, cu_seqlens, output_final_state)
+
+
+def _fused_conv1d_kda(qkv: Tensor, b: Tensor, g: Tensor, conv_state: Tensor,
+                      recurrent_state: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                      a_log: Tensor, dt_bias: Tensor, query_start_loc: Tensor,
+                      state_indices: Tensor, distribution: Tensor, seq_lens: Tensor,
+                      read_state_indices: Tensor, n_kq: int, n_v: int, d_k: int, d_v: int,
+                      kernel_size: int, zero_initialize_out: bool = True,
+                      lower_bound: Optional[float] = None,
+                      beta_is_activated: bool = False) -> Tensor:
+    _, out = _layers.fused_conv1d_kda(
+        qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+        query_start_loc, state_indices, distribution, seq_lens, read_state_indices, n_kq=n_kq,
+        n_v=n_v, d_k=d_k, d_v=d_v, kernel_size=kernel_size,
+        zero_initialize_out=zero_initialize_out, lower_bound=lower_bound,
+        beta_is_activated=beta_is_activated)
+    return out
+
+
+def _fused_conv1d_kda_fake(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
+                           dt_bias, query_start_loc, state_indices, distribution, seq_lens,
+                           read_state_indices, n_kq, n_v, d_k, d_v, kernel_size,
+                           zero_initialize_out=True, lower_bound=None, beta_is_activated=False):
+    return qkv.new_empty((qkv.shape[0], n_v * d_v))
+
+
 # ------------------------------------------------------------------------------- registration
 
 # name -> (implementation, fake, arguments written in place)
@@ -578,6 +633,9 @@ _SPECS = {
                          ("conv_state", "recurrent_state")),
     "fused_conv1d_gdn_out": (_fused_conv1d_gdn_out, None,
                              ("conv_state", "recurrent_state", "out")),
+    "chunk_kda": (_chunk_kda, _chunk_kda_fake, ()),
+    "fused_conv1d_kda": (_fused_conv1d_kda, _fused_conv1d_kda_fake,
+                         ("conv_state", "recurrent_state")),
 }
 
 OPS = tuple(_SPECS)  # the registered names: torch.ops.flywheel.<name>

@@ -158,13 +158,94 @@ def test_bad_batches_are_refused_with_nothing_written(case):
     assert np.array_equal(conv, conv0) and np.array_equal(rec, rec0) and (out == 7.0).all()
 
 
-def test_speculative_windows_are_refused():
-    qsl, seq_lens, sidx, read, dist, T = batch()
-    qkv, b, a, w, bias, a_log, dt_bias, conv, rec = inputs(np.random.default_rng(8), T)
-    with pytest.raises(NotImplementedError, match="gated_delta_rule_verify"):
-        flywheel.fused_conv1d_gdn(qkv, b, a, conv, rec, w, bias, a_log, dt_bias, qsl, sidx, dist,
-                                  seq_lens, read, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV,
-                                  kernel_size=K, num_spec_tokens=2)
+def spec_batch():
+    """3 speculative windows (num_spec_tokens 3) of 3, 1 and 4 tokens writing slot groups 10,
+    14, 18 (4 slots each) and reading slot 12 (inside its own group), 0 and 30; then a prefill
+    of 20 tokens (reads 25, writes 26) and padding."""
+    qlens = [3, 1, 4, 20]
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    seq_lens = np.array([50, 9, 33, 40], np.int32)
+    sidx = np.array([10, 14, 18, 26], np.int32)
+    read = np.array([10, 0, 30, 25], np.int32)
+    offs = np.array([2, 0, 0, 0], np.int32)
+    return qsl, seq_lens, sidx, read, offs, np.array([3, 4, 4], np.int32), int(qsl[-1]) + 2
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_speculative_windows_equal_sequential_decodes(kda):
+    """Each window's outputs and its checkpoints after every token (conv and recurrent, slot
+    state_indices + t) are the bits of one-token decodes through the layer, token by token,
+    from the slot read_state_indices + read_offsets; the prefill after them is unchanged."""
+    rng = np.random.default_rng(9)
+    qsl, seq_lens, sidx, read, offs, dist, T = spec_batch()
+    slots = 32
+    qkv = rng.standard_normal((T, DIM)).astype(np.float32)
+    b = rng.standard_normal((T, NV)).astype(np.float32)
+    a = rng.standard_normal((T, NV * DK if kda else NV)).astype(np.float32)
+    w = (rng.standard_normal((DIM, 1, K)) * 0.5).astype(np.float32)
+    bias = (rng.standard_normal(DIM) * 0.1).astype(np.float32)
+    a_log = np.log(rng.uniform(1, 8, NV)).astype(np.float32)
+    dt_bias = (rng.standard_normal(NV * DK if kda else NV) * 0.5).astype(np.float32)
+    conv = rng.standard_normal((slots, K - 1, DIM)).astype(np.float32)
+    rec = (rng.standard_normal((slots, NV, DK, DV)) * 0.1).astype(np.float32)
+    call = flywheel.fused_conv1d_kda if kda else flywheel.fused_conv1d_gdn
+    kw = dict(n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV, kernel_size=K)
+    conv1, rec1 = conv.copy(), rec.copy()
+    _, out = call(qkv, b, a, conv1, rec1, w, bias, a_log, dt_bias, qsl, sidx, dist, seq_lens,
+                  read, offs, num_spec_tokens=3, **kw)
+    conv2, rec2 = conv.copy(), rec.copy()
+    want = np.zeros_like(out)
+    for i in range(3):
+        src = read[i] + offs[i]
+        for t in range(qsl[i + 1] - qsl[i]):
+            r = qsl[i] + t
+            one = np.array([0, 1], np.int32)
+            _, o = call(qkv[r:r + 1], b[r:r + 1], a[r:r + 1], conv2, rec2, w, bias, a_log,
+                        dt_bias, one, np.array([sidx[i] + t], np.int32),
+                        np.array([1, 1, 1], np.int32), np.array([seq_lens[i]], np.int32),
+                        np.array([src], np.int32), **kw)
+            want[r] = o[0]
+            src = sidx[i] + t
+    r0, r1 = qsl[3], qsl[4]
+    _, o = call(qkv[r0:r1], b[r0:r1], a[r0:r1], conv2, rec2, w, bias, a_log, dt_bias,
+                np.array([0, r1 - r0], np.int32), sidx[3:], np.array([0, 1, 1], np.int32),
+                seq_lens[3:], read[3:], **kw)
+    want[r0:r1] = o
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(conv1, conv2)
+    np.testing.assert_array_equal(rec1, rec2)
+    assert not out[qsl[4]:].any()
+    assert (conv1[[1, 2, 3, 5, 9]] == conv[[1, 2, 3, 5, 9]]).all()  # slots nobody writes
+
+
+@pytest.mark.parametrize("case", ["window too long", "read slot past the caches",
+                                  "groups overlap", "reads another's group"])
+def test_bad_speculative_windows_are_refused_with_nothing_written(case):
+    rng = np.random.default_rng(10)
+    qsl, seq_lens, sidx, read, offs, dist, T = spec_batch()
+    slots = 32
+    qkv = rng.standard_normal((T, DIM)).astype(np.float32)
+    b, a = (rng.standard_normal((T, NV)).astype(np.float32) for _ in range(2))
+    w = (rng.standard_normal((DIM, 1, K)) * 0.5).astype(np.float32)
+    a_log, dt_bias = np.zeros(NV, np.float32), np.zeros(NV, np.float32)
+    conv = rng.standard_normal((slots, K - 1, DIM)).astype(np.float32)
+    rec = rng.standard_normal((slots, NV, DK, DV)).astype(np.float32)
+    spec = 3
+    if case == "window too long":
+        spec = 2
+    elif case == "read slot past the caches":
+        offs[2] = 5
+    elif case == "groups overlap":
+        sidx[1] = 12
+    else:
+        read[1], offs[1] = 18, 1
+    conv0, rec0 = conv.copy(), rec.copy()
+    out = np.full((T, NV * DV), 7.0, np.float32)
+    with pytest.raises(FlywheelError):
+        flywheel.fused_conv1d_gdn(qkv, b, a, conv, rec, w, None, a_log, dt_bias, qsl, sidx, dist,
+                                  seq_lens, read, offs, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV,
+                                  kernel_size=K, num_spec_tokens=spec, out=out)
+    assert np.array_equal(conv, conv0) and np.array_equal(rec, rec0) and (out == 7.0).all()
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])

@@ -125,6 +125,7 @@ def test_every_op_is_registered_and_reimport_does_not_fail():
                 "gated_delta_rule_decode", "gated_delta_rule_verify", "gated_delta_rule_commit",
                 "causal_conv1d_fn", "causal_conv1d_update", "fused_conv1d_gdn"}
     expected |= {n + "_out" for n in expected - {"gated_delta_rule_commit"}}
+    expected |= {"chunk_kda", "fused_conv1d_kda"}  # KDA: no out variants
     assert set(fw_ops.OPS) == expected
     for name in fw_ops.OPS:
         assert hasattr(OPS, name)
@@ -428,6 +429,7 @@ def _opcheck_cases():
     _, replay = OPS.gated_delta_rule_verify(vq, vk, vv, vg, vb, vstate, vidx, vcu)
     cx, cw, cb, ch0 = conv_inputs()
     la = layer_inputs()
+    kg = -0.1 * torch.rand(1, 10, 4, 16, generator=torch.Generator().manual_seed(4))  # KDA's g
     floats = replay.shape[0]
     return [
         ("flash_attn_func", (q, k, v), dict(causal=True, return_softmax_lse=True)),
@@ -470,6 +472,12 @@ def _opcheck_cases():
                                       torch.empty(2, 16), cb), {}),
         ("fused_conv1d_gdn", la, {}),
         ("fused_conv1d_gdn_out", la[:14] + (torch.empty(9, 16),) + la[14:], {}),
+        ("chunk_kda", (gq, gk, gv, kg, gb),
+         dict(initial_state=h0, output_final_state=True, cu_seqlens=cu)),
+        ("chunk_kda", (gq, gk, gv, torch.randn_like(kg), gb),
+         dict(use_gate_in_kernel=True, A_log=torch.zeros(4), use_qk_l2norm_in_kernel=True)),
+        ("fused_conv1d_kda", la[:2] + (torch.randn(9, 16),) + la[3:8] + (torch.randn(16),) + la[9:],
+         dict(lower_bound=-5.0)),
     ]
 
 

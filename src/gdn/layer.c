@@ -122,6 +122,169 @@ static fw_status layer_window(const layer_ctx *L, int64_t s0, int64_t s1, int64_
                   : fw_gdn_prefill_pool(&q, &k, &v, &tg, &tb, cu, n, &pool, &o, L->gp);
 }
 
+/* The slots of a step with speculative windows: sequence i < de (a window of n_i tokens)
+ * writes slots wr[i] .. wr[i] + n_i - 1, the others wr[i]; each reads rd[i] (negative: none).
+ * Every slot in [0, slots), no slot written twice, none read by one sequence and written by
+ * another (a window may write the slot it reads: it reads it first). */
+typedef struct {
+    int64_t slot, seq;
+} slot_of_seq;
+
+static int by_slot_seq(const void *x, const void *y)
+{
+    const slot_of_seq *a = x, *b = y;
+    return a->slot != b->slot ? (a->slot < b->slot ? -1 : 1) : (a->seq > b->seq) - (a->seq < b->seq);
+}
+
+static fw_status check_window_slots(int64_t n, int64_t de, const int32_t *qsl, const int32_t *rd, const int32_t *wr,
+                                    int64_t slots)
+{
+    const int64_t total = (n > 0 ? (int64_t)qsl[de] - qsl[0] : 0) + (n - de);
+    slot_of_seq *w = malloc(sizeof *w * (size_t)(total > 0 ? total : 1));
+    if (!w)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld slot entries to check", (long long)total);
+    int64_t m = 0;
+    fw_status st = FW_OK;
+    for (int64_t i = 0; i < n && !st; i++) {
+        const int64_t cnt = i < de ? qsl[i + 1] - qsl[i] : 1;
+        if (rd[i] >= slots)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %lld (read_state_indices + read_offsets); the "
+                         "caches have %lld", (long long)i, (long long)rd[i], (long long)slots);
+        else if (wr[i] + cnt > slots)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld writes slots %d..%lld; the caches have %lld", (long long)i,
+                         (int)wr[i], (long long)(wr[i] + cnt - 1), (long long)slots);
+        for (int64_t t = 0; t < cnt && !st; t++)
+            w[m++] = (slot_of_seq){wr[i] + t, i};
+    }
+    if (!st)
+        qsort(w, (size_t)m, sizeof *w, by_slot_seq);
+    for (int64_t j = 1; j < m && !st; j++)
+        if (w[j].slot == w[j - 1].slot)
+            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write slot %lld", (long long)w[j - 1].seq,
+                         (long long)w[j].seq, (long long)w[j].slot);
+    for (int64_t i = 0; i < n && !st; i++) {
+        if (rd[i] < 0)
+            continue;
+        int64_t lo = 0, hi = m;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (w[mid].slot < rd[i])
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < m && w[lo].slot == rd[i] && w[lo].seq != i)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %d, which sequence %lld writes in the same call",
+                         (long long)i, (int)rd[i], (long long)w[lo].seq);
+    }
+    free(w);
+    return st;
+}
+
+/* Speculative windows [s0, s1) (rows at most LAYER_ROWS): the conv of their rows from the
+ * conv read slots; a conv checkpoint per token (the K-1 raw rows ending there, from the read
+ * slot's rows saved first, as the window may overwrite its read slot) to slot wr[i] + t; then
+ * token by token the fused decode step of the windows that reach position t, from slot
+ * rd[i] (t = 0) or wr[i] + t - 1 to slot wr[i] + t, on rows gathered into scratch. */
+static fw_status layer_windows(const layer_ctx *L, int64_t s0, int64_t s1)
+{
+    const fw_kernels *kt = fw_kernels_get(L->gp->isa);
+    const fw_tensor *qkv = L->qkv, *conv = &L->caches->conv;
+    const int64_t n = s1 - s0, K = L->w->shape[1], dim = L->dim, R0 = L->qsl[s0], rn = L->qsl[s1] - R0;
+    const int64_t ga = L->kda ? L->nv * L->dk : L->nv, es = (int64_t)fw_dtype_size(qkv->dtype);
+    int32_t cu[LAYER_ROWS + 1], rdv[LAYER_ROWS], wrv[LAYER_ROWS];
+    for (int64_t i = 0; i <= n; i++)
+        cu[i] = L->qsl[s0 + i] - (int32_t)R0;
+    fw_tensor x = *qkv;
+    x.ndim = 3;
+    x.data = (char *)qkv->data + R0 * qkv->stride[0] * es;
+    x.shape[0] = 1; x.shape[1] = rn; x.shape[2] = dim;
+    x.stride[0] = rn * qkv->stride[0]; x.stride[1] = qkv->stride[0]; x.stride[2] = qkv->stride[1];
+    fw_tensor y = fw_tensor_contiguous(L->cbuf, qkv->dtype, 3, (int64_t[]){1, rn, dim});
+    fw_conv1d_state cin = {*conv, L->ridx + s0, NULL};
+    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, NULL, NULL, &y, L->cp);
+    if (s)
+        return s;
+    /* scratch: the read slots' conv rows, then per position the gathered rows and gates */
+    const int64_t km = K - 1 > 0 ? K - 1 : 0;
+    float *init = malloc(sizeof(float) * (size_t)(n * km * dim + dim + 1));
+    const int64_t nvdv = L->nv * L->dv, oes = (int64_t)fw_dtype_size(L->out->dtype);
+    char *rows = malloc((size_t)(n * (dim * es + (ga + L->nv) * 4 + nvdv * oes) + nvdv * 4) + 1);
+    if (!init || !rows) {
+        free(init);
+        free(rows);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the speculative windows' scratch");
+    }
+    float *row = init + n * km * dim;
+    const int64_t cs1 = conv->stride[1], cs2 = conv->stride[2], ces = (int64_t)fw_dtype_size(conv->dtype);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < km; j++) {
+            float *dst = init + (i * km + j) * dim;
+            const int64_t r = L->ridx[s0 + i];
+            if (r < 0)
+                memset(dst, 0, sizeof(float) * (size_t)dim);
+            else
+                kt->to_f32((const char *)conv->data + (r * conv->stride[0] + j * cs1) * ces, conv->dtype, cs2, (int)dim,
+                           1.0f, dst);
+        }
+    for (int64_t i = 0; i < n; i++) /* conv checkpoints: after token t, rows t+1 .. t+K-1 of [init | window] */
+        for (int64_t t = 0; t < L->qsl[s0 + i + 1] - L->qsl[s0 + i]; t++)
+            for (int64_t j = 0; j < km; j++) {
+                const int64_t c = t + 1 + j;
+                const float *src = init + (i * km + c) * dim;
+                if (c >= km) {
+                    const int64_t qr = L->qsl[s0 + i] + c - km;
+                    kt->to_f32((const char *)qkv->data + qr * qkv->stride[0] * es, qkv->dtype, qkv->stride[1], (int)dim,
+                               1.0f, row);
+                    src = row;
+                }
+                kt->from_f32(src, (int)dim,
+                             (char *)conv->data + ((L->wr[s0 + i] + t) * conv->stride[0] + j * cs1) * ces, conv->dtype, cs2);
+            }
+    free(init);
+    /* the recurrent state, position by position */
+    char *qr = rows, *ar = qr + n * dim * es, *br = ar + n * ga * 4, *orow = br + n * L->nv * 4;
+    float *otmp = (float *)(orow + n * nvdv * oes);
+    for (int64_t t = 0; !s; t++) {
+        int64_t na = 0;
+        int32_t who[LAYER_ROWS];
+        for (int64_t i = 0; i < n; i++) {
+            if (L->qsl[s0 + i + 1] - L->qsl[s0 + i] <= t)
+                continue;
+            const int64_t r = L->qsl[s0 + i] + t;
+            memcpy(qr + na * dim * es, (const char *)L->cbuf + (r - R0) * dim * es, (size_t)(dim * es));
+            fw_tensor av = L->kda ? rows_view(L->a, r, 1, 0, L->nv, L->dk) : rows2(L->a, r, 1);
+            const int64_t as = L->kda ? av.stride[2] : av.stride[1];
+            for (int64_t h = 0; h < (L->kda ? L->nv : 1); h++)
+                kt->to_f32(fw_elem(&av, h * (L->kda ? av.stride[1] : 0)), av.dtype, as, (int)(L->kda ? L->dk : L->nv),
+                           1.0f, (float *)ar + na * ga + h * (L->kda ? L->dk : 0));
+            kt->to_f32(fw_elem(L->b, r * L->b->stride[0]), L->b->dtype, L->b->stride[1], (int)L->nv, 1.0f,
+                       (float *)br + na * L->nv);
+            rdv[na] = t ? L->wr[s0 + i] + (int32_t)t - 1 : L->ridx[s0 + i];
+            wrv[na] = L->wr[s0 + i] + (int32_t)t;
+            who[na++] = (int32_t)r;
+        }
+        if (!na)
+            break;
+        fw_tensor y2 = fw_tensor_contiguous(qr, qkv->dtype, 2, (int64_t[]){na, dim});
+        fw_tensor q = rows_view(&y2, 0, na, 0, L->nkq, L->dk), k = rows_view(&y2, 0, na, L->nkq * L->dk, L->nkq, L->dk);
+        fw_tensor v = rows_view(&y2, 0, na, 2 * L->nkq * L->dk, L->nv, L->dv);
+        fw_tensor tg = L->kda ? fw_tensor_contiguous(ar, FW_F32, 3, (int64_t[]){na, L->nv, L->dk})
+                              : fw_tensor_contiguous(ar, FW_F32, 2, (int64_t[]){na, L->nv});
+        fw_tensor tb = fw_tensor_contiguous(br, FW_F32, 2, (int64_t[]){na, L->nv});
+        fw_tensor o = fw_tensor_contiguous(orow, L->out->dtype, 3, (int64_t[]){na, L->nv, L->dv});
+        fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rdv, wrv};
+        s = fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, L->gp);
+        for (int64_t j = 0; j < na && !s; j++) { /* the out rows (out may be strided) */
+            kt->to_f32(orow + j * nvdv * oes, L->out->dtype, 1, (int)nvdv, 1.0f, otmp);
+            kt->from_f32(otmp, (int)nvdv, (char *)L->out->data + who[j] * L->out->stride[0] * oes, L->out->dtype,
+                         L->out->stride[1]);
+        }
+    }
+    free(rows);
+    return s;
+}
+
 fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
                        const fw_tensor *conv_weight, const fw_tensor *conv_bias,
                        const fw_tensor *a_log, const fw_tensor *dt_bias,
@@ -175,11 +338,18 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
     if (used > T)
         return fw_fail(FW_ERR_SEQLENS, "query_start_loc[%lld] = %lld is past qkv's %lld rows", (long long)me,
                        (long long)used, (long long)T);
+    const int64_t spec = batch->num_spec_tokens;
+    if (spec < 0 || spec >= LAYER_ROWS)
+        return fw_fail(FW_ERR_ARG, "num_spec_tokens is %lld; it must be 0..%d", (long long)spec, LAYER_ROWS - 1);
     for (int64_t i = 0; i < me; i++) {
         const int64_t ql = qsl[i + 1] - qsl[i];
-        if (i < de && ql != 1)
+        if (i < de && !spec && ql != 1)
             return fw_fail(FW_ERR_SEQLENS, "sequence %lld is a decode (before decode_end %lld) with %lld tokens; "
                            "a decode has 1", (long long)i, (long long)de, (long long)ql);
+        if (i < de && spec && (ql < 1 || ql > spec + 1))
+            return fw_fail(FW_ERR_SEQLENS, "sequence %lld is a speculative window (before decode_end %lld) of %lld "
+                           "tokens; a window has 1..num_spec_tokens + 1 = %lld", (long long)i, (long long)de,
+                           (long long)ql, (long long)(spec + 1));
         if (sl[i] < ql)
             return fw_fail(FW_ERR_SEQLENS, "seq_lens[%lld] = %d is less than its %lld new tokens", (long long)i,
                            (int)sl[i], (long long)ql);
@@ -198,12 +368,15 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
     if (!ridx)
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's slot lists");
     for (int64_t i = 0; i < me; i++)
-        ridx[i] = sl[i] > qsl[i + 1] - qsl[i] ? rd[i] : -1;
+        ridx[i] = sl[i] > qsl[i + 1] - qsl[i] ? rd[i] + (spec && i < de && batch->read_offsets ? batch->read_offsets[i] : 0)
+                                               : -1;
     fw_gdn_pool pool = {caches->recurrent, slots, caches->recurrent_stride, ridx, wr};
-    s = fw_gdn_check_pool(&pool, me, nv, dk, dv);
+    s = fw_gdn_check_pool(&pool, spec ? 0 : me, nv, dk, dv);
     for (int64_t i = 0; i < me && !s; i++)
         if (wr[i] < 0)
             s = fw_fail(FW_ERR_INDEX, "state_indices[%lld] is %d; every sequence writes a slot", (long long)i, (int)wr[i]);
+    if (!s && spec) /* windows write a group of slots each */
+        s = check_window_slots(me, de, qsl, ridx, wr, slots);
     /* the conv's arguments (its slots are the pool's, checked above) */
     if (!s && (conv_weight->shape[0] != dim || K < 1 || K > FW_MAX_CONV_WIDTH))
         s = fw_fail(FW_ERR_SHAPE, "conv_weight is [%lld, %lld]; it must be [dim, K] = [%lld, 1..%d]",
@@ -268,7 +441,16 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
      * gated delta rule reads them there */
     layer_ctx L = {qkv, conv_weight, conv_bias, out, a, b, qsl, ridx, wr, caches, cbuf, &cp, &gp,
                    nkq, nv, dk, dv, dim, slots, kda};
-    for (int64_t d0 = 0; d0 < de && !s; d0 += LAYER_ROWS) /* decodes: whole sequences */
+    if (spec) { /* speculative windows, in groups of at most LAYER_ROWS rows */
+        for (int64_t i = 0; i < de && !s;) {
+            int64_t j = i + 1;
+            while (j < de && qsl[j + 1] - qsl[i] <= LAYER_ROWS)
+                j++;
+            s = layer_windows(&L, i, j);
+            i = j;
+        }
+    }
+    for (int64_t d0 = 0; d0 < (spec ? 0 : de) && !s; d0 += LAYER_ROWS) /* decodes: whole sequences */
         s = layer_window(&L, d0, fw_min64(de, d0 + LAYER_ROWS), 0, -1, 1);
     for (int64_t i = de; i < me && !s;) {
         const int64_t len = qsl[i + 1] - qsl[i];
