@@ -1,0 +1,134 @@
+"""flywheel's kernels inside Hugging Face transformers, with no edit to its source.
+
+    import flywheel.integrations.transformers as fwt
+    fwt.enable(model)          # or fwt.enable() before loading, then attn_implementation="flywheel"
+
+- Attention: `flywheel` is registered in transformers' AttentionInterface (and its mask in
+  AttentionMaskInterface, built as sdpa's, so a mask that is pure causality arrives as None).
+  Calls without a mask run flywheel.flash_attn_func on the [b, h, s, d] views transposed in
+  place (causal as sdpa's is_causal: top-left, so a prompt against an empty static cache
+  attends to its own rows; one query token attends to every key). Calls flywheel cannot
+  serve the same way go to transformers' sdpa: an explicit mask (padding, chunked prefill
+  after a cache), dropout, softcap, sliding windows, and tensors that need gradients.
+- Gated DeltaNet layers (Qwen3-Next, Qwen3.5 and their MoE variants, which look these names up
+  in their module at call time): causal_conv1d_fn / causal_conv1d_update become flywheel's,
+  torch_chunk_gated_delta_rule flywheel.chunk_gated_delta_rule, and
+  torch_recurrent_gated_delta_rule the decode step, which updates the cache's float32 state in
+  place (gated_delta_rule_decode) and returns it as the final state.
+
+disable() puts transformers' functions back.
+"""
+
+import importlib
+
+import flywheel
+
+_NAME = "flywheel"
+_GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+_saved = {}
+
+
+def _sdpa(*args, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+              **kwargs):
+    """transformers' attention-function contract: query [b, hq, sq, d], key/value
+    [b, hkv, sk, d]; returns (out [b, sq, hq, d], None)."""
+    import torch
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if (attention_mask is not None or dropout or kwargs.get("softcap") is not None or grad or
+            kwargs.get("sliding_window") is not None or kwargs.get("output_attentions")):
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     is_causal=is_causal, **kwargs)
+    sq, sk = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal) and sq > 1
+    if causal and sk > sq:  # sdpa's top-left causality: the keys past the queries are unused
+        key, value = key[:, :, :sq], value[:, :, :sq]
+    out = flywheel.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
+                                   value.transpose(1, 2), softmax_scale=scaling, causal=causal)
+    return out, None
+
+
+def _chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                            output_final_state=False, use_qk_l2norm_in_kernel=False,
+                            cu_seqlens=None, **kwargs):
+    return flywheel.chunk_gated_delta_rule(query, key, value, g, beta,
+                                           initial_state=initial_state,
+                                           output_final_state=output_final_state,
+                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                           cu_seqlens=cu_seqlens)
+
+
+def _recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
+                                output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                cu_seqlens=None, **kwargs):
+    import torch
+    B, S, _, K = query.shape
+    HV, V = value.shape[2], value.shape[3]
+    if (S == 1 and cu_seqlens is None and isinstance(initial_state, torch.Tensor) and
+            initial_state.dtype == torch.float32 and initial_state.is_contiguous() and
+            tuple(initial_state.shape) == (B, HV, K, V) and not initial_state.requires_grad):
+        o = flywheel.gated_delta_rule_decode(query, key, value, g, beta, initial_state,
+                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o, (initial_state if output_final_state else None)
+    return flywheel.fused_recurrent_gated_delta_rule(
+        query, key, value, g=g, beta=beta, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens)
+
+
+def _causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    return flywheel.causal_conv1d_fn(hidden_states, weight, bias, activation=activation)
+
+
+def _causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
+    return flywheel.causal_conv1d_update(hidden_states, conv_state, weight, bias,
+                                         activation=activation)
+
+
+_REPLACEMENTS = {
+    "causal_conv1d_fn": _causal_conv1d_fn,
+    "causal_conv1d_update": _causal_conv1d_update,
+    "torch_chunk_gated_delta_rule": _chunk_gated_delta_rule,
+    "torch_recurrent_gated_delta_rule": _recurrent_gated_delta_rule,
+}
+
+
+def enable(model=None):
+    """Register flywheel's attention as attn_implementation "flywheel" and swap the Gated
+    DeltaNet layers' kernel functions; with `model`, also switch it to "flywheel"."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(_NAME, attention)
+    AttentionMaskInterface.register(_NAME, sdpa_mask)
+    for name in _GDN_MODULES:
+        try:
+            mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        for fn, new in _REPLACEMENTS.items():
+            if hasattr(mod, fn) and getattr(mod, fn) is not new:
+                _saved.setdefault((name, fn), getattr(mod, fn))
+                setattr(mod, fn, new)
+    if model is not None:
+        model.set_attn_implementation(_NAME)
+    return model
+
+
+def disable(model=None, attn_implementation="sdpa"):
+    """Put transformers' Gated DeltaNet functions back; with `model`, switch its attention to
+    `attn_implementation`."""
+    for (name, fn), orig in list(_saved.items()):
+        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        setattr(mod, fn, orig)
+        del _saved[(name, fn)]
+    if model is not None:
+        model.set_attn_implementation(attn_implementation)
+    return model
+
+
+__all__ = ["attention", "disable", "enable"]

@@ -1,0 +1,105 @@
+"""flywheel.integrations.transformers: a tiny Qwen3-Next (one Gated DeltaNet layer, one
+attention layer, MoE) gives transformers' logits through flywheel's kernels, prefill and
+decode, float32 and bfloat16, with flywheel's calls really taken; disable() restores
+transformers' functions."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+mq = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+import flywheel  # noqa: E402
+import flywheel.integrations.transformers as fwt  # noqa: E402
+
+GDN_FUNCS = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+             "torch_recurrent_gated_delta_rule")
+
+
+@pytest.fixture
+def torch_paths(monkeypatch):
+    """transformers' own torch functions for the baseline: with fla installed it would take
+    fla's Triton kernels, which do not run on a CPU."""
+    for fn in GDN_FUNCS:
+        f = getattr(mq, fn)
+        monkeypatch.setattr(mq, fn, getattr(f, "__wrapped__", f))
+    yield
+    fwt.disable()
+
+
+def tiny_model(dtype):
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=4, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1, partial_rotary_factor=0.25,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(cfg).to(dtype).eval()
+
+
+def counting(monkeypatch, names):
+    """Wrap flywheel's calls the integration makes with counters."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        orig = getattr(flywheel, name)
+
+        def wrapper(*a, _orig=orig, _name=name, **k):
+            counts[_name] += 1
+            return _orig(*a, **k)
+        monkeypatch.setattr(fwt.flywheel, name, wrapper)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_qwen3_next_logits_match(torch_paths, monkeypatch, dtype):
+    dt = getattr(torch, dtype)
+    model = tiny_model(dt)
+    ids = torch.randint(0, 1000, (2, 90), generator=torch.Generator().manual_seed(1))
+    gen = dict(max_new_tokens=4, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        ref_gen = model.generate(ids, **gen)
+        fwt.enable(model)
+        counts = counting(monkeypatch, ["flash_attn_func", "chunk_gated_delta_rule",
+                                        "gated_delta_rule_decode", "causal_conv1d_fn",
+                                        "causal_conv1d_update"])
+        got = model(ids).logits.float()
+        got_gen = model.generate(ids, **gen)
+    assert all(counts.values()), counts  # every kernel of the integration ran
+    big = ref.abs().max().item()
+    if dtype == "float32":
+        assert (got - ref).abs().max().item() <= 1e-4 * (1 + big)
+        assert torch.equal(got_gen.sequences, ref_gen.sequences)
+        for a, b in zip(got_gen.logits, ref_gen.logits):
+            assert (a - b).abs().max().item() <= 1e-4 * (1 + big)
+    else:  # bf16 products and roundings differ from torch's: close, and the same top-1 mostly
+        assert (got - ref).abs().max().item() <= 0.05 * (1 + big)
+        top = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert top >= 0.95, top
+
+
+def test_padding_masks_take_sdpa_and_agree(torch_paths, monkeypatch):
+    """A left-padded batch: attention with a mask goes to transformers' sdpa, the rest to
+    flywheel; the logits of the real tokens agree."""
+    model = tiny_model(torch.float32)
+    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        fwt.enable(model)
+        got = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert (got[keep] - ref[keep]).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())
+
+
+def test_disable_restores_transformers_functions(torch_paths):
+    before = {fn: getattr(mq, fn) for fn in GDN_FUNCS}
+    fwt.enable()
+    assert all(getattr(mq, fn) is not before[fn] for fn in GDN_FUNCS)
+    fwt.disable()
+    assert all(getattr(mq, fn) is before[fn] for fn in GDN_FUNCS)
