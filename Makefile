@@ -31,7 +31,7 @@ PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
 .PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu bench-calls \
-        bench-layer bench-threads bench-engine-threads print-python clean
+        bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
 
@@ -77,6 +77,12 @@ compare: build $(VENV)/.compare-deps
 # same call from C (python/bench_calls.py).
 bench-calls: build $(VENV)/.test-deps
 	$(TREE_ENV) $(VENV)/bin/python python/bench_calls.py
+
+# A Qwen3-Next-style hybrid model (0.6 B, seeded weights) in transformers, default kernels
+# against flywheel's: prefill 2K and 8K, 32 decode steps, bf16 and f32, logits agreement
+# (python/e2e.py); results in docs/e2e/.
+e2e: build $(VENV)/.compare-deps
+	$(TREE_ENV) $(VENV)/bin/python python/e2e.py --out docs/e2e $(E2E_ARGS)
 
 # One GDN layer of an engine step (fused_conv1d_gdn) against its parts in the same run:
 # prefill against the core alone, a mixed batch against two calls, decode bytes moved
