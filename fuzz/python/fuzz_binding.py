@@ -1400,9 +1400,11 @@ def fuzz_prefill(c):
     res, exc, before = run_call(c, fn, args, kw)
 
     why = c.why
-    for n in ("state_v_first", "cp_context", "head_first", "gk", "gv"):
+    for n in ("state_v_first", "cp_context", "head_first", "gv"):
         if n in kw:
             why.append(f"{n} given")
+    if "gk" in kw:  # KDA's per-key-channel gates: the C fuzzer's (fuzz_gdn.c), not modeled here
+        c.unsure.append("gk given")
     if not chunk and kw.get("beta") is None:
         why.append("beta missing")
     ok = all(is_float_array(x, n, why) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -1424,6 +1426,8 @@ def fuzz_prefill(c):
     if ok and g64 is not None:
         if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
             why.append("ranks")
+        elif g64.shape == v.shape[:3] + q.shape[3:] and b64.shape == v.shape[:3]:
+            c.unsure.append("KDA's g [B, T, HV, K]: fuzz_gdn.c's")
         elif g64.shape != v.shape[:3] or b64.shape != v.shape[:3]:
             why.append("g/beta shapes")
         else:
@@ -1457,6 +1461,8 @@ def fuzz_prefill(c):
                 scale = model_scale(c, kw.get("scale"), Kq)
                 gdn_check_gate_values(c, g64, b64)
                 plan = (cu, nn)
+    if "gk" in kw:  # with gk the call reads gates this model does not: any outcome
+        c.why.clear()
     if not verdict(c, exc, fn.__name__):
         return
     o, ht = res
@@ -1607,7 +1613,10 @@ def fuzz_decode(c):
                 why.append("ranks")
             else:
                 Nn, HVv, Vv = vv.shape
-                if g64.shape not in ((Nn, HVv), (Nn, 1, HVv)) or \
+                if g64.shape in ((Nn, HVv, qq.shape[-1]), (Nn, 1, HVv, qq.shape[-1])) and \
+                        b64.shape in ((Nn, HVv), (Nn, 1, HVv)):
+                    c.unsure.append("KDA's g [N, HV, K]: fuzz_gdn.c's")
+                elif g64.shape not in ((Nn, HVv), (Nn, 1, HVv)) or \
                         b64.shape not in ((Nn, HVv), (Nn, 1, HVv)):
                     why.append(f"g/beta shapes {g64.shape} {b64.shape}")
                 else:
@@ -1694,6 +1703,8 @@ def fuzz_verify_commit(c):
     if ok and g64 is not None:
         if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
             why.append("ranks")
+        elif g64.shape == v.shape[:3] + q.shape[3:] and b64.shape == v.shape[:3]:
+            c.unsure.append("KDA's g [B, T, HV, K]: fuzz_gdn.c's")
         elif g64.shape != v.shape[:3] or b64.shape != v.shape[:3]:
             why.append("g/beta shapes")
         else:
