@@ -14,7 +14,9 @@ which do not run on a CPU) vs flywheel. Reported: median of --reps prefills and 
 steps, tokens/s, the time inside each kind of kernel (attention function, GDN kernel, conv;
 "rest" is projections, MoE, norms), and the logits' agreement: max |flywheel - default| over
 the prefill logits and top-1 agreement, measured with dense expert routing (every expert on
-every token) so that a bf16 routing flip cannot hide or fake a kernel difference.
+every token) so that a bf16 routing flip cannot hide or fake a kernel difference; in bf16 also
+both against default f32, which shows how far bf16 alone moves the logits of this random
+model.
 
 Usage: python python/e2e.py [--threads N] [--lengths 2048,8192] [--decode 32] [--reps 2]
                             [--dtypes bfloat16,float32] [--out docs/e2e]
@@ -133,18 +135,30 @@ def run(model, ids, decode, timers):
 
 
 def agreement(dtype, T, timers):
-    """Prefill logits, default against flywheel, with dense expert routing."""
+    """Prefill logits with dense expert routing: flywheel against default in the same dtype
+    (max |difference|, largest logit, top-1 agreement), and for a dtype other than f32 both
+    against default f32 (the same two figures each): how far the dtype itself moves them."""
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(config(dense_routing=True)).to(dtype).eval()
+    model = transformers.Qwen3NextForCausalLM(config(dense_routing=True)).eval()
     ids = torch.randint(0, 32000, (1, T), generator=torch.Generator().manual_seed(1))
     logits = {}
     with torch.no_grad():
+        if dtype != torch.float32:
+            install("default", timers, model)
+            logits["f32"] = model(ids).logits.float()
+        model = model.to(dtype)
         for mode in ("default", "flywheel"):
             install(mode, timers, model)
             logits[mode] = model(ids).logits.float()
+
+    def cmp(a, b):
+        return (a - b).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     d, f = logits["default"], logits["flywheel"]
-    return (f - d).abs().max().item(), d.abs().max().item(), \
-        (f.argmax(-1) == d.argmax(-1)).float().mean().item()
+    res = dict(same=cmp(f, d), big=d.abs().max().item())
+    if "f32" in logits:
+        res["default_vs_f32"] = cmp(d, logits["f32"])
+        res["flywheel_vs_f32"] = cmp(f, logits["f32"])
+    return res
 
 
 def main():
@@ -189,10 +203,18 @@ def main():
                       ", ".join(f"{k} {v:.3f} s" for k, v in sorted(kern.items())), flush=True)
         del model
         agree[dtn] = agreement(dtype, args.agree_len, timers)
-        print(f"{dtn}: logits max |flywheel - default| {agree[dtn][0]:.3g} (max |logit| "
-              f"{agree[dtn][1]:.3g}), top-1 agreement {100 * agree[dtn][2]:.2f}% (dense routing, "
-              f"T = {args.agree_len})", flush=True)
+        print(f"{dtn}: {agreement_text(agree[dtn], args.agree_len)}", flush=True)
     report(args, rows, agree, nparams)
+
+
+def agreement_text(a, T):
+    t = (f"prefill logits max |flywheel - default| = {a['same'][0]:.3g} (largest logit "
+         f"{a['big']:.3g}), top-1 agreement {100 * a['same'][1]:.2f}%")
+    if "default_vs_f32" in a:
+        t += (f"; against default f32: default {a['default_vs_f32'][0]:.3g} / "
+              f"{100 * a['default_vs_f32'][1]:.2f}% top-1, flywheel {a['flywheel_vs_f32'][0]:.3g} / "
+              f"{100 * a['flywheel_vs_f32'][1]:.2f}%")
+    return t + f" (dense expert routing, {T} tokens)"
 
 
 def report(args, rows, agree, nparams):
@@ -217,10 +239,8 @@ def report(args, rows, agree, nparams):
                      f"{r['decode'] * 1e3:.1f} ms | {base['decode'] / r['decode']:.2f}x | "
                      f"{parts} / {rest:.2f} s |")
     lines.append("")
-    for dtn, (d, big, top) in agree.items():
-        lines.append(f"- {dtn}: prefill logits max |flywheel - default| = {d:.3g} (largest logit "
-                     f"{big:.3g}), top-1 agreement {100 * top:.2f}%, dense expert routing, "
-                     f"{args.agree_len} tokens.")
+    for dtn, a in agree.items():
+        lines.append(f"- {dtn}: {agreement_text(a, args.agree_len)}.")
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n\n![e2e](e2e.png)\n")
     try:
