@@ -265,7 +265,8 @@ def report(args, rows, agree, nparams):
                 ax.bar(len(labels), k.get(kind, 0.0), bottom=bottom, color=colors[kind],
                        label=kind if not labels else None)
                 bottom += k.get(kind, 0.0)
-            labels.append(f"{key[0][:4]} {key[1]}\n{mode}")
+            short = {"bfloat16": "bf16", "float32": "f32"}.get(key[0], key[0])
+            labels.append(f"{short} {key[1]}\n{mode}")
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("prefill seconds")
