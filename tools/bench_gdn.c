@@ -395,11 +395,16 @@ int bench_gdn_main(int argc, char **argv)
     return fail;
 }
 
-/* `make run`: GDN prefill at T = 4K with the recurrent baseline, and decode for 64 sequences. */
+/* `make run`: GDN prefill at T = 4K with the recurrent baseline, decode for 64 sequences, and
+ * KDA prefill at T = 4K on Kimi Linear's shapes (32 q/k and value heads). */
 int bench_gdn_headline(void)
 {
     gcfg c = gdefaults();
     c.T = 4096;
     int fail = run_prefill(&c);
-    return fail | run_decode(&c, 64);
+    fail |= run_decode(&c, 64);
+    gcfg k = c;
+    k.kda = 1;
+    k.H = k.HV = 32;
+    return fail | run_prefill(&k);
 }
