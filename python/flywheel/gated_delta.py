@@ -102,6 +102,15 @@ def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use
                  cu_seqlens, flags, isa, gate_args, out, precision=None, l2norm_eps=None):
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, *gate_args)
+    return _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state,
+                         use_qk_l2norm, cu_seqlens, flags, isa, out, precision, l2norm_eps)
+
+
+def _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                  cu_seqlens, flags, isa, out, precision, l2norm_eps, kernel_gates=None):
+    """fw_gdn_prefill on float arrays q, k, v and float32 g, beta ([B, T, ...], or packed with
+    cu_seqlens); kernel_gates(p, HV, K) sets the gates computed in the kernels and returns
+    what p points into."""
     q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
     B, Tn, HV, V = v.shape
     n = cu.size - 1
@@ -115,10 +124,12 @@ def _run_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use
     o = T.output(out, v, (B, Tn, HV, V))
     ht = T.empty_like_family(q, (n, HV, K, V), "float32") if output_final_state else None
     p = _params(q, scale, use_qk_l2norm, flags, isa, precision, l2norm_eps)
+    keep = kernel_gates(p, HV, K) if kernel_gates is not None else None
     o2 = T.merged_view(o, "out")
     _lib.check(_lib.lib.fw_gdn_prefill(T.describe(q2), T.describe(k2), T.describe(v2),
                                        T.describe(g2), T.describe(b2), T.ptr(cu), n,
                                        T.ptr(h0), T.ptr(ht), T.describe(o2), p))
+    del keep  # the gate arrays p pointed into
     return o, ht
 
 

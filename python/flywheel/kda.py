@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _lib
 from . import _tensors as T
-from .gated_delta import _flatten, _kernel_gates, _params, _unsupported
+from .gated_delta import _kernel_gates, _prefill_call, _unsupported
 
 
 def _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval):
@@ -42,25 +42,10 @@ def _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     g, beta = T.to_numpy_f32(g, "g"), T.to_numpy_f32(beta, "beta")
     if g.ndim != 4:
         raise ValueError(f"g must be [B, T, HV, K] (a decay per key channel), got shape {g.shape}")
-    q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
-    B, Tn, HV, V = v.shape
-    n, K = cu.size - 1, q.shape[-1]
-    h0 = None
-    if initial_state is not None:
-        h0 = T.to_numpy_f32(initial_state, "initial_state")
-        if h0.shape != (n, HV, K, V):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, HV, K, V)}, got "
-                             f"{h0.shape}")
-    o = T.output(out, v, (B, Tn, HV, V))
-    ht = T.empty_like_family(q, (n, HV, K, V), "float32") if output_final_state else None
-    p = _params(q, scale, use_qk_l2norm, flags, isa, None, l2norm_eps)
-    keep = _kernel_gates(p, HV, use_gate, A_log, dt_bias, beta_sigmoid, K, lower_bound)
-    _lib.check(_lib.lib.fw_gdn_prefill(T.describe(q2), T.describe(k2), T.describe(v2),
-                                       T.describe(g2), T.describe(b2), T.ptr(cu), n,
-                                       T.ptr(h0), T.ptr(ht), T.describe(T.merged_view(o, "out")),
-                                       p))
-    del keep
-    return o, ht
+    return _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                         cu_seqlens, flags, isa, out, None, l2norm_eps,
+                         lambda p, HV, K: _kernel_gates(p, HV, use_gate, A_log, dt_bias,
+                                                        beta_sigmoid, K, lower_bound))
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
