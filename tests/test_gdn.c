@@ -471,6 +471,32 @@ static void test_state_pool(void)
     free_inputs(&in);
 }
 
+/* Op 0 (prefill), 1 (decode of each sequence's first token) or 2 (verify) twice: with the
+ * gates given (g, beta; state s1, out o1) and with the raw a, b and the kernels' gates (state
+ * s2, out o2). Both statuses or'ed. */
+typedef struct {
+    const fw_tensor *g, *beta, *a, *b, *o1, *o2;
+    const fw_gdn_params *given, *raw;
+} gate_pair;
+
+static fw_status run_gate_pair(int op, const ginputs *in, const int32_t *cu, int n, const gate_pair *gp,
+                               float *s1, float *s2, const int32_t *idx, float *replay, size_t rf)
+{
+    if (op == 0)
+        return fw_gdn_prefill(&in->q, &in->k, &in->v, gp->g, gp->beta, cu, n, NULL, s1, gp->o1, gp->given) |
+               fw_gdn_prefill(&in->q, &in->k, &in->v, gp->a, gp->b, cu, n, NULL, s2, gp->o2, gp->raw);
+    if (op == 2)
+        return fw_gdn_verify(&in->q, &in->k, &in->v, gp->g, gp->beta, cu, n, s1, 3, idx, replay, rf, gp->o1,
+                             gp->given) |
+               fw_gdn_verify(&in->q, &in->k, &in->v, gp->a, gp->b, cu, n, s2, 3, idx, replay, rf, gp->o2, gp->raw);
+    fw_tensor q = in->q, k = in->k, v = in->v, gg = *gp->g, bb = *gp->beta, aa = *gp->a, b2 = *gp->b;
+    fw_tensor x1 = *gp->o1, x2 = *gp->o2;
+    q.shape[0] = k.shape[0] = v.shape[0] = gg.shape[0] = bb.shape[0] = aa.shape[0] = b2.shape[0] = n;
+    x1.shape[0] = x2.shape[0] = n;
+    return fw_gdn_decode(&q, &k, &v, &gg, &bb, s1, 3, idx, &x1, gp->given) |
+           fw_gdn_decode(&q, &k, &v, &aa, &b2, s2, 3, idx, &x2, gp->raw);
+}
+
 /* (i) the gates computed inside the kernels (a_log, dt_bias, beta_sigmoid) give the bits of
  * the same gates computed before the call, on prefill, decode and verify; bad gate params
  * are refused */
@@ -515,20 +541,8 @@ static void test_kernel_gates(void)
                    op == 0 ? "prefill" : op == 1 ? "decode" : "verify");
         for (int i = 0; i < 3 * HV * DK * DV; i++)
             s1[i] = s2[i] = (float)(0.1 * (i % 17) - 0.8);
-        fw_status st;
-        if (op == 0) {
-            st = fw_gdn_prefill(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, NULL, s1, &to1, &given);
-            st |= fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, s2, &to2, &raw);
-        } else if (op == 1) {
-            fw_tensor q = in.q, k = in.k, v = in.v, gg = tg, bb = tbe, aa = ta, b2 = tb, x1 = to1, x2 = to2;
-            q.shape[0] = k.shape[0] = v.shape[0] = gg.shape[0] = bb.shape[0] = aa.shape[0] = b2.shape[0] = N;
-            x1.shape[0] = x2.shape[0] = N;
-            st = fw_gdn_decode(&q, &k, &v, &gg, &bb, s1, 3, idx, &x1, &given);
-            st |= fw_gdn_decode(&q, &k, &v, &aa, &b2, s2, 3, idx, &x2, &raw);
-        } else {
-            st = fw_gdn_verify(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, s1, 3, idx, replay, 4096, &to1, &given);
-            st |= fw_gdn_verify(&in.q, &in.k, &in.v, &ta, &tb, cu, N, s2, 3, idx, replay, 4096, &to2, &raw);
-        }
+        const gate_pair gp = {&tg, &tbe, &ta, &tb, &to1, &to2, &given, &raw};
+        fw_status st = run_gate_pair(op, &in, cu, N, &gp, s1, s2, idx, replay, 4096);
         case_check(st == FW_OK, "status: %s", fw_last_error());
         case_check(!memcmp(o1, o2, sizeof o1) && !memcmp(s1, s2, sizeof s1), "outputs or states differ");
         case_end();
@@ -604,20 +618,8 @@ static void test_kda_gates(void)
                        op == 0 ? "prefill" : op == 1 ? "decode" : "verify", lb ? "lower_bound sigmoid" : "softplus");
             for (int i = 0; i < 3 * HV * DK * DV; i++)
                 s1[i] = s2[i] = (float)(0.1 * (i % 17) - 0.8);
-            fw_status st;
-            if (op == 0) {
-                st = fw_gdn_prefill(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, NULL, s1, &to1, &given);
-                st |= fw_gdn_prefill(&in.q, &in.k, &in.v, &ta, &tb, cu, N, NULL, s2, &to2, &raw);
-            } else if (op == 1) {
-                fw_tensor q = in.q, k = in.k, v = in.v, gg = tg, bb = tbe, aa = ta, b2 = tb, x1 = to1, x2 = to2;
-                q.shape[0] = k.shape[0] = v.shape[0] = gg.shape[0] = bb.shape[0] = aa.shape[0] = b2.shape[0] = N;
-                x1.shape[0] = x2.shape[0] = N;
-                st = fw_gdn_decode(&q, &k, &v, &gg, &bb, s1, 3, idx, &x1, &given);
-                st |= fw_gdn_decode(&q, &k, &v, &aa, &b2, s2, 3, idx, &x2, &raw);
-            } else {
-                st = fw_gdn_verify(&in.q, &in.k, &in.v, &tg, &tbe, cu, N, s1, 3, idx, replay, 8192, &to1, &given);
-                st |= fw_gdn_verify(&in.q, &in.k, &in.v, &ta, &tb, cu, N, s2, 3, idx, replay, 8192, &to2, &raw);
-            }
+            const gate_pair gp = {&tg, &tbe, &ta, &tb, &to1, &to2, &given, &raw};
+            fw_status st = run_gate_pair(op, &in, cu, N, &gp, s1, s2, idx, replay, 8192);
             case_check(st == FW_OK, "status: %s", fw_last_error());
             double eo = 0, es = 0;
             for (size_t i = 0; i < sizeof o1 / sizeof o1[0]; i++)
