@@ -297,12 +297,15 @@ def gdn_flop(T):
     return 2.0 * (3 * GD * GD + C * (3 * GD + 2 * GD) + (C - 1) * (C - 2) / 6.0) * T * GHV
 
 
-def bench_gdn_prefill(P, rows, T, reps):
-    rng = np.random.default_rng(T + 2)
-    q, k, v, g, beta = gdn_inputs(rng, 1, T)
-    op, size = "GDN prefill", f"T={T}"
-    ref = flywheel.chunk_gated_delta_rule(q, k, v, g, beta)[0][0].astype(np.float64)
-    flop = gdn_flop(T)
+def bench_linear_prefill(P, rows, op, size, inputs, flop, reps, chunk, fused, chunk_label,
+                         ggml_label, fla_call, r):
+    """flywheel's chunked pass (f32 and bf16 inputs) and fused recurrent step, ggml
+    gated_delta_net and fla's naive chunked reference on the same prefill. inputs: (q, k, v,
+    g, beta) numpy; chunk(q, k, v, g, beta) and fused(...) flywheel's calls; fla_call(torch
+    tensors) fla's (None: fla missing); r the value heads per q/k head (ggml and fla expand
+    q/k)."""
+    q, k, v, g, beta = inputs
+    ref = chunk(q, k, v, g, beta)[0][0].astype(np.float64)
     torch = P.torch
     for dt in ("float32", "bfloat16"):
         a = [torch.from_numpy(x).to(getattr(torch, dt)) for x in (q, k, v)]
@@ -310,36 +313,51 @@ def bench_gdn_prefill(P, rows, T, reps):
         box = {}
 
         def ours(a=a, gb=gb, box=box):
-            box["o"] = flywheel.chunk_gated_delta_rule(*a, *gb)[0]
-        run_peer(rows, op, "flywheel chunk", dt, size, ours,
+            box["o"] = chunk(*a, *gb)[0]
+        run_peer(rows, op, chunk_label, dt, size, ours,
                  lambda box=box: box["o"][0].float().numpy(), ref, reps, flop, "GFLOP/s")
     box = {}
 
-    def fused():
-        box["o"] = flywheel.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta)[0]
-    run_peer(rows, op, "flywheel fused recurrent", "float32", size, fused,
+    def fused_run():
+        box["o"] = fused(q, k, v, g, beta)[0]
+    run_peer(rows, op, "flywheel fused recurrent", "float32", size, fused_run,
              lambda: box["o"][0], ref, max(1, reps // 2), flop, "GFLOP/s")
-    r = GHV // GH
+    qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
     if P.ggml is not None:
         try:
-            qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
             run, res, gg = ggml_gdn(P.ggml, qe, ke, v, g, beta,
-                                    np.zeros((1, GHV, GD, GD), np.float32), P.threads)
-            run_peer(rows, op, "ggml gated_delta_net", "float32", size, run,
+                                    np.zeros((1, v.shape[2], q.shape[3], v.shape[3]), np.float32),
+                                    P.threads)
+            run_peer(rows, op, ggml_label, "float32", size, run,
                      lambda: res()[0], ref, max(1, reps // 2), flop, "GFLOP/s")
             gg.free()
         except Exception as e:
-            rows.append(Row(op, "ggml gated_delta_net", "float32", size, note=f"failed: {e}"))
-    if P.fla is not None:
-        a = [torch.from_numpy(np.repeat(x, r, axis=2) if x.shape[2] == GH else x)
-             for x in (q, k, v)]
-        tg, tb = torch.from_numpy(g), torch.from_numpy(beta)
+            rows.append(Row(op, ggml_label, "float32", size, note=f"failed: {e}"))
+    if fla_call is not None:
+        a = [torch.from_numpy(x) for x in (qe, ke, v, g, beta)]
         box = {}
 
         def fla():
-            box["o"] = P.fla.naive_chunk_gated_delta_rule(*a, tg, tb)[0]
-        run_peer(rows, op, "fla naive chunk (torch)", "float32", size, fla,
+            box["o"] = fla_call(*a)[0]
+        run_peer(rows, op, fla_call.label, "float32", size, fla,
                  lambda: box["o"][0].numpy(), ref, 1, flop, "GFLOP/s")
+
+
+def _labelled(fn, label):
+    fn.label = label
+    return fn
+
+
+def bench_gdn_prefill(P, rows, T, reps):
+    rng = np.random.default_rng(T + 2)
+    fla = None if P.fla is None else _labelled(
+        lambda q, k, v, g, b: P.fla.naive_chunk_gated_delta_rule(q, k, v, g, b),
+        "fla naive chunk (torch)")
+    bench_linear_prefill(
+        P, rows, "GDN prefill", f"T={T}", gdn_inputs(rng, 1, T), gdn_flop(T), reps,
+        flywheel.chunk_gated_delta_rule,
+        lambda q, k, v, g, b: flywheel.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=b),
+        "flywheel chunk", "ggml gated_delta_net", fla, GHV // GH)
 
 
 def bench_gdn_decode(P, rows, n, reps):
@@ -399,44 +417,12 @@ def kda_flop(T):
 
 def bench_kda_prefill(P, rows, T, reps):
     rng = np.random.default_rng(T + 4)
-    q, k, v, g, beta = kda_inputs(rng, 1, T)
-    op, size = "KDA prefill", f"T={T}"
-    ref = flywheel.chunk_kda(q, k, v, g, beta)[0][0].astype(np.float64)
-    flop = kda_flop(T)
-    torch = P.torch
-    for dt in ("float32", "bfloat16"):
-        a = [torch.from_numpy(x).to(getattr(torch, dt)) for x in (q, k, v)]
-        gb = [torch.from_numpy(g), torch.from_numpy(beta)]
-        box = {}
-
-        def ours(a=a, gb=gb, box=box):
-            box["o"] = flywheel.chunk_kda(*a, *gb)[0]
-        run_peer(rows, op, "flywheel chunk (f32 products)", dt, size, ours,
-                 lambda box=box: box["o"][0].float().numpy(), ref, reps, flop, "GFLOP/s")
-    box = {}
-
-    def fused():
-        box["o"] = flywheel.fused_recurrent_kda(q, k, v, g, beta)[0]
-    run_peer(rows, op, "flywheel fused recurrent", "float32", size, fused,
-             lambda: box["o"][0], ref, max(1, reps // 2), flop, "GFLOP/s")
-    if P.ggml is not None:
-        try:
-            run, res, gg = ggml_gdn(P.ggml, q, k, v, g, beta,
-                                    np.zeros((1, KHV, KD, KD), np.float32), P.threads)
-            run_peer(rows, op, "ggml gated_delta_net (gate per channel)", "float32", size, run,
-                     lambda: res()[0], ref, max(1, reps // 2), flop, "GFLOP/s")
-            gg.free()
-        except Exception as e:
-            rows.append(Row(op, "ggml gated_delta_net (gate per channel)", "float32", size,
-                            note=f"failed: {e}"))
-    if P.fla_kda is not None:
-        a = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
-        box = {}
-
-        def fla():
-            box["o"] = P.fla_kda.naive_chunk_kda(*a)[0]
-        run_peer(rows, op, "fla naive_chunk_kda (torch)", "float32", size, fla,
-                 lambda: box["o"][0].numpy(), ref, 1, flop, "GFLOP/s")
+    fla = None if P.fla_kda is None else _labelled(P.fla_kda.naive_chunk_kda,
+                                                     "fla naive_chunk_kda (torch)")
+    bench_linear_prefill(
+        P, rows, "KDA prefill", f"T={T}", kda_inputs(rng, 1, T), kda_flop(T), reps,
+        flywheel.chunk_kda, flywheel.fused_recurrent_kda, "flywheel chunk (f32 products)",
+        "ggml gated_delta_net (gate per channel)", fla, KHV // KH)
 
 
 def bench_kda_decode(P, rows, n, reps):
