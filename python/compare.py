@@ -360,44 +360,53 @@ def bench_gdn_prefill(P, rows, T, reps):
         "flywheel chunk", "ggml gated_delta_net", fla, GHV // GH)
 
 
-def bench_gdn_decode(P, rows, n, reps):
-    rng = np.random.default_rng(n + 3)
-    q, k, v, g, beta = gdn_inputs(rng, n, 1)
-    state0 = (rng.standard_normal((n, GHV, GD, GD)) * 0.05).astype(np.float32)
-    op, size = "GDN decode", f"{n} seqs"
-    moved = 2.0 * n * GHV * GD * GD * 4
+def bench_linear_decode(P, rows, op, n, inputs, state0, ggml_label, fla_call, r, reps):
+    """flywheel's decode step on a slot array (the state advancing each call, as in serving;
+    the diff uses the first call), ggml gated_delta_net and fla's naive recurrence, for n
+    sequences. fla_call(torch q, k, v, g, beta, h0) (None: fla missing); r the value heads per
+    q/k head (ggml and fla expand q/k)."""
+    q, k, v, g, beta = inputs
+    size = f"{n} seqs"
+    moved = 2.0 * state0.size * 4
     st = state0.copy()
-    ref = flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                           st).astype(np.float64)
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    ref = flywheel.gated_delta_rule_decode(*args, st).astype(np.float64)
     box = {}
 
-    def ours():  # the state advances each call, as in serving; the diff uses the first call
-        box["o"] = flywheel.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
-                                                    beta[:, 0], st)
+    def ours():
+        box["o"] = flywheel.gated_delta_rule_decode(*args, st)
     run_peer(rows, op, "flywheel", "float32", size, ours, lambda: ref, ref, reps, moved,
              "GB/s state")
-    r = GHV // GH
+    qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
     if P.ggml is not None:
         try:
-            qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
             run, res, gg = ggml_gdn(P.ggml, qe, ke, v, g, beta, state0, P.threads)
-            run_peer(rows, op, "ggml gated_delta_net", "float32", size, run,
+            run_peer(rows, op, ggml_label, "float32", size, run,
                      lambda: res()[:, 0], ref, reps, moved, "GB/s state")
             gg.free()
         except Exception as e:
-            rows.append(Row(op, "ggml gated_delta_net", "float32", size, note=f"failed: {e}"))
-    torch = P.torch
-    if P.fla is not None:
-        a = [torch.from_numpy(np.repeat(x, r, axis=2) if x.shape[2] == GH else x)
-             for x in (q, k, v)]
-        tg, tb, h0 = torch.from_numpy(g), torch.from_numpy(beta), torch.from_numpy(state0)
+            rows.append(Row(op, ggml_label, "float32", size, note=f"failed: {e}"))
+    if fla_call is not None:
+        torch = P.torch
+        a = [torch.from_numpy(x) for x in (qe, ke, v, g, beta, state0)]
         box = {}
 
         def fla():
-            box["o"] = P.fla.naive_recurrent_gated_delta_rule(*a, tb, tg, initial_state=h0,
-                                                              output_final_state=True)[0]
-        run_peer(rows, op, "fla naive recurrent (torch)", "float32", size, fla,
+            box["o"] = fla_call(*a)[0]
+        run_peer(rows, op, fla_call.label, "float32", size, fla,
                  lambda: box["o"][:, 0].numpy(), ref, reps, moved, "GB/s state")
+
+
+def bench_gdn_decode(P, rows, n, reps):
+    rng = np.random.default_rng(n + 3)
+    inputs = gdn_inputs(rng, n, 1)
+    state0 = (rng.standard_normal((n, GHV, GD, GD)) * 0.05).astype(np.float32)
+    fla = None if P.fla is None else _labelled(
+        lambda q, k, v, g, b, h0: P.fla.naive_recurrent_gated_delta_rule(
+            q, k, v, b, g, initial_state=h0, output_final_state=True),
+        "fla naive recurrent (torch)")
+    bench_linear_decode(P, rows, "GDN decode", n, inputs, state0, "ggml gated_delta_net", fla,
+                        GHV // GH, reps)
 
 
 def kda_inputs(rng, n, T):
@@ -427,39 +436,14 @@ def bench_kda_prefill(P, rows, T, reps):
 
 def bench_kda_decode(P, rows, n, reps):
     rng = np.random.default_rng(n + 5)
-    q, k, v, g, beta = kda_inputs(rng, n, 1)
+    inputs = kda_inputs(rng, n, 1)
     state0 = (rng.standard_normal((n, KHV, KD, KD)) * 0.05).astype(np.float32)
-    op, size = "KDA decode", f"{n} seqs"
-    moved = 2.0 * n * KHV * KD * KD * 4
-    st = state0.copy()
-    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-    ref = flywheel.gated_delta_rule_decode(*args, st).astype(np.float64)
-    box = {}
-
-    def ours():  # the state advances each call, as in serving; the diff uses the first call
-        box["o"] = flywheel.gated_delta_rule_decode(*args, st)
-    run_peer(rows, op, "flywheel", "float32", size, ours, lambda: ref, ref, reps, moved,
-             "GB/s state")
-    if P.ggml is not None:
-        try:
-            run, res, gg = ggml_gdn(P.ggml, q, k, v, g, beta, state0, P.threads)
-            run_peer(rows, op, "ggml gated_delta_net (gate per channel)", "float32", size, run,
-                     lambda: res()[:, 0], ref, reps, moved, "GB/s state")
-            gg.free()
-        except Exception as e:
-            rows.append(Row(op, "ggml gated_delta_net (gate per channel)", "float32", size,
-                            note=f"failed: {e}"))
-    torch = P.torch
-    if P.fla_kda is not None:
-        a = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
-        h0 = torch.from_numpy(state0)
-        box = {}
-
-        def fla():
-            box["o"] = P.fla_kda.naive_recurrent_kda(*a, initial_state=h0,
-                                                     output_final_state=True)[0]
-        run_peer(rows, op, "fla naive_recurrent_kda (torch)", "float32", size, fla,
-                 lambda: box["o"][:, 0].numpy(), ref, reps, moved, "GB/s state")
+    fla = None if P.fla_kda is None else _labelled(
+        lambda q, k, v, g, b, h0: P.fla_kda.naive_recurrent_kda(
+            q, k, v, g, b, initial_state=h0, output_final_state=True),
+        "fla naive_recurrent_kda (torch)")
+    bench_linear_decode(P, rows, "KDA decode", n, inputs, state0,
+                        "ggml gated_delta_net (gate per channel)", fla, KHV // KH, reps)
 
 
 def oracle(P, rows):

@@ -497,6 +497,19 @@ static fw_status run_gate_pair(int op, const ginputs *in, const int32_t *cu, int
            fw_gdn_decode(&q, &k, &v, &aa, &b2, s2, 3, idx, &x2, gp->raw);
 }
 
+/* given: l2norm in the kernel, the gates given; raw: the same with the gates computed from
+ * a_log, dt_bias and sigmoid beta */
+static void gate_params(fw_gdn_params *given, fw_gdn_params *raw, const fw_tensor *a_log,
+                        const fw_tensor *dt_bias)
+{
+    fw_gdn_params_init(given);
+    given->l2norm_qk = 1;
+    *raw = *given;
+    raw->a_log = a_log;
+    raw->dt_bias = dt_bias;
+    raw->beta_sigmoid = 1;
+}
+
 /* (i) the gates computed inside the kernels (a_log, dt_bias, beta_sigmoid) give the bits of
  * the same gates computed before the call, on prefill, decode and verify; bad gate params
  * are refused */
@@ -528,12 +541,7 @@ static void test_kernel_gates(void)
     fw_tensor tal = fw_tensor_contiguous(alog, FW_F32, 1, hs), tdt = fw_tensor_contiguous(dtb, FW_F32, 1, hs);
     fw_tensor to1 = fw_tensor_contiguous(o1, FW_F32, 3, os), to2 = fw_tensor_contiguous(o2, FW_F32, 3, os);
     fw_gdn_params given, raw;
-    fw_gdn_params_init(&given);
-    given.l2norm_qk = 1;
-    raw = given;
-    raw.a_log = &tal;
-    raw.dt_bias = &tdt;
-    raw.beta_sigmoid = 1;
+    gate_params(&given, &raw, &tal, &tdt);
     int32_t idx[N] = {2, 0};
     float replay[4096];
     for (int op = 0; op < 3; op++) {
@@ -598,12 +606,7 @@ static void test_kda_gates(void)
     fw_tensor tal = fw_tensor_contiguous(alog, FW_F32, 1, hs), tdt = fw_tensor_contiguous(dtb, FW_F32, 1, ds);
     fw_tensor to1 = fw_tensor_contiguous(o1, FW_F32, 3, os), to2 = fw_tensor_contiguous(o2, FW_F32, 3, os);
     fw_gdn_params given, raw;
-    fw_gdn_params_init(&given);
-    given.l2norm_qk = 1;
-    raw = given;
-    raw.a_log = &tal;
-    raw.dt_bias = &tdt;
-    raw.beta_sigmoid = 1;
+    gate_params(&given, &raw, &tal, &tdt);
     int32_t idx[N] = {2, 0};
     static float replay[8192];
     for (int lb = 0; lb < 2; lb++) {
