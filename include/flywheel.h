@@ -225,6 +225,58 @@ FW_API fw_status fw_attn_varlen_ref(const fw_tensor *q, const fw_tensor *k, cons
                                     const fw_attn_params *params, int64_t row_begin,
                                     int64_t row_end);
 
+/* ----------------------------------------------------- attention backward -- */
+
+/*
+ * Dense backward: FlashAttention-2's algorithm. P is recomputed tile by tile from the
+ * forward's lse, D = rowsum(dout o out), dS = P o (dP - D), so nothing of size sq x sk is
+ * ever stored.
+ *   q, k, v, out, lse   the forward's inputs and outputs, shaped as in fw_attn_fwd; lse
+ *                       (required) is what the forward wrote for the same params
+ *   dout [b, sq, hq, dv] the gradient of out, same dtype as q
+ *   dq [b, sq, hq, d], dk [b, sk, hkv, d], dv [b, sk, hkv, dv]: outputs, f32 | bf16 | f16
+ *       (each may differ from q); every element is written (a key no query sees gets 0).
+ *       They must not overlap each other or any input.
+ * Products run in f32 with f32 accumulation whatever the input dtype (params->precision must
+ * be FW_PREC_AUTO or FW_PREC_F32); dq sums its key tiles, and dk / dv their query rows, in a
+ * fixed order, so the result is bit-identical for any thread count. params->flags takes
+ * FW_ATTN_PLAIN (the row-at-a-time baseline) only. Softcap, windows, GQA/MQA and dv != d as in
+ * the forward.
+ * Workspace: fw_attn_bwd_workspace_size(); unlike the forward's it grows with the query
+ * rows (f32 partial sums of dq, at most 4 copies: O(sq x hq x d), never O(sq x sk)).
+ */
+FW_API fw_status fw_attn_bwd(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                             const fw_tensor *out, const fw_tensor *dout, const fw_tensor *lse,
+                             const fw_tensor *dq, const fw_tensor *dk, const fw_tensor *dv,
+                             const fw_attn_params *params);
+/* Variable-length backward: the tensors of fw_attn_varlen_fwd plus dout [total_q, hq, dv],
+ * dq [total_q, hq, d], dk [total_k, hkv, d], dv [total_k, hkv, dv]. */
+FW_API fw_status fw_attn_varlen_bwd(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                    const fw_tensor *out, const fw_tensor *dout,
+                                    const fw_tensor *lse, const int32_t *cu_seqlens_q,
+                                    const int32_t *cu_seqlens_k, int64_t batch,
+                                    const fw_tensor *dq, const fw_tensor *dk, const fw_tensor *dv,
+                                    const fw_attn_params *params);
+/* Bytes of workspace a backward call with these tensors and params uses (q and k give the
+ * rows: dense [b, sq, ...] or varlen [total, ...]; batch is 0 for dense calls, the number of
+ * sequences for varlen ones). */
+FW_API fw_status fw_attn_bwd_workspace_size(const fw_tensor *q, const fw_tensor *k,
+                                            const fw_tensor *v, int64_t batch,
+                                            const fw_attn_params *params, size_t *bytes);
+/* Float64 references of the backward: the same contracts, one thread, every sum in double,
+ * P = exp(s - lse) from the given lse and D from the given out and dout (the kernels' inputs,
+ * so a check compares the arithmetic alone). Outputs may also be FW_F64. */
+FW_API fw_status fw_attn_bwd_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                 const fw_tensor *out, const fw_tensor *dout, const fw_tensor *lse,
+                                 const fw_tensor *dq, const fw_tensor *dk, const fw_tensor *dv,
+                                 const fw_attn_params *params);
+FW_API fw_status fw_attn_varlen_bwd_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                        const fw_tensor *out, const fw_tensor *dout,
+                                        const fw_tensor *lse, const int32_t *cu_seqlens_q,
+                                        const int32_t *cu_seqlens_k, int64_t batch,
+                                        const fw_tensor *dq, const fw_tensor *dk,
+                                        const fw_tensor *dv, const fw_attn_params *params);
+
 /* ------------------------------------------------------------- KV cache -- */
 
 /*

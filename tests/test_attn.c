@@ -46,31 +46,6 @@ static void describe(char *buf, size_t n, const shape *s)
              s->layout);
 }
 
-/* A 4-D view [a, b, c, e] whose memory order is given by `perm` (perm[0] outermost) with
- * `pad` extra elements after each innermost run and a last-dim stride of `es`. */
-static fw_tensor view4(void *data, fw_dtype dt, const int64_t *shape, const int *perm, int64_t pad,
-                       int64_t es, int64_t *extent)
-{
-    fw_tensor t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.dtype = dt;
-    t.ndim = 4;
-    int64_t s = es;
-    for (int i = 3; i >= 0; i--) {
-        int dim = perm[i];
-        t.shape[dim] = shape[dim];
-        t.stride[dim] = s;
-        s *= shape[dim] > 0 ? shape[dim] : 1;
-        if (i == 3)
-            s += pad;
-    }
-    for (int i = 0; i < 4; i++)
-        t.shape[i] = shape[i];
-    *extent = s;
-    return t;
-}
-
 static void problem_make(problem *P, const shape *s, uint64_t seed)
 {
     memset(P, 0, sizeof *P);
@@ -85,7 +60,7 @@ static void problem_make(problem *P, const shape *s, uint64_t seed)
         int64_t row = s->hq * s->d + s->hkv * s->d + s->hkv * s->dv;
         P->in = gbuf_new((size_t)(s->b * s->sq * row + 1) * es);
         char *base = P->in.p;
-        P->q = view4(base, s->dt, qs, bshd, 0, 1, &eq);
+        P->q = tview4(base, s->dt, qs, bshd, 0, 1, &eq);
         P->q.stride[1] = row; P->q.stride[0] = row * s->sq;
         P->k = P->q; P->k.data = base + (size_t)(s->hq * s->d) * es;
         P->k.shape[2] = s->hkv;
@@ -95,9 +70,9 @@ static void problem_make(problem *P, const shape *s, uint64_t seed)
     } else {
         const int *perm = s->layout == 1 ? bhsd : bshd;
         int64_t pad = s->layout == 1 ? 3 : 0, st = s->layout == 2 ? 2 : 1;
-        fw_tensor tq = view4(NULL, s->dt, qs, perm, pad, st, &eq);
-        fw_tensor tk = view4(NULL, s->dt, ks, perm, pad, st, &ek);
-        fw_tensor tv = view4(NULL, s->dt, vs, perm, pad, st, &ev);
+        fw_tensor tq = tview4(NULL, s->dt, qs, perm, pad, st, &eq);
+        fw_tensor tk = tview4(NULL, s->dt, ks, perm, pad, st, &ek);
+        fw_tensor tv = tview4(NULL, s->dt, vs, perm, pad, st, &ev);
         P->in = gbuf_new((size_t)(eq + ek + ev + 1) * es);
         char *base = P->in.p;
         P->q = tq; P->q.data = base;
@@ -106,7 +81,7 @@ static void problem_make(problem *P, const shape *s, uint64_t seed)
     }
     {
         const int *perm = s->layout == 1 ? bhsd : bshd;
-        fw_tensor to = view4(NULL, s->odt, os, perm, s->layout ? 5 : 0, 1, &eout);
+        fw_tensor to = tview4(NULL, s->odt, os, perm, s->layout ? 5 : 0, 1, &eout);
         P->out = gbuf_new((size_t)(eout + 1) * eo);
         P->o = to;
         P->o.data = P->out.p;
@@ -142,27 +117,6 @@ static void params_of(const shape *s, fw_attn_params *p, const char *isa, int th
     p->isa = isa;
     p->threads = threads;
     p->flags = flags;
-}
-
-/* Every byte of the out / lse buffers that is not an element must still be the sentinel. */
-static int untouched_outside(const gbuf *b, const fw_tensor *t)
-{
-    size_t es = fw_dtype_size(t->dtype);
-    unsigned char *mark = calloc(b->bytes, 1);
-    int64_t idx[FW_MAX_DIMS] = {0};
-    int empty = 0;
-    for (int i = 0; i < t->ndim; i++)
-        empty |= t->shape[i] == 0;
-    if (!empty)
-        do
-            memset(mark + (size_t)toffset(t, idx) * es, 1, es);
-        while (tnext(t, idx));
-    int ok = gbuf_guards_ok(b);
-    for (size_t i = 0; i < b->bytes && ok; i++)
-        if (!mark[i] && ((unsigned char *)b->p)[i] != 0xA5)
-            ok = 0;
-    free(mark);
-    return ok;
 }
 
 /* Output of a run, gathered as doubles in [b, sq, hq, dv] and [b, hq, sq] order. */
@@ -284,8 +238,8 @@ static void check_problem(problem *P, const char *isa, int threads, uint32_t fla
         const char *pn = prec == FW_PREC_BF16 ? "bf16" : "f32";
         st = run_kernel(P, isa, threads, flags, prec);
         case_check(st == FW_OK, "kernel returned %s: %s", fw_status_string(st), fw_last_error());
-        case_check(untouched_outside(&P->out, &P->o), "out: bytes outside the view or guards written");
-        case_check(untouched_outside(&P->lse, &P->l), "lse: bytes outside the view or guards written");
+        case_check(tuntouched(&P->out, &P->o), "out: bytes outside the view or guards written");
+        case_check(tuntouched(&P->lse, &P->l), "lse: bytes outside the view or guards written");
         result k = gather(P);
         double ek, elk;
         max_err(&P->s, &k, &R->exact, r0, r1, &ek, &elk);

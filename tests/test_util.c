@@ -167,3 +167,49 @@ void sr_errors(const double *so, const double *sl, const double *ro, const doubl
         if (!(isinf(sl[x]) && sl[x] == rl[x]))
             *el = fmax(*el, fabs(sl[x] - rl[x]));
 }
+
+/* A 4-D view [a, b, c, e] whose memory order is given by `perm` (perm[0] outermost) with
+ * `pad` extra elements after each innermost run and a last-dim stride of `es`. */
+fw_tensor tview4(void *data, fw_dtype dt, const int64_t *shape, const int *perm, int64_t pad,
+                 int64_t es, int64_t *extent)
+{
+    fw_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dt;
+    t.ndim = 4;
+    int64_t s = es;
+    for (int i = 3; i >= 0; i--) {
+        int dim = perm[i];
+        t.shape[dim] = shape[dim];
+        t.stride[dim] = s;
+        s *= shape[dim] > 0 ? shape[dim] : 1;
+        if (i == 3)
+            s += pad;
+    }
+    for (int i = 0; i < 4; i++)
+        t.shape[i] = shape[i];
+    *extent = s;
+    return t;
+}
+
+int tuntouched(const gbuf *b, const fw_tensor *t)
+{
+    size_t es = fw_dtype_size(t->dtype);
+    unsigned char *mark = calloc(b->bytes, 1);
+    int64_t idx[FW_MAX_DIMS] = {0};
+    int empty = 0;
+    for (int i = 0; i < t->ndim; i++)
+        empty |= t->shape[i] == 0;
+    if (!empty)
+        do
+            memset(mark + (size_t)toffset(t, idx) * es, 1, es);
+        while (tnext(t, idx));
+    int ok = gbuf_guards_ok(b);
+    for (size_t i = 0; i < b->bytes && ok; i++)
+        if (!mark[i] && ((unsigned char *)b->p)[i] != 0xA5)
+            ok = 0;
+    free(mark);
+    return ok;
+}
+

@@ -22,7 +22,8 @@ typedef struct {
     const char *name;
     void (*run)(void);
 } test_suite;
-extern const test_suite attn_suites[], kvcache_suites[], gdn_suites[], nan_suites[], conv_suites[];
+extern const test_suite attn_suites[], attn_bwd_suites[], kvcache_suites[], gdn_suites[], nan_suites[],
+    conv_suites[];
 
 /* A buffer with GUARD sentinel bytes on both sides; the body is filled with a sentinel too,
  * so a test can tell which bytes a call wrote. */
@@ -57,5 +58,13 @@ void sr_errors(const double *so, const double *sl, const double *ro, const doubl
 /* Store x rounded to t's dtype (values are rounded to the dtype first, so every table sees
  * exactly the same inputs). */
 void tfill_normal(const fw_tensor *t, double scale);
+
+/* A 4-D view [a, b, c, e] whose memory order is given by `perm` (perm[0] outermost) with
+ * `pad` extra elements after each innermost run and a last-dim stride of `es`; *extent: the
+ * elements it spans. */
+fw_tensor tview4(void *data, fw_dtype dt, const int64_t *shape, const int *perm, int64_t pad,
+                 int64_t es, int64_t *extent);
+/* Every byte of b that is not an element of t still holds the sentinel 0xA5, guards too. */
+int tuntouched(const gbuf *b, const fw_tensor *t);
 
 #endif

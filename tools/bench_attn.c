@@ -18,6 +18,7 @@
  * reference, next to the plain kernel's error on the same rows (bar: error <= 2 x plain + 1e-5);
  * with bf16 products the bar is 2 x the error of the same-roundings float64 reference (q, k, v
  * as given, P rounded to bf16 before PV, output rounded to its dtype) + 1e-5.
+ * --bwd times the backward instead (its formula and check above run_bwd_cfg).
  */
 #include <math.h>
 #include <stdio.h>
@@ -36,6 +37,7 @@ typedef struct {
     uint32_t flags;
     int json, check, baseline, techniques;
     int prec; /* fw_precision */
+    int bwd;  /* time the backward instead */
 } cfg;
 
 typedef struct {
@@ -331,10 +333,189 @@ static int run_cfg(const cfg *c)
 }
 
 
+/* ---------------------------------------------------------------- backward --
+ *
+ * FLOP formula: 2.5 x the forward's, 5 (d + dv) per unmasked pair (QK^T, dO V^T, P^T dO,
+ * dS^T Q, dS K), against the FMA peak (the backward runs f32 products). The forward runs
+ * once first (f32 products) for out and lse. plain: the row-at-a-time backward
+ * (FW_ATTN_PLAIN) on the last baseline rows as their own problem (q, out, dout, lse rows
+ * [r0, sq) against every key; same formula), median of 3. --check: the same sub-problem of
+ * the last 32 rows through the kernel, plain and the float64 reference; bar per gradient
+ * 2 x plain's error + 1e-5 x (1 + max |ref|). */
+
+typedef struct {
+    bufs B;
+    void *go, *dq, *dk, *dv;
+    float *lse;
+    fw_tensor tgo, tl, tdq, tdk, tdv;
+} bwd_bufs;
+
+/* The problem's rows [r0, sq) as their own: q, out, dout, dq views and lse. */
+static void bwd_view(const cfg *c, const bwd_bufs *W, int64_t r0, fw_tensor t[6])
+{
+    const size_t es = fw_dtype_size(c->dt);
+    const fw_tensor *src[5] = {&W->B.tq, &W->B.to, &W->tgo, &W->tdq, &W->tl};
+    for (int i = 0; i < 5; i++) {
+        t[i] = *src[i];
+        const int dim = i == 4 ? 2 : 1;
+        t[i].shape[dim] = c->sq - r0;
+        t[i].data = (char *)src[i]->data + (size_t)(r0 * src[i]->stride[dim]) * (i == 4 ? 4 : es);
+    }
+}
+
+static fw_status bwd_call(const cfg *c, bwd_bufs *W, uint32_t flags, int64_t r0, const fw_tensor *dq,
+                          const fw_tensor *dk, const fw_tensor *dv)
+{
+    fw_attn_params p;
+    params_of(c, &p, flags, c->threads);
+    p.precision = FW_PREC_F32;
+    fw_tensor t[6];
+    bwd_view(c, W, r0, t);
+    return fw_attn_bwd(&t[0], &W->B.tk, &W->B.tv, &t[1], &t[2], &t[4], dq ? dq : &t[3],
+                       dk ? dk : &W->tdk, dv ? dv : &W->tdv, &p);
+}
+
+static double bwd_time(const cfg *c, bwd_bufs *W, uint32_t flags, int64_t r0, int reps, int *ok)
+{
+    double t[64];
+    reps = reps > 64 ? 64 : reps;
+    *ok = 1;
+    for (int i = -1; i < reps; i++) {
+        const double t0 = bench_now();
+        const fw_status s = bwd_call(c, W, flags, r0, NULL, NULL, NULL);
+        const double dt = bench_now() - t0;
+        if (s != FW_OK) {
+            fprintf(stderr, "bench: %s\n", fw_last_error());
+            *ok = 0;
+            return 0;
+        }
+        if (i >= 0)
+            t[i] = dt;
+    }
+    return bench_median(t, reps);
+}
+
+/* The three gradients of the sub-problem of rows [r0, sq) into f64 buffers g[3]: kernel
+ * (flags), or the reference (ref). */
+static int bwd_grads(const cfg *c, bwd_bufs *W, uint32_t flags, int ref, int64_t r0, double *g[3])
+{
+    const int64_t n = c->sq - r0;
+    const int64_t sq[4] = {c->b, n, c->hq, c->d}, sk[4] = {c->b, c->sk, c->hkv, c->d},
+                  sv[4] = {c->b, c->sk, c->hkv, c->dv};
+    fw_tensor d[3] = {fw_tensor_contiguous(g[0], FW_F64, 4, sq), fw_tensor_contiguous(g[1], FW_F64, 4, sk),
+                      fw_tensor_contiguous(g[2], FW_F64, 4, sv)};
+    fw_status s;
+    if (ref) {
+        fw_attn_params p;
+        params_of(c, &p, 0, 1);
+        p.precision = FW_PREC_F32;
+        fw_tensor t[6];
+        bwd_view(c, W, r0, t);
+        s = fw_attn_bwd_ref(&t[0], &W->B.tk, &W->B.tv, &t[1], &t[2], &t[4], &d[0], &d[1], &d[2], &p);
+    } else {
+        /* f32 gradients, widened */
+        float *f[3];
+        for (int i = 0; i < 3; i++) {
+            f[i] = (float *)g[i];
+            d[i].dtype = FW_F32;
+            d[i].data = f[i];
+        }
+        s = bwd_call(c, W, flags, r0, &d[0], &d[1], &d[2]);
+        const int64_t cnt[3] = {c->b * n * c->hq * c->d, c->b * c->sk * c->hkv * c->d,
+                                c->b * c->sk * c->hkv * c->dv};
+        for (int i = 0; i < 3; i++)
+            for (int64_t j = cnt[i] - 1; j >= 0; j--)
+                g[i][j] = f[i][j];
+    }
+    if (s != FW_OK)
+        fprintf(stderr, "bench: %s\n", fw_last_error());
+    return s == FW_OK;
+}
+
+static int run_bwd_cfg(const cfg *c)
+{
+    bwd_bufs W;
+    memset(&W, 0, sizeof W);
+    if (!bufs_make(&W.B, c))
+        return 1;
+    const size_t es = fw_dtype_size(c->dt);
+    const int64_t nq = c->b * c->sq * c->hq, nk = c->b * c->sk * c->hkv;
+    const int64_t so[4] = {c->b, c->sq, c->hq, c->dv}, sl[3] = {c->b, c->hq, c->sq};
+    W.go = malloc((size_t)(nq * c->dv) * es + 1);
+    W.dq = malloc((size_t)(nq * c->d) * es + 1);
+    W.dk = malloc((size_t)(nk * c->d) * es + 1);
+    W.dv = malloc((size_t)(nk * c->dv) * es + 1);
+    W.lse = malloc((size_t)nq * sizeof(float) + 1);
+    if (!W.go || !W.dq || !W.dk || !W.dv || !W.lse) {
+        fprintf(stderr, "bench: out of memory\n");
+        return 1;
+    }
+    W.tgo = fw_tensor_contiguous(W.go, c->dt, 4, so);
+    W.tl = fw_tensor_contiguous(W.lse, FW_F32, 3, sl);
+    W.tdq = W.B.tq; W.tdq.data = W.dq;
+    W.tdk = W.B.tk; W.tdk.data = W.dk;
+    W.tdv = W.B.tv; W.tdv.data = W.dv;
+    fill(&W.tgo, nq * c->dv);
+    fw_attn_params p;
+    params_of(c, &p, 0, c->threads);
+    p.precision = FW_PREC_F32;
+    int fail = fw_attn_fwd(&W.B.tq, &W.B.tk, &W.B.tv, &W.B.to, &W.tl, &p) != FW_OK, ok = !fail;
+    result r;
+    memset(&r, 0, sizeof r);
+    const double flop_per_pair = 5.0 * (double)(c->d + c->dv);
+    if (ok)
+        r.sec = bwd_time(c, &W, 0, 0, c->reps, &ok);
+    if (ok) {
+        r.ok = 1;
+        r.gflops = flop_per_pair * pairs(c, 0) * (double)(c->b * c->hq) / r.sec * 1e-9;
+        r.peak_f32 = r.peak = bench_peak(c->threads);
+        r.peak_bf16 = bench_peak_bf16(c->threads);
+        if (c->baseline) {
+            const int64_t rows = c->sq < 64 ? c->sq : (c->sq / 16 < 64 ? 64 : (c->sq / 16 > 256 ? 256 : c->sq / 16));
+            int bok;
+            const double s = bwd_time(c, &W, FW_ATTN_PLAIN, c->sq - rows, 3, &bok);
+            r.base_rows = rows;
+            r.base_gflops = bok && s > 0 ? flop_per_pair * pairs(c, c->sq - rows) * (double)(c->b * c->hq) / s * 1e-9 : 0;
+        }
+        if (c->check) {
+            const int64_t nchk = c->sq < CHECK_ROWS ? c->sq : CHECK_ROWS, r0 = c->sq - nchk;
+            const int64_t cnt[3] = {c->b * nchk * c->hq * c->d, nk * c->d, nk * c->dv};
+            double *g[3][3];
+            int got = 1;
+            for (int w = 0; w < 3; w++)
+                for (int i = 0; i < 3; i++)
+                    got &= (g[w][i] = malloc((size_t)(cnt[i] + 1) * sizeof(double))) != NULL;
+            if (got && bwd_grads(c, &W, 0, 0, r0, g[0]) && bwd_grads(c, &W, FW_ATTN_PLAIN, 0, r0, g[1]) &&
+                bwd_grads(c, &W, 0, 1, r0, g[2])) {
+                r.checked = 1;
+                int pass = 1;
+                for (int i = 0; i < 3; i++) {
+                    double mag = 0;
+                    for (int64_t j = 0; j < cnt[i]; j++)
+                        mag = fmax(mag, fabs(g[2][i][j]));
+                    const double e = max_abs_diff(g[0][i], g[2][i], cnt[i]), pe = max_abs_diff(g[1][i], g[2][i], cnt[i]);
+                    pass &= e <= 2 * pe + 1e-5 * (1 + mag);
+                    r.err = fmax(r.err, e);
+                    r.perr = fmax(r.perr, pe);
+                }
+                r.bar = pass ? INFINITY : -1;
+            }
+            for (int w = 0; w < 3; w++)
+                for (int i = 0; i < 3; i++)
+                    free(g[w][i]);
+            fail |= !(r.checked && r.bar > 0);
+        }
+        print_result(c, "backward", &r);
+    }
+    free(W.go); free(W.dq); free(W.dk); free(W.dv); free(W.lse);
+    bufs_free(&W.B);
+    return fail || !ok;
+}
+
 static cfg defaults(void)
 {
     cfg c = {1, 4096, 4096, 32, 8, 128, 128, FW_BF16, 1, -1, -1, 0.0f, 0, 5, NULL, 0, 0, 0, 1, 0,
-             FW_PREC_AUTO};
+             FW_PREC_AUTO, 0};
     return c;
 }
 
@@ -348,7 +529,8 @@ static void attn_usage(void)
            "  --online --no-gqa-pack --no-skip --plain   technique switches\n"
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"
-           "  --json         one JSON object per line\n");
+           "  --json         one JSON object per line\n"
+           "  --bwd          the backward (dq, dk, dv; f32 products) instead of the forward\n");
 }
 
 int bench_attn_main(int argc, char **argv)
@@ -392,6 +574,7 @@ int bench_attn_main(int argc, char **argv)
         else if (!strcmp(a, "--no-baseline")) c.baseline = 0;
         else if (!strcmp(a, "--check")) c.check = 1;
         else if (!strcmp(a, "--json")) c.json = 1;
+        else if (!strcmp(a, "--bwd")) c.bwd = 1;
         else if (bench_is_help(a)) { attn_usage(); return 0; }
         else { fprintf(stderr, "flywheel: unknown option %s\n", a); attn_usage(); return 2; }
 #undef INT
@@ -401,7 +584,7 @@ int bench_attn_main(int argc, char **argv)
         c.threads = bench_cpus();
     if (c.reps < 1)
         c.reps = 1;
-    return run_cfg(&c);
+    return c.bwd ? run_bwd_cfg(&c) : run_cfg(&c);
 }
 
 /* The headline set of `flywheel run` / `make run`. */

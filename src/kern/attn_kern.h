@@ -544,6 +544,38 @@ static const float dec_iota[FW_DEC_KEYS] = {
     22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
     44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
 
+/* Backward's elementwise step on R query rows x FW_DEC_KEYS keys (row stride FW_DEC_KEYS), in
+ * place. S (raw q.k) becomes P = 2^(s - lse2[r]), s = qs S (log2 units) or with a softcap
+ * cap2 tanh(qs S); dP (dO.v) becomes dS = P (dP - D[r]), times 1 - tanh^2 with a softcap, the
+ * derivative of the score by qs S up to the constant the driver applies at the end. Keys
+ * outside [lo[r], hi[r]) get P = dS = 0 by selection, so a NaN there never enters the row's
+ * sums (it can still reach the products, as in the forward). */
+static void bwd_ds(int R, float *S, float *dP, const float *lse2, const float *D, const float *lo,
+                   const float *hi, float qs, float cap2)
+{
+    const vf q = vset1(qs), c = vset1(cap2), one = vset1(1.0f), two = vset1(2.0f),
+             k2 = vset1(2.0f * 1.4426950408889634f);
+    for (int r = 0; r < R; r++) {
+        const vf l = vset1(lse2[r]), dd = vset1(D[r]), vlo = vset1(lo[r]), vhi = vset1(hi[r]);
+        float *s = S + (size_t)r * FW_DEC_KEYS, *dp = dP + (size_t)r * FW_DEC_KEYS;
+        for (int x = 0; x < FW_DEC_KEYS; x += VL) {
+            const vf j = vload(dec_iota + x);
+            const vm in = vmand(vge(j, vlo), vlt(j, vhi));
+            vf sc = vmul(q, vload(s + x)), t = one;
+            if (cap2 > 0.0f) {
+                t = vsub(one, vdiv(two, vadd(vexp2(vmul(k2, sc)), one)));
+                sc = vmul(c, t);
+            }
+            const vf p = vmaskz(in, vexp2(vsub(sc, l)));
+            vf ds = vmul(p, vsub(vload(dp + x), dd));
+            if (cap2 > 0.0f)
+                ds = vmul(ds, vsub(one, vmul(t, t)));
+            vstore(s + x, p);
+            vstore(dp + x, vmaskz(in, ds));
+        }
+    }
+}
+
 /* Online softmax with lazy rescale, one row at a time: keys outside [lo[r], hi[r]) (tile
  * coordinates, hi <= nk) get probability 0; O rows are rescaled only when the max grew. */
 static void dec_softmax(int R, int nk, float *S, const float *lo, const float *hi, float *m,
@@ -1614,4 +1646,5 @@ const fw_kernels FW_TABLE = {
     .kda_diag = kda_diag,
     .kda_gates = kda_gates,
     .conv1d_row = conv1d_row,
+    .bwd_ds = bwd_ds,
 };

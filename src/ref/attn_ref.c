@@ -1,4 +1,4 @@
-/* ref/attn_ref.c: the float64 reference for softmax attention. Each sequence's K/V context is
+/* ref/attn_ref.c: the float64 references for softmax attention, forward and backward. Each sequence's K/V context is
  * gathered into contiguous float64 rows; then row by row, scores in double, exp() from libm,
  * two passes (max, then sum and output). O(sk * hkv * (d + dv)) scratch, one thread.
  * With bf16 products it makes the kernel's roundings and no others: q, k, v to bf16, and
@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "../attn/attn.h"
+#include "../attn/bwd.h"
 
 /* x rounded to bf16 (nearest even) when `on`, else x. */
 static double rnd(double x, int on) { return on ? (double)fw_cvt_bf16_f32(fw_cvt_f32_bf16((float)x)) : x; }
@@ -132,4 +132,108 @@ fw_status fw_attn_kvcache_ref(const fw_tensor *q, const fw_tensor *k_new, const 
     fw_status s = fw_attn_setup_kvcache(&p, q, k_new, v_new, cu_seqlens_q, batch, cache, out, lse,
                                         params, 1);
     return s ? s : reference(&p, 0, INT64_MAX);
+}
+
+/* ---------------------------------------------------------------- backward -- */
+
+/* Sequence by sequence: K, V gathered in double, dK / dV accumulated in double over every
+ * (head, row) that sees the key, dq row by row; P from the given lse, D from the given out. */
+static fw_status reference_bwd(const fw_attn_bwd_prob *b)
+{
+    const fw_attn_prob *p = &b->f;
+    const int64_t d = p->d, dv = p->dv, sk = p->sk > 0 ? p->sk : 1;
+    const size_t nk = (size_t)(sk * p->hkv * d), nv = (size_t)(sk * p->hkv * dv);
+    double *K = malloc(nk * sizeof(double)), *V = malloc(nv * sizeof(double));
+    double *dK = malloc(nk * sizeof(double)), *dV = malloc(nv * sizeof(double));
+    double *q = malloc((size_t)(2 * d + dv) * sizeof(double));
+    if (!K || !V || !dK || !dV || !q) {
+        free(K); free(V); free(dK); free(dV); free(q);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference's buffers");
+    }
+    double *o = q + d, *dq = o + dv;
+    for (int64_t i = 0; i < p->batch; i++) {
+        const fw_attn_seq sq = fw_attn_seq_get(p, i);
+        gather(p, &sq, K, V);
+        memset(dK, 0, (size_t)(sq.sk * p->hkv * d) * sizeof(double));
+        memset(dV, 0, (size_t)(sq.sk * p->hkv * dv) * sizeof(double));
+        for (int64_t h = 0; h < p->hq; h++) {
+            const int64_t kvh = h / p->G;
+            for (int64_t r = 0; r < sq.sq; r++) {
+                int64_t lo, hi;
+                fw_attn_visible(p, sq.sq, sq.sk, r, &lo, &hi);
+                const int64_t go = fw_bwd_off(b, b->dos, i, 0, r, h);
+                const int64_t oo = sq.o0 + r * p->os[0] + h * p->os[1];
+                double D = 0.0;
+                for (int64_t x = 0; x < dv; x++) {
+                    o[x] = fw_load_f64(b->dout, go + x * b->dos[3]);
+                    D += o[x] * fw_load_f64(p->out, oo + x * p->os[2]);
+                }
+                for (int64_t x = 0; x < d; x++) {
+                    q[x] = fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]);
+                    dq[x] = 0.0;
+                }
+                const double lse = fw_load_f64(p->lse, sq.lse0 + h * p->lse_h + r * p->lse_r);
+                for (int64_t j = lo; j < hi; j++) {
+                    const double *kr = K + (j * p->hkv + kvh) * d, *vr = V + (j * p->hkv + kvh) * dv;
+                    double *dk = dK + (j * p->hkv + kvh) * d, *dvr = dV + (j * p->hkv + kvh) * dv;
+                    double s = 0.0, dp = 0.0, t = 0.0;
+                    for (int64_t x = 0; x < d; x++)
+                        s += q[x] * kr[x];
+                    for (int64_t x = 0; x < dv; x++)
+                        dp += o[x] * vr[x];
+                    s *= p->scale;
+                    if (p->softcap > 0) {
+                        t = tanh(s / p->softcap);
+                        s = p->softcap * t;
+                    }
+                    const double pr = exp(s - lse);
+                    const double ds = pr * (dp - D) * p->scale * (p->softcap > 0 ? 1.0 - t * t : 1.0);
+                    for (int64_t x = 0; x < d; x++) {
+                        dq[x] += ds * kr[x];
+                        dk[x] += ds * q[x];
+                    }
+                    for (int64_t x = 0; x < dv; x++)
+                        dvr[x] += pr * o[x];
+                }
+                const int64_t qo = fw_bwd_off(b, b->dqs, i, 0, r, h);
+                for (int64_t x = 0; x < d; x++)
+                    fw_store_f64(b->dq, qo + x * b->dqs[3], dq[x]);
+            }
+        }
+        for (int64_t j = 0; j < sq.sk; j++)
+            for (int64_t h = 0; h < p->hkv; h++) {
+                const int64_t ko = fw_bwd_off(b, b->dks, i, 1, j, h), vo = fw_bwd_off(b, b->dvs, i, 1, j, h);
+                for (int64_t x = 0; x < d; x++)
+                    fw_store_f64(b->dk, ko + x * b->dks[3], dK[(j * p->hkv + h) * d + x]);
+                for (int64_t x = 0; x < dv; x++)
+                    fw_store_f64(b->dv, vo + x * b->dvs[3], dV[(j * p->hkv + h) * dv + x]);
+            }
+    }
+    free(K); free(V); free(dK); free(dV); free(q);
+    return FW_OK;
+}
+
+fw_status fw_attn_bwd_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                          const fw_tensor *out, const fw_tensor *dout, const fw_tensor *lse,
+                          const fw_tensor *dq, const fw_tensor *dk, const fw_tensor *dv,
+                          const fw_attn_params *params)
+{
+    fw_clear_error();
+    fw_attn_bwd_prob b;
+    fw_status s = fw_attn_setup_bwd(&b, q, k, v, out, dout, lse, NULL, NULL, 0, 0, dq, dk, dv,
+                                    params, 1);
+    return s ? s : reference_bwd(&b);
+}
+
+fw_status fw_attn_varlen_bwd_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                 const fw_tensor *out, const fw_tensor *dout, const fw_tensor *lse,
+                                 const int32_t *cu_seqlens_q, const int32_t *cu_seqlens_k,
+                                 int64_t batch, const fw_tensor *dq, const fw_tensor *dk,
+                                 const fw_tensor *dv, const fw_attn_params *params)
+{
+    fw_clear_error();
+    fw_attn_bwd_prob b;
+    fw_status s = fw_attn_setup_bwd(&b, q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, batch,
+                                    1, dq, dk, dv, params, 1);
+    return s ? s : reference_bwd(&b);
 }
