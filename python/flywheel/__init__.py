@@ -5,8 +5,11 @@ causal conv1d of the layers around them (causal-conv1d's calls; fla's in flywhee
     import torch, flywheel
     out = flywheel.flash_attn_func(q, k, v, causal=True)   # q [b, s, hq, d] torch or numpy
 
-Forward only. Inputs are numpy arrays or torch CPU tensors (float32, bfloat16, float16) and
-are read in place; see each function for the few cases that copy.
+Inputs are numpy arrays or torch CPU tensors (float32, bfloat16, float16) and are read in
+place; see each function for the few cases that copy. Softmax attention has a backward:
+flash_attn_func and flash_attn_varlen_func are differentiable for torch tensors that require
+grad, and flash_attn_backward / flash_attn_varlen_backward compute the gradients directly;
+the other calls are forward only.
 
 Errors, one rule for every call:
   * TypeError: a dtype the library does not take (float64 or integer q, k, v, out or caches;
@@ -27,7 +30,8 @@ from ._lib import (FlywheelDtypeError, FlywheelError, get_num_threads, get_spin_
                    set_num_threads, set_spin_us)
 from ._lib import lib as _clib
 from . import fla, tpu
-from .attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .attention import (flash_attn_backward, flash_attn_func, flash_attn_varlen_backward,
+                        flash_attn_varlen_func, flash_attn_with_kvcache)
 from .conv import causal_conv1d_fn, causal_conv1d_update
 from .layers import fused_conv1d_gdn, fused_conv1d_kda
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
@@ -40,7 +44,8 @@ __version__ = "0.1.0"
 __all__ = [
     "FlywheelDtypeError", "FlywheelError", "GDNReplay", "causal_conv1d_fn",
     "causal_conv1d_update", "chunk_gated_delta_rule", "chunk_kda", "fla", "tpu",
-    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_conv1d_gdn",
+    "flash_attn_backward", "flash_attn_func", "flash_attn_varlen_backward",
+    "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_conv1d_gdn",
     "fused_conv1d_kda",
     "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",

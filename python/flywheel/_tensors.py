@@ -53,8 +53,22 @@ def _check_grad(t, name):
     torch = _torch()
     if t.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
-            f"{name} requires grad: flywheel has forward kernels only (no backward); call "
-            "under torch.no_grad() or torch.inference_mode(), or pass .detach()")
+            f"{name} requires grad: this flywheel call has no backward (flash_attn_func and "
+            "flash_attn_varlen_func have one); call under torch.no_grad() or "
+            "torch.inference_mode(), or pass .detach()")
+
+
+def wants_grad(*xs):
+    """True when autograd would record a call on these inputs: a torch tensor among them
+    requires grad and grad mode is on."""
+    torch = _torch()
+    return (torch is not None and torch.is_grad_enabled() and
+            any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs))
+
+
+def detach(x):
+    """x without its autograd history (torch), or x itself."""
+    return x.detach() if is_torch(x) else x
 
 
 def check_writable(x, name):

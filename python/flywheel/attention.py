@@ -1,4 +1,4 @@
-"""Softmax attention with flash-attn's names, arguments and layouts (forward only).
+"""Softmax attention with flash-attn's names, arguments and layouts, forward and backward.
 
 Shapes (b batch, s sequence, h heads, d head dim; hkv divides hq: GQA/MQA):
     flash_attn_func          q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv]
@@ -8,6 +8,11 @@ Shapes (b batch, s sequence, h heads, d head dim; hkv divides hq: GQA/MQA):
     flash_attn_with_kvcache  q [b, sq, hq, d], caches [b, S, hkv, d] or paged
                              [num_blocks, page_size, hkv, d] with block_table [b, max_pages]
                              -> out [b, sq, hq, dv] (+ lse [b, hq, sq])
+    flash_attn_backward      dout, q, k, v, out, lse of flash_attn_func -> (dq, dk, dv)
+    flash_attn_varlen_backward  the same for flash_attn_varlen_func
+Backward: flash_attn_func and flash_attn_varlen_func are differentiable for torch tensors
+that require grad (a torch.autograd.Function: the forward saves out and lse, the backward is
+the library's fw_attn_bwd, f32 products); numpy users call the *_backward functions.
 Causal masks and windows are aligned bottom-right, as in flash-attn >= 2.1. Rows that see no
 key give 0 (and lse -inf). Inputs are numpy arrays or torch CPU tensors in float32, bfloat16
 (ml_dtypes.bfloat16 or torch.bfloat16) or float16, with any non-negative element strides;
@@ -78,6 +83,12 @@ def _unsupported(dropout_p=0.0, alibi_slopes=None, **named):
             raise NotImplementedError(f"{name} is not supported")
 
 
+def _no_grad_out(out):
+    if out is not None:
+        raise NotImplementedError("out= with inputs that require grad: autograd needs an output "
+                                  "of its own (call under torch.no_grad() to write out)")
+
+
 def _pack(out, lse, return_lse, return_attn_probs):
     if return_attn_probs:
         return out, lse, None
@@ -104,13 +115,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     the plain row-at-a-time baseline kernel (always f32 products).
     precision of the products QK^T and PV: None or "auto" (bf16 for bfloat16 q, else f32),
     "f32", or "bf16" (q, k, v and the probabilities P rounded to bf16, f32 accumulation).
-    Not supported (NotImplementedError): dropout, ALiBi, tensors that require grad with grad
-    enabled, non-CPU tensors.
+    Torch tensors that require grad (with grad enabled) make the call differentiable: the
+    gradients of q, k, v come from flash_attn_backward (the saved out and lse; lse itself is
+    not differentiable); out= is refused then.
+    Not supported (NotImplementedError): dropout, ALiBi, non-CPU tensors.
     """
     _unsupported(dropout_p, alibi_slopes)
     # truth values first: one that raises (a numpy array) must not raise after out is written
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     want_lse = return_softmax_lse or return_attn_probs
+    if T.wants_grad(q, k, v):
+        _no_grad_out(out)
+        from . import _autograd
+        r = _autograd.dense(q, k, v, softmax_scale, causal, window_size, softcap, isa, plain,
+                            precision)
+        return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
     if _lib.fast is not None and isa is None and not plain and precision is None:
         r = _lib.fast.attn_func(q, k, v, softmax_scale, causal, window_size, softcap,
                                 _lib.settings.threads, out, want_lse)
@@ -168,11 +187,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     float32 with return_softmax_lse / return_attn_probs. out: an existing [total_q, hq, dv]
     output to write instead of a new one. precision: None/"auto", "f32" or "bf16" products, as
     in flash_attn_func. block_table (paged K/V) is not supported here: use
-    flash_attn_with_kvcache.
+    flash_attn_with_kvcache. Differentiable for torch tensors that require grad, as
+    flash_attn_func (flash_attn_varlen_backward).
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     want_lse = return_softmax_lse or return_attn_probs
+    if T.wants_grad(q, k, v):
+        _no_grad_out(out)
+        from . import _autograd
+        r = _autograd.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, causal, window_size, softcap, isa, precision)
+        return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
     if _lib.fast is not None and isa is None and precision is None:
         r = _lib.fast.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, window_size, softcap,
@@ -317,3 +343,65 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not packed:
         lse = T.swap01_contiguous(lse.reshape(hq, q.shape[0], q.shape[1]))
     return out, lse
+
+
+def _grad_outputs(dq, dk, dv, q, k, v):
+    return (T.output(dq, q, tuple(q.shape), name="dq"), T.output(dk, k, tuple(k.shape), name="dk"),
+            T.output(dv, v, tuple(v.shape), name="dv"))
+
+
+def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None,
+                        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, *,
+                        isa=None, plain=False):
+    """Gradients of flash_attn_func: (dq, dk, dv), flash-attn's `_flash_attn_backward`.
+
+    dout [b, sq, hq, dv] (the gradient of out); q, k, v, out and softmax_lse [b, hq, sq]
+    float32 as flash_attn_func took and returned them (return_softmax_lse=True), with the
+    same softmax_scale, causal, window_size and softcap. dq, dk, dv: new arrays of q's, k's
+    and v's dtypes, or existing ones (any float dtype) written in place. FlashAttention-2's
+    algorithm (P recomputed from lse, no sq x sk memory), f32 products and accumulation
+    whatever the dtype, bit-identical for any thread count. plain=True runs the
+    row-at-a-time baseline. Inputs are read in place (torch tensors are detached).
+    """
+    dout, q, k, v, out, lse = (T.float_array(T.detach(x), n) for x, n in (
+        (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (softmax_lse, "softmax_lse")))
+    if any(x.ndim != 4 for x in (dout, q, k, v, out)) or lse.ndim != 3:
+        raise ValueError(f"dout, q, k, v, out must be 4-D and softmax_lse [b, hq, sq], got shapes "
+                         f"{[tuple(x.shape) for x in (dout, q, k, v, out, lse)]}")
+    dq, dk, dv = _grad_outputs(dq, dk, dv, q, k, v)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
+    _lib.check(_lib.lib.fw_attn_bwd(*(T.describe(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)),
+                                    p))
+    return dq, dk, dv
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, dq=None, dk=None, dv=None,
+                               softmax_scale=None, causal=False, window_size=(-1, -1),
+                               softcap=0.0, *, isa=None, plain=False):
+    """Gradients of flash_attn_varlen_func: (dq, dk, dv), as flash_attn_backward.
+
+    dout [total_q, hq, dv]; q, k, v, out as flash_attn_varlen_func took and returned them;
+    softmax_lse [hq, total_q] float32; cu_seqlens_q / cu_seqlens_k its offsets (checked as
+    there). A sequence without queries gets dk = dv = 0, one without keys dq = 0.
+    """
+    dout, q, k, v, out, lse = (T.float_array(T.detach(x), n) for x, n in (
+        (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (softmax_lse, "softmax_lse")))
+    if any(x.ndim != 3 for x in (dout, q, k, v, out)) or lse.ndim != 2:
+        raise ValueError(f"dout, q, k, v, out must be 3-D and softmax_lse [hq, total_q], got "
+                         f"shapes {[tuple(x.shape) for x in (dout, q, k, v, out, lse)]}")
+    cq = T.index_array(cu_seqlens_q, "cu_seqlens_q")
+    ck = T.index_array(cu_seqlens_k, "cu_seqlens_k")
+    if cq.ndim != 1 or ck.ndim != 1 or cq.size != ck.size or cq.size < 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with batch + 1 entries each")
+    _check_cu_seqlens(cq, "cu_seqlens_q", q.shape[0], "q")
+    _check_cu_seqlens(ck, "cu_seqlens_k", k.shape[0], "k")
+    if max_seqlen_q < _max_len(cq) or max_seqlen_k < _max_len(ck):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} are below "
+                         f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
+    dq, dk, dv = _grad_outputs(dq, dk, dv, q, k, v)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
+    t = [T.describe(x) for x in (q, k, v, out, dout, lse)]
+    _lib.check(_lib.lib.fw_attn_varlen_bwd(*t, T.ptr(cq), T.ptr(ck), cq.size - 1, T.describe(dq),
+                                           T.describe(dk), T.describe(dv), p))
+    return dq, dk, dv

@@ -105,11 +105,20 @@ Choices where the Python calls differ:
     tensor cannot carry: cu_seqlens (the verify call's [N + 1] offsets; for [B, T] inputs
     torch.arange(B + 1, dtype=torch.int32) * T), num_heads (H, the q/k heads of the verify
     call) and state_indices (the verify call's; default 0..N-1). HV, K, V come from state.
-  * Forward only. The functional ops register an autograd formula whose backward raises
+  * Backward. flash_attn_func and flash_attn_varlen_func are differentiable: their autograd
+    formula calls the ops flash_attn_backward / flash_attn_varlen_backward (below), from the
+    saved q, k, v, out and lse. Without return_softmax_lse the forward did not compute lse,
+    and the backward runs the forward once more for it: pass return_softmax_lse=True when
+    training. The other functional ops register a formula whose backward raises
     NotImplementedError ("... is forward-only"); torch takes no formula for ops that write
     in place, so a backward through those raises torch's RuntimeError ("no autograd formula
     was registered"). The forward itself runs with inputs that require grad (inside the op
     grad mode is off, so the Python calls' requires-grad check does not fire).
+  * flash_attn_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+      Tensor softmax_lse, float? softmax_scale=None, bool causal=False,
+      SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0.)
+      -> (Tensor dq, Tensor dk, Tensor dv); flash_attn_varlen_backward takes cu_seqlens_q,
+      cu_seqlens_k, max_seqlen_q, max_seqlen_k after softmax_lse.
   * CPU tensors only (device_types="cpu"); numpy arrays are for the Python calls.
 """
 
@@ -222,6 +231,34 @@ def _flash_attn_varlen_func_out(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
                                      out=out, precision=precision)
     if lse is not None:
         lse.copy_(r[1])
+
+
+def _flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                         softmax_lse: Tensor, softmax_scale: Optional[float] = None,
+                         causal: bool = False, window_size_left: int = -1,
+                         window_size_right: int = -1,
+                         softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+    return _attn.flash_attn_backward(dout, q, k, v, out, softmax_lse,
+                                     softmax_scale=softmax_scale, causal=causal,
+                                     window_size=(window_size_left, window_size_right),
+                                     softcap=softcap)
+
+
+def _grads_fake(dout, q, k, v, *args, **kwargs):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_attn_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                softmax_lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                max_seqlen_q: int, max_seqlen_k: int,
+                                softmax_scale: Optional[float] = None, causal: bool = False,
+                                window_size_left: int = -1, window_size_right: int = -1,
+                                softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+    return _attn.flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q,
+                                            cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            softmax_scale=softmax_scale, causal=causal,
+                                            window_size=(window_size_left, window_size_right),
+                                            softcap=softcap)
 
 
 def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -608,6 +645,8 @@ _SPECS = {
     "flash_attn_func_out": (_flash_attn_func_out, None, ("out", "lse")),
     "flash_attn_varlen_func": (_flash_attn_varlen_func, _flash_attn_varlen_func_fake, ()),
     "flash_attn_varlen_func_out": (_flash_attn_varlen_func_out, None, ("out", "lse")),
+    "flash_attn_backward": (_flash_attn_backward, _grads_fake, ()),
+    "flash_attn_varlen_backward": (_flash_attn_varlen_backward, _grads_fake, ()),
     "flash_attn_with_kvcache": (_flash_attn_with_kvcache, _flash_attn_with_kvcache_fake,
                                 ("k_cache", "v_cache")),
     "flash_attn_with_kvcache_out": (_flash_attn_with_kvcache_out, None,
@@ -661,6 +700,46 @@ def _no_backward(name):
     return backward
 
 
+# The attention ops' autograd: the backward ops above, from the saved q, k, v, out and lse.
+# An lse that was not asked for (return_softmax_lse=False: an empty [0] placeholder) is
+# recomputed by running the forward again; ask for it when training to save that.
+def _attn_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3], *output)
+    ctx.options = inputs[3:]
+
+
+def _attn_lse(name, q, k, v, out, lse, args):
+    if lse.dim() != 1:
+        return out, lse
+    fwd = getattr(torch.ops, NAMESPACE).__getattr__(name)
+    return fwd(q, k, v, *args)
+
+
+def _flash_attn_func_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    scale, causal, left, right, softcap, _, precision = ctx.options
+    out, lse = _attn_lse("flash_attn_func", q, k, v, out, lse,
+                         (scale, causal, left, right, softcap, True, precision))
+    grads = getattr(torch.ops, NAMESPACE).flash_attn_backward(dout, q, k, v, out, lse, scale,
+                                                              causal, left, right, softcap)
+    return tuple(grads) + (None,) * len(ctx.options)
+
+
+def _flash_attn_varlen_func_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, _, precision = ctx.options
+    out, lse = _attn_lse("flash_attn_varlen_func", q, k, v, out, lse,
+                         (cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, True,
+                          precision))
+    grads = getattr(torch.ops, NAMESPACE).flash_attn_varlen_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap)
+    return tuple(grads) + (None,) * len(ctx.options)
+
+
+_BACKWARDS = {"flash_attn_func": _flash_attn_func_backward,
+              "flash_attn_varlen_func": _flash_attn_varlen_func_backward}
+
+
 def _register():
     for name, (fn, fake, mutates) in _SPECS.items():
         if _registered(name):  # imported before in this process: keep that registration
@@ -668,7 +747,9 @@ def _register():
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates,
                                      device_types="cpu")
         op.register_fake(fake if fake is not None else _none_fake)
-        if not mutates:  # torch takes autograd formulas for functional ops only
+        if name in _BACKWARDS:
+            op.register_autograd(_BACKWARDS[name], setup_context=_attn_setup)
+        elif not mutates:  # torch takes autograd formulas for functional ops only
             op.register_autograd(_no_backward(name))
 
 

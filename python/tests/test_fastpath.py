@@ -269,7 +269,8 @@ def _declined_cases():
     if torch is not None:
         tq = torch.from_numpy(q).requires_grad_()
         tk = torch.from_numpy(kv)
-        cases["torch q requiring grad"] = lambda: flywheel.flash_attn_func(tq, tk, tk)
+        # the differentiable path (attention's autograd.Function) is Python's
+        cases["torch q requiring grad"] = lambda: flywheel.flash_attn_func(tq, tk, tk).detach()
         cases["torch q with numpy k"] = lambda: flywheel.flash_attn_func(tq.detach(), kv, kv)
     return cases
 

@@ -126,6 +126,7 @@ def test_every_op_is_registered_and_reimport_does_not_fail():
                 "causal_conv1d_fn", "causal_conv1d_update", "fused_conv1d_gdn"}
     expected |= {n + "_out" for n in expected - {"gated_delta_rule_commit"}}
     expected |= {"chunk_kda", "fused_conv1d_kda"}  # KDA: no out variants
+    expected |= {"flash_attn_backward", "flash_attn_varlen_backward"}
     assert set(fw_ops.OPS) == expected
     for name in fw_ops.OPS:
         assert hasattr(OPS, name)
@@ -354,12 +355,13 @@ def test_errors_are_the_calls_errors():
 
 def test_forward_only_backward_raises():
     """Inputs that require grad run forward (in the op's autograd.Function, grad is off, so the
-    Python call's requires-grad check does not fire); a backward through the op raises."""
+    Python call's requires-grad check does not fire); a backward through a forward-only op
+    raises. flash_attn_func has a backward (test_attention_bwd.py)."""
     q, k, v = (x.float().requires_grad_() for x in attn_inputs())
     out, _ = OPS.flash_attn_func(q, k, v)
     same(out.detach(), flywheel.flash_attn_func(q.detach(), k.detach(), v.detach()))
-    with pytest.raises(NotImplementedError, match="flywheel::flash_attn_func is forward-only"):
-        out.sum().backward()
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
     gq, gk, gv, gg, gb, _, _ = gdn_inputs(torch.float32)
     o, _ = OPS.chunk_gated_delta_rule(gq, gk, gv.requires_grad_(), gg, gb)
     with pytest.raises(NotImplementedError, match="forward-only"):
@@ -437,6 +439,11 @@ def _opcheck_cases():
         ("flash_attn_func_out", (q, k, v, torch.empty(2, 5, 4, 16, dtype=q.dtype),
                                  torch.empty(2, 4, 5)), dict(causal=True)),
         ("flash_attn_varlen_func", vl, dict(causal=True, return_softmax_lse=True)),
+        ("flash_attn_backward", (torch.randn(2, 5, 4, 16).to(q.dtype), q, k, v)
+         + tuple(OPS.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True)),
+         dict(causal=True)),
+        ("flash_attn_varlen_backward", (torch.randn(8, 4, 16).to(q.dtype),) + vl[:3]
+         + tuple(OPS.flash_attn_varlen_func(*vl, return_softmax_lse=True)) + vl[3:], {}),
         ("flash_attn_varlen_func_out", vl + (torch.empty(8, 4, 16, dtype=q.dtype), None), {}),
         ("flash_attn_with_kvcache", (kq, kc, vc, kk, kv, seqlens),
          dict(causal=True, return_softmax_lse=True)),
