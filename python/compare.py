@@ -2,7 +2,8 @@
 
 Dense causal prefill and decode: PyTorch CPU SDPA (f32, bf16), JAX
 jax.nn.dot_product_attention (XLA CPU; f32, bf16), ggml flash_attn_ext (ggml-python; K/V f16,
-as llama.cpp's default cache). Gated DeltaNet prefill and decode: ggml gated_delta_net and
+as llama.cpp's default cache). The attention backward (dq, dk, dv, causal): torch's SDPA
+backward (autograd) against flash_attn_backward. Gated DeltaNet prefill and decode: ggml gated_delta_net and
 fla's torch reference (naive_chunk_gated_delta_rule / naive_recurrent_gated_delta_rule). KDA
 (a decay per key channel, Kimi Linear's shapes) prefill and decode: ggml gated_delta_net with
 per-channel gates (g [dk, HV, T, n]) and fla's torch reference (naive_chunk_kda /
@@ -15,15 +16,16 @@ each system in its own layout and dtype outside the timed region. Timings are me
 --reps runs after one warm-up. The diff column is the max |peer - flywheel| over the output,
 against flywheel's f32 result.
 
-FLOP formulas: attention 2 (d + dv) per visible (query, key) pair and query head;
+FLOP formulas: attention 2 (d + dv) per visible (query, key) pair and query head, its
+backward 2.5 x that;
 Gated DeltaNet 2 (3 dk dv + 64 (3 dk + 2 dv) + 63 * 62 / 6) per token and value head
 (the chunked pass's products as dense tiles, chunk 64), and the same for KDA (its exponentials
 and decay products not counted). Decode: GB/s of K/V (attention) or of state read and written
 (GDN, KDA).
 
 Usage: python python/compare.py [--out docs/compare] [--threads N] [--reps R] [--quick]
-                                [--only attn-prefill,attn-decode,gdn-prefill,gdn-decode,
-                                        kda-prefill,kda-decode,oracle]
+                                [--only attn-prefill,attn-decode,attn-backward,gdn-prefill,
+                                        gdn-decode,kda-prefill,kda-decode,oracle]
 """
 
 import argparse
@@ -280,6 +282,49 @@ def bench_decode(P, rows, L, reps):
     bench_attention(P, rows, "attn decode", f"ctx={L}", q, k, v, False,
                     lambda q, k, v: flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=L),
                     lambda es: 2 * L * HKV * D * es, "GB/s K/V", reps)
+
+
+def bench_attn_backward(P, rows, T, reps):
+    """The backward alone (dq, dk, dv from dout and the forward's saved state): flywheel's
+    flash_attn_backward (what its autograd calls) against torch's SDPA backward
+    (torch.autograd.grad through scaled_dot_product_attention, retain_graph), causal T x T;
+    FLOP 2.5 x the forward's. diff: max |peer - flywheel f32| over dq, dk, dv."""
+    torch = P.torch
+    rng = np.random.default_rng(T + 7)
+    q, k, v = (bf16_values(rng, (1, T, h, D)) for h in (HQ, HKV, HKV))
+    g = bf16_values(rng, (1, T, HQ, D))
+    flop = 2.5 * attn_flop(T, T, True)
+    op, size = "attn backward", f"T={T}"
+    box = {}
+    ref = None
+    for dt in ("float32", "bfloat16"):
+        a = [torch.from_numpy(x).to(getattr(torch, dt)) for x in (q, k, v, g)]
+        with torch.no_grad():
+            out, lse = flywheel.flash_attn_func(*a[:3], causal=True, return_softmax_lse=True)
+
+        def ours(a=a, out=out, lse=lse, box=box):
+            box["g"] = flywheel.flash_attn_backward(a[3], *a[:3], out, lse, causal=True)
+
+        def result(box=box):
+            return np.concatenate([x.float().numpy().ravel() for x in box["g"]])
+        if ref is None:
+            ours()
+            ref = result().astype(np.float64)
+        run_peer(rows, op, "flywheel (f32 products)", dt, size, ours, result, ref, reps, flop,
+                 "GFLOP/s")
+    for dt in ("float32", "bfloat16"):
+        a = [torch.from_numpy(x).to(getattr(torch, dt)).transpose(1, 2).contiguous()
+             .requires_grad_() for x in (q, k, v)]
+        gt = torch.from_numpy(g).to(getattr(torch, dt)).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(*a, is_causal=True,
+                                                               enable_gqa=True)
+
+        def sdpa(a=a, out=out, gt=gt, box=box):
+            box["g"] = torch.autograd.grad(out, a, gt, retain_graph=True)
+
+        def result(box=box):
+            return np.concatenate([x.transpose(1, 2).float().numpy().ravel() for x in box["g"]])
+        run_peer(rows, op, "torch SDPA", dt, size, sdpa, result, ref, reps, flop, "GFLOP/s")
 
 
 def gdn_inputs(rng, n, T):
@@ -588,8 +633,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small sweep (a smoke test)")
-    sections = ["attn-prefill", "attn-decode", "gdn-prefill", "gdn-decode", "kda-prefill",
-                "kda-decode", "oracle"]
+    sections = ["attn-prefill", "attn-decode", "attn-backward", "gdn-prefill", "gdn-decode",
+                "kda-prefill", "kda-decode", "oracle"]
     ap.add_argument("--only", default=",".join(sections),
                     help="comma-separated sections (default: all): " + ", ".join(sections))
     args = ap.parse_args()
@@ -610,12 +655,15 @@ def main():
     rows = []
     prefill_T = [256, 512] if args.quick else [512, 1024, 2048, 4096]
     decode_L = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
+    backward_T = [256] if args.quick else [1024, 4096]
     gdn_T = [256, 512] if args.quick else [512, 1024, 2048, 4096]
     gdn_n = [4] if args.quick else [1, 64]
     decode_reps = max(args.reps, 5)
     for name, label, sizes, bench, reps in (
             ("attn-prefill", "attention prefill T=", prefill_T, bench_prefill, args.reps),
             ("attn-decode", "attention decode ctx=", decode_L, bench_decode, decode_reps),
+            ("attn-backward", "attention backward T=", backward_T, bench_attn_backward,
+             args.reps),
             ("gdn-prefill", "GDN prefill T=", gdn_T, bench_gdn_prefill, args.reps),
             ("gdn-decode", "GDN decode, sequences: ", gdn_n, bench_gdn_decode, decode_reps),
             ("kda-prefill", "KDA prefill T=", gdn_T, bench_kda_prefill, args.reps),
