@@ -48,7 +48,7 @@ extern "C" {
  * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
  * bindings check it at load time (the Python package refuses a library whose
  * fw_abi_version() differs from the number it was written for). */
-#define FW_ABI_VERSION 3
+#define FW_ABI_VERSION 4
 
 /* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
 FW_API const char *fw_version(void);
@@ -165,10 +165,26 @@ typedef struct fw_attn_params {
     size_t workspace_bytes;
     int32_t precision;     /* fw_precision; FW_PREC_AUTO by default. The plain kernel
                               (FW_ATTN_PLAIN) always uses f32 products. */
+    /* Rotary embedding (RoPE), fused into the kernels; NULL (the default) = none.
+     * rotary_cos, rotary_sin [seqlen_ro, rotary_dim / 2], f32 | bf16 | f16, one shape and
+     * dtype; rotary_dim <= d, the first rotary_dim channels of q and k rotate, the rest pass.
+     * rotary_interleaved 1: GPT-J pairs (x[2i], x[2i+1]); 0: GPT-NeoX halves (x[i],
+     * x[i + rotary_dim/2]). A pair (a, b) at position t becomes (a cos - b sin, a sin + b cos)
+     * with cos = rotary_cos[t][i], sin = rotary_sin[t][i], in f32.
+     * Positions (flash-attn's rules, bottom-right like the masks):
+     *   fw_attn_fwd / varlen: key j at j, query i at sk - sq + i (so sq <= sk), both rotated
+     *     as their tiles are packed; q and k are never written.
+     *   fw_attn_kvcache_fwd: needs k_new (only new keys are rotated): new key i at
+     *     seqlens + i, rotated as it is appended (the cache holds rotated keys); query i at
+     *     seqlens + i when causal or windowed, else every query at seqlens.
+     * seqlen_ro must exceed every position used. The backward takes no rotary embedding. */
+    const fw_tensor *rotary_cos;
+    const fw_tensor *rotary_sin;
+    int32_t rotary_interleaved;
 } fw_attn_params;
 
 /* Defaults: scale 0 (1/sqrt(d)), non-causal, windows -1, softcap 0, threads 0, isa NULL,
- * precision FW_PREC_AUTO. */
+ * precision FW_PREC_AUTO, no rotary embedding. */
 FW_API void fw_attn_params_init(fw_attn_params *p);
 
 /*

@@ -32,6 +32,12 @@ typedef struct fw_attn_prob {
     int causal;
     int64_t wl, wr;                     /* -1 = unbounded; causal sets wr = 0 */
     int bf16;                           /* bf16 products (params->precision resolved) */
+    /* rotary embedding (params->rotary_*): rcos NULL = none */
+    const fw_tensor *rcos, *rsin;
+    int64_t rhalf;                      /* rotary_dim / 2: pairs rotated per row */
+    int rinter;                         /* GPT-J pairs (1) or GPT-NeoX halves (0) */
+    int rot_k;                          /* keys rotated as they are read (not a KV cache) */
+    int rot_q_fixed;                    /* every query at position sk - sq (KV cache, no mask) */
 } fw_attn_prob;
 
 /* Whether a call with q of dtype `q` and params->precision `precision` uses bf16 products. */
@@ -67,8 +73,17 @@ static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk
     *hi = p->wr >= 0 && p->wr < sk - diag ? diag + p->wr + 1 : sk;
 }
 
+/* Rotary embedding: x (d floats, f32) rotated in place at position pos (attn/setup.c). */
+void fw_attn_rotate(const fw_attn_prob *p, float *x, int64_t pos);
+
+/* The rotary position of query row r of a sequence with sq queries and sk keys. */
+static inline int64_t fw_attn_qpos(const fw_attn_prob *p, int64_t sq, int64_t sk, int64_t r)
+{
+    return sk - sq + (p->rot_q_fixed ? 0 : r);
+}
+
 /* params alone (also fw_attn_workspace_size's check): scale, softcap, window, causal,
- * threads, precision, flags. */
+ * threads, precision, flags, rotary_interleaved. */
 fw_status fw_attn_check_params(const fw_attn_params *params);
 
 /* Validates everything and fills *p; `ref` admits f64 outputs. Nothing is written. */
@@ -89,6 +104,13 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
 static inline int fw_attn_is_decode(int64_t G, int64_t sq)
 {
     return sq > 0 && G * sq <= FW_DEC_ROWS;
+}
+
+/* Whether a sequence of sq queries takes the decode kernel: decode-shaped, and its keys need
+ * no rotation (the decode kernel reads them as they lie). */
+static inline int fw_attn_decode_seq(const fw_attn_prob *p, int64_t G, int64_t sq)
+{
+    return !p->rot_k && fw_attn_is_decode(G, sq);
 }
 
 /* Keys per K/V tile. 64 keys x 4 bytes x d=128 = 32 KiB: one K tile plus one V tile stay in

@@ -40,6 +40,9 @@ fw_status fw_attn_setup_bwd(fw_attn_bwd_prob *b, const fw_tensor *q, const fw_te
                             const fw_tensor *dv, const fw_attn_params *params, int ref)
 {
     memset(b, 0, sizeof *b);
+    if (params && (params->rotary_cos || params->rotary_sin))
+        return fw_fail(FW_ERR_ARG, "rotary embedding in the backward is not supported: rotate q and "
+                       "k before the forward to differentiate through it");
     if (!lse)
         return fw_fail(FW_ERR_NULL, "lse is NULL: the backward needs the forward's lse");
     fw_status s = fw_attn_setup(&b->f, q, k, v, cuq, cuk, batch, varlen, out, lse, params, ref);

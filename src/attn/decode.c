@@ -64,12 +64,12 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             for (int i = 0; i < n; i++) {
                 const int64_t r = u * R + g * n + i, h = gqa ? u * p->G + g : u;
                 const char *src = fw_elem(p->q, sq->q0 + i * p->qs[0] + h * p->qs[1]);
-                if (bf16) {
-                    kt->to_f32(src, p->q->dtype, p->qs[2], d, 1.0f, qrow);
+                float *qf = bf16 ? qrow : Q + (size_t)r * d;
+                kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, qf);
+                if (p->rcos)
+                    fw_attn_rotate(p, qf, fw_attn_qpos(p, sq->sq, sq->sk, i));
+                if (bf16)
                     kt->pack_row_pairs(qrow, d, QW + (size_t)r * dw);
-                } else {
-                    kt->to_f32(src, p->q->dtype, p->qs[2], d, c->qscale, Q + (size_t)r * d);
-                }
                 A[r] = -INFINITY;
                 L[r] = 0.0f;
             }

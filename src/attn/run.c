@@ -89,7 +89,7 @@ static void run_item(void *vctx, int64_t idx, int tid)
     const fw_attn_seq sq = fw_attn_seq_get(c->p, it->seq);
     if (c->flags & FW_ATTN_PLAIN)
         fw_attn_plain_item(c, it, &sq, tid);
-    else if (fw_attn_is_decode(c->G, sq.sq))
+    else if (fw_attn_decode_seq(c->p, c->G, sq.sq))
         fw_attn_decode_item(c, it, &sq, tid);
     else
         fw_attn_tile_item(c, it, &sq, tid);
@@ -130,7 +130,7 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
         const fw_attn_seq s = fw_attn_seq_get(p, i);
         int bq, M;
         fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
-        if (!plain && fw_attn_is_decode(c.G, s.sq)) {
+        if (!plain && fw_attn_decode_seq(p, c.G, s.sq)) {
             const int64_t ns = fw_attn_kv_splits(s.sk);
             n += ns;
             if (ns > 1) {
@@ -172,7 +172,7 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
         const fw_attn_seq s = fw_attn_seq_get(p, i);
         int bq, M;
         fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
-        if (!plain && fw_attn_is_decode(c.G, s.sq)) {
+        if (!plain && fw_attn_decode_seq(p, c.G, s.sq)) {
             const int64_t ns = fw_attn_kv_splits(s.sk), rows = units * c.G * s.sq;
             if (ns > 1) {
                 merge_item mi = {i, ns, npart};
@@ -233,11 +233,14 @@ fw_status fw_attn_varlen_fwd(const fw_tensor *q, const fw_tensor *k, const fw_te
 
 /* ---------------------------------------------------------------- KV cache -- */
 
-/* Write each sequence's new rows at positions seqlens[i] .. seqlens[i] + n_i - 1. Runs after
- * validation, so every destination exists and no page is written by two sequences. */
-static void append_rows(const fw_attn_prob *p)
+/* Write each sequence's new rows at positions seqlens[i] .. seqlens[i] + n_i - 1; with a rotary
+ * embedding the K rows are rotated on the way (converted to f32, rotated at their position,
+ * stored in the cache's dtype). Runs after validation, so every destination exists and no
+ * page is written by two sequences. */
+static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
 {
     const size_t es = fw_dtype_size(p->k->dtype);
+    float row_f32[FW_MAX_HEAD_DIM];
     for (int64_t i = 0; i < p->batch; i++) {
         const fw_attn_seq s = fw_attn_seq_get(p, i);
         for (int64_t r = 0; r < s.sq; r++)
@@ -249,7 +252,11 @@ static void append_rows(const fw_attn_prob *p)
                     const char *a = (const char *)src->data +
                                     ((p->cuq[i] + r) * src->stride[0] + h * src->stride[1]) * (int64_t)es;
                     char *b = (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
-                    if (src->stride[2] == 1 && ds[2] == 1)
+                    if (!v && p->rcos) {
+                        kt->to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
+                        fw_attn_rotate(p, row_f32, p->cache_len[i] + r);
+                        kt->from_f32(row_f32, n, b, dst->dtype, ds[2]);
+                    } else if (src->stride[2] == 1 && ds[2] == 1)
                         memcpy(b, a, (size_t)n * es);
                     else
                         for (int64_t x = 0; x < n; x++)
@@ -271,9 +278,10 @@ fw_status fw_attn_kvcache_fwd(const fw_tensor *q, const fw_tensor *k_new, const 
     if (s)
         return s;
     /* the kernel table must resolve before the cache is touched */
-    if (!fw_kernels_get(params ? params->isa : NULL))
+    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
+    if (!kt)
         return FW_ERR_UNSUPPORTED;
     if (p.append)
-        append_rows(&p);
+        append_rows(&p, kt);
     return run(&p, params);
 }

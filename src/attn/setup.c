@@ -48,7 +48,70 @@ fw_status fw_attn_check_params(const fw_attn_params *params)
     if (params->flags & ~(uint32_t)(FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_GQA_PACK |
                                     FW_ATTN_NO_TILE_SKIP | FW_ATTN_PLAIN))
         return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
+    if (params->rotary_interleaved != 0 && params->rotary_interleaved != 1)
+        return fw_fail(FW_ERR_ARG, "rotary_interleaved is %d; it must be 0 (GPT-NeoX halves) or 1 "
+                       "(GPT-J pairs)", (int)params->rotary_interleaved);
     return FW_OK;
+}
+
+/* The rotary embedding of params on a validated problem: the tables' ranks, shapes and dtype,
+ * and every position the call uses (query positions sk - sq + i must not be negative). */
+static fw_status setup_rotary(fw_attn_prob *p, const fw_attn_params *params)
+{
+    const fw_tensor *c = params->rotary_cos, *sn = params->rotary_sin;
+    if (!c && !sn)
+        return FW_OK;
+    if (!c || !sn)
+        return fw_fail(FW_ERR_NULL, "rotary_%s is NULL but rotary_%s is given: pass both or neither",
+                       c ? "sin" : "cos", c ? "cos" : "sin");
+    fw_status s;
+    if ((s = fw_check_tensor(c, "rotary_cos", 2, FW_DT_IN)) ||
+        (s = fw_check_tensor(sn, "rotary_sin", 2, FW_DT_IN)))
+        return s;
+    if (c->dtype != sn->dtype || c->shape[0] != sn->shape[0] || c->shape[1] != sn->shape[1])
+        return fw_fail(FW_ERR_SHAPE, "rotary_cos (%s [%lld, %lld]) and rotary_sin (%s [%lld, %lld]) "
+                       "must share a shape and dtype", fw_dtype_name(c->dtype), (long long)c->shape[0],
+                       (long long)c->shape[1], fw_dtype_name(sn->dtype), (long long)sn->shape[0],
+                       (long long)sn->shape[1]);
+    if (c->shape[1] < 1 || 2 * c->shape[1] > p->d)
+        return fw_fail(FW_ERR_SHAPE, "rotary_cos is [%lld, %lld]: rotary_dim = 2 x %lld must be 2..d "
+                       "(%lld)", (long long)c->shape[0], (long long)c->shape[1], (long long)c->shape[1],
+                       (long long)p->d);
+    if (p->kvcache && !p->append)
+        return fw_fail(FW_ERR_ARG, "rotary embedding in a KV-cache call needs k_new and v_new (it "
+                       "rotates the new keys as they are appended; the cache holds rotated keys)");
+    for (int64_t i = 0; i < p->batch; i++) {
+        const fw_attn_seq e = fw_attn_seq_get(p, i);
+        if (e.sq > e.sk)
+            return fw_fail(FW_ERR_SHAPE, "sequence %lld has %lld queries but %lld keys: with rotary "
+                           "embedding query i sits at position sk - sq + i, which must not be negative",
+                           (long long)i, (long long)e.sq, (long long)e.sk);
+        if (e.sk > c->shape[0])
+            return fw_fail(FW_ERR_SHAPE, "rotary_cos has %lld positions but sequence %lld uses "
+                           "positions up to %lld", (long long)c->shape[0], (long long)i,
+                           (long long)e.sk - 1);
+    }
+    p->rcos = c;
+    p->rsin = sn;
+    p->rhalf = c->shape[1];
+    p->rinter = params->rotary_interleaved;
+    p->rot_k = !p->kvcache;
+    p->rot_q_fixed = p->kvcache && !p->causal && p->wl < 0 && p->wr < 0;
+    return FW_OK;
+}
+
+void fw_attn_rotate(const fw_attn_prob *p, float *x, int64_t pos)
+{
+    const fw_tensor *c = p->rcos, *sn = p->rsin;
+    const int64_t h = p->rhalf, step = p->rinter ? 2 : 1, other = p->rinter ? 1 : h;
+    for (int64_t i = 0; i < h; i++) {
+        const float co = (float)fw_load_f64(c, pos * c->stride[0] + i * c->stride[1]);
+        const float si = (float)fw_load_f64(sn, pos * sn->stride[0] + i * sn->stride[1]);
+        float *a = x + i * step, *b = a + other;
+        const float x0 = *a, x1 = *b;
+        *a = x0 * co - x1 * si;
+        *b = x0 * si + x1 * co;
+    }
 }
 
 int fw_attn_bf16_products(fw_dtype q, int32_t precision)
@@ -186,7 +249,7 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
         p->batch = q->shape[0]; p->sq = q->shape[1]; p->sk = k->shape[1];
         p->qb = q->stride[0]; p->kb = k->stride[0]; p->vb = v->stride[0]; p->ob = out->stride[0];
     }
-    return setup_common(p, lse, params);
+    return (s = setup_common(p, lse, params)) ? s : setup_rotary(p, params);
 }
 
 fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
@@ -368,7 +431,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         p->sq = fw_max64(p->sq, e.sq);
         p->sk = fw_max64(p->sk, e.sk);
     }
-    return setup_common(p, lse, params);
+    return (s = setup_common(p, lse, params)) ? s : setup_rotary(p, params);
 }
 
 /* ------------------------------------------------------------- heuristics -- */

@@ -5,7 +5,7 @@
  * and used by every head of the group. Inside a chunk the K/V tiles are the outer loop and
  * the q tiles the inner one, so the workspace does not grow with the sequence length. Tiles
  * that no row of a q tile can see are skipped by index arithmetic; only tiles some row sees
- * partly are masked. The arithmetic is in the kernel table (kern/attn_kern.h).
+ * partly are masked. A rotary embedding rotates q rows and K rows as they are converted. The arithmetic is in the kernel table (kern/attn_kern.h).
  */
 #include "run.h"
 
@@ -104,6 +104,8 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
                 const int m = g * bq + i;
                 const char *src = fw_elem(p->q, sq->q0 + pos * p->qs[0] + (h0 + g) * p->qs[1]);
                 kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, orow);
+                if (p->rcos)
+                    fw_attn_rotate(p, orow, fw_attn_qpos(p, sq->sq, sq->sk, pos));
                 for (int k = 0; k < d; k++)
                     qt[(size_t)k * M + m] = orow[k];
                 int64_t vlo, vhi;
@@ -142,6 +144,8 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
             int64_t vr = fw_attn_key(p, sq, t0 + j, 1) + kvh * p->vs[1];
             kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
             kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
+            if (p->rot_k)
+                fw_attn_rotate(p, Kf + (size_t)j * d, t0 + j);
             if (bf16) {
                 uint16_t *kw = (uint16_t *)(KW + (size_t)j * dw);
                 kt->from_f32(Kf + (size_t)j * d, d, kw, FW_BF16, 1);

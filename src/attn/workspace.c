@@ -20,8 +20,8 @@ static ws_layout ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int M, int
     w.st = w.vec + up64(6 * (size_t)M * f);
     w.kf = w.st + up64(BK * M * f);
     w.vf = w.kf + up64(BK * (size_t)d * f);
-    w.row = w.vf + up64(BK * (size_t)dv * f);     /* q row (d) and output row (dv) */
-    w.dec = w.row + up64(((size_t)d + dv) * f);   /* per unit and row: q, o, a, l */
+    w.row = w.vf + up64(BK * (size_t)dv * f);     /* q, o rows; plain: q, rotated k, v rows */
+    w.dec = w.row + up64(2 * ((size_t)d + dv) * f); /* per unit and row: q, o, a, l */
     w.qw = w.dec + up64((size_t)units * FW_DEC_ROWS * ((size_t)d + dv + 2) * f);
     /* the bf16 panels, sized by the table: q tiles, one K tile, one V tile, one P tile */
     const size_t b = bf16 ? 1 : 0;

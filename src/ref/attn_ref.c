@@ -12,9 +12,33 @@
 /* x rounded to bf16 (nearest even) when `on`, else x. */
 static double rnd(double x, int on) { return on ? (double)fw_cvt_bf16_f32(fw_cvt_f32_bf16((float)x)) : x; }
 
+/* x rounded to dtype dt as a store to a tensor of it would (f32, bf16, f16). */
+static double rnd_dt(fw_dtype dt, double x)
+{
+    return dt == FW_BF16 ? (double)fw_cvt_bf16_f32(fw_cvt_f32_bf16((float)x))
+           : dt == FW_F16 ? (double)fw_cvt_f16_f32(fw_cvt_f32_f16((float)x))
+           : dt == FW_F32 ? (double)(float)x : x;
+}
+
+/* The rotary embedding in double: the d values of x rotated at position pos. */
+static void rotate(const fw_attn_prob *p, double *x, int64_t pos)
+{
+    const int64_t h = p->rhalf, step = p->rinter ? 2 : 1, other = p->rinter ? 1 : h;
+    for (int64_t i = 0; i < h; i++) {
+        const double c = fw_load_f64(p->rcos, pos * p->rcos->stride[0] + i * p->rcos->stride[1]);
+        const double s = fw_load_f64(p->rsin, pos * p->rsin->stride[0] + i * p->rsin->stride[1]);
+        double *a = x + i * step, *b = a + other;
+        const double x0 = *a, x1 = *b;
+        *a = x0 * c - x1 * s;
+        *b = x0 * s + x1 * c;
+    }
+}
+
 /* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
  * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from
- * k_new/v_new (the cache itself is not read for them, nor written). */
+ * k_new/v_new (the cache itself is not read for them, nor written). With a rotary embedding,
+ * key j is rotated at position j: every key of a dense or varlen call; in a KV-cache call the
+ * new keys, then rounded to the cache's dtype as the append stores them. */
 
 static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, double *V)
 {
@@ -33,8 +57,14 @@ static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, doub
                         const int64_t row = p->cuq[sq->index] + (j - cached);
                         dst[h * n + x] = fw_load_f64(t, row * t->stride[0] + h * t->stride[1] + x * t->stride[2]);
                     }
-                    dst[h * n + x] = rnd(dst[h * n + x], p->bf16);
                 }
+            for (int64_t h = 0; h < p->hkv && p->rcos && !v && (p->rot_k || j >= cached); h++) {
+                rotate(p, dst + h * n, j);
+                for (int64_t x = 0; x < n && !p->rot_k; x++)
+                    dst[h * n + x] = rnd_dt(p->k->dtype, dst[h * n + x]);
+            }
+            for (int64_t x = 0; x < p->hkv * n; x++)
+                dst[x] = rnd(dst[x], p->bf16);
         }
 }
 
@@ -63,7 +93,11 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                 int64_t lo, hi;
                 fw_attn_visible(p, sq.sq, sq.sk, r, &lo, &hi);
                 for (int64_t x = 0; x < d; x++)
-                    q[x] = rnd(fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]), p->bf16);
+                    q[x] = fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]);
+                if (p->rcos)
+                    rotate(p, q, fw_attn_qpos(p, sq.sq, sq.sk, r));
+                for (int64_t x = 0; x < d; x++)
+                    q[x] = rnd(q[x], p->bf16);
                 double mx = -INFINITY;
                 for (int64_t j = lo; j < hi; j++) {
                     double dot = 0.0;
