@@ -177,10 +177,13 @@ typedef struct fw_attn_params {
      *   fw_attn_kvcache_fwd: needs k_new (only new keys are rotated): new key i at
      *     seqlens + i, rotated as it is appended (the cache holds rotated keys); query i at
      *     seqlens + i when causal or windowed, else every query at seqlens.
+     * rotary_q_only 1: keys are not rotated (they were before: flywheel-tpu's rotary_k=False);
+     *   a KV-cache call then needs no k_new (query i at sk - sq + i, or sk - sq as above).
      * seqlen_ro must exceed every position used. The backward takes no rotary embedding. */
     const fw_tensor *rotary_cos;
     const fw_tensor *rotary_sin;
     int32_t rotary_interleaved;
+    int32_t rotary_q_only;
 } fw_attn_params;
 
 /* Defaults: scale 0 (1/sqrt(d)), non-causal, windows -1, softcap 0, threads 0, isa NULL,

@@ -161,8 +161,10 @@ static void test_dense(void)
  * key j at j. */
 static void test_convention(void)
 {
-    for (int inter = 0; inter < 2; inter++) {
-        case_begin("rotary convention (%s): rotate-then-attend equals fused", inter ? "GPT-J" : "NeoX");
+    for (int mode = 0; mode < 3; mode++) {
+        const int inter = mode == 1, q_only = mode == 2;
+        case_begin("rotary convention (%s): rotate-then-attend equals fused",
+                   q_only ? "NeoX, q only" : inter ? "GPT-J" : "NeoX");
         const int64_t sq = 20, sk = 50, h = 2, d = 24, rd = 16;
         const int64_t qs[4] = {1, sq, h, d}, ks[4] = {1, sk, h, d};
         float *q = malloc((size_t)(sq * h * d) * 4), *k = malloc((size_t)(sk * h * d) * 4),
@@ -184,7 +186,8 @@ static void test_convention(void)
                     const float *src = (w ? k : q) + (i * h + hh) * d;
                     for (int64_t x = 0; x < d; x++)
                         row[x] = src[x];
-                    rotate_ref(row, rd, inter, &t, w ? i : sk - sq + i);
+                    if (!(w && q_only))
+                        rotate_ref(row, rd, inter, &t, w ? i : sk - sq + i);
                     for (int64_t x = 0; x < d; x++)
                         (w ? k2 : q2)[(i * h + hh) * d + x] = (float)row[x];
                 }
@@ -199,9 +202,20 @@ static void test_convention(void)
         p.rotary_cos = &t.tc;
         p.rotary_sin = &t.ts;
         p.rotary_interleaved = inter;
+        p.rotary_q_only = q_only;
         case_check(fw_attn_ref(&tq, &tk, &tv, &ta, NULL, &p, 0, INT64_MAX) == FW_OK, "%s", fw_last_error());
-        const double e = max_diff(a, b, sq * h * d);
-        case_check(e <= 1e-5, "fused and rotate-then-attend differ by %.3g", e);
+        double e = max_diff(a, b, sq * h * d);
+        case_check(e <= 1e-5, "fused and rotate-then-attend differ by %.3g (reference)", e);
+        p.threads = 2;
+        case_check(fw_attn_fwd(&tq, &tk, &tv, &ta, NULL, &p) == FW_ERR_DTYPE, "f64 out accepted");
+        float *o = malloc((size_t)(sq * h * d) * 4);
+        fw_tensor to = fw_tensor_contiguous(o, FW_F32, 4, qs);
+        case_check(fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p) == FW_OK, "%s", fw_last_error());
+        for (int64_t i = 0; i < sq * h * d; i++)
+            a[i] = o[i];
+        e = max_diff(a, b, sq * h * d);
+        case_check(e <= 1e-5, "fused and rotate-then-attend differ by %.3g (kernel)", e);
+        free(o);
         free(q); free(k); free(v); free(q2); free(k2); free(a); free(b);
         table_free(&t);
         case_end();
@@ -397,6 +411,16 @@ static void test_bad_input(void)
     fw_tensor tq3 = fw_tensor_contiguous(q, FW_F32, 3, q3), to3 = fw_tensor_contiguous(o, FW_F32, 3, q3);
     expect("KV cache without k_new", fw_attn_kvcache_fwd(&tq3, NULL, NULL, cu, 1, &c, &to3, NULL, &p),
            FW_ERR_ARG);
+    p.rotary_q_only = 2;
+    expect("rotary_q_only 2", fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p), FW_ERR_ARG);
+    p.rotary_q_only = 1; /* q only: a KV-cache call without new keys is fine */
+    memset(kc, 0, sizeof kc);
+    memset(vc, 0, sizeof vc);
+    case_begin("rotary q only: a KV-cache call without k_new runs");
+    case_check(fw_attn_kvcache_fwd(&tq3, NULL, NULL, cu, 1, &c, &to3, NULL, &p) == FW_OK, "%s",
+               fw_last_error());
+    case_end();
+    p.rotary_q_only = 0;
     /* the backward takes none */
     const int64_t ls[3] = {1, 2, 8};
     float l[16], g[3][320];

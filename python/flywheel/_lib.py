@@ -13,7 +13,7 @@ import os
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _MAX_DIMS = 4
 
@@ -151,6 +151,10 @@ class AttnParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("precision", ctypes.c_int32),
+        ("rotary_cos", ctypes.POINTER(Tensor)),
+        ("rotary_sin", ctypes.POINTER(Tensor)),
+        ("rotary_interleaved", ctypes.c_int32),
+        ("rotary_q_only", ctypes.c_int32),
     ]
 
 

@@ -26,6 +26,8 @@ included), and for a read-only numpy array the call would write (out, or k_cache
 when k and v are appended); NotImplementedError for options the library does not have.
 """
 
+import ctypes
+
 import numpy as np
 
 from . import _lib
@@ -60,6 +62,25 @@ def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=Fals
     return p
 
 
+def _rotary(p, rotary_cos, rotary_sin, interleaved, q_only=False):
+    """The rotary embedding of a call into params p (fw_attn_params.rotary_*): tables
+    [seqlen_ro, rotary_dim / 2] of any float dtype and strides, read in place."""
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    tables = [T.float_array(T.detach(x), n) for x, n in ((rotary_cos, "rotary_cos"),
+                                                          (rotary_sin, "rotary_sin"))]
+    if any(t.ndim != 2 for t in tables):
+        raise ValueError(f"rotary_cos and rotary_sin must be [seqlen_ro, rotary_dim / 2], got "
+                         f"shapes {tuple(tables[0].shape)}, {tuple(tables[1].shape)}")
+    described = [T.describe(t) for t in tables]
+    p.rotary_cos, p.rotary_sin = (ctypes.pointer(t) for t in described)
+    p.rotary_interleaved = 1 if interleaved else 0
+    p.rotary_q_only = 1 if q_only else 0
+    p.keep = (tables, described)  # alive for the length of the call
+
+
 def _window_side(side):
     """One side of window_size as the library's int64: flash-attn's rule, any negative value
     (or None) is unbounded, the library's -1; so are +inf and sides of 2^62 or more, which no
@@ -83,6 +104,12 @@ def _unsupported(dropout_p=0.0, alibi_slopes=None, **named):
             raise NotImplementedError(f"{name} is not supported")
 
 
+def _no_grad_rotary(rotary):
+    if rotary:
+        raise NotImplementedError("rotary embedding with inputs that require grad: the backward "
+                                  "takes none (rotate q and k first to differentiate through it)")
+
+
 def _no_grad_out(out):
     if out is not None:
         raise NotImplementedError("out= with inputs that require grad: autograd needs an output "
@@ -100,7 +127,8 @@ def _pack(out, lse, return_lse, return_attn_probs):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_softmax_lse=False, out=None, isa=None,
-                    plain=False, precision=None):
+                    plain=False, precision=None, rotary_cos=None, rotary_sin=None,
+                    rotary_interleaved=False, rotary_k=True):
     """Dense attention forward, flash-attn's `flash_attn_func`.
 
     q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] -> out [b, sq, hq, dv].
@@ -115,6 +143,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     the plain row-at-a-time baseline kernel (always f32 products).
     precision of the products QK^T and PV: None or "auto" (bf16 for bfloat16 q, else f32),
     "f32", or "bf16" (q, k, v and the probabilities P rounded to bf16, f32 accumulation).
+    Rotary embedding (flywheel-tpu's extension): rotary_cos / rotary_sin [seqlen_ro,
+    rotary_dim / 2] (rotary_dim <= d: the first rotary_dim channels rotate) rotate key j at
+    position j and query i at sk - sq + i (so sq <= sk) as the kernels read them; q and k are
+    not written. rotary_interleaved: GPT-J pairs instead of GPT-NeoX halves; rotary_k=False
+    rotates q only. Not differentiable (NotImplementedError with grad).
     Torch tensors that require grad (with grad enabled) make the call differentiable: the
     gradients of q, k, v come from flash_attn_backward (the saved out and lse; lse itself is
     not differentiable); out= is refused then.
@@ -124,13 +157,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     # truth values first: one that raises (a numpy array) must not raise after out is written
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     want_lse = return_softmax_lse or return_attn_probs
+    rotary = rotary_cos is not None or rotary_sin is not None
     if T.wants_grad(q, k, v):
         _no_grad_out(out)
+        _no_grad_rotary(rotary)
         from . import _autograd
         r = _autograd.dense(q, k, v, softmax_scale, causal, window_size, softcap, isa, plain,
                             precision)
         return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
-    if _lib.fast is not None and isa is None and not plain and precision is None:
+    if _lib.fast is not None and isa is None and not plain and precision is None and not rotary:
         r = _lib.fast.attn_func(q, k, v, softmax_scale, causal, window_size, softcap,
                                 _lib.settings.threads, out, want_lse)
         if r is not NotImplemented:
@@ -144,6 +179,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     out = T.output(out, q, (b, sq, hq, dv))
     lse = T.empty_like_family(q, (b, hq, sq), "float32") if want_lse else None
     p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
+    _rotary(p, rotary_cos, rotary_sin, rotary_interleaved, not rotary_k)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
     _lib.check(_lib.lib.fw_attn_fwd(tq, tk, tv, to, tl, p))
@@ -177,7 +213,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           return_softmax_lse=False, out=None, isa=None, precision=None):
+                           return_softmax_lse=False, out=None, isa=None, precision=None,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                           rotary_k=True):
     """Packed variable-length attention, flash-attn's `flash_attn_varlen_func`.
 
     q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv]; cu_seqlens_q/k: batch + 1
@@ -188,18 +226,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     output to write instead of a new one. precision: None/"auto", "f32" or "bf16" products, as
     in flash_attn_func. block_table (paged K/V) is not supported here: use
     flash_attn_with_kvcache. Differentiable for torch tensors that require grad, as
-    flash_attn_func (flash_attn_varlen_backward).
+    flash_attn_func (flash_attn_varlen_backward). rotary_*: as in flash_attn_func, positions
+    per sequence.
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     want_lse = return_softmax_lse or return_attn_probs
+    rotary = rotary_cos is not None or rotary_sin is not None
     if T.wants_grad(q, k, v):
         _no_grad_out(out)
+        _no_grad_rotary(rotary)
         from . import _autograd
         r = _autograd.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window_size, softcap, isa, precision)
         return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
-    if _lib.fast is not None and isa is None and precision is None:
+    if _lib.fast is not None and isa is None and precision is None and not rotary:
         r = _lib.fast.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, window_size, softcap,
                                   _lib.settings.threads, out, want_lse)
@@ -224,6 +265,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out = T.output(out, q, (total_q, hq, v.shape[-1]))
     lse = T.empty_like_family(q, (hq, total_q), "float32") if want_lse else None
     p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision)
+    _rotary(p, rotary_cos, rotary_sin, rotary_interleaved, not rotary_k)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
     _lib.check(_lib.lib.fw_attn_varlen_fwd(tq, tk, tv, T.ptr(cq), T.ptr(ck), cq.size - 1, to,
@@ -256,17 +298,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [total_q, hq, dv]) to write instead of a new one. precision: None/"auto", "f32" or "bf16"
     products, as in flash_attn_func.
     Copies: q/k/v when [b, sq] cannot be merged into one stride (not for contiguous
-    or sq = 1 inputs), and the int32 index arrays. Not supported (NotImplementedError):
-    rotary embedding, cache_batch_idx, cache_leftpad, ALiBi, k without v.
+    or sq = 1 inputs), and the int32 index arrays.
+    Rotary embedding, flash-attn's: rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2]
+    (rotary_dim <= d), only with k and v: new key i is rotated at cache_seqlens + i as it is
+    appended (the cache holds rotated keys), query i at cache_seqlens + i when causal or
+    windowed, else every query at cache_seqlens; rotary_interleaved (default True, as in
+    flash-attn) pairs adjacent channels (GPT-J) instead of the halves (GPT-NeoX). Fused into
+    the append and the q packing: no extra pass.
+    Not supported (NotImplementedError): cache_batch_idx, cache_leftpad, ALiBi, k without v.
     """
-    _unsupported(0.0, alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+    _unsupported(0.0, alibi_slopes, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     if (k is None) != (v is None):
         raise NotImplementedError("k and v must be given together")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required (the tokens each sequence already holds)")
     if (_lib.fast is not None and not return_softmax_lse and cu_seqlens_q is None and
-            isa is None and precision is None):
+            isa is None and precision is None and rotary_cos is None and rotary_sin is None):
         r = _lib.fast.attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                    softmax_scale, causal, window_size, softcap,
                                    _lib.settings.threads, out)
@@ -333,6 +380,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out3 = T.merged_view(out, "out")
     lse = T.empty_like_family(q, (hq, total_q), "float32") if return_softmax_lse else None
     p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision)
+    _rotary(p, rotary_cos, rotary_sin, rotary_interleaved)
     tk = T.describe(kn) if kn is not None else None
     tv = T.describe(vn) if vn is not None else None
     tl = T.describe(lse) if return_softmax_lse else None

@@ -59,7 +59,7 @@ counts, decode-only contiguous caches, window right bounds of -1 or 0 on paged c
 max_seqlen underestimates) are not imposed: those calls are computed exactly.
 
 Refused with NotImplementedError (never ignored): dropout_p != 0, alibi_slopes,
-return_attn_probs, attention_chunk, rotary_cos / rotary_sin (flywheel has no fused RoPE),
+return_attn_probs, attention_chunk, fused RoPE with a paged varlen cache,
 heads_outer_fold with token_major or return_softmax_lse (as in the original); a page size
 with no power-of-two factor of at least 8. The original's ValueErrors on bad arguments
 (window sides below -1, negative softcap, head_dim without token_major, v with a block
@@ -223,11 +223,15 @@ def _common(window_size, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
     return tuple(int(side) for side in window)
 
 
-def _no_rotary(rotary_cos, rotary_sin):
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError(
-            "rotary_cos / rotary_sin (fused RoPE) are not supported: flywheel has no rotary "
-            "embedding; rotate q and k before the call")
+def _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k):
+    """The fused RoPE arguments of flywheel's calls (host arrays of the tables)."""
+    if rotary_cos is None and rotary_sin is None:
+        return {}
+    if type(rotary_interleaved) is not bool or type(rotary_k) is not bool:
+        raise ValueError("rotary_interleaved and rotary_k must be static bools")
+    return dict(rotary_cos=None if rotary_cos is None else _host(rotary_cos, "rotary_cos"),
+                rotary_sin=None if rotary_sin is None else _host(rotary_sin, "rotary_sin"),
+                rotary_interleaved=rotary_interleaved, rotary_k=rotary_k)
 
 
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k):
@@ -381,14 +385,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return_softmax_lse adds lse [b, hq, sq] float32 (natural log). Masks, softcap and
     defaults: see the module docstring. interpret is ignored; rotary tables,
     attention_chunk, dropout, ALiBi and return_attn_probs raise NotImplementedError.
+    rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2]: fused RoPE as in the original (key j
+    at position j, query i at sk - sq + i; rotary_k=False rotates q only), any rotary_dim
+    <= d (the original takes full-head tables only).
     """
-    del interpret, deterministic, rotary_interleaved, rotary_k  # no effect here (see above)
+    del interpret, deterministic  # no effect here (see above)
     window = _common(window_size, dropout_p, softcap, alibi_slopes, return_attn_probs)
     if attention_chunk is not None:
         raise NotImplementedError("attention_chunk is not supported")
     if type(heads_outer_fold) is not bool:
         raise TypeError("heads_outer_fold must be a bool")
-    _no_rotary(rotary_cos, rotary_sin)
+    rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
     if heads_outer_fold and (token_major or return_softmax_lse):
         raise NotImplementedError("heads_outer_fold is a head-major layout without "
                                   "return_softmax_lse (as in the original)")
@@ -425,7 +432,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         fout = _perm(out, axes)
     r = _attn.flash_attn_func(fq, fk, fv, softmax_scale=softmax_scale, causal=causal,
                               window_size=window, softcap=softcap,
-                              return_softmax_lse=return_softmax_lse, out=fout)
+                              return_softmax_lse=return_softmax_lse, out=fout, **rotary)
     if return_softmax_lse:
         return _export(out, jax_out), _export(r[1], jax_out)
     return _export(out, jax_out)
@@ -465,11 +472,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequence's kv length (its new tokens included, already in the cache), q stays
     head-major; query t of a sequence with n queries sits at position seqused_k - n + t.
     num_active keeps the first num_active sequences; rows after them give out 0, lse -inf.
+    rotary_*: fused RoPE per sequence as in flash_attn_func; with block_table it raises
+    NotImplementedError (rotate q before the call: the cache holds rotated keys).
     """
-    del interpret, deterministic, rotary_interleaved, rotary_k  # no effect here (see above)
+    del interpret, deterministic  # no effect here (see above)
     window = _common(window_size, dropout_p, softcap, alibi_slopes, return_attn_probs)
     _check_block_sizes(block_sizes)
-    _no_rotary(rotary_cos, rotary_sin)
+    rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
+    if block_table is not None and rotary:
+        raise NotImplementedError("fused RoPE with a paged cache (block_table) is not supported: "
+                                  "rotate q before the call (the cache holds rotated keys)")
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window, softcap, return_softmax_lse,
@@ -519,7 +531,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         fq[:used_q], fk[:used_k], fv[:used_k], cu_q, cu_k,
         max(max_q, _max_len(cu_q)), max(max_k, _max_len(cu_k)),
         softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
-        return_softmax_lse=return_softmax_lse, out=fout)
+        return_softmax_lse=return_softmax_lse, out=fout, **rotary)
     if not return_softmax_lse:
         return _export(out, jax_out)
     lse = r[1]

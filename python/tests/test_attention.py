@@ -284,8 +284,6 @@ def test_unsupported_options_raise_not_implemented():
         with pytest.raises(NotImplementedError):
             flywheel.flash_attn_func(q, q, q, **kw)
     kc = np.zeros((1, 16, 2, 16), np.float32)
-    with pytest.raises(NotImplementedError, match="rotary_cos"):
-        flywheel.flash_attn_with_kvcache(q, kc, kc, rotary_cos=q, cache_seqlens=1)
     with pytest.raises(NotImplementedError, match="cache_batch_idx"):
         flywheel.flash_attn_with_kvcache(q, kc, kc, cache_batch_idx=[0], cache_seqlens=1)
 

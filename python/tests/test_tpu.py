@@ -500,8 +500,6 @@ def test_options_flywheel_lacks_raise_not_implemented():
     t = np.ones((4, 4), np.float32)
     for kwargs in [dict(dropout_p=0.1), dict(alibi_slopes=np.ones(2, np.float32)),
                    dict(return_attn_probs=True), dict(attention_chunk=64),
-                   dict(rotary_cos=t, rotary_sin=t), dict(rotary_cos=t, rotary_sin=t,
-                                                         rotary_k=False),
                    dict(heads_outer_fold=True, return_softmax_lse=True)]:
         with pytest.raises(NotImplementedError):
             tpu.flash_attn_func(q, q, q, **kwargs)
@@ -510,9 +508,10 @@ def test_options_flywheel_lacks_raise_not_implemented():
         tpu.flash_attn_func(tm, tm, tm, head_dim=8, token_major=True, heads_outer_fold=True)
     cu = np.array([0, 4])
     qv = q[0]
-    with pytest.raises(NotImplementedError):
-        tpu.flash_attn_varlen_func(qv, qv, qv, cu, cu, 4, 4, rotary_cos=t, rotary_sin=t)
     kv = np.zeros((2, 16, 4, 8), np.float32)
+    with pytest.raises(NotImplementedError, match="RoPE"):
+        tpu.flash_attn_varlen_func(qv, kv, None, cu, None, 4, 4, rotary_cos=t, rotary_sin=t,
+                                   block_table=np.zeros((1, 1), np.int32), seqused_k=[4])
     with pytest.raises(NotImplementedError, match="token_major"):
         tpu.flash_attn_varlen_func(qv, kv, None, cu, None, 4, 4, token_major=True,
                                    block_table=np.zeros((1, 1), np.int32), seqused_k=[4])

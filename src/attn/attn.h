@@ -36,7 +36,8 @@ typedef struct fw_attn_prob {
     const fw_tensor *rcos, *rsin;
     int64_t rhalf;                      /* rotary_dim / 2: pairs rotated per row */
     int rinter;                         /* GPT-J pairs (1) or GPT-NeoX halves (0) */
-    int rot_k;                          /* keys rotated as they are read (not a KV cache) */
+    int rot_k;                          /* keys rotated as they are read (dense, varlen) */
+    int rot_append;                     /* new keys rotated as they are appended (KV cache) */
     int rot_q_fixed;                    /* every query at position sk - sq (KV cache, no mask) */
 } fw_attn_prob;
 

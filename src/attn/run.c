@@ -252,7 +252,7 @@ static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
                     const char *a = (const char *)src->data +
                                     ((p->cuq[i] + r) * src->stride[0] + h * src->stride[1]) * (int64_t)es;
                     char *b = (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
-                    if (!v && p->rcos) {
+                    if (!v && p->rot_append) {
                         kt->to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
                         fw_attn_rotate(p, row_f32, p->cache_len[i] + r);
                         kt->from_f32(row_f32, n, b, dst->dtype, ds[2]);

@@ -51,6 +51,9 @@ fw_status fw_attn_check_params(const fw_attn_params *params)
     if (params->rotary_interleaved != 0 && params->rotary_interleaved != 1)
         return fw_fail(FW_ERR_ARG, "rotary_interleaved is %d; it must be 0 (GPT-NeoX halves) or 1 "
                        "(GPT-J pairs)", (int)params->rotary_interleaved);
+    if (params->rotary_q_only != 0 && params->rotary_q_only != 1)
+        return fw_fail(FW_ERR_ARG, "rotary_q_only is %d; it must be 0 or 1",
+                       (int)params->rotary_q_only);
     return FW_OK;
 }
 
@@ -77,9 +80,10 @@ static fw_status setup_rotary(fw_attn_prob *p, const fw_attn_params *params)
         return fw_fail(FW_ERR_SHAPE, "rotary_cos is [%lld, %lld]: rotary_dim = 2 x %lld must be 2..d "
                        "(%lld)", (long long)c->shape[0], (long long)c->shape[1], (long long)c->shape[1],
                        (long long)p->d);
-    if (p->kvcache && !p->append)
+    if (p->kvcache && !p->append && !params->rotary_q_only)
         return fw_fail(FW_ERR_ARG, "rotary embedding in a KV-cache call needs k_new and v_new (it "
-                       "rotates the new keys as they are appended; the cache holds rotated keys)");
+                       "rotates the new keys as they are appended; the cache holds rotated keys), "
+                       "or rotary_q_only");
     for (int64_t i = 0; i < p->batch; i++) {
         const fw_attn_seq e = fw_attn_seq_get(p, i);
         if (e.sq > e.sk)
@@ -95,7 +99,8 @@ static fw_status setup_rotary(fw_attn_prob *p, const fw_attn_params *params)
     p->rsin = sn;
     p->rhalf = c->shape[1];
     p->rinter = params->rotary_interleaved;
-    p->rot_k = !p->kvcache;
+    p->rot_k = !p->kvcache && !params->rotary_q_only;
+    p->rot_append = p->kvcache && !params->rotary_q_only;
     p->rot_q_fixed = p->kvcache && !p->causal && p->wl < 0 && p->wr < 0;
     return FW_OK;
 }

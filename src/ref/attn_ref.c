@@ -58,7 +58,7 @@ static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, doub
                         dst[h * n + x] = fw_load_f64(t, row * t->stride[0] + h * t->stride[1] + x * t->stride[2]);
                     }
                 }
-            for (int64_t h = 0; h < p->hkv && p->rcos && !v && (p->rot_k || j >= cached); h++) {
+            for (int64_t h = 0; h < p->hkv && !v && (p->rot_k || (p->rot_append && j >= cached)); h++) {
                 rotate(p, dst + h * n, j);
                 for (int64_t x = 0; x < n && !p->rot_k; x++)
                     dst[h * n + x] = rnd_dt(p->k->dtype, dst[h * n + x]);
