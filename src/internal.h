@@ -178,6 +178,9 @@ typedef struct fw_kernels {
      * visible keys [lo, hi). */
     void (*bwd_ds)(int R, float *S, float *dP, const float *lse2, const float *D, const float *lo,
                    const float *hi, float qs, float cap2);
+    /* Rotary embedding of one head row x in place: h pairs (GPT-NeoX halves, or interleaved
+     * GPT-J pairs) rotated by the f32 cos / sin rows c, s. */
+    void (*rope)(float *x, int h, const float *c, const float *s, int interleaved);
 } fw_kernels;
 
 /* KDA chunks: rows per diagonal block (kda_diag's; the driver's products cover the rest). */
@@ -193,7 +196,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row) X(bwd_ds)
+    X(gdn_dec_cols) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row) X(bwd_ds) X(rope)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

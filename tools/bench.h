@@ -18,6 +18,9 @@ void *bench_alloc(size_t bytes);
 /* n values of dtype dt (f32, bf16 or f16) uniform in [-scale, scale), from a xorshift stream
  * of `seed`: the same inputs on every run. */
 void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed);
+/* RoPE tables (base 10000) of n positions and rotary_dim rd: cos and sin [n, rd / 2] f32 in
+ * one allocation at *mem (release with free()), described by *cos and *sin. 0: no memory. */
+int bench_rope_tables(int64_t n, int64_t rd, void **mem, fw_tensor *cos, fw_tensor *sin);
 /* Median of n doubles (sorts them). */
 double bench_median(double *x, int n);
 /* The machine's FMA peak on `threads` threads: the median of 3 runs of the widest table's

@@ -38,6 +38,8 @@ typedef struct {
     int json, check, baseline, techniques;
     int prec; /* fw_precision */
     int bwd;  /* time the backward instead */
+    int rotary; /* time the call with and without a fused RoPE of the whole head dim */
+    const fw_tensor *rcos, *rsin;
 } cfg;
 
 typedef struct {
@@ -121,6 +123,8 @@ static void params_of(const cfg *c, fw_attn_params *p, uint32_t flags, int threa
     p->isa = c->isa;
     p->flags = flags;
     p->precision = c->prec;
+    p->rotary_cos = c->rcos;
+    p->rotary_sin = c->rsin;
 }
 
 /* Median seconds of `reps` calls on query rows [r0, sq) (a bottom-right-aligned view). */
@@ -512,10 +516,58 @@ static int run_bwd_cfg(const cfg *c)
     return fail || !ok;
 }
 
+/* The cost of a fused RoPE: the forward without and with rotary tables (rotary_dim = d, so
+ * every channel of q and k rotates), alternating in ROPE_ROUNDS rounds of --reps calls; the
+ * medians of all calls of each kind, their ratio, and the range of the per-round ratios. */
+#define ROPE_ROUNDS 3
+
+static int run_rotary_cfg(const cfg *c0)
+{
+    bufs B;
+    if (!bufs_make(&B, c0))
+        return 1;
+    void *mem;
+    fw_tensor rc, rs;
+    if (!bench_rope_tables(c0->sk, c0->d, &mem, &rc, &rs)) {
+        fprintf(stderr, "bench: out of memory\n");
+        return 1;
+    }
+    cfg c = *c0;
+    double t[2][ROPE_ROUNDS], lo = INFINITY, hi = 0;
+    int ok = 1;
+    for (int round = 0; round < ROPE_ROUNDS && ok; round++) {
+        for (int with = 0; with < 2 && ok; with++) {
+            c.rcos = with ? &rc : NULL;
+            c.rsin = with ? &rs : NULL;
+            t[with][round] = time_calls(&c, &B, c.flags, 0, c.reps, &ok);
+        }
+        const double r = t[1][round] / t[0][round];
+        lo = r < lo ? r : lo;
+        hi = r > hi ? r : hi;
+    }
+    if (ok) {
+        const double a = bench_median(t[0], ROPE_ROUNDS), b = bench_median(t[1], ROPE_ROUNDS);
+        if (c.json)
+            printf("{\"op\":\"attn_rotary_cost\",\"sq\":%lld,\"sk\":%lld,\"hq\":%lld,\"hkv\":%lld,"
+                   "\"d\":%lld,\"dtype\":\"%s\",\"threads\":%d,\"seconds_plain\":%.6g,"
+                   "\"seconds_rotary\":%.6g,\"ratio\":%.4f,\"ratio_min\":%.4f,\"ratio_max\":%.4f}\n",
+                   (long long)c.sq, (long long)c.sk, (long long)c.hq, (long long)c.hkv, (long long)c.d,
+                   fw_dtype_name(c.dt), c.threads, a, b, b / a, lo, hi);
+        else
+            printf("rotary    %-5s T=%-6lld h%lld:%lld d%lld %s thr=%d  without %.4f s, with %.4f s: "
+                   "%+.1f%% (rounds %+.1f%% .. %+.1f%%)\n", fw_dtype_name(c.dt), (long long)c.sq,
+                   (long long)c.hq, (long long)c.hkv, (long long)c.d, c.causal ? "causal" : "full",
+                   c.threads, a, b, 100 * (b / a - 1), 100 * (lo - 1), 100 * (hi - 1));
+    }
+    free(mem);
+    bufs_free(&B);
+    return !ok;
+}
+
 static cfg defaults(void)
 {
     cfg c = {1, 4096, 4096, 32, 8, 128, 128, FW_BF16, 1, -1, -1, 0.0f, 0, 5, NULL, 0, 0, 0, 1, 0,
-             FW_PREC_AUTO, 0};
+             FW_PREC_AUTO, 0, 0, NULL, NULL};
     return c;
 }
 
@@ -530,7 +582,9 @@ static void attn_usage(void)
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"
            "  --json         one JSON object per line\n"
-           "  --bwd          the backward (dq, dk, dv; f32 products) instead of the forward\n");
+           "  --bwd          the backward (dq, dk, dv; f32 products) instead of the forward\n"
+           "  --rotary       the cost of a fused RoPE (rotary_dim = d): the call with and without\n"
+           "                 it, alternating, in the same run\n");
 }
 
 int bench_attn_main(int argc, char **argv)
@@ -575,6 +629,7 @@ int bench_attn_main(int argc, char **argv)
         else if (!strcmp(a, "--check")) c.check = 1;
         else if (!strcmp(a, "--json")) c.json = 1;
         else if (!strcmp(a, "--bwd")) c.bwd = 1;
+        else if (!strcmp(a, "--rotary")) c.rotary = 1;
         else if (bench_is_help(a)) { attn_usage(); return 0; }
         else { fprintf(stderr, "flywheel: unknown option %s\n", a); attn_usage(); return 2; }
 #undef INT
@@ -584,7 +639,7 @@ int bench_attn_main(int argc, char **argv)
         c.threads = bench_cpus();
     if (c.reps < 1)
         c.reps = 1;
-    return c.bwd ? run_bwd_cfg(&c) : run_cfg(&c);
+    return c.bwd ? run_bwd_cfg(&c) : c.rotary ? run_rotary_cfg(&c) : run_cfg(&c);
 }
 
 /* The headline set of `flywheel run` / `make run`. */

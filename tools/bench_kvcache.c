@@ -9,7 +9,10 @@
  *   GFLOP/s = 2 (d + dv) x unmasked pairs / s and % of the peak of the precision in use (bf16
  *   inputs: bf16 products, the bf16 dot-product peak; else the FMA peak), next to the dense
  *   kernel (fw_attn_fwd) on the same shape in the same run.
+ * --rotary: the cost of a fused RoPE (rotary_dim = d) on the same call: without and with it,
+ *   alternating in 3 rounds of --reps calls; medians and the range of per-round ratios.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +23,7 @@ typedef struct {
     fw_dtype dt;
     int threads, reps, json;
     const char *isa;
+    int rotary;
 } kcfg;
 
 static void fill_bits(void *p, size_t n, fw_dtype dt)
@@ -81,16 +85,48 @@ static int kv_run(const kcfg *c, int decode)
     p.isa = c->isa;
     double t[64];
     int reps = c->reps > 64 ? 64 : c->reps, fail = 0;
-    for (int i = -1; i < reps && !fail; i++) {
-        double t0 = bench_now();
-        fw_status s = fw_attn_kvcache_fwd(&q, &kn, &vn, cuq, b, &cache, &o, NULL, &p);
-        double dt = bench_now() - t0;
-        if (s != FW_OK) {
-            fprintf(stderr, "bench kvcache: %s\n", fw_last_error());
-            fail = 1;
-        } else if (i >= 0) {
-            t[i] = dt;
+    void *rmem = NULL;
+    fw_tensor rc, rs;
+    double rt[2][3], rlo = INFINITY, rhi = 0;
+    if (c->rotary && !bench_rope_tables(c->ctx, c->d, &rmem, &rc, &rs)) {
+        fprintf(stderr, "bench kvcache: out of memory\n");
+        return 1;
+    }
+    for (int round = 0; round < (c->rotary ? 3 : 1) && !fail; round++)
+        for (int with = 0; with < (c->rotary ? 2 : 1) && !fail; with++) {
+            p.rotary_cos = with ? &rc : NULL;
+            p.rotary_sin = with ? &rs : NULL;
+            for (int i = -1; i < reps && !fail; i++) {
+                double t0 = bench_now();
+                fw_status s = fw_attn_kvcache_fwd(&q, &kn, &vn, cuq, b, &cache, &o, NULL, &p);
+                double dt = bench_now() - t0;
+                if (s != FW_OK) {
+                    fprintf(stderr, "bench kvcache: %s\n", fw_last_error());
+                    fail = 1;
+                } else if (i >= 0) {
+                    t[i] = dt;
+                }
+            }
+            if (c->rotary && !fail) {
+                rt[with][round] = bench_median(t, reps);
+                if (with) {
+                    const double r = rt[1][round] / rt[0][round];
+                    rlo = r < rlo ? r : rlo;
+                    rhi = r > rhi ? r : rhi;
+                }
+            }
         }
+    p.rotary_cos = p.rotary_sin = NULL;
+    free(rmem);
+    if (!fail && c->rotary) {
+        const double a = bench_median(rt[0], 3), r = bench_median(rt[1], 3);
+        printf("rotary    %-5s %s batch %-3lld ctx %-6lld new %lld h%lld:%lld d%lld thr=%d  without %.1f us, "
+               "with %.1f us: %+.1f%% (rounds %+.1f%% .. %+.1f%%)\n", fw_dtype_name(c->dt),
+               decode ? "decode " : "prefill", (long long)b, (long long)c->ctx, (long long)n,
+               (long long)c->hq, (long long)c->hkv, (long long)c->d, c->threads, a * 1e6, r * 1e6,
+               100 * (r / a - 1), 100 * (rlo - 1), 100 * (rhi - 1));
+        free(kd); free(vd); free(qd); free(knd); free(vnd); free(od); free(bt); free(cuq); free(sl);
+        return 0;
     }
     if (!fail) {
         const double sec = bench_median(t, reps);
@@ -159,7 +195,7 @@ static int kv_run(const kcfg *c, int decode)
 
 static kcfg kdefaults(void)
 {
-    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL};
+    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0};
     c.threads = bench_cpus();
     return c;
 }
@@ -188,12 +224,13 @@ int bench_kvcache_main(int argc, char **argv)
         else if (!strcmp(a, "--decode")) mode = 1;
         else if (!strcmp(a, "--prefill")) mode = 2;
         else if (!strcmp(a, "--json")) c.json = 1;
+        else if (!strcmp(a, "--rotary")) c.rotary = 1;
         else {
             if (!bench_is_help(a))
                 fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
                    "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
-                   "       --threads N --reps N --isa NAME --json]\n"
+                   "       --threads N --reps N --isa NAME --json --rotary]\n"
                    "  --ctx is the context after the append (prefill default: 8192 + new)\n"
                    "  with neither --decode nor --prefill: decode at batch 1 and 16 over contexts 1K..32K,\n"
                    "  then 512 new tokens on an 8K prefix\n");

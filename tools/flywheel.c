@@ -12,6 +12,7 @@
  */
 #define _DEFAULT_SOURCE 1 /* madvise(MADV_HUGEPAGE) */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -78,6 +79,24 @@ void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed)
         else if (dt == FW_BF16) ((uint16_t *)p)[i] = fw_f32_to_bf16(x);
         else ((uint16_t *)p)[i] = fw_f32_to_f16(x);
     }
+}
+
+int bench_rope_tables(int64_t n, int64_t rd, void **mem, fw_tensor *tcos, fw_tensor *tsin)
+{
+    const int64_t h = rd / 2, shape[2] = {n, h};
+    float *t = malloc((size_t)(2 * n * h + 1) * sizeof(float));
+    if (!t)
+        return 0;
+    for (int64_t p = 0; p < n; p++)
+        for (int64_t i = 0; i < h; i++) {
+            const double f = (double)p * pow(10000.0, -2.0 * (double)i / (double)rd);
+            t[p * h + i] = (float)cos(f);
+            t[n * h + p * h + i] = (float)sin(f);
+        }
+    *mem = t;
+    *tcos = fw_tensor_contiguous(t, FW_F32, 2, shape);
+    *tsin = fw_tensor_contiguous(t + n * h, FW_F32, 2, shape);
+    return 1;
 }
 
 double bench_median(double *x, int n)

@@ -74,8 +74,9 @@ static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk
     *hi = p->wr >= 0 && p->wr < sk - diag ? diag + p->wr + 1 : sk;
 }
 
-/* Rotary embedding: x (d floats, f32) rotated in place at position pos (attn/setup.c). */
-void fw_attn_rotate(const fw_attn_prob *p, float *x, int64_t pos);
+/* Rotary embedding: x (d floats, f32) rotated in place at position pos by the table's rope
+ * (attn/setup.c): cos / sin rows read in place when f32 and unit-stride, else converted. */
+void fw_attn_rotate(const fw_attn_prob *p, const fw_kernels *kt, float *x, int64_t pos);
 
 /* The rotary position of query row r of a sequence with sq queries and sk keys. */
 static inline int64_t fw_attn_qpos(const fw_attn_prob *p, int64_t sq, int64_t sk, int64_t r)

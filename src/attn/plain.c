@@ -19,7 +19,7 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
         kt->to_f32(fw_elem(p->q, sq->q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
                    c->qscale, qrow);
         if (p->rcos)
-            fw_attn_rotate(p, qrow, fw_attn_qpos(p, sq->sq, sq->sk, r));
+            fw_attn_rotate(p, kt, qrow, fw_attn_qpos(p, sq->sq, sq->sk, r));
         int64_t lo, hi;
         fw_attn_visible(p, sq->sq, sq->sk, r, &lo, &hi);
         float m = -INFINITY, l = 0.0f;
@@ -29,7 +29,7 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
         for (int64_t j = lo; j < hi && p->rot_k; j++) {
             kt->to_f32(fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]), p->k->dtype,
                        p->ks[2], d, 1.0f, krow);
-            fw_attn_rotate(p, krow, j);
+            fw_attn_rotate(p, kt, krow, j);
             kt->to_f32(fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]), p->v->dtype,
                        p->vs[2], dv, 1.0f, vrow);
             kt->plain_row(qrow, d, dv, FW_F32, krow, d, 1, vrow, dv, 1, 1, c->cap2, acc, &m, &l,

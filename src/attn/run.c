@@ -254,7 +254,7 @@ static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
                     char *b = (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
                     if (!v && p->rot_append) {
                         kt->to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
-                        fw_attn_rotate(p, row_f32, p->cache_len[i] + r);
+                        fw_attn_rotate(p, kt, row_f32, p->cache_len[i] + r);
                         kt->from_f32(row_f32, n, b, dst->dtype, ds[2]);
                     } else if (src->stride[2] == 1 && ds[2] == 1)
                         memcpy(b, a, (size_t)n * es);

@@ -105,18 +105,18 @@ static fw_status setup_rotary(fw_attn_prob *p, const fw_attn_params *params)
     return FW_OK;
 }
 
-void fw_attn_rotate(const fw_attn_prob *p, float *x, int64_t pos)
+void fw_attn_rotate(const fw_attn_prob *p, const fw_kernels *kt, float *x, int64_t pos)
 {
     const fw_tensor *c = p->rcos, *sn = p->rsin;
-    const int64_t h = p->rhalf, step = p->rinter ? 2 : 1, other = p->rinter ? 1 : h;
-    for (int64_t i = 0; i < h; i++) {
-        const float co = (float)fw_load_f64(c, pos * c->stride[0] + i * c->stride[1]);
-        const float si = (float)fw_load_f64(sn, pos * sn->stride[0] + i * sn->stride[1]);
-        float *a = x + i * step, *b = a + other;
-        const float x0 = *a, x1 = *b;
-        *a = x0 * co - x1 * si;
-        *b = x0 * si + x1 * co;
+    const char *cr = fw_elem(c, pos * c->stride[0]), *sr = fw_elem(sn, pos * sn->stride[0]);
+    if (c->dtype == FW_F32 && c->stride[1] == 1 && sn->stride[1] == 1) {
+        kt->rope(x, (int)p->rhalf, (const float *)cr, (const float *)sr, p->rinter);
+        return;
     }
+    float cf[FW_MAX_HEAD_DIM / 2], sf[FW_MAX_HEAD_DIM / 2];
+    kt->to_f32(cr, c->dtype, c->stride[1], p->rhalf, 1.0f, cf);
+    kt->to_f32(sr, sn->dtype, sn->stride[1], p->rhalf, 1.0f, sf);
+    kt->rope(x, (int)p->rhalf, cf, sf, p->rinter);
 }
 
 int fw_attn_bf16_products(fw_dtype q, int32_t precision)

@@ -105,7 +105,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
                 const char *src = fw_elem(p->q, sq->q0 + pos * p->qs[0] + (h0 + g) * p->qs[1]);
                 kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, orow);
                 if (p->rcos)
-                    fw_attn_rotate(p, orow, fw_attn_qpos(p, sq->sq, sq->sk, pos));
+                    fw_attn_rotate(p, kt, orow, fw_attn_qpos(p, sq->sq, sq->sk, pos));
                 for (int k = 0; k < d; k++)
                     qt[(size_t)k * M + m] = orow[k];
                 int64_t vlo, vhi;
@@ -145,7 +145,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
             kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
             kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
             if (p->rot_k)
-                fw_attn_rotate(p, Kf + (size_t)j * d, t0 + j);
+                fw_attn_rotate(p, kt, Kf + (size_t)j * d, t0 + j);
             if (bf16) {
                 uint16_t *kw = (uint16_t *)(KW + (size_t)j * dw);
                 kt->from_f32(Kf + (size_t)j * d, d, kw, FW_BF16, 1);
