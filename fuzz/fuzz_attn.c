@@ -1,6 +1,8 @@
 /*
  * fuzz_attn.c: libFuzzer harness of dense and variable-length attention (fw_attn_fwd,
- * fw_attn_varlen_fwd) and the workspace query (fw_attn_workspace_size).
+ * fw_attn_varlen_fwd), their fused rotary embedding, their backward (fw_attn_bwd,
+ * fw_attn_varlen_bwd: after a forward that ran, on the same problem, against
+ * fw_attn_bwd_ref) and the workspace query (fw_attn_workspace_size).
  * The problem: batch, lengths (mostly small, sometimes past a 64-key tile or a 512-key
  * split), heads with any GQA ratio, head dims, dtypes, layouts, params (causal, windows of any
  * sign, softcap, scale, threads, table, technique flags, precision, a caller workspace of the
@@ -76,6 +78,78 @@ static int draw_workspace(fz_in *in, params_case *pc, const fw_tensor *q, const 
     pc->ws = malloc(pc->p.workspace_bytes ? pc->p.workspace_bytes : 1);
     pc->p.workspace = pc->ws;
     return 0;
+}
+
+/* The backward of a forward that ran: dout of q's dtype, gradients of any dtype (sometimes a
+ * broken descriptor, which must be refused with nothing written), the forward's params less
+ * what the backward does not take; against the float64 reference given the same out and lse.
+ * Slack: the gradients carry f32 roundings of the scores (smax), of P and of dP - D, relative
+ * to the larger of the gradient and |dout| |v| (the scale of dP and D). */
+static void check_backward(fz_in *in, const fz_tensor *q, const fz_tensor *k, const fz_tensor *v,
+                           const fz_tensor *o, const fz_tensor *l, int varlen, const int32_t *cuq,
+                           const int32_t *cuk, int64_t batch, const int64_t *qs, const int64_t *ks,
+                           const int64_t *vs, const fw_attn_params *fp, int values, int special,
+                           double smax)
+{
+    const int nd = varlen ? 3 : 4;
+    fw_attn_params p = *fp;
+    p.flags &= FW_ATTN_PLAIN;
+    p.precision = p.precision == FW_PREC_BF16 ? FW_PREC_F32 : p.precision;
+    p.rotary_cos = p.rotary_sin = NULL;
+    p.workspace = NULL;
+    p.workspace_bytes = 0;
+    const fw_dtype gdt = dts[fz_range(in, 0, 2)];
+    fz_tensor g, dq, dk, dv;
+    fz_tensor_new(in, &g, q->t.dtype, nd, o->t.shape, 0, FZ_NONE, FZ_MODERATE, 1.0);
+    fz_tensor_new(in, &dq, gdt, nd, qs, 1, FZ_ALL, 0, 0);
+    fz_tensor_new(in, &dk, gdt, nd, ks, 1, FZ_ALL, 0, 0);
+    fz_tensor_new(in, &dv, gdt, nd, vs, 1, FZ_ALL, 0, 0);
+    const int bad = dq.bad | dk.bad | dv.bad;
+    fz_describe_tensor("dout", &g, FZ_MODERATE);
+    fz_describe_tensor("dq", &dq, -1);
+    fz_describe_tensor("dk", &dk, -1);
+    fz_describe_tensor("dv", &dv, -1);
+    unsigned char *s0 = fz_snapshot(&dq), *s1 = fz_snapshot(&dk), *s2 = fz_snapshot(&dv);
+    fw_status st = varlen ? fw_attn_varlen_bwd(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, cuq, cuk,
+                                               batch, &dq.t, &dk.t, &dv.t, &p)
+                          : fw_attn_bwd(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, &dq.t, &dk.t,
+                                        &dv.t, &p);
+    FZ_CHECK(st == FW_OK || *fw_last_error(), "backward: status %d without a message", (int)st);
+    if (bad)
+        FZ_CHECK(st != FW_OK, "backward: a broken gradient was accepted");
+    else
+        FZ_CHECK(st == FW_OK, "backward of a forward that ran failed: %s", fw_last_error());
+    if (st != FW_OK) {
+        FZ_CHECK(fz_unchanged(&dq, s0) && fz_unchanged(&dk, s1) && fz_unchanged(&dv, s2),
+                 "backward failed (%s) but wrote its outputs", fw_last_error());
+    } else {
+        const fz_tensor *got[3] = {&dq, &dk, &dv};
+        const int64_t *shp[3] = {qs, ks, vs};
+        const int64_t n[3] = {fz_numel(&dq.t), fz_numel(&dk.t), fz_numel(&dv.t)};
+        double *ex = calloc((size_t)(n[0] + n[1] + n[2]) + 1, sizeof(double));
+        fw_tensor r[3];
+        for (int i = 0, off = 0; i < 3; off += (int)n[i], i++)
+            r[i] = fw_tensor_contiguous(ex + off, FW_F64, nd, shp[i]);
+        fw_status rs = varlen ? fw_attn_varlen_bwd_ref(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, cuq,
+                                                       cuk, batch, &r[0], &r[1], &r[2], &p)
+                              : fw_attn_bwd_ref(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, &r[0], &r[1],
+                                                &r[2], &p);
+        FZ_CHECK(rs == FW_OK, "the backward ran but its reference failed: %s", fw_last_error());
+        const double dpmax = fz_absmax(&g.t) * fz_absmax(&v->t) * (double)v->t.shape[nd - 1];
+        const char *names[3] = {"dq", "dk", "dv"};
+        for (int i = 0, off = 0; i < 3; off += (int)n[i], i++) {
+            const double gmax = fz_absmax_d(ex + off, n[i]);
+            fz_compare(names[i], &got[i]->t, ex + off, ex + off, n[i], values,
+                       special ? FZ_WIDER | FZ_ANY_NONFINITE : 0,
+                       (gmax + dpmax) * (2 * fz_eps(gdt) + 1e-4 + 32 * smax * 0x1p-23));
+        }
+        free(ex);
+    }
+    free(s0); free(s1); free(s2);
+    fz_tensor_free(&g);
+    fz_tensor_free(&dq);
+    fz_tensor_free(&dk);
+    fz_tensor_free(&dv);
 }
 
 /* The workspace query alone, on descriptors of any size (it reads no data): it never fails
@@ -185,6 +259,35 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     params_case pc;
     draw_params(&in, &pc);
     bad |= pc.bad;
+    /* a fused rotary embedding now and then: tables of any float dtype, a rotary dim past d/2
+     * or too few positions or more queries than keys in some sequence are refused */
+    fz_tensor rc = {0}, rs = {0};
+    double rgrow = 1.0;
+    if (fz_chance(&in, 40)) {
+        int64_t h = d / 2 > 1 ? 1 + fz_range(&in, 0, d / 2 - 1) : 1, npos = 0, qmore = 0;
+        for (int64_t i = 0; i < (varlen ? batch : 1); i++) {
+            const int64_t nq = varlen ? cuq[i + 1] - cuq[i] : sq, nk = varlen ? cuk[i + 1] - cuk[i] : sk;
+            npos = nk > npos ? nk : npos;
+            qmore |= nq > nk && (varlen || batch > 0);
+        }
+        npos += fz_range(&in, 0, 2);
+        if (fz_chance(&in, 16))
+            npos = npos > 0 ? npos - 1 : 0;
+        const int64_t tshape[2] = {npos, h};
+        const fw_dtype tdt = dts[fz_range(&in, 0, 2)];
+        fz_tensor_new(&in, &rc, tdt, 2, tshape, 0, FZ_NONE, FZ_MODERATE, 1.0);
+        fz_tensor_new(&in, &rs, tdt, 2, tshape, 0, FZ_NONE, FZ_MODERATE, 1.0);
+        pc.p.rotary_cos = &rc.t;
+        pc.p.rotary_sin = &rs.t;
+        pc.p.rotary_interleaved = fz_byte(&in) & 1;
+        pc.p.rotary_q_only = fz_chance(&in, 64);
+        int64_t need = 0; /* the positions the call uses */
+        for (int64_t i = 0; i < (varlen ? batch : (batch > 0)); i++)
+            need = (varlen ? cuk[i + 1] - cuk[i] : sk) > need ? (varlen ? cuk[i + 1] - cuk[i] : sk) : need;
+        bad |= 2 * h > d || qmore || need > npos;
+        const double t = fz_absmax(&rc.t) + fz_absmax(&rs.t);
+        rgrow = t > 1.0 ? t * t : 1.0;
+    }
     fz_desc[0] = 0;
     fz_describe("%s batch %lld, hq %lld, hkv %lld, d %lld, dv %lld; causal %d window %lld,%lld "
                 "softcap %g scale %g threads %d isa %s flags %u precision %d",
@@ -199,6 +302,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_describe_tensor("q", &q, vq);
     fz_describe_tensor("k", &k, vk);
     fz_describe_tensor("v", &v, vv);
+    if (pc.p.rotary_cos)
+        fz_describe("\n  rotary interleaved %d q_only %d", (int)pc.p.rotary_interleaved,
+                    (int)pc.p.rotary_q_only);
+    if (pc.p.rotary_cos)
+        fz_describe_tensor("rotary_cos", &rc, FZ_MODERATE);
     fz_describe_tensor("out", &o, -1);
     if (with_lse)
         fz_describe_tensor("lse", &l, -1);
@@ -240,13 +348,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
         const int values = vq != FZ_HUGE && vk != FZ_HUGE && vv != FZ_HUGE;
         const double vmax = fz_absmax(&v.t), scale = pc.p.scale != 0 ? fabs(pc.p.scale) : 1 / sqrt((double)d);
-        const double smax = scale * fz_absmax(&q.t) * fz_absmax(&k.t) * (double)d;
+        const double smax = scale * fz_absmax(&q.t) * fz_absmax(&k.t) * (double)d * rgrow;
         fz_compare("out", &o.t, sr, ex, no, values, vv == FZ_SPECIAL ? FZ_WIDER | FZ_ANY_NONFINITE : 0,
                    vmax * (2 * fz_eps(odt) + 1e-4 + 8 * smax * 0x1p-23 + (bf16 ? 0x1p-8 : 0)));
         if (with_lse)
             fz_compare("lse", &l.t, sr + no, ex + no, nl, values, 0, fz_lse_slack(ex + no, nl, smax));
         free(ex);
         free(sr);
+        if (with_lse && !pc.p.rotary_cos && fz_chance(&in, 96))
+            check_backward(&in, &q, &k, &v, &o, &l, varlen, cuq, cuk, batch, qs, ks, vs, &pc.p,
+                           values, vq == FZ_SPECIAL || vk == FZ_SPECIAL || vv == FZ_SPECIAL, smax);
     }
     free(so);
     free(sl);
@@ -256,5 +367,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_tensor_free(&v);
     fz_tensor_free(&o);
     fz_tensor_free(&l);
+    fz_tensor_free(&rc);
+    fz_tensor_free(&rs);
     return 0;
 }
