@@ -23,7 +23,8 @@ Schemas (`Tensor(a!)`: written in place; SymInt is how torch spells an int argum
       Tensor? v=None, Tensor? cache_seqlens=None, Tensor? block_table=None,
       float? softmax_scale=None, bool causal=False, SymInt window_size_left=-1,
       SymInt window_size_right=-1, float softcap=0., bool return_softmax_lse=False,
-      Tensor? cu_seqlens_q=None, str? precision=None) -> (Tensor out, Tensor lse)
+      Tensor? cu_seqlens_q=None, str? precision=None, Tensor? rotary_cos=None,
+      Tensor? rotary_sin=None, bool rotary_interleaved=True) -> (Tensor out, Tensor lse)
   chunk_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
       float? scale=None, Tensor? initial_state=None, bool output_final_state=False,
       bool use_qk_l2norm_in_kernel=False, bool use_beta_sigmoid_in_kernel=False,
@@ -93,9 +94,10 @@ Choices where the Python calls differ:
     flash-attn's own custom ops); negative = unbounded.
   * cache_seqlens is a [b] integer tensor (no Python int); it is required, as in the call.
   * Not arguments: what the library does not have (dropout_p, alibi_slopes, deterministic,
-    return_attn_probs, rotary_*, cache_batch_idx, cache_leftpad, num_splits, the varlen
-    call's block_table, gk / gv, state_v_first, cp_context), and the kernel-selection knobs
-    isa= and plain= (FLYWHEEL_ISA selects the table for every call).
+    return_attn_probs, cache_batch_idx, cache_leftpad, num_splits, the varlen call's
+    block_table, gk / gv, state_v_first, cp_context), the kernel-selection knobs isa= and
+    plain= (FLYWHEEL_ISA selects the table for every call), and the rotary_* of the dense and
+    varlen ops (their Python calls take them; the cache ops take flash-attn's).
   * flash_attn_with_kvcache(_out) declares k_cache and v_cache written; they are written
     only when k and v are given (a schema cannot say "sometimes"), so under torch.compile a
     call without k, v is treated as a write too (functionalization may copy the caches).
@@ -269,13 +271,18 @@ def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                              window_size_left: int = -1, window_size_right: int = -1,
                              softcap: float = 0.0, return_softmax_lse: bool = False,
                              cu_seqlens_q: Optional[Tensor] = None,
-                             precision: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                             precision: Optional[str] = None,
+                             rotary_cos: Optional[Tensor] = None,
+                             rotary_sin: Optional[Tensor] = None,
+                             rotary_interleaved: bool = True) -> Tuple[Tensor, Tensor]:
     r = _attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, softmax_scale=softmax_scale,
                                       causal=causal,
                                       window_size=(window_size_left, window_size_right),
                                       softcap=softcap, return_softmax_lse=return_softmax_lse,
-                                      cu_seqlens_q=cu_seqlens_q, precision=precision)
+                                      cu_seqlens_q=cu_seqlens_q, precision=precision,
+                                      rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                      rotary_interleaved=rotary_interleaved)
     return r if return_softmax_lse else (r, _no_lse(q))
 
 
@@ -283,7 +290,8 @@ def _flash_attn_with_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seq
                                   block_table=None, softmax_scale=None, causal=False,
                                   window_size_left=-1, window_size_right=-1, softcap=0.0,
                                   return_softmax_lse=False, cu_seqlens_q=None,
-                                  precision=None):
+                                  precision=None, rotary_cos=None, rotary_sin=None,
+                                  rotary_interleaved=True):
     dv = v_cache.shape[-1]
     if cu_seqlens_q is not None:  # packed q [total_q, hq, d]
         total_q, hq, _ = q.shape
@@ -305,13 +313,18 @@ def _flash_attn_with_kvcache_out(q: Tensor, k_cache: Tensor, v_cache: Tensor, ou
                                  softmax_scale: Optional[float] = None, causal: bool = False,
                                  window_size_left: int = -1, window_size_right: int = -1,
                                  softcap: float = 0.0, cu_seqlens_q: Optional[Tensor] = None,
-                                 precision: Optional[str] = None) -> None:
+                                 precision: Optional[str] = None,
+                                 rotary_cos: Optional[Tensor] = None,
+                                 rotary_sin: Optional[Tensor] = None,
+                                 rotary_interleaved: bool = True) -> None:
     r = _attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, softmax_scale=softmax_scale,
                                       causal=causal,
                                       window_size=(window_size_left, window_size_right),
                                       softcap=softcap, return_softmax_lse=lse is not None,
-                                      cu_seqlens_q=cu_seqlens_q, out=out, precision=precision)
+                                      cu_seqlens_q=cu_seqlens_q, out=out, precision=precision,
+                                      rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                      rotary_interleaved=rotary_interleaved)
     if lse is not None:
         lse.copy_(r[1])
 
