@@ -3,10 +3,12 @@
  * reference, on every kernel table the host runs: lengths, GQA/MQA ratios, head dims, dtypes
  * of the inputs and of the gradients, masks, softcap, strided views, varlen with empty
  * sequences, guard bytes, thread-count invariance, workspace, NaN, bad input.
- * Each case runs the forward (f32 products) for out and lse, then the backward. Accuracy bar
- * per gradient against the exact float64 reference given the same out and lse:
- * max |kernel - ref| <= 2 x max |plain - ref| + 1e-5 x (1 + max |ref|), where plain is the
- * row-at-a-time f32 backward (FW_ATTN_PLAIN).
+ * Each case runs the forward (f32 products) for out and lse, then the backward in both product
+ * precisions. Accuracy bar per gradient against the exact float64 reference given the same
+ * out and lse: max |kernel - ref| <= 2 x E + 1e-5 x (1 + max |ref|), where E is, for f32
+ * products, the error of the row-at-a-time f32 backward (FW_ATTN_PLAIN), and for bf16
+ * products that of the same-roundings float64 reference (inputs, P and dS rounded to bf16
+ * where they enter products) rounded to the gradient's dtype.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -133,17 +135,20 @@ static void grads_free(grads *g)
         free(g->x[i]);
 }
 
-static fw_status run_bwd(bprob *P, const char *isa, int threads, uint32_t flags)
+static fw_status run_bwd(bprob *P, const char *isa, int threads, uint32_t flags, int prec)
 {
     fw_attn_params p;
     params_of(&P->s, &p, isa, threads, flags);
+    p.precision = prec;
     for (int i = 0; i < 3; i++)
         memset(P->g[i].p, 0xA5, P->g[i].bytes);
     return fw_attn_bwd(&P->q, &P->k, &P->v, &P->o, &P->go, &P->lse, &P->d[0], &P->d[1], &P->d[2], &p);
 }
 
-/* The float64 reference's gradients (dense f64 tensors of the gradients' shapes). */
-static grads reference(const bprob *P)
+/* The float64 reference's gradients (dense f64 tensors of the gradients' shapes): exact
+ * (FW_PREC_F32), or with the roundings of bf16 products, then rounded to the gradients' dtype
+ * (FW_PREC_BF16). */
+static grads reference(const bprob *P, int prec)
 {
     fw_tensor d[3];
     grads g;
@@ -157,8 +162,13 @@ static grads reference(const bprob *P)
     }
     fw_attn_params p;
     params_of(&P->s, &p, NULL, 1, 0);
+    p.precision = prec;
     fw_status r = fw_attn_bwd_ref(&P->q, &P->k, &P->v, &P->o, &P->go, &P->lse, &d[0], &d[1], &d[2], &p);
     case_check(r == FW_OK, "reference returned %s: %s", fw_status_string(r), fw_last_error());
+    if (prec == FW_PREC_BF16)
+        for (int i = 0; i < 3; i++)
+            for (int64_t j = 0; j < g.n[i]; j++)
+                g.x[i][j] = round_to(P->s.gdt, g.x[i][j]);
     return g;
 }
 
@@ -184,28 +194,34 @@ static void run_shape(const bshape *s, int threads)
     case_begin("attn_bwd %s threads %d", name, threads);
     bprob P;
     prob_make(&P, s, (uint64_t)(s->sq * 131 + s->sk * 7 + s->d + s->hq * 3 + s->layout));
-    grads R = reference(&P);
-    fw_status r = run_bwd(&P, NULL, 1, FW_ATTN_PLAIN);
+    grads R = reference(&P, FW_PREC_F32), SR = reference(&P, FW_PREC_BF16);
+    fw_status r = run_bwd(&P, NULL, 1, FW_ATTN_PLAIN, FW_PREC_AUTO);
     case_check(r == FW_OK, "plain returned %s: %s", fw_status_string(r), fw_last_error());
     grads pl = grads_of(P.d);
     for (int t = 0; t < fw_isa_count(); t++) {
         const char *isa = fw_isa_name(t);
         if (!fw_isa_supported(isa))
             continue;
-        r = run_bwd(&P, isa, threads, 0);
-        case_check(r == FW_OK, "[%s] returned %s: %s", isa, fw_status_string(r), fw_last_error());
-        for (int i = 0; i < 3; i++)
-            case_check(tuntouched(&P.g[i], &P.d[i]), "[%s] %s: bytes outside the view or guards "
-                       "written", isa, gname[i]);
-        grads k = grads_of(P.d);
-        for (int i = 0; i < 3; i++) {
-            double mag, ep = max_err(&pl, &R, i, &mag), ek = max_err(&k, &R, i, &mag);
-            case_check(ek <= 2 * ep + 1e-5 * (1 + mag), "[%s] %s error %.3g > 2 x plain %.3g + "
-                       "1e-5 x (1 + %.3g)", isa, gname[i], ek, ep, mag);
+        for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
+            const char *pn = prec == FW_PREC_BF16 ? "bf16" : "f32";
+            r = run_bwd(&P, isa, threads, 0, prec);
+            case_check(r == FW_OK, "[%s %s] returned %s: %s", isa, pn, fw_status_string(r), fw_last_error());
+            for (int i = 0; i < 3; i++)
+                case_check(tuntouched(&P.g[i], &P.d[i]), "[%s %s] %s: bytes outside the view or "
+                           "guards written", isa, pn, gname[i]);
+            grads k = grads_of(P.d);
+            for (int i = 0; i < 3; i++) {
+                double mag, eb = max_err(prec == FW_PREC_BF16 ? &SR : &pl, &R, i, &mag),
+                            ek = max_err(&k, &R, i, &mag);
+                case_check(ek <= 2 * eb + 1e-5 * (1 + mag), "[%s %s products] %s error %.3g > 2 x "
+                           "%s %.3g + 1e-5 x (1 + %.3g)", isa, pn, gname[i], ek,
+                           prec == FW_PREC_BF16 ? "same-roundings" : "plain", eb, mag);
+            }
+            grads_free(&k);
         }
-        grads_free(&k);
     }
     grads_free(&pl);
+    grads_free(&SR);
     grads_free(&R);
     prob_free(&P);
     case_end();
@@ -323,7 +339,7 @@ static void test_threads_identical(void)
         first[i] = malloc(P.g[i].bytes);
     const int th[4] = {1, 2, 3, 7};
     for (int t = 0; t < 4; t++) {
-        fw_status r = run_bwd(&P, NULL, th[t], 0);
+        fw_status r = run_bwd(&P, NULL, th[t], 0, FW_PREC_AUTO);
         case_check(r == FW_OK, "threads %d returned %s", th[t], fw_status_string(r));
         for (int i = 0; i < 3; i++) {
             if (t == 0)
@@ -443,7 +459,7 @@ static void test_workspace(void)
     grads a = grads_of(P.d);
     p.workspace = NULL;
     p.workspace_bytes = 0;
-    r = run_bwd(&P, NULL, 2, 0);
+    r = run_bwd(&P, NULL, 2, 0, FW_PREC_F32);
     grads b = grads_of(P.d);
     for (int i = 0; i < 3; i++)
         case_check(memcmp(a.x[i], b.x[i], (size_t)a.n[i] * sizeof(double)) == 0,
@@ -477,8 +493,8 @@ static void test_nan(void)
         prob_make(&P, &s, 3);
         const int64_t idx[4] = {0, 20, 0, 5};
         tset(&P.q, idx, NAN);
-        grads R = reference(&P);
-        fw_status r = run_bwd(&P, isa, 2, 0);
+        grads R = reference(&P, FW_PREC_F32);
+        fw_status r = run_bwd(&P, isa, 2, 0, FW_PREC_AUTO);
         case_check(r == FW_OK, "returned %s", fw_status_string(r));
         grads k = grads_of(P.d);
         for (int64_t j = 0; j < k.n[0]; j++)
@@ -562,9 +578,6 @@ static void test_bad_input(void)
     expect_bad(&P, "dq's size overflows", BWD(&P.q, &P.k, &P.v, &P.o, &P.go, &P.lse, &bad, dk, dv, &p),
                FW_ERR_OVERFLOW);
     fw_attn_params pb = p;
-    pb.precision = FW_PREC_BF16;
-    expect_bad(&P, "bf16 products", BWD(&P.q, &P.k, &P.v, &P.o, &P.go, &P.lse, dq, dk, dv, &pb), FW_ERR_ARG);
-    pb = p;
     pb.flags = FW_ATTN_ONLINE_SOFTMAX;
     expect_bad(&P, "a forward-only flag", BWD(&P.q, &P.k, &P.v, &P.o, &P.go, &P.lse, dq, dk, dv, &pb), FW_ERR_ARG);
     pb = p;

@@ -340,12 +340,14 @@ static int run_cfg(const cfg *c)
 /* ---------------------------------------------------------------- backward --
  *
  * FLOP formula: 2.5 x the forward's, 5 (d + dv) per unmasked pair (QK^T, dO V^T, P^T dO,
- * dS^T Q, dS K), against the FMA peak (the backward runs f32 products). The forward runs
- * once first (f32 products) for out and lse. plain: the row-at-a-time backward
- * (FW_ATTN_PLAIN) on the last baseline rows as their own problem (q, out, dout, lse rows
- * [r0, sq) against every key; same formula), median of 3. --check: the same sub-problem of
- * the last 32 rows through the kernel, plain and the float64 reference; bar per gradient
- * 2 x plain's error + 1e-5 x (1 + max |ref|). */
+ * dS^T Q, dS K), against the peak of the precision in use (bf16 products for bf16 inputs by
+ * default, --precision). The forward runs once first (f32 products) for out and lse. plain:
+ * the row-at-a-time f32 backward (FW_ATTN_PLAIN) on the last baseline rows as their own
+ * problem (q, out, dout, lse rows [r0, sq) against every key; same formula), median of 3.
+ * --check: the same sub-problem of the last 32 rows through the kernel, plain and the float64
+ * references; bar per gradient 2 x plain's error (f32 products) or 2 x the same-roundings
+ * reference's (bf16 products: P and dS rounded to bf16, the gradient rounded to its dtype)
+ * + 1e-5 x (1 + max |ref|). */
 
 typedef struct {
     bufs B;
@@ -372,7 +374,6 @@ static fw_status bwd_call(const cfg *c, bwd_bufs *W, uint32_t flags, int64_t r0,
 {
     fw_attn_params p;
     params_of(c, &p, flags, c->threads);
-    p.precision = FW_PREC_F32;
     fw_tensor t[6];
     bwd_view(c, W, r0, t);
     return fw_attn_bwd(&t[0], &W->B.tk, &W->B.tv, &t[1], &t[2], &t[4], dq ? dq : &t[3],
@@ -400,7 +401,8 @@ static double bwd_time(const cfg *c, bwd_bufs *W, uint32_t flags, int64_t r0, in
 }
 
 /* The three gradients of the sub-problem of rows [r0, sq) into f64 buffers g[3]: kernel
- * (flags), or the reference (ref). */
+ * (flags), or the reference (ref: 1 exact, 2 with the roundings of bf16 products, rounded to
+ * the gradients' dtype, f32). */
 static int bwd_grads(const cfg *c, bwd_bufs *W, uint32_t flags, int ref, int64_t r0, double *g[3])
 {
     const int64_t n = c->sq - r0;
@@ -412,7 +414,7 @@ static int bwd_grads(const cfg *c, bwd_bufs *W, uint32_t flags, int ref, int64_t
     if (ref) {
         fw_attn_params p;
         params_of(c, &p, 0, 1);
-        p.precision = FW_PREC_F32;
+        p.precision = ref == 2 ? FW_PREC_BF16 : FW_PREC_F32;
         fw_tensor t[6];
         bwd_view(c, W, r0, t);
         s = fw_attn_bwd_ref(&t[0], &W->B.tk, &W->B.tv, &t[1], &t[2], &t[4], &d[0], &d[1], &d[2], &p);
@@ -433,6 +435,11 @@ static int bwd_grads(const cfg *c, bwd_bufs *W, uint32_t flags, int ref, int64_t
     }
     if (s != FW_OK)
         fprintf(stderr, "bench: %s\n", fw_last_error());
+    const int64_t all[3] = {c->b * n * c->hq * c->d, c->b * c->sk * c->hkv * c->d,
+                            c->b * c->sk * c->hkv * c->dv};
+    for (int i = 0; i < 3 && ref == 2; i++)
+        for (int64_t j = 0; j < all[i]; j++)
+            g[i][j] = (float)g[i][j];
     return s == FW_OK;
 }
 
@@ -463,6 +470,7 @@ static int run_bwd_cfg(const cfg *c)
     fw_attn_params p;
     params_of(c, &p, 0, c->threads);
     p.precision = FW_PREC_F32;
+    const int bf16 = bench_bf16_products(c->dt, c->prec);
     int fail = fw_attn_fwd(&W.B.tq, &W.B.tk, &W.B.tv, &W.B.to, &W.tl, &p) != FW_OK, ok = !fail;
     result r;
     memset(&r, 0, sizeof r);
@@ -472,8 +480,10 @@ static int run_bwd_cfg(const cfg *c)
     if (ok) {
         r.ok = 1;
         r.gflops = flop_per_pair * pairs(c, 0) * (double)(c->b * c->hq) / r.sec * 1e-9;
-        r.peak_f32 = r.peak = bench_peak(c->threads);
+        r.peak_f32 = bench_peak(c->threads);
         r.peak_bf16 = bench_peak_bf16(c->threads);
+        r.bf16 = bf16;
+        r.peak = bf16 ? r.peak_bf16 : r.peak_f32;
         if (c->baseline) {
             const int64_t rows = c->sq < 64 ? c->sq : (c->sq / 16 < 64 ? 64 : (c->sq / 16 > 256 ? 256 : c->sq / 16));
             int bok;
@@ -484,13 +494,13 @@ static int run_bwd_cfg(const cfg *c)
         if (c->check) {
             const int64_t nchk = c->sq < CHECK_ROWS ? c->sq : CHECK_ROWS, r0 = c->sq - nchk;
             const int64_t cnt[3] = {c->b * nchk * c->hq * c->d, nk * c->d, nk * c->dv};
-            double *g[3][3];
+            double *g[4][3];
             int got = 1;
-            for (int w = 0; w < 3; w++)
+            for (int w = 0; w < 4; w++)
                 for (int i = 0; i < 3; i++)
                     got &= (g[w][i] = malloc((size_t)(cnt[i] + 1) * sizeof(double))) != NULL;
             if (got && bwd_grads(c, &W, 0, 0, r0, g[0]) && bwd_grads(c, &W, FW_ATTN_PLAIN, 0, r0, g[1]) &&
-                bwd_grads(c, &W, 0, 1, r0, g[2])) {
+                bwd_grads(c, &W, 0, 1, r0, g[2]) && (!bf16 || bwd_grads(c, &W, 0, 2, r0, g[3]))) {
                 r.checked = 1;
                 int pass = 1;
                 for (int i = 0; i < 3; i++) {
@@ -498,13 +508,15 @@ static int run_bwd_cfg(const cfg *c)
                     for (int64_t j = 0; j < cnt[i]; j++)
                         mag = fmax(mag, fabs(g[2][i][j]));
                     const double e = max_abs_diff(g[0][i], g[2][i], cnt[i]), pe = max_abs_diff(g[1][i], g[2][i], cnt[i]);
-                    pass &= e <= 2 * pe + 1e-5 * (1 + mag);
+                    const double se = bf16 ? max_abs_diff(g[3][i], g[2][i], cnt[i]) : 0;
+                    pass &= e <= 2 * (bf16 ? se : pe) + 1e-5 * (1 + mag);
                     r.err = fmax(r.err, e);
                     r.perr = fmax(r.perr, pe);
+                    r.srerr = fmax(r.srerr, se);
                 }
                 r.bar = pass ? INFINITY : -1;
             }
-            for (int w = 0; w < 3; w++)
+            for (int w = 0; w < 4; w++)
                 for (int i = 0; i < 3; i++)
                     free(g[w][i]);
             fail |= !(r.checked && r.bar > 0);

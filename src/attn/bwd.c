@@ -12,6 +12,10 @@
  *   dV^T [dv][64] += dO^T P   pv: dV accumulates over the rows, in registers per call
  *   dK^T [d][64]  += Q^T dS   pv
  *   dQ [R][d] += dS K         qk into a scratch tile, added to dq's f32 partial sums
+ * With bf16 products the same five run on qk_bf16 / pv_bf16 over pair-layout panels (two
+ * adjacent elements of the reduction in one word): Q, dO as row words (pairs along d) and as
+ * row pairs (two query rows interleaved), K^T, V^T as words of two channels per key, K as
+ * two keys interleaved; P is rounded to bf16 for dV and dS for dK and dQ, as flash-attn does.
  * Work items are (sequence, K/V head, key split): an item owns the dK / dV of its keys
  * outright (every q head of the group is in its tiles) and writes its split's copy of dq's
  * partial sums, so no two items write one address and nothing is atomic. Inside an item the
@@ -75,13 +79,11 @@ fw_status fw_attn_setup_bwd(fw_attn_bwd_prob *b, const fw_tensor *q, const fw_te
                 return fw_fail(FW_ERR_STRIDE, "%s overlaps the input %s", names[t], in_names[u]);
     }
     const fw_attn_params *pp = params;
-    if (pp && pp->precision == FW_PREC_BF16)
-        return fw_fail(FW_ERR_ARG, "precision is FW_PREC_BF16; the backward runs f32 products "
-                       "(FW_PREC_AUTO or FW_PREC_F32)");
     if (pp && (pp->flags & ~(uint32_t)FW_ATTN_PLAIN))
         return fw_fail(FW_ERR_ARG, "flags 0x%x: the backward takes FW_ATTN_PLAIN only",
                        (unsigned)pp->flags);
-    b->f.bf16 = 0;
+    if (pp && (pp->flags & FW_ATTN_PLAIN))
+        b->f.bf16 = 0; /* the plain baseline runs f32 products */
     b->dout = dout; b->dq = dq; b->dk = dk; b->dv = dv;
     strides4(dout, varlen, b->dos);
     strides4(dq, varlen, b->dqs);
@@ -112,7 +114,9 @@ static size_t up64(size_t x) { return (x + 63) & ~(size_t)63; }
 
 /* One thread's part (byte offsets), for the tiled kernel or the plain one. */
 typedef struct {
-    size_t kr, kt, vt, dkt, dvt, qr, dor, s, dp, tmp, vec, zero, rng, row, total;
+    size_t kr, kt, vt, dkt, dvt, qr, dor, s, dp, tmp, vec, zero, rng, row;
+    size_t ktw, vtw, kw2, qw, dow, qp, dop, pw, dsp, dsw; /* bf16 products' panels */
+    size_t total;
 } bws;
 
 static int pad_dim(int64_t d, int vl) { return (int)fw_ceil_div(d, vl) * vl; }
@@ -123,7 +127,8 @@ static int64_t split_len(int64_t sk, int nsplit)
     return fw_ceil_div(fw_ceil_div(fw_max64(sk, 1), nsplit), FW_ATTN_BWD_KEYS) * FW_ATTN_BWD_KEYS;
 }
 
-static bws ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int plain, int64_t split_max)
+static bws ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int plain, int bf16,
+                   int64_t split_max)
 {
     bws w;
     const size_t f = sizeof(float), B = FW_ATTN_BWD_KEYS, R = FW_ATTN_BWD_ROWS, BK = FW_ATTN_BK;
@@ -150,7 +155,20 @@ static bws ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int plain, int64
     w.zero = w.vec + up64(4 * R * f);        /* zeros: the products' bias */
     w.rng = w.zero + up64((dp > BK ? dp : BK) * f);
     w.row = w.rng + up64(2 * R * sizeof(int64_t));
-    w.total = w.row + up64(((size_t)d + dv) * f);
+    w.ktw = w.row + up64(((size_t)d + dv) * f);
+    /* bf16 products: per block K^T, V^T words and K key pairs; per q tile Q, dO words and row
+     * pairs; per key tile P, dS row pairs and dS words (sized by the table) */
+    const size_t b = bf16 ? 1 : 0, nt = B / BK;
+    w.vtw = w.ktw + up64(b * nt * kt->panel_bytes((int)d, (int)BK));
+    w.kw2 = w.vtw + up64(b * nt * kt->panel_bytes((int)dv, (int)BK));
+    w.qw = w.kw2 + up64(b * nt * kt->panel_bytes((int)BK, (int)dp));
+    w.dow = w.qw + up64(b * R * kt->panel_bytes((int)d, 1));
+    w.qp = w.dow + up64(b * R * kt->panel_bytes((int)dv, 1));
+    w.dop = w.qp + up64(b * kt->panel_bytes((int)R, (int)d));
+    w.pw = w.dop + up64(b * kt->panel_bytes((int)R, (int)dv));
+    w.dsp = w.pw + up64(b * kt->panel_bytes((int)R, (int)BK));
+    w.dsw = w.dsp + up64(b * kt->panel_bytes((int)R, (int)BK));
+    w.total = w.dsw + up64(b * R * kt->panel_bytes((int)BK, 1));
     return w;
 }
 
@@ -164,14 +182,14 @@ typedef struct {
 } bplan;
 
 static fw_status plan(const fw_kernels *kt, int64_t rows, int64_t hq, int64_t hkv, int64_t d,
-                      int64_t dv, int64_t batch, int64_t sk_max, const fw_attn_params *params,
-                      bplan *pl)
+                      int64_t dv, int64_t batch, int64_t sk_max, int bf16,
+                      const fw_attn_params *params, bplan *pl)
 {
     pl->plain = params && (params->flags & FW_ATTN_PLAIN);
     pl->threads = fw_threads(params ? params->threads : 0);
     pl->nsplit = fw_attn_bwd_splits(batch, hkv, sk_max);
     pl->rows = rows;
-    pl->w = ws_plan(kt, d, dv, pl->plain, split_len(sk_max, pl->nsplit));
+    pl->w = ws_plan(kt, d, dv, pl->plain, bf16 && !pl->plain, split_len(sk_max, pl->nsplit));
     const double total = (double)pl->threads * pl->w.total + 64.0 + 4.0 * rows * hq * (1.0 + pl->nsplit * d) + 128.0;
     if (total > (double)SIZE_MAX / 2)
         return fw_fail(FW_ERR_OVERFLOW, "the backward's workspace (%g bytes) does not fit in memory", total);
@@ -213,7 +231,8 @@ fw_status fw_attn_bwd_workspace_size(const fw_tensor *q, const fw_tensor *k, con
     const int64_t rows = o ? q->shape[0] * q->shape[1] : q->shape[0];
     const int64_t nb = o ? q->shape[0] : batch, sk = o ? k->shape[1] : k->shape[0];
     bplan pl;
-    if ((s = plan(kt, rows, hq, hkv, d, dv, nb, sk, params, &pl)))
+    const int bf16 = fw_attn_bf16_products(q->dtype, params ? params->precision : FW_PREC_AUTO);
+    if ((s = plan(kt, rows, hq, hkv, d, dv, nb, sk, bf16, params, &pl)))
         return s;
     *bytes = pl.total;
     return FW_OK;
@@ -284,6 +303,58 @@ static void store_kv(const bctx *c, const bitem *it, int64_t k0, int n, const fl
         }
 }
 
+/* The bf16 products' panels of one thread (pair layout, kern/attn_kern.h). Per block: K^T and
+ * V^T as words of two channels per key ([tile][d/2][64], [tile][dv/2][64]), K as two keys
+ * interleaved ([tile][32][dp]). Per q tile: Q and dO rows as words ([R][d/2], [R][dv/2]) and
+ * as row pairs ([R/2][d], [R/2][dv]). Per key tile: P and dS as row pairs ([R/2][64]), dS rows
+ * as words ([R][32]). */
+typedef struct {
+    uint32_t *ktw, *vtw, *kw2, *qw, *dow, *qp, *dop, *pw, *dsp, *dsw;
+    int dw, dvw;
+} bpanels;
+
+/* dst[w] = (rows 2w and 2w + 1 of x, rows n apart) for w < ceil(R / 2), n columns. */
+static void pack_row_pairs_of(const fw_kernels *kt, const float *x, int R, int n, uint32_t *dst)
+{
+    for (int w = 0; 2 * w < R; w++)
+        kt->pack_pairs(x + (size_t)2 * w * n, 2 * w + 1 < R ? x + (size_t)(2 * w + 1) * n : NULL, n,
+                       dst + (size_t)w * n);
+}
+
+/* The five products of a q tile of R rows against key tile t: S and dP, the elementwise step,
+ * dV^T and dK^T, and dQ's contribution into tmp. */
+static void tile_products(const bctx *c, const bpanels *bp, int t, int R, const float *Qr,
+                          const float *dOr, const float *Kr, const float *KT, const float *VT,
+                          float *dKT, float *dVT, float *S, float *dP, float *tmp,
+                          const float *zero, const float *lse2, const float *Dm, const float *lo,
+                          const float *hi)
+{
+    const fw_kernels *kt = c->kt;
+    const int d = (int)c->b->f.d, dv = (int)c->b->f.dv, dp = c->dp, BK = FW_ATTN_BK;
+    const float *kT = KT + (size_t)t * BK * d, *vT = VT + (size_t)t * BK * dv;
+    float *dkT = dKT + (size_t)t * BK * d, *dvT = dVT + (size_t)t * BK * dv;
+    if (!c->b->f.bf16) {
+        kt->qk(R, d, BK, Qr, d, kT, zero, S);
+        kt->qk(R, dv, BK, dOr, dv, vT, zero, dP);
+        kt->bwd_ds(R, S, dP, lse2, Dm, lo, hi, c->qs, c->cap2);
+        kt->pv(R, dv, BK, dOr, dv, S, dvT);
+        kt->pv(R, d, BK, Qr, d, dP, dkT);
+        kt->qk(R, BK, dp, dP, BK, Kr + (size_t)t * BK * dp, zero, tmp);
+        return;
+    }
+    const int dw = bp->dw, dvw = bp->dvw, rw = (R + 1) / 2;
+    kt->qk_bf16(R, dw, BK, bp->qw, dw, bp->ktw + (size_t)t * dw * BK, 1.0f, zero, S);
+    kt->qk_bf16(R, dvw, BK, bp->dow, dvw, bp->vtw + (size_t)t * dvw * BK, 1.0f, zero, dP);
+    kt->bwd_ds(R, S, dP, lse2, Dm, lo, hi, c->qs, c->cap2);
+    pack_row_pairs_of(kt, S, R, BK, bp->pw);
+    kt->pv_bf16(rw, dv, BK, bp->dop, bp->pw, dvT);
+    pack_row_pairs_of(kt, dP, R, BK, bp->dsp);
+    kt->pv_bf16(rw, d, BK, bp->qp, bp->dsp, dkT);
+    for (int m = 0; m < R; m++)
+        kt->pack_row_pairs(dP + (size_t)m * BK, BK, bp->dsw + (size_t)m * (BK / 2));
+    kt->qk_bf16(R, BK / 2, dp, bp->dsw, BK / 2, bp->kw2 + (size_t)t * (BK / 2) * dp, 1.0f, zero, tmp);
+}
+
 /* The tiled item: keys [it->kb, it->ke) of K/V head it->kvh, blocks of FW_ATTN_BWD_KEYS. */
 static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int tid)
 {
@@ -302,6 +373,11 @@ static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int
           *hi = lo + FW_ATTN_BWD_ROWS, *row = (float *)(w + L->row);
     int64_t *rlo = (int64_t *)(w + L->rng), *rhi = rlo + FW_ATTN_BWD_ROWS;
     const float *lse = p->lse->data;
+    const int bf16 = p->bf16;
+    const bpanels bp = {(uint32_t *)(w + L->ktw), (uint32_t *)(w + L->vtw), (uint32_t *)(w + L->kw2),
+                        (uint32_t *)(w + L->qw), (uint32_t *)(w + L->dow), (uint32_t *)(w + L->qp),
+                        (uint32_t *)(w + L->dop), (uint32_t *)(w + L->pw), (uint32_t *)(w + L->dsp),
+                        (uint32_t *)(w + L->dsw), (d + 1) / 2, (dv + 1) / 2};
     memset(zero, 0, (size_t)(dp > BK ? dp : BK) * sizeof(float));
     zero_acc(c, it, sq);
 
@@ -325,6 +401,11 @@ static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int
                 kt_[(size_t)x * BK] = kr[x];
             for (int x = 0; x < dv; x++)
                 vt[(size_t)x * BK] = row[x];
+        }
+        for (int t = 0; t < ntile && bf16; t++) {
+            pack_row_pairs_of(kt, KT + (size_t)t * BK * d, d, BK, bp.ktw + (size_t)t * bp.dw * BK);
+            pack_row_pairs_of(kt, VT + (size_t)t * BK * dv, dv, BK, bp.vtw + (size_t)t * bp.dvw * BK);
+            pack_row_pairs_of(kt, Kr + (size_t)t * BK * dp, BK, dp, bp.kw2 + (size_t)t * (BK / 2) * dp);
         }
         for (int64_t pos0 = 0; pos0 < sq->sq; pos0 += c->bq) {
             const int bq = (int)fw_min64(c->bq, sq->sq - pos0);
@@ -353,7 +434,15 @@ static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int
                                    b->dout->dtype, b->dos[3], dv, 1.0f, dOr + (size_t)m * dv);
                         lse2[m] = (float)(lse[sq->lse0 + h * p->lse_h + pos * p->lse_r] * FW_LOG2E);
                         Dm[m] = c->D[grow(p, it->seq, pos) * p->hq + h];
+                        if (bf16) {
+                            kt->pack_row_pairs(Qr + (size_t)m * d, d, bp.qw + (size_t)m * bp.dw);
+                            kt->pack_row_pairs(dOr + (size_t)m * dv, dv, bp.dow + (size_t)m * bp.dvw);
+                        }
                     }
+                if (bf16) {
+                    pack_row_pairs_of(kt, Qr, R, d, bp.qp);
+                    pack_row_pairs_of(kt, dOr, R, dv, bp.dop);
+                }
                 for (int t = 0; t < ntile; t++) {
                     const int64_t t0 = b0 + (int64_t)t * BK, t1 = fw_min64(b1, t0 + BK);
                     if (uhi <= t0 || ulo >= t1)
@@ -363,14 +452,8 @@ static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int
                             lo[gi * bq + i] = (float)fw_max64(0, fw_min64(t1 - t0, rlo[i] - t0));
                             hi[gi * bq + i] = (float)fw_max64(0, fw_min64(t1 - t0, rhi[i] - t0));
                         }
-                    const float *kT = KT + (size_t)t * BK * d, *vT = VT + (size_t)t * BK * dv;
-                    float *dkT = dKT + (size_t)t * BK * d, *dvT = dVT + (size_t)t * BK * dv;
-                    kt->qk(R, d, BK, Qr, d, kT, zero, S);
-                    kt->qk(R, dv, BK, dOr, dv, vT, zero, dP);
-                    kt->bwd_ds(R, S, dP, lse2, Dm, lo, hi, c->qs, c->cap2);
-                    kt->pv(R, dv, BK, dOr, dv, S, dvT);
-                    kt->pv(R, d, BK, Qr, d, dP, dkT);
-                    kt->qk(R, BK, dp, dP, BK, Kr + (size_t)t * BK * dp, zero, tmp);
+                    tile_products(c, &bp, t, R, Qr, dOr, Kr, KT, VT, dKT, dVT, S, dP, tmp, zero,
+                                  lse2, Dm, lo, hi);
                     for (int gi = 0; gi < gh; gi++)
                         for (int i = 0; i < bq; i++) {
                             float *a = acc_row(c, it->split, grow(p, it->seq, pos0 + i), kvh * G + g0 + gi);
@@ -534,7 +617,8 @@ static fw_status run(const fw_attn_bwd_prob *b, const fw_attn_params *params)
     c.b = b;
     c.kt = kt;
     const int64_t rows = p->varlen ? p->q->shape[0] : p->batch * p->sq;
-    fw_status s = plan(kt, rows, p->hq, p->hkv, p->d, p->dv, p->batch, p->sk, params, &c.pl);
+    fw_status s = plan(kt, rows, p->hq, p->hkv, p->d, p->dv, p->batch, p->sk, p->bf16, params,
+                       &c.pl);
     if (s)
         return s;
     fw_attn_bwd_tile(p->G, &c.bq, &c.gh);

@@ -171,7 +171,10 @@ fw_status fw_attn_kvcache_ref(const fw_tensor *q, const fw_tensor *k_new, const 
 /* ---------------------------------------------------------------- backward -- */
 
 /* Sequence by sequence: K, V gathered in double, dK / dV accumulated in double over every
- * (head, row) that sees the key, dq row by row; P from the given lse, D from the given out. */
+ * (head, row) that sees the key, dq row by row; P from the given lse, D from the given out
+ * and dout. With bf16 products, the kernels' roundings and no others: q, k, v and dout
+ * rounded to bf16 where they enter products (D takes dout as given), P rounded before it
+ * multiplies dout, dS (before the scale) before it multiplies q and k. */
 static fw_status reference_bwd(const fw_attn_bwd_prob *b)
 {
     const fw_attn_prob *p = &b->f;
@@ -201,9 +204,10 @@ static fw_status reference_bwd(const fw_attn_bwd_prob *b)
                 for (int64_t x = 0; x < dv; x++) {
                     o[x] = fw_load_f64(b->dout, go + x * b->dos[3]);
                     D += o[x] * fw_load_f64(p->out, oo + x * p->os[2]);
+                    o[x] = rnd(o[x], p->bf16);
                 }
                 for (int64_t x = 0; x < d; x++) {
-                    q[x] = fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]);
+                    q[x] = rnd(fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]), p->bf16);
                     dq[x] = 0.0;
                 }
                 const double lse = fw_load_f64(p->lse, sq.lse0 + h * p->lse_h + r * p->lse_r);
@@ -221,13 +225,14 @@ static fw_status reference_bwd(const fw_attn_bwd_prob *b)
                         s = p->softcap * t;
                     }
                     const double pr = exp(s - lse);
-                    const double ds = pr * (dp - D) * p->scale * (p->softcap > 0 ? 1.0 - t * t : 1.0);
+                    const double ds = rnd(pr * (dp - D) * (p->softcap > 0 ? 1.0 - t * t : 1.0), p->bf16) * p->scale;
+                    const double pv = rnd(pr, p->bf16);
                     for (int64_t x = 0; x < d; x++) {
                         dq[x] += ds * kr[x];
                         dk[x] += ds * q[x];
                     }
                     for (int64_t x = 0; x < dv; x++)
-                        dvr[x] += pr * o[x];
+                        dvr[x] += pv * o[x];
                 }
                 const int64_t qo = fw_bwd_off(b, b->dqs, i, 0, r, h);
                 for (int64_t x = 0; x < d; x++)
