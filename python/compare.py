@@ -310,8 +310,7 @@ def bench_attn_backward(P, rows, T, reps):
         if ref is None:
             ours()
             ref = result().astype(np.float64)
-        run_peer(rows, op, "flywheel (f32 products)", dt, size, ours, result, ref, reps, flop,
-                 "GFLOP/s")
+        run_peer(rows, op, "flywheel", dt, size, ours, result, ref, reps, flop, "GFLOP/s")
     for dt in ("float32", "bfloat16"):
         a = [torch.from_numpy(x).to(getattr(torch, dt)).transpose(1, 2).contiguous()
              .requires_grad_() for x in (q, k, v)]

@@ -2,7 +2,8 @@
 
 flash_attn_func and flash_attn_varlen_func route torch inputs that require grad here: the
 forward runs as usual and saves out and lse, the backward is flash_attn_backward /
-flash_attn_varlen_backward (the library's fw_attn_bwd). lse is returned non-differentiable.
+flash_attn_varlen_backward (the library's fw_attn_bwd) with the forward's precision (bf16
+products for bf16 inputs by default). lse is returned non-differentiable.
 Gradients come back in the dtypes of q, k and v. Double backward is not supported.
 """
 
@@ -20,7 +21,7 @@ class _Dense(torch.autograd.Function):
                                          precision=precision)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = dict(softmax_scale=scale, causal=causal, window_size=window,
-                           softcap=softcap, isa=isa, plain=plain)
+                           softcap=softcap, isa=isa, plain=plain, precision=precision)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -44,7 +45,7 @@ class _Varlen(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu = (cu_q, cu_k, max_q, max_k)
         ctx.options = dict(softmax_scale=scale, causal=causal, window_size=window,
-                           softcap=softcap, isa=isa)
+                           softcap=softcap, isa=isa, precision=precision)
         ctx.mark_non_differentiable(lse)
         return out, lse
 

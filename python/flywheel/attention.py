@@ -400,16 +400,17 @@ def _grad_outputs(dq, dk, dv, q, k, v):
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None,
                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, *,
-                        isa=None, plain=False):
+                        isa=None, plain=False, precision=None):
     """Gradients of flash_attn_func: (dq, dk, dv), flash-attn's `_flash_attn_backward`.
 
     dout [b, sq, hq, dv] (the gradient of out); q, k, v, out and softmax_lse [b, hq, sq]
     float32 as flash_attn_func took and returned them (return_softmax_lse=True), with the
     same softmax_scale, causal, window_size and softcap. dq, dk, dv: new arrays of q's, k's
     and v's dtypes, or existing ones (any float dtype) written in place. FlashAttention-2's
-    algorithm (P recomputed from lse, no sq x sk memory), f32 products and accumulation
-    whatever the dtype, bit-identical for any thread count. plain=True runs the
-    row-at-a-time baseline. Inputs are read in place (torch tensors are detached).
+    algorithm (P recomputed from lse, no sq x sk memory), f32 accumulation, bit-identical for
+    any thread count. precision: None/"auto" (bf16 products for bfloat16 q: P and dS rounded
+    to bf16 before their products, as flash-attn does), "f32" or "bf16". plain=True runs the
+    row-at-a-time f32 baseline. Inputs are read in place (torch tensors are detached).
     """
     dout, q, k, v, out, lse = (T.float_array(T.detach(x), n) for x, n in (
         (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (softmax_lse, "softmax_lse")))
@@ -417,7 +418,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=No
         raise ValueError(f"dout, q, k, v, out must be 4-D and softmax_lse [b, hq, sq], got shapes "
                          f"{[tuple(x.shape) for x in (dout, q, k, v, out, lse)]}")
     dq, dk, dv = _grad_outputs(dq, dk, dv, q, k, v)
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
     _lib.check(_lib.lib.fw_attn_bwd(*(T.describe(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)),
                                     p))
     return dq, dk, dv
@@ -426,7 +427,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=No
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, dq=None, dk=None, dv=None,
                                softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0, *, isa=None, plain=False):
+                               softcap=0.0, *, isa=None, plain=False, precision=None):
     """Gradients of flash_attn_varlen_func: (dq, dk, dv), as flash_attn_backward.
 
     dout [total_q, hq, dv]; q, k, v, out as flash_attn_varlen_func took and returned them;
@@ -448,7 +449,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
         raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} are below "
                          f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
     dq, dk, dv = _grad_outputs(dq, dk, dv, q, k, v)
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
     t = [T.describe(x) for x in (q, k, v, out, dout, lse)]
     _lib.check(_lib.lib.fw_attn_varlen_bwd(*t, T.ptr(cq), T.ptr(ck), cq.size - 1, T.describe(dq),
                                            T.describe(dk), T.describe(dv), p))

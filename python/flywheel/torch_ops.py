@@ -118,8 +118,8 @@ Choices where the Python calls differ:
     grad mode is off, so the Python calls' requires-grad check does not fire).
   * flash_attn_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
       Tensor softmax_lse, float? softmax_scale=None, bool causal=False,
-      SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0.)
-      -> (Tensor dq, Tensor dk, Tensor dv); flash_attn_varlen_backward takes cu_seqlens_q,
+      SymInt window_size_left=-1, SymInt window_size_right=-1, float softcap=0.,
+      str? precision=None) -> (Tensor dq, Tensor dk, Tensor dv); flash_attn_varlen_backward takes cu_seqlens_q,
       cu_seqlens_k, max_seqlen_q, max_seqlen_k after softmax_lse.
   * CPU tensors only (device_types="cpu"); numpy arrays are for the Python calls.
 """
@@ -238,12 +238,12 @@ def _flash_attn_varlen_func_out(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
 def _flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                          softmax_lse: Tensor, softmax_scale: Optional[float] = None,
                          causal: bool = False, window_size_left: int = -1,
-                         window_size_right: int = -1,
-                         softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+                         window_size_right: int = -1, softcap: float = 0.0,
+                         precision: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor]:
     return _attn.flash_attn_backward(dout, q, k, v, out, softmax_lse,
                                      softmax_scale=softmax_scale, causal=causal,
                                      window_size=(window_size_left, window_size_right),
-                                     softcap=softcap)
+                                     softcap=softcap, precision=precision)
 
 
 def _grads_fake(dout, q, k, v, *args, **kwargs):
@@ -255,12 +255,13 @@ def _flash_attn_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
                                 max_seqlen_q: int, max_seqlen_k: int,
                                 softmax_scale: Optional[float] = None, causal: bool = False,
                                 window_size_left: int = -1, window_size_right: int = -1,
-                                softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+                                softcap: float = 0.0,
+                                precision: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor]:
     return _attn.flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q,
                                             cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale=softmax_scale, causal=causal,
                                             window_size=(window_size_left, window_size_right),
-                                            softcap=softcap)
+                                            softcap=softcap, precision=precision)
 
 
 def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -734,7 +735,8 @@ def _flash_attn_func_backward(ctx, dout, _dlse):
     out, lse = _attn_lse("flash_attn_func", q, k, v, out, lse,
                          (scale, causal, left, right, softcap, True, precision))
     grads = getattr(torch.ops, NAMESPACE).flash_attn_backward(dout, q, k, v, out, lse, scale,
-                                                              causal, left, right, softcap)
+                                                              causal, left, right, softcap,
+                                                              precision)
     return tuple(grads) + (None,) * len(ctx.options)
 
 
@@ -745,7 +747,8 @@ def _flash_attn_varlen_func_backward(ctx, dout, _dlse):
                          (cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, True,
                           precision))
     grads = getattr(torch.ops, NAMESPACE).flash_attn_varlen_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap)
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap,
+        precision)
     return tuple(grads) + (None,) * len(ctx.options)
 
 

@@ -227,3 +227,28 @@ def test_backward_bad_input():
     with pytest.raises(FlywheelError, match="FW_ERR_SEQLENS"):
         flywheel.flash_attn_varlen_backward(g[0], q[0], k[0], v[0], out[0], lse[0],
                                             [0, 9], [0, 8], 9, 8)
+
+
+def test_backward_precision_follows_the_forward():
+    """bf16 inputs: bf16 products by default (P and dS rounded to bf16), f32 products with
+    precision="f32", in the autograd path as in the explicit call; f32 products are the more
+    accurate against float64."""
+    q, k, v, g = inputs((1, 60, 90, 4, 2, 64, 64), "bfloat16", 9)
+    ref = grads(lambda a, b, c: attention(a.double(), b.double(), c.double(), True, (-1, -1), 0.0,
+                                          0.125), q, k, v, g.double())
+    err = {}
+    for prec in (None, "f32"):
+        auto = grads(lambda a, b, c: flywheel.flash_attn_func(a, b, c, causal=True,
+                                                              precision=prec), q, k, v, g)
+        with torch.no_grad():
+            out, lse = flywheel.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True,
+                                                precision=prec)
+        direct = flywheel.flash_attn_backward(g, q, k, v, out, lse, causal=True, precision=prec)
+        assert all(torch.equal(a, b) for a, b in zip(auto, direct))
+        err[prec] = max((a.double() - r).abs().max().item() for a, r in zip(auto, ref))
+    with torch.no_grad():
+        out, lse = flywheel.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True)
+    f32 = flywheel.flash_attn_backward(g, q, k, v, out, lse, causal=True, precision="f32")
+    bf16 = flywheel.flash_attn_backward(g, q, k, v, out, lse, causal=True, precision="bf16")
+    assert not all(torch.equal(a, b) for a, b in zip(f32, bf16))
+    assert err["f32"] <= err[None]
