@@ -94,7 +94,6 @@ static void check_backward(fz_in *in, const fz_tensor *q, const fz_tensor *k, co
     const int nd = varlen ? 3 : 4;
     fw_attn_params p = *fp;
     p.flags &= FW_ATTN_PLAIN;
-    p.precision = p.precision == FW_PREC_BF16 ? FW_PREC_F32 : p.precision;
     p.rotary_cos = p.rotary_sin = NULL;
     p.workspace = NULL;
     p.workspace_bytes = 0;
@@ -125,21 +124,29 @@ static void check_backward(fz_in *in, const fz_tensor *q, const fz_tensor *k, co
     } else {
         const fz_tensor *got[3] = {&dq, &dk, &dv};
         const int64_t *shp[3] = {qs, ks, vs};
-        const int64_t n[3] = {fz_numel(&dq.t), fz_numel(&dk.t), fz_numel(&dv.t)};
-        double *ex = calloc((size_t)(n[0] + n[1] + n[2]) + 1, sizeof(double));
-        fw_tensor r[3];
-        for (int i = 0, off = 0; i < 3; off += (int)n[i], i++)
-            r[i] = fw_tensor_contiguous(ex + off, FW_F64, nd, shp[i]);
-        fw_status rs = varlen ? fw_attn_varlen_bwd_ref(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, cuq,
-                                                       cuk, batch, &r[0], &r[1], &r[2], &p)
-                              : fw_attn_bwd_ref(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, &r[0], &r[1],
-                                                &r[2], &p);
-        FZ_CHECK(rs == FW_OK, "the backward ran but its reference failed: %s", fw_last_error());
+        const int64_t n[3] = {fz_numel(&dq.t), fz_numel(&dk.t), fz_numel(&dv.t)}, all = n[0] + n[1] + n[2];
+        /* exact, and with the roundings of bf16 products when the call used them */
+        const int bf16 = !(p.flags & FW_ATTN_PLAIN) && fw_attn_bf16_products(q->t.dtype, p.precision);
+        double *ex = calloc((size_t)(2 * all) + 1, sizeof(double)), *sr = ex + all;
+        for (int pass = 0; pass < 1 + bf16; pass++) {
+            fw_tensor r[3];
+            for (int i = 0, off = 0; i < 3; off += (int)n[i], i++)
+                r[i] = fw_tensor_contiguous((pass ? sr : ex) + off, FW_F64, nd, shp[i]);
+            fw_attn_params rp = p;
+            rp.precision = pass ? FW_PREC_BF16 : FW_PREC_F32;
+            fw_status rs = varlen ? fw_attn_varlen_bwd_ref(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t,
+                                                           cuq, cuk, batch, &r[0], &r[1], &r[2], &rp)
+                                  : fw_attn_bwd_ref(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, &r[0],
+                                                    &r[1], &r[2], &rp);
+            FZ_CHECK(rs == FW_OK, "the backward ran but its reference failed: %s", fw_last_error());
+        }
+        if (!bf16)
+            memcpy(sr, ex, (size_t)all * sizeof(double));
         const double dpmax = fz_absmax(&g.t) * fz_absmax(&v->t) * (double)v->t.shape[nd - 1];
         const char *names[3] = {"dq", "dk", "dv"};
         for (int i = 0, off = 0; i < 3; off += (int)n[i], i++) {
             const double gmax = fz_absmax_d(ex + off, n[i]);
-            fz_compare(names[i], &got[i]->t, ex + off, ex + off, n[i], values,
+            fz_compare(names[i], &got[i]->t, sr + off, ex + off, n[i], values,
                        special ? FZ_WIDER | FZ_ANY_NONFINITE : 0,
                        (gmax + dpmax) * (2 * fz_eps(gdt) + 1e-4 + 32 * smax * 0x1p-23));
         }
