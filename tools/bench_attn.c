@@ -681,5 +681,16 @@ int bench_attn_headline(void)
         c.check = 1;
         fail |= run_cfg(&c);
     }
+    printf("backward: GFLOP/s = 5*(d+dv)*unmasked_pairs/s (2.5 x the forward's); err = max over dq, dk, "
+           "dv of the last 32 rows as their own problem vs float64 (bar: 2 x plain's, or for bf16 "
+           "products 2 x the same-roundings reference's)\n");
+    for (int i = 0; i < 2; i++) {
+        cfg c = defaults();
+        c.dt = i ? FW_F32 : FW_BF16;
+        c.threads = all;
+        c.reps = 3;
+        c.check = 1;
+        fail |= run_bwd_cfg(&c);
+    }
     return fail;
 }
