@@ -103,3 +103,31 @@ def test_disable_restores_transformers_functions(torch_paths):
     assert all(getattr(mq, fn) is not before[fn] for fn in GDN_FUNCS)
     fwt.disable()
     assert all(getattr(mq, fn) is before[fn] for fn in GDN_FUNCS)
+
+
+def test_training_takes_flywheels_backward(torch_paths, monkeypatch):
+    """With gradients: attention runs flywheel's forward and backward, the Gated DeltaNet layer
+    transformers' own functions; the loss and the parameters' gradients agree with sdpa's."""
+    model = tiny_model(torch.float32).train()
+    ids = torch.randint(0, 1000, (2, 50), generator=torch.Generator().manual_seed(3))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                             if p.grad is not None}
+    ref_loss, ref = loss_and_grads()
+    fwt.enable(model)
+    counts = counting(monkeypatch, ["flash_attn_func", "chunk_gated_delta_rule"])
+    backward = flywheel.attention.flash_attn_backward  # what the autograd.Function calls
+    calls = []
+    monkeypatch.setattr(flywheel.attention, "flash_attn_backward",
+                        lambda *a, **k: calls.append(1) or backward(*a, **k))
+    loss, got = loss_and_grads()
+    assert counts["flash_attn_func"] and calls, (counts, calls)
+    assert counts["chunk_gated_delta_rule"] == 0  # torch's, with gradients
+    assert abs(loss - ref_loss) <= 1e-5 * (1 + abs(ref_loss))
+    assert got.keys() == ref.keys()
+    for name, g in ref.items():
+        assert (got[name] - g).abs().max().item() <= 1e-4 * (1 + g.abs().max().item()), name

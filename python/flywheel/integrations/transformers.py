@@ -7,14 +7,17 @@
   AttentionMaskInterface, built as sdpa's, so a mask that is pure causality arrives as None).
   Calls without a mask run flywheel.flash_attn_func on the [b, h, s, d] views transposed in
   place (causal as sdpa's is_causal: top-left, so a prompt against an empty static cache
-  attends to its own rows; one query token attends to every key). Calls flywheel cannot
-  serve the same way go to transformers' sdpa: an explicit mask (padding, chunked prefill
-  after a cache), dropout, softcap, sliding windows, and tensors that need gradients.
+  attends to its own rows; one query token attends to every key). Tensors that need
+  gradients take flywheel's backward (flash_attn_func is differentiable). Calls flywheel
+  cannot serve the same way go to transformers' sdpa: an explicit mask (padding, chunked
+  prefill after a cache), dropout, softcap, sliding windows.
 - Gated DeltaNet layers (Qwen3-Next, Qwen3.5 and their MoE variants, which look these names up
   in their module at call time): causal_conv1d_fn / causal_conv1d_update become flywheel's,
   torch_chunk_gated_delta_rule flywheel.chunk_gated_delta_rule, and
   torch_recurrent_gated_delta_rule the decode step, which updates the cache's float32 state in
-  place (gated_delta_rule_decode) and returns it as the final state.
+  place (gated_delta_rule_decode) and returns it as the final state. These are forward-only:
+  with tensors that need gradients they call transformers' own functions (training a hybrid
+  model runs flywheel's attention, forward and backward, and torch's Gated DeltaNet).
 
 disable() puts transformers' functions back.
 """
@@ -37,9 +40,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
               **kwargs):
     """transformers' attention-function contract: query [b, hq, sq, d], key/value
     [b, hkv, sk, d]; returns (out [b, sq, hq, d], None)."""
-    import torch
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if (attention_mask is not None or dropout or kwargs.get("softcap") is not None or grad or
+    if (attention_mask is not None or dropout or kwargs.get("softcap") is not None or
             kwargs.get("sliding_window") is not None or kwargs.get("output_attentions")):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, **kwargs)
@@ -53,9 +54,28 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     return out, None
 
 
+def _original(fn):
+    """transformers' own function `fn` that enable() replaced."""
+    for (_, name), orig in _saved.items():
+        if name == fn:
+            return orig
+    raise NotImplementedError(f"{fn}: transformers' function was not saved (call enable())")
+
+
+def _needs_grad(*xs):
+    import torch
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                           for x in xs)
+
+
 def _chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                             output_final_state=False, use_qk_l2norm_in_kernel=False,
                             cu_seqlens=None, **kwargs):
+    if _needs_grad(query, key, value, g, beta, initial_state):
+        return _original("torch_chunk_gated_delta_rule")(
+            query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
     return flywheel.chunk_gated_delta_rule(query, key, value, g, beta,
                                            initial_state=initial_state,
                                            output_final_state=output_final_state,
@@ -67,6 +87,11 @@ def _recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
                                 output_final_state=False, use_qk_l2norm_in_kernel=False,
                                 cu_seqlens=None, **kwargs):
     import torch
+    if _needs_grad(query, key, value, g, beta, initial_state):
+        return _original("torch_recurrent_gated_delta_rule")(
+            query, key, value, g, beta, initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
     B, S, _, K = query.shape
     HV, V = value.shape[2], value.shape[3]
     if (S == 1 and cu_seqlens is None and isinstance(initial_state, torch.Tensor) and
@@ -82,6 +107,9 @@ def _recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
 
 
 def _causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    if _needs_grad(hidden_states, weight, bias):
+        return _original("causal_conv1d_fn")(hidden_states, weight, bias, activation=activation,
+                                             **kwargs)
     return flywheel.causal_conv1d_fn(hidden_states, weight, bias, activation=activation)
 
 
