@@ -130,8 +130,14 @@ static inline void vstore_as(void *dst, fw_dtype dt, int64_t i, vf x)
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
                             _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
+#ifdef __AVX512BF16__
+        /* vcvtneps2bf16: the same nearest-even rounding in one instruction (NaN stays NaN);
+         * it reads denormal inputs as zero, the software form below keeps them */
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), (__m256i)_mm512_cvtneps_pbh(x));
+#else
         __m512i r = _mm512_srli_epi32(vround_bf16_bits(x), 16);
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
+#endif
     }
 }
 
