@@ -127,23 +127,17 @@ static void params_of(const cfg *c, fw_attn_params *p, uint32_t flags, int threa
     p->rotary_sin = c->rsin;
 }
 
-/* Median seconds of `reps` calls on query rows [r0, sq) (a bottom-right-aligned view). */
-static double time_calls(const cfg *c, bufs *B, uint32_t flags, int64_t r0, int reps, int *ok)
+/* Median seconds of `reps` calls of call(ctx) after one untimed warm-up; *ok = 0 (and the
+ * library's message on stderr) if one fails. */
+static double median_calls(fw_status (*call)(void *), void *ctx, int reps, int *ok)
 {
-    fw_attn_params p;
-    params_of(c, &p, flags, c->threads);
-    size_t es = fw_dtype_size(c->dt);
-    fw_tensor q = B->tq, o = B->to;
-    q.shape[1] = o.shape[1] = c->sq - r0;
-    q.data = (char *)B->q + (size_t)(r0 * q.stride[1]) * es;
-    o.data = (char *)B->o + (size_t)(r0 * o.stride[1]) * es;
     double t[64];
     reps = reps > 64 ? 64 : reps;
     *ok = 1;
     for (int i = -1; i < reps; i++) {
-        double t0 = bench_now();
-        fw_status s = fw_attn_fwd(&q, &B->tk, &B->tv, &o, NULL, &p);
-        double dt = bench_now() - t0;
+        const double t0 = bench_now();
+        const fw_status s = call(ctx);
+        const double dt = bench_now() - t0;
         if (s != FW_OK) {
             fprintf(stderr, "bench: %s\n", fw_last_error());
             *ok = 0;
@@ -153,6 +147,34 @@ static double time_calls(const cfg *c, bufs *B, uint32_t flags, int64_t r0, int 
             t[i] = dt;
     }
     return bench_median(t, reps);
+}
+
+/* One forward call: its operands and params. */
+typedef struct {
+    fw_tensor q, o;
+    const bufs *B;
+    fw_attn_params p;
+} fwd_call;
+
+static fw_status run_fwd(void *ctx)
+{
+    const fwd_call *f = ctx;
+    return fw_attn_fwd(&f->q, &f->B->tk, &f->B->tv, &f->o, NULL, &f->p);
+}
+
+/* Median seconds of `reps` calls on query rows [r0, sq) (a bottom-right-aligned view). */
+static double time_calls(const cfg *c, bufs *B, uint32_t flags, int64_t r0, int reps, int *ok)
+{
+    fwd_call f;
+    params_of(c, &f.p, flags, c->threads);
+    const size_t es = fw_dtype_size(c->dt);
+    f.B = B;
+    f.q = B->tq;
+    f.o = B->to;
+    f.q.shape[1] = f.o.shape[1] = c->sq - r0;
+    f.q.data = (char *)B->q + (size_t)(r0 * f.q.stride[1]) * es;
+    f.o.data = (char *)B->o + (size_t)(r0 * f.o.stride[1]) * es;
+    return median_calls(run_fwd, &f, reps, ok);
 }
 
 typedef struct {
@@ -380,24 +402,24 @@ static fw_status bwd_call(const cfg *c, bwd_bufs *W, uint32_t flags, int64_t r0,
                        dk ? dk : &W->tdk, dv ? dv : &W->tdv, &p);
 }
 
+/* One backward call of the problem's rows [r0, sq). */
+typedef struct {
+    const cfg *c;
+    bwd_bufs *W;
+    uint32_t flags;
+    int64_t r0;
+} bwd_timed;
+
+static fw_status run_bwd(void *ctx)
+{
+    const bwd_timed *b = ctx;
+    return bwd_call(b->c, b->W, b->flags, b->r0, NULL, NULL, NULL);
+}
+
 static double bwd_time(const cfg *c, bwd_bufs *W, uint32_t flags, int64_t r0, int reps, int *ok)
 {
-    double t[64];
-    reps = reps > 64 ? 64 : reps;
-    *ok = 1;
-    for (int i = -1; i < reps; i++) {
-        const double t0 = bench_now();
-        const fw_status s = bwd_call(c, W, flags, r0, NULL, NULL, NULL);
-        const double dt = bench_now() - t0;
-        if (s != FW_OK) {
-            fprintf(stderr, "bench: %s\n", fw_last_error());
-            *ok = 0;
-            return 0;
-        }
-        if (i >= 0)
-            t[i] = dt;
-    }
-    return bench_median(t, reps);
+    bwd_timed b = {c, W, flags, r0};
+    return median_calls(run_bwd, &b, reps, ok);
 }
 
 /* The three gradients of the sub-problem of rows [r0, sq) into f64 buffers g[3]: kernel

@@ -209,6 +209,22 @@ def _check_cu_seqlens(cu, name, total, rows):
         raise bad(f"{name}[-1] = {cu[-1]}, but {rows} has {total} rows")
 
 
+def _varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+    """The int32 offsets of a varlen call, checked against q's and k's rows and the max
+    lengths (the offsets first: the lengths max_seqlen is compared with mean nothing until
+    they hold)."""
+    cq = T.index_array(cu_seqlens_q, "cu_seqlens_q")
+    ck = T.index_array(cu_seqlens_k, "cu_seqlens_k")
+    if cq.ndim != 1 or ck.ndim != 1 or cq.size != ck.size or cq.size < 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with batch + 1 entries each")
+    _check_cu_seqlens(cq, "cu_seqlens_q", q.shape[0], "q")
+    _check_cu_seqlens(ck, "cu_seqlens_k", k.shape[0], "k")
+    if max_seqlen_q < _max_len(cq) or max_seqlen_k < _max_len(ck):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} are below "
+                         f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
+    return cq, ck
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -251,16 +267,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"q, k, v must be [total_q, hq, d], [total_k, hkv, d], "
                          f"[total_k, hkv, dv], got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    cq = T.index_array(cu_seqlens_q, "cu_seqlens_q")
-    ck = T.index_array(cu_seqlens_k, "cu_seqlens_k")
-    if cq.ndim != 1 or ck.ndim != 1 or cq.size != ck.size or cq.size < 1:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with batch + 1 entries each")
-    # the offsets first: the lengths max_seqlen is compared with mean nothing until they hold
-    _check_cu_seqlens(cq, "cu_seqlens_q", q.shape[0], "q")
-    _check_cu_seqlens(ck, "cu_seqlens_k", k.shape[0], "k")
-    if max_seqlen_q < _max_len(cq) or max_seqlen_k < _max_len(ck):
-        raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} are below "
-                         f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
+    cq, ck = _varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     total_q, hq, _ = q.shape
     out = T.output(out, q, (total_q, hq, v.shape[-1]))
     lse = T.empty_like_family(q, (hq, total_q), "float32") if want_lse else None
@@ -439,15 +446,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
     if any(x.ndim != 3 for x in (dout, q, k, v, out)) or lse.ndim != 2:
         raise ValueError(f"dout, q, k, v, out must be 3-D and softmax_lse [hq, total_q], got "
                          f"shapes {[tuple(x.shape) for x in (dout, q, k, v, out, lse)]}")
-    cq = T.index_array(cu_seqlens_q, "cu_seqlens_q")
-    ck = T.index_array(cu_seqlens_k, "cu_seqlens_k")
-    if cq.ndim != 1 or ck.ndim != 1 or cq.size != ck.size or cq.size < 1:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with batch + 1 entries each")
-    _check_cu_seqlens(cq, "cu_seqlens_q", q.shape[0], "q")
-    _check_cu_seqlens(ck, "cu_seqlens_k", k.shape[0], "k")
-    if max_seqlen_q < _max_len(cq) or max_seqlen_k < _max_len(ck):
-        raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} are below "
-                         f"the longest sequences ({_max_len(cq)}, {_max_len(ck)})")
+    cq, ck = _varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     dq, dk, dv = _grad_outputs(dq, dk, dv, q, k, v)
     p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
     t = [T.describe(x) for x in (q, k, v, out, dout, lse)]

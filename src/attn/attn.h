@@ -84,6 +84,13 @@ static inline int64_t fw_attn_qpos(const fw_attn_prob *p, int64_t sq, int64_t sk
     return sk - sq + (p->rot_q_fixed ? 0 : r);
 }
 
+/* What the workspace queries (forward and backward) check before sizing, reading no data:
+ * q, k, v and bytes non-NULL, ranks alike (4: dense, 3: varlen), heads that group and head
+ * dims in range, params; the kernel table into *kt, and hq, hkv, d, dv into dims. */
+fw_status fw_attn_ws_query(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                           const size_t *bytes, const fw_attn_params *params, int64_t dims[4],
+                           const fw_kernels **kt);
+
 /* params alone (also fw_attn_workspace_size's check): scale, softcap, window, causal,
  * threads, precision, flags, rotary_interleaved. */
 fw_status fw_attn_check_params(const fw_attn_params *params);

@@ -203,30 +203,18 @@ static fw_status plan(const fw_kernels *kt, int64_t rows, int64_t hq, int64_t hk
 fw_status fw_attn_bwd_workspace_size(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                                      int64_t batch, const fw_attn_params *params, size_t *bytes)
 {
-    fw_clear_error();
-    if (!q || !k || !v || !bytes)
-        return fw_fail(FW_ERR_NULL, "%s is NULL", !q ? "q" : !k ? "k" : !v ? "v" : "bytes");
-    if (q->ndim < 3 || q->ndim > 4 || k->ndim != q->ndim || v->ndim != q->ndim)
-        return fw_fail(FW_ERR_SHAPE, "q, k, v must all be 4-D (dense) or 3-D (varlen)");
+    int64_t dims[4] = {0};
+    const fw_kernels *kt = NULL;
+    fw_status s = fw_attn_ws_query(q, k, v, bytes, params, dims, &kt);
+    if (s)
+        return s;
     const int o = q->ndim - 3;
-    const int64_t hq = q->shape[o + 1], hkv = k->shape[o + 1], d = q->shape[o + 2], dv = v->shape[o + 2];
-    if (hq < 1 || hkv < 1 || hq % hkv || d < 1 || d > FW_MAX_HEAD_DIM || dv < 1 ||
-        dv > FW_MAX_HEAD_DIM || hq > FW_MAX_HEADS)
-        return fw_fail(FW_ERR_SHAPE, "heads %lld/%lld or head dims %lld/%lld are invalid",
-                       (long long)hq, (long long)hkv, (long long)d, (long long)dv);
+    const int64_t hq = dims[0], hkv = dims[1], d = dims[2], dv = dims[3];
     for (int i = 0; i < q->ndim; i++)
         if (q->shape[i] < 0 || k->shape[i] < 0 || q->shape[i] > INT32_MAX || k->shape[i] > INT32_MAX)
             return fw_fail(FW_ERR_SHAPE, "q's or k's dimension %d is out of range", i);
     if (o == 0 && (batch < 0 || batch > INT32_MAX))
         return fw_fail(FW_ERR_ARG, "batch is %lld; it must be 0..2^31-1", (long long)batch);
-    fw_attn_params dflt;
-    fw_attn_params_init(&dflt);
-    fw_status s = fw_attn_check_params(params ? params : &dflt);
-    if (s)
-        return s;
-    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
-    if (!kt)
-        return FW_ERR_UNSUPPORTED;
     /* varlen: the longest sequence may hold every key */
     const int64_t rows = o ? q->shape[0] * q->shape[1] : q->shape[0];
     const int64_t nb = o ? q->shape[0] : batch, sk = o ? k->shape[1] : k->shape[0];
@@ -546,18 +534,28 @@ static void run_item(void *vctx, int64_t idx, int tid)
 /* Rows per item of the two row passes (D before the items, dq after). */
 #define ROW_BLOCK 64
 
-/* D[row][h] = sum dout o out over dv, in double, for a block of ROW_BLOCK rows of a sequence
- * (item idx: sequence idx / nb, block idx % nb, nb blocks of the longest sequence). */
+/* Item idx of a row pass: sequence idx / nb, its positions [*r0, *r1) of block idx % nb, nb
+ * blocks of the longest sequence. Returns the sequence. */
+static fw_attn_seq row_block(const fw_attn_prob *p, int64_t idx, int64_t *r0, int64_t *r1)
+{
+    const int64_t nb = fw_ceil_div(fw_max64(p->sq, 1), ROW_BLOCK);
+    const fw_attn_seq sq = fw_attn_seq_get(p, idx / nb);
+    *r0 = (idx % nb) * ROW_BLOCK;
+    *r1 = fw_min64(sq.sq, *r0 + ROW_BLOCK);
+    return sq;
+}
+
+/* D[row][h] = sum dout o out over dv, in double, for a block of rows (row_block). */
 static void d_pass(void *vctx, int64_t idx, int tid)
 {
     (void)tid;
     const bctx *c = vctx;
     const fw_attn_bwd_prob *b = c->b;
     const fw_attn_prob *p = &b->f;
-    const int64_t nb = fw_ceil_div(fw_max64(p->sq, 1), ROW_BLOCK), seq = idx / nb;
-    const fw_attn_seq sq = fw_attn_seq_get(p, seq);
-    const int64_t r1 = fw_min64(sq.sq, (idx % nb + 1) * ROW_BLOCK);
-    for (int64_t pos = (idx % nb) * ROW_BLOCK; pos < r1; pos++)
+    int64_t r0, r1;
+    const fw_attn_seq sq = row_block(p, idx, &r0, &r1);
+    const int64_t seq = sq.index;
+    for (int64_t pos = r0; pos < r1; pos++)
         for (int64_t h = 0; h < p->hq; h++) {
             double s = 0.0;
             const int64_t oo = sq.o0 + pos * p->os[0] + h * p->os[1];
@@ -574,12 +572,11 @@ static void dq_pass(void *vctx, int64_t idx, int tid)
     const bctx *c = vctx;
     const fw_attn_bwd_prob *b = c->b;
     const fw_attn_prob *p = &b->f;
-    const int64_t nb = fw_ceil_div(fw_max64(p->sq, 1), ROW_BLOCK), seq = idx / nb;
-    const fw_attn_seq sq = fw_attn_seq_get(p, seq);
-    const int64_t r1 = fw_min64(sq.sq, (idx % nb + 1) * ROW_BLOCK);
-    const int64_t len = split_len(sq.sk, c->pl.nsplit);
+    int64_t r0, r1;
+    const fw_attn_seq sq = row_block(p, idx, &r0, &r1);
+    const int64_t seq = sq.index, len = split_len(sq.sk, c->pl.nsplit);
     float *row = (float *)(c->ws + (size_t)tid * c->pl.w.total + c->pl.w.row);
-    for (int64_t pos = (idx % nb) * ROW_BLOCK; pos < r1; pos++)
+    for (int64_t pos = r0; pos < r1; pos++)
         for (int64_t h = 0; h < p->hq; h++) {
             memset(row, 0, (size_t)p->d * sizeof(float));
             for (int64_t s = 0; s < c->pl.nsplit && s * len < sq.sk; s++) {

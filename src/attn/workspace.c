@@ -54,16 +54,17 @@ ws_layout fw_attn_ws_layout(int64_t hq, int64_t hkv, int64_t d, int64_t dv, cons
     return ws_plan(kt, d, dv, ws_rows(hq / hkv, kt, flags), fw_attn_ws_units(hq, hkv, flags), tiles_bf16);
 }
 
-fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
-                                 const fw_attn_params *params, size_t *bytes)
+fw_status fw_attn_ws_query(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                           const size_t *bytes, const fw_attn_params *params, int64_t dims[4],
+                           const fw_kernels **kt)
 {
     fw_clear_error();
     if (!q || !k || !v || !bytes)
         return fw_fail(FW_ERR_NULL, "%s is NULL", !q ? "q" : !k ? "k" : !v ? "v" : "bytes");
     if (q->ndim < 3 || q->ndim > 4 || k->ndim != q->ndim || v->ndim != q->ndim)
         return fw_fail(FW_ERR_SHAPE, "q, k, v must all be 4-D (dense) or 3-D (varlen)");
-    int o = q->ndim - 3;
-    int64_t hq = q->shape[o + 1], hkv = k->shape[o + 1], d = q->shape[o + 2], dv = v->shape[o + 2];
+    const int o = q->ndim - 3;
+    const int64_t hq = q->shape[o + 1], hkv = k->shape[o + 1], d = q->shape[o + 2], dv = v->shape[o + 2];
     if (hq < 1 || hkv < 1 || hq % hkv || d < 1 || d > FW_MAX_HEAD_DIM || dv < 1 ||
         dv > FW_MAX_HEAD_DIM || hq > FW_MAX_HEADS)
         return fw_fail(FW_ERR_SHAPE, "heads %lld/%lld or head dims %lld/%lld are invalid",
@@ -73,9 +74,21 @@ fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const f
     fw_status s = fw_attn_check_params(params ? params : &dflt);
     if (s)
         return s;
-    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
-    if (!kt)
+    if (!(*kt = fw_kernels_get(params ? params->isa : NULL)))
         return FW_ERR_UNSUPPORTED;
+    dims[0] = hq; dims[1] = hkv; dims[2] = d; dims[3] = dv;
+    return FW_OK;
+}
+
+fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
+                                 const fw_attn_params *params, size_t *bytes)
+{
+    int64_t dims[4] = {0};
+    const fw_kernels *kt = NULL;
+    fw_status s = fw_attn_ws_query(q, k, v, bytes, params, dims, &kt);
+    if (s)
+        return s;
+    const int64_t hq = dims[0], hkv = dims[1], d = dims[2], dv = dims[3];
     const ws_layout w = fw_attn_ws_layout(hq, hkv, d, dv, kt, params ? params->flags : 0,
                                           fw_attn_bf16_products(q->dtype, params ? params->precision
                                                                                  : FW_PREC_AUTO));
