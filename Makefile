@@ -79,10 +79,17 @@ bench-calls: build $(VENV)/.test-deps
 	$(TREE_ENV) $(VENV)/bin/python python/bench_calls.py
 
 # A Qwen3-Next-style hybrid model (0.6 B, seeded weights) in transformers, default kernels
-# against flywheel's: prefill 2K and 8K, 32 decode steps, bf16 and f32, logits agreement
-# (python/e2e.py); results in docs/e2e/.
+# against flywheel's: prefill 2K and 8K, 32 decode steps, bf16 and f32, logits agreement,
+# flywheel's kernels inside the step against alone (python/e2e.py); results in docs/e2e/.
+# flywheel runs on the OpenMP build ($(BUILD)-omp), which shares torch's pool, as "Threads
+# inside an engine" in the README advises inside torch.
 e2e: build $(VENV)/.compare-deps
-	$(TREE_ENV) $(VENV)/bin/python python/e2e.py --out docs/e2e $(E2E_ARGS)
+	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON \
+	  $(PY_CMAKE) >/dev/null
+	@cmake --build $(BUILD)-omp -j $(JOBS) --target flywheel_shared fwext
+	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-omp/libflywheel.so PYTHONPATH=$(abspath python) \
+	  $(VENV)/bin/python python/e2e.py --out docs/e2e \
+	  --build "the OpenMP build (FW_OPENMP=1), sharing torch's threads" $(E2E_ARGS)
 
 # One GDN layer of an engine step (fused_conv1d_gdn) against its parts in the same run:
 # prefill against the core alone, a mixed batch against two calls, decode bytes moved

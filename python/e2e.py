@@ -18,8 +18,16 @@ every token) so that a bf16 routing flip cannot hide or fake a kernel difference
 both against default f32, which shows how far bf16 alone moves the logits of this random
 model.
 
+Inside the engine step (flywheel's kernels, prompts of --step-len tokens): each kind of kernel
+per call inside the model (its time in the timed prefill or decode steps over its calls)
+against the same call alone: the first call of each kind in one more prefill and one more
+decode step is recorded (its tensors copied with their strides, outside any timing) and
+replayed --step-reps times back to back after that step; the median is "alone". The rest of
+the step (torch's own ops) is compared with the default run's rest.
+
 Usage: python python/e2e.py [--threads N] [--lengths 2048,8192] [--decode 32] [--reps 2]
-                            [--dtypes bfloat16,float32] [--out docs/e2e]
+                            [--dtypes bfloat16,float32] [--step-len 2048] [--step-reps 5]
+                            [--build TEXT] [--out docs/e2e]
 """
 
 import argparse
@@ -57,15 +65,27 @@ def config(dense_routing=False):
         attn_implementation="sdpa")
 
 
+def _copy(x):
+    """x with its own memory, strides kept (a view into a larger array keeps its layout)."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype).copy_(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_copy(v) for v in x)
+    return x
+
+
 class Timers:
-    """Seconds spent inside the wrapped kernel functions, by kind."""
+    """Seconds spent inside the wrapped kernel functions, by kind, and their call counts
+    (n); while recording, the first call of each kind (its function and copied arguments)."""
 
     def __init__(self):
-        self.t = {}
-        self.on = False
+        self.t, self.n, self.calls = {}, {}, {}
+        self.on = self.recording = False
 
     def wrap(self, fn, kind):
         def timed(*a, **k):
+            if self.recording and kind not in self.calls:
+                self.calls[kind] = (fn, _copy(a), {n: _copy(v) for n, v in k.items()})
             if not self.on:
                 return fn(*a, **k)
             t0 = time.perf_counter()
@@ -73,15 +93,37 @@ class Timers:
                 return fn(*a, **k)
             finally:
                 self.t[kind] = self.t.get(kind, 0.0) + time.perf_counter() - t0
+                self.n[kind] = self.n.get(kind, 0) + 1
         return timed
 
     @contextlib.contextmanager
     def measure(self):
-        self.t, self.on = {}, True
+        self.t, self.n, self.on = {}, {}, True
         try:
             yield self.t
         finally:
             self.on = False
+
+    @contextlib.contextmanager
+    def record(self):
+        self.calls, self.recording = {}, True
+        try:
+            yield self.calls
+        finally:
+            self.recording = False
+
+    def alone(self, reps):
+        """Median seconds of each recorded call replayed `reps` times back to back."""
+        out = {}
+        for kind, (fn, a, k) in self.calls.items():
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn(*a, **k)
+                ts.append(time.perf_counter() - t0)
+            out[kind] = statistics.median(ts)
+        self.calls = {}
+        return out
 
 
 _ORIG = {}
@@ -115,14 +157,15 @@ def _cache(out):
 
 def run(model, ids, decode, timers):
     """One prefill with the cache on, then `decode` greedy steps: (prefill s, its kernel
-    times, [decode s], decode kernel times summed, prefill logits of the last token)."""
+    times, [decode s], decode kernel times summed, per-call kernel times of the prefill and
+    of the decode steps)."""
     with timers.measure() as tp:
         t0 = time.perf_counter()
         out = model(ids, use_cache=True)
         pre = time.perf_counter() - t0
-    tp = dict(tp)
+    tp, pcall = dict(tp), {k: v / timers.n[k] for k, v in tp.items()}
     cache, nxt = _cache(out), out.logits[:, -1:].argmax(-1)
-    steps, td = [], {}
+    steps, td, tn = [], {}, {}
     for _ in range(decode):
         with timers.measure() as t:
             t0 = time.perf_counter()
@@ -130,8 +173,21 @@ def run(model, ids, decode, timers):
             steps.append(time.perf_counter() - t0)
         for k, v in t.items():
             td[k] = td.get(k, 0.0) + v
+            tn[k] = tn.get(k, 0) + timers.n[k]
         cache, nxt = _cache(o), o.logits[:, -1:].argmax(-1)
-    return pre, tp, steps, td
+    return pre, tp, steps, td, (pcall, {k: v / tn[k] for k, v in td.items()})
+
+
+def engine_step(model, ids, timers, reps):
+    """Each kind's first call in one more prefill and in one more decode step, replayed alone
+    (Timers.alone): ({kind: prefill call s}, {kind: decode call s})."""
+    with timers.record():
+        out = model(ids, use_cache=True)
+    pre = timers.alone(reps)
+    nxt = out.logits[:, -1:].argmax(-1)
+    with timers.record():
+        model(nxt, cache=_cache(out), use_cache=True)
+    return pre, timers.alone(reps)
 
 
 def agreement(dtype, T, timers):
@@ -169,6 +225,10 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--agree-len", type=int, default=512)
+    ap.add_argument("--build", default="the default build (its own thread pool)",
+                    help="which flywheel build runs, for the report")
+    ap.add_argument("--step-len", type=int, default=2048)
+    ap.add_argument("--step-reps", type=int, default=5)
     ap.add_argument("--out", default="docs/e2e")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -184,22 +244,25 @@ def main():
             ids = torch.randint(0, 32000, (1, T), generator=torch.Generator().manual_seed(T))
             for mode in ("default", "flywheel"):
                 install(mode, timers, model)
-                pres, steps, kern, dkern = [], [], {}, {}
+                pres, steps, kern, dkern, step = [], [], {}, {}, None
                 with torch.no_grad():
                     run(model, ids[:, :64], 1, timers)  # warm-up: first touches, lazy setup
                     for r in range(args.reps):
-                        pre, tp, st, td = run(model, ids, args.decode if r == 0 else 0, timers)
+                        pre, tp, st, td, percall = run(model, ids, args.decode if r == 0 else 0,
+                                                       timers)
                         pres.append(pre)
                         steps += st
                         if r == 0:
-                            kern, dkern = tp, td
+                            kern, dkern, incall = tp, td, percall
+                    if mode == "flywheel" and T == args.step_len:
+                        step = (incall, engine_step(model, ids, timers, args.step_reps))
                 pre = statistics.median(pres)
-                step = statistics.median(steps) if steps else float("nan")
                 row = dict(dtype=dtn, T=T, mode=mode, prefill=pre, prefill_range=(min(pres), max(pres)),
-                           decode=step, kern=kern, dkern={k: v / max(1, len(steps)) for k, v in dkern.items()})
+                           decode=statistics.median(steps) if steps else float("nan"), kern=kern,
+                           dkern={k: v / max(1, len(steps)) for k, v in dkern.items()}, step=step)
                 rows.append(row)
                 print(f"{dtn:8s} T={T:5d} {mode:8s} prefill {pre:7.3f} s ({T / pre:7.1f} tok/s)  decode "
-                      f"{step * 1e3:7.1f} ms/step   prefill kernels: " +
+                      f"{row['decode'] * 1e3:7.1f} ms/step   prefill kernels: " +
                       ", ".join(f"{k} {v:.3f} s" for k, v in sorted(kern.items())), flush=True)
         del model
         agree[dtn] = agreement(dtype, args.agree_len, timers)
@@ -217,6 +280,38 @@ def agreement_text(a, T):
     return t + f" (dense expert routing, {T} tokens)"
 
 
+def step_lines(rows, by):
+    """The engine-step table: flywheel's kernels per call inside the model against alone, and
+    the rest of the step (torch's ops) against the default run's."""
+    out = []
+    for r in rows:
+        if not r.get("step"):
+            continue
+        (pin, din), (palone, dalone) = r["step"]
+        base = by[(r["dtype"], r["T"], "default")]
+        out += [f"Inside the engine step, {r['dtype']}, prompt {r['T']} (flywheel's kernels per "
+                f"call: inside the model / the same call alone, median of replays):\n",
+                "| kernel | prefill: in model | alone | ratio | decode: in model | alone | ratio |",
+                "|---|---|---|---|---|---|---|"]
+        for kind in ("attention", "GDN kernel", "conv"):
+            cells = []
+            for inm, alone in ((pin, palone), (din, dalone)):
+                if kind in inm and kind in alone:
+                    cells += [f"{inm[kind] * 1e3:.3f} ms", f"{alone[kind] * 1e3:.3f} ms",
+                              f"{inm[kind] / alone[kind]:.2f}x"]
+                else:
+                    cells += ["-"] * 3
+            out.append(f"| {kind} | " + " | ".join(cells) + " |")
+        rest = r["prefill"] - sum(r["kern"].values())
+        brest = base["prefill"] - sum(base["kern"].values())
+        drest = r["decode"] - sum(r["dkern"].values())
+        bdrest = base["decode"] - sum(base["dkern"].values())
+        out += ["", f"The rest of the step (torch's ops), flywheel's run / default's: prefill "
+                f"{rest:.2f} / {brest:.2f} s ({rest / brest:.2f}x), decode {drest * 1e3:.1f} / "
+                f"{bdrest * 1e3:.1f} ms ({drest / bdrest:.2f}x).", ""]
+    return out
+
+
 def report(args, rows, agree, nparams):
     os.makedirs(args.out, exist_ok=True)
     by = {(r["dtype"], r["T"], r["mode"]): r for r in rows}
@@ -224,7 +319,8 @@ def report(args, rows, agree, nparams):
              f"Measured {datetime.date.today().isoformat()}, {platform.machine()}, {args.threads} "
              f"threads, transformers {transformers.__version__}, torch {torch.__version__}; "
              f"{nparams / 1e9:.2f} B parameters (python/e2e.py's docstring: the model); medians of "
-             f"{args.reps} prefills and of {args.decode} decode steps. Command: `make e2e`.\n",
+             f"{args.reps} prefills and of {args.decode} decode steps; flywheel: {args.build}. "
+             f"Command: `make e2e`.\n",
              "| dtype | prompt | kernels | prefill | tokens/s | speedup | decode / step | speedup | "
              "prefill: attention / GDN kernel / conv / rest |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -238,6 +334,7 @@ def report(args, rows, agree, nparams):
                      f"{r['T'] / r['prefill']:.0f} | {base['prefill'] / r['prefill']:.2f}x | "
                      f"{r['decode'] * 1e3:.1f} ms | {base['decode'] / r['decode']:.2f}x | "
                      f"{parts} / {rest:.2f} s |")
+    lines += [""] + step_lines(rows, by)
     lines.append("")
     for dtn, a in agree.items():
         lines.append(f"- {dtn}: {agreement_text(a, args.agree_len)}.")

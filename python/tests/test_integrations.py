@@ -131,3 +131,43 @@ def test_training_takes_flywheels_backward(torch_paths, monkeypatch):
     assert got.keys() == ref.keys()
     for name, g in ref.items():
         assert (got[name] - g).abs().max().item() <= 1e-4 * (1 + g.abs().max().item()), name
+
+
+def test_outputs_reused_only_when_unreferenced(torch_paths):
+    """The kept output comes back only once nothing refers to it; reuse can be turned off;
+    threads never share one; disable() drops them; a model run twice gives the same logits
+    with outputs reused as without."""
+    import threading
+    fwt.enable()
+    a = fwt._output("t", (4, 8), torch.float32)
+    a_ptr = a.data_ptr()
+    view = a[1:]
+    b = fwt._output("t", (4, 8), torch.float32)  # a's view is alive: a new array
+    assert b.data_ptr() != a_ptr
+    del a, view
+    c = fwt._output("t", (4, 8), torch.float32)  # b is kept and unreferenced (but by c)
+    assert c.data_ptr() == b.data_ptr()
+    del b
+    like = torch.empty(2, 6, 3).transpose(1, 2)  # the layout of `like` is kept
+    d = fwt._output("conv", like.shape, like.dtype, like=like)
+    assert d.stride() == like.stride()
+    other = []
+    t = threading.Thread(target=lambda: other.append(fwt._output("t", (4, 8), torch.float32)))
+    t.start()
+    t.join()
+    ptr_c = c.data_ptr()
+    del c
+    assert other[0].data_ptr() != ptr_c  # another thread has its own
+    assert fwt._output("t", (4, 8), torch.float32).data_ptr() == ptr_c
+    fwt.disable()
+    assert fwt._kept_all and not any(box.arrays for box in fwt._kept_all)
+    fwt.enable(reuse_outputs=False)
+    assert fwt._output("t", (4, 8), torch.float32) is None
+    model = tiny_model(torch.float32)
+    ids = torch.randint(0, 1000, (1, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fwt.enable(model, reuse_outputs=False)
+        ref = model(ids).logits
+        fwt.enable(model)
+        first, second = model(ids).logits, model(ids).logits
+    assert torch.equal(first, ref) and torch.equal(second, ref)

@@ -19,16 +19,85 @@
   with tensors that need gradients they call transformers' own functions (training a hybrid
   model runs flywheel's attention, forward and backward, and torch's Gated DeltaNet).
 
+- Outputs are reused: a call's output array is kept (one per shape, dtype and layout, per
+  thread) and written again by a later call with the same shape once nothing else refers to
+  its memory (torch's storage use count: no tensor, view or storage object besides the kept
+  one). A model layer's conv, Gated DeltaNet and attention outputs are dead when the next
+  layer runs, so a prefill allocates each once instead of once a layer. This is what made the
+  difference inside a model: a fresh 128 MiB output is faulted in huge page by huge page,
+  and with the heap churned by a model's step the kernel zeroed and compacted memory for
+  250-360 ms of CPU during a 20 ms conv (Qwen3-Next-style model, 8K prompt, bf16; e2e.py).
+  enable(reuse_outputs=False) turns it off; disable() drops the kept arrays.
+
 disable() puts transformers' functions back.
 """
 
+import functools
 import importlib
+import threading
+import weakref
 
 import flywheel
 
 _NAME = "flywheel"
 _GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 _saved = {}
+_reuse = {"on": True}
+_kept = threading.local()  # .box: this thread's _Kept
+_kept_all = weakref.WeakSet()  # every live thread's _Kept, for disable()
+_kept_lock = threading.Lock()
+_KEPT_MAX = 8  # arrays kept per thread (the oldest goes first)
+
+
+def _use_count(t):
+    import torch
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Kept:
+    """One thread's kept outputs: {(kind, shape, stride, dtype): tensor}, oldest first."""
+    __slots__ = ("arrays", "__weakref__")
+
+    def __init__(self):
+        self.arrays = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _unshared_count():
+    """The storage use count of a tensor nothing else refers to (the tensor, plus the storage
+    object the query makes), or None where this torch cannot tell."""
+    import torch
+    try:
+        return _use_count(torch.empty(1))
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _output(kind, shape, dtype, like=None):
+    """An output array for a call: the one kept for (kind, shape, layout, dtype) if nothing
+    refers to it any more, else a new one (torch.empty_like(like) when given, to keep its
+    layout, else contiguous), kept in its place. None (the callee allocates) when reuse is
+    off or this torch cannot tell whether an array is referred to."""
+    import torch
+    if not _reuse["on"] or _unshared_count() is None:
+        return None
+    shape = tuple(shape)
+    key = (kind, shape, None if like is None else tuple(like.stride()), dtype)
+    box = getattr(_kept, "box", None)
+    if box is None:
+        box = _kept.box = _Kept()
+        with _kept_lock:
+            _kept_all.add(box)
+    arrays = box.arrays
+    out = arrays.get(key)
+    if out is not None and _use_count(out) == _unshared_count():
+        return out
+    out = torch.empty_like(like) if like is not None else torch.empty(shape, dtype=dtype)
+    arrays.pop(key, None)
+    arrays[key] = out
+    while len(arrays) > _KEPT_MAX:
+        del arrays[next(iter(arrays))]
+    return out
 
 
 def _sdpa(*args, **kwargs):
@@ -49,8 +118,11 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     causal = bool(causal) and sq > 1
     if causal and sk > sq:  # sdpa's top-left causality: the keys past the queries are unused
         key, value = key[:, :, :sq], value[:, :, :sq]
-    out = flywheel.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
-                                   value.transpose(1, 2), softmax_scale=scaling, causal=causal)
+    q = query.transpose(1, 2)
+    out = None if _needs_grad(query, key, value) else _output(
+        "attention", (q.shape[0], q.shape[1], q.shape[2], value.shape[3]), q.dtype)
+    out = flywheel.flash_attn_func(q, key.transpose(1, 2), value.transpose(1, 2),
+                                   softmax_scale=scaling, causal=causal, out=out)
     return out, None
 
 
@@ -80,7 +152,8 @@ def _chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_s
                                            initial_state=initial_state,
                                            output_final_state=output_final_state,
                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                           cu_seqlens=cu_seqlens)
+                                           cu_seqlens=cu_seqlens,
+                                           out=_output("gdn", value.shape, value.dtype))
 
 
 def _recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
@@ -110,7 +183,9 @@ def _causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwarg
     if _needs_grad(hidden_states, weight, bias):
         return _original("causal_conv1d_fn")(hidden_states, weight, bias, activation=activation,
                                              **kwargs)
-    return flywheel.causal_conv1d_fn(hidden_states, weight, bias, activation=activation)
+    return flywheel.causal_conv1d_fn(hidden_states, weight, bias, activation=activation,
+                                     out=_output("conv", hidden_states.shape, hidden_states.dtype,
+                                                 like=hidden_states))
 
 
 def _causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
@@ -126,9 +201,11 @@ _REPLACEMENTS = {
 }
 
 
-def enable(model=None):
+def enable(model=None, reuse_outputs=True):
     """Register flywheel's attention as attn_implementation "flywheel" and swap the Gated
-    DeltaNet layers' kernel functions; with `model`, also switch it to "flywheel"."""
+    DeltaNet layers' kernel functions; with `model`, also switch it to "flywheel".
+    reuse_outputs: keep and reuse the kernels' output arrays (see the module docstring)."""
+    _reuse["on"] = bool(reuse_outputs)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(_NAME, attention)
@@ -154,6 +231,9 @@ def disable(model=None, attn_implementation="sdpa"):
         mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         setattr(mod, fn, orig)
         del _saved[(name, fn)]
+    with _kept_lock:
+        for box in list(_kept_all):
+            box.arrays.clear()
     if model is not None:
         model.set_attn_implementation(attn_implementation)
     return model
