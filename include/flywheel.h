@@ -537,6 +537,21 @@ FW_API fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw
                               const fw_tensor *out, const fw_gdn_layer_params *params);
 
 /*
+ * The float64 reference of fw_gdn_layer: the same arguments and checks (out may also be f64).
+ * Sequence by sequence (a speculative window token by token, with its checkpoints) the conv
+ * in double from the conv read slot (fw_conv1d_ref), its rows kept in qkv's dtype as the layer
+ * keeps them; then the core in double from the recurrent read slot (fw_gdn_ref): decodes and
+ * windows the exact recurrence (the layer's fused step rounds no products), prefills with the
+ * chunked pass's product roundings under bf16 products (FW_PREC_F32: exact). out in its dtype,
+ * both caches written as the layer writes them (the recurrent state rounded to f32).
+ */
+FW_API fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                                  const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                                  const fw_tensor *a_log, const fw_tensor *dt_bias,
+                                  const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                                  const fw_tensor *out, const fw_gdn_layer_params *params);
+
+/*
  * Speculative verify: n_i <= 64 tokens per sequence (cu_seqlens, as in prefill) from the
  * committed state in slot state_indices[i], which is read, not changed. Writes out for every
  * token and keeps, in the caller-owned `replay` buffer, what fw_gdn_commit needs to rebuild

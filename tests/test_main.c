@@ -80,7 +80,7 @@ static const test_suite main_suites[] = {
 extern const test_suite threads_suites[]; /* test_threads.c */
 
 static const test_suite *const groups[] = {main_suites, attn_suites, attn_bwd_suites, rotary_suites,
-                                           kvcache_suites, gdn_suites,
+                                           kvcache_suites, gdn_suites, layer_suites,
                                            conv_suites, nan_suites, threads_suites};
 #define NGROUPS (int)(sizeof groups / sizeof groups[0])
 

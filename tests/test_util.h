@@ -23,7 +23,7 @@ typedef struct {
     void (*run)(void);
 } test_suite;
 extern const test_suite attn_suites[], attn_bwd_suites[], rotary_suites[], kvcache_suites[],
-    gdn_suites[], nan_suites[],
+    gdn_suites[], layer_suites[], nan_suites[],
     conv_suites[];
 
 /* A buffer with GUARD sentinel bytes on both sides; the body is filled with a sentinel too,

@@ -42,6 +42,52 @@ fw_status fw_gdn_check_pool(const fw_gdn_pool *pool, int64_t n, int64_t HV, int6
  * consecutive sequences). */
 fw_status fw_gdn_check_slots(const int32_t *idx, int64_t n, int64_t slots, const float *state);
 
+/* A view of rows [r0, r0 + n) of a 2-D [T, *] tensor as [n, heads, dim] from column c0. */
+static inline fw_tensor gdn_rows_view(const fw_tensor *t, int64_t r0, int64_t n, int64_t c0, int64_t heads, int64_t dim)
+{
+    fw_tensor v = *t;
+    v.data = (char *)t->data + (r0 * t->stride[0] + c0 * t->stride[1]) * (int64_t)fw_dtype_size(t->dtype);
+    v.ndim = 3;
+    v.shape[0] = n;
+    v.shape[1] = heads;
+    v.shape[2] = dim;
+    v.stride[0] = t->stride[0];
+    v.stride[1] = dim * t->stride[1];
+    v.stride[2] = t->stride[1];
+    return v;
+}
+
+/* A view of rows [r0, r0 + n) of a 2-D tensor. */
+static inline fw_tensor gdn_rows2(const fw_tensor *t, int64_t r0, int64_t n)
+{
+    fw_tensor v = *t;
+    v.data = (char *)t->data + r0 * t->stride[0] * (int64_t)fw_dtype_size(t->dtype);
+    v.shape[0] = n;
+    return v;
+}
+
+/* One layer call (fw_gdn_layer), checked: its tensors, batch and slots, and the parameters
+ * of its conv and of its core (the gates computed in the core's kernels from the raw a, b). */
+typedef struct {
+    const fw_tensor *qkv, *w, *bias, *out, *a, *b;
+    const int32_t *qsl, *ridx, *wr; /* ridx: the slot each sequence reads (negative: none), owned */
+    const fw_gdn_caches *caches;
+    void *cbuf; /* the layer's conv rows (NULL in the reference) */
+    fw_conv1d_params cp;
+    fw_gdn_params gp;
+    int64_t nkq, nv, dk, dv, dim, slots, T, used, de, me, spec;
+    int kda, zero_tail;
+} gdn_layer_prob;
+
+/* Every check of fw_gdn_layer (`ref` admits an f64 out); nothing is written. On FW_OK the
+ * caller frees L->ridx. */
+fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                             const fw_tensor *conv_weight, const fw_tensor *conv_bias, const fw_tensor *a_log,
+                             const fw_tensor *dt_bias, const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                             const fw_tensor *out, const fw_gdn_layer_params *params, int ref);
+/* out's rows past the last token used, zeroed (params->zero_tail). */
+void fw_gdn_layer_zero_tail(const gdn_layer_prob *L);
+
 static inline const char *at(const fw_tensor *t, int64_t i, int64_t j)
 {
     return fw_elem(t, i * t->stride[0] + j * t->stride[1]);

@@ -15,30 +15,6 @@ void fw_gdn_layer_params_init(fw_gdn_layer_params *p)
         memset(p, 0, sizeof *p);
 }
 
-/* A view of rows [r0, r0 + n) of a 2-D [T, *] tensor as [n, heads, dim] from column c0. */
-static fw_tensor rows_view(const fw_tensor *t, int64_t r0, int64_t n, int64_t c0, int64_t heads, int64_t dim)
-{
-    fw_tensor v = *t;
-    v.data = (char *)t->data + (r0 * t->stride[0] + c0 * t->stride[1]) * (int64_t)fw_dtype_size(t->dtype);
-    v.ndim = 3;
-    v.shape[0] = n;
-    v.shape[1] = heads;
-    v.shape[2] = dim;
-    v.stride[0] = t->stride[0];
-    v.stride[1] = dim * t->stride[1];
-    v.stride[2] = t->stride[1];
-    return v;
-}
-
-/* A view of rows [r0, r0 + n) of a 2-D tensor. */
-static fw_tensor rows2(const fw_tensor *t, int64_t r0, int64_t n)
-{
-    fw_tensor v = *t;
-    v.data = (char *)t->data + r0 * t->stride[0] * (int64_t)fw_dtype_size(t->dtype);
-    v.shape[0] = n;
-    return v;
-}
-
 /* a_log [n_v], or dt_bias [n_v] (or [n_v d_k] when per_channel, KDA's). */
 static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n, int64_t per_channel)
 {
@@ -57,23 +33,13 @@ static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n, int6
  * sequence cut into windows runs the same chunks. */
 #define LAYER_ROWS 256
 
-typedef struct {
-    const fw_tensor *qkv, *w, *bias, *out, *a, *b;
-    const int32_t *qsl, *ridx, *wr;
-    const fw_gdn_caches *caches;
-    void *cbuf;
-    const fw_conv1d_params *cp;
-    const fw_gdn_params *gp;
-    int64_t nkq, nv, dk, dv, dim, slots;
-    int kda;
-} layer_ctx;
 
 /* One window: sequences [s0, s1) whole (u1 < 0), or tokens [u0, u1) of sequence s0 alone:
  * the conv from the conv slot (or, past a piece's start, from the rows before it in qkv),
  * its final state written with the sequence's last token, then the decode step or the
  * chunked pass from the recurrent read slot (a later piece: the write slot, where the
  * earlier piece left it). */
-static fw_status layer_window(const layer_ctx *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
+static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
 {
     const fw_tensor *qkv = L->qkv;
     const int piece = u1 >= 0;
@@ -103,23 +69,26 @@ static fw_status layer_window(const layer_ctx *L, int64_t s0, int64_t s1, int64_
         cin.idx = rd_local;
     }
     const int last = !piece || u1 == len;
-    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, NULL, &y, L->cp);
+    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, NULL, &y, &L->cp);
     if (s)
         return s;
     /* the gated delta rule on views of the conv rows */
     fw_tensor y2 = fw_tensor_contiguous(L->cbuf, qkv->dtype, 2, (int64_t[]){rn, L->dim});
     fw_tensor o2 = *L->out;
-    fw_tensor q = rows_view(&y2, 0, rn, 0, L->nkq, L->dk), k = rows_view(&y2, 0, rn, L->nkq * L->dk, L->nkq, L->dk);
-    fw_tensor v = rows_view(&y2, 0, rn, 2 * L->nkq * L->dk, L->nv, L->dv), o = rows_view(&o2, R0, rn, 0, L->nv, L->dv);
+    fw_tensor q = gdn_rows_view(&y2, 0, rn, 0, L->nkq, L->dk);
+    fw_tensor k = gdn_rows_view(&y2, 0, rn, L->nkq * L->dk, L->nkq, L->dk);
+    fw_tensor v = gdn_rows_view(&y2, 0, rn, 2 * L->nkq * L->dk, L->nv, L->dv);
+    fw_tensor o = gdn_rows_view(&o2, R0, rn, 0, L->nv, L->dv);
     /* the raw gates of these rows: the kernels compute g and beta from them */
-    fw_tensor tg = L->kda ? rows_view(L->a, R0, rn, 0, L->nv, L->dk) : rows2(L->a, R0, rn), tb = rows2(L->b, R0, rn);
+    fw_tensor tg = L->kda ? gdn_rows_view(L->a, R0, rn, 0, L->nv, L->dk) : gdn_rows2(L->a, R0, rn);
+    fw_tensor tb = gdn_rows2(L->b, R0, rn);
     if (piece && u0 > 0) { /* a later piece continues from the write slot */
         wr_local[0] = wr[0];
         rd = wr_local;
     }
     fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rd, wr};
-    return decode ? fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, L->gp)
-                  : fw_gdn_prefill_pool(&q, &k, &v, &tg, &tb, cu, n, &pool, &o, L->gp);
+    return decode ? fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, &L->gp)
+                  : fw_gdn_prefill_pool(&q, &k, &v, &tg, &tb, cu, n, &pool, &o, &L->gp);
 }
 
 /* The slots of a step with speculative windows: sequence i < de (a window of n_i tokens)
@@ -181,14 +150,21 @@ static fw_status check_window_slots(int64_t n, int64_t de, const int32_t *qsl, c
     return st;
 }
 
+void fw_gdn_layer_zero_tail(const gdn_layer_prob *L)
+{
+    for (int64_t t = L->used; t < L->T; t++)
+        for (int64_t c = 0; c < L->nv * L->dv; c++)
+            fw_store_f64(L->out, t * L->out->stride[0] + c * L->out->stride[1], 0.0);
+}
+
 /* Speculative windows [s0, s1) (rows at most LAYER_ROWS): the conv of their rows from the
  * conv read slots; a conv checkpoint per token (the K-1 raw rows ending there, from the read
  * slot's rows saved first, as the window may overwrite its read slot) to slot wr[i] + t; then
  * token by token the fused decode step of the windows that reach position t, from slot
  * rd[i] (t = 0) or wr[i] + t - 1 to slot wr[i] + t, on rows gathered into scratch. */
-static fw_status layer_windows(const layer_ctx *L, int64_t s0, int64_t s1)
+static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
 {
-    const fw_kernels *kt = fw_kernels_get(L->gp->isa);
+    const fw_kernels *kt = fw_kernels_get(L->gp.isa);
     const fw_tensor *qkv = L->qkv, *conv = &L->caches->conv;
     const int64_t n = s1 - s0, K = L->w->shape[1], dim = L->dim, R0 = L->qsl[s0], rn = L->qsl[s1] - R0;
     const int64_t ga = L->kda ? L->nv * L->dk : L->nv, es = (int64_t)fw_dtype_size(qkv->dtype);
@@ -202,7 +178,7 @@ static fw_status layer_windows(const layer_ctx *L, int64_t s0, int64_t s1)
     x.stride[0] = rn * qkv->stride[0]; x.stride[1] = qkv->stride[0]; x.stride[2] = qkv->stride[1];
     fw_tensor y = fw_tensor_contiguous(L->cbuf, qkv->dtype, 3, (int64_t[]){1, rn, dim});
     fw_conv1d_state cin = {*conv, L->ridx + s0, NULL};
-    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, NULL, NULL, &y, L->cp);
+    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, NULL, NULL, &y, &L->cp);
     if (s)
         return s;
     /* scratch: the read slots' conv rows, then per position the gathered rows and gates */
@@ -253,7 +229,7 @@ static fw_status layer_windows(const layer_ctx *L, int64_t s0, int64_t s1)
                 continue;
             const int64_t r = L->qsl[s0 + i] + t;
             memcpy(qr + na * dim * es, (const char *)L->cbuf + (r - R0) * dim * es, (size_t)(dim * es));
-            fw_tensor av = L->kda ? rows_view(L->a, r, 1, 0, L->nv, L->dk) : rows2(L->a, r, 1);
+            fw_tensor av = L->kda ? gdn_rows_view(L->a, r, 1, 0, L->nv, L->dk) : gdn_rows2(L->a, r, 1);
             const int64_t as = L->kda ? av.stride[2] : av.stride[1];
             for (int64_t h = 0; h < (L->kda ? L->nv : 1); h++)
                 kt->to_f32(fw_elem(&av, h * (L->kda ? av.stride[1] : 0)), av.dtype, as, (int)(L->kda ? L->dk : L->nv),
@@ -267,14 +243,15 @@ static fw_status layer_windows(const layer_ctx *L, int64_t s0, int64_t s1)
         if (!na)
             break;
         fw_tensor y2 = fw_tensor_contiguous(qr, qkv->dtype, 2, (int64_t[]){na, dim});
-        fw_tensor q = rows_view(&y2, 0, na, 0, L->nkq, L->dk), k = rows_view(&y2, 0, na, L->nkq * L->dk, L->nkq, L->dk);
-        fw_tensor v = rows_view(&y2, 0, na, 2 * L->nkq * L->dk, L->nv, L->dv);
+        fw_tensor q = gdn_rows_view(&y2, 0, na, 0, L->nkq, L->dk);
+        fw_tensor k = gdn_rows_view(&y2, 0, na, L->nkq * L->dk, L->nkq, L->dk);
+        fw_tensor v = gdn_rows_view(&y2, 0, na, 2 * L->nkq * L->dk, L->nv, L->dv);
         fw_tensor tg = L->kda ? fw_tensor_contiguous(ar, FW_F32, 3, (int64_t[]){na, L->nv, L->dk})
                               : fw_tensor_contiguous(ar, FW_F32, 2, (int64_t[]){na, L->nv});
         fw_tensor tb = fw_tensor_contiguous(br, FW_F32, 2, (int64_t[]){na, L->nv});
         fw_tensor o = fw_tensor_contiguous(orow, L->out->dtype, 3, (int64_t[]){na, L->nv, L->dv});
         fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rdv, wrv};
-        s = fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, L->gp);
+        s = fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, &L->gp);
         for (int64_t j = 0; j < na && !s; j++) { /* the out rows (out may be strided) */
             kt->to_f32(orow + j * nvdv * oes, L->out->dtype, 1, (int)nvdv, 1.0f, otmp);
             kt->from_f32(otmp, (int)nvdv, (char *)L->out->data + who[j] * L->out->stride[0] * oes, L->out->dtype,
@@ -285,13 +262,11 @@ static fw_status layer_windows(const layer_ctx *L, int64_t s0, int64_t s1)
     return s;
 }
 
-fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
-                       const fw_tensor *conv_weight, const fw_tensor *conv_bias,
-                       const fw_tensor *a_log, const fw_tensor *dt_bias,
-                       const fw_gdn_batch *batch, const fw_gdn_caches *caches,
-                       const fw_tensor *out, const fw_gdn_layer_params *params)
+fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                             const fw_tensor *conv_weight, const fw_tensor *conv_bias, const fw_tensor *a_log,
+                             const fw_tensor *dt_bias, const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                             const fw_tensor *out, const fw_gdn_layer_params *params, int ref)
 {
-    fw_clear_error();
     fw_status s;
     if (!batch || !caches || !params)
         return fw_fail(FW_ERR_NULL, "%s is NULL", !batch ? "batch" : !caches ? "caches" : "params");
@@ -303,7 +278,8 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
                        (long long)dv, FW_MAX_HEADS, FW_MAX_HEAD_DIM);
     if ((s = fw_check_tensor(qkv, "qkv", 2, FW_DT_IN)) || (s = fw_check_tensor(b, "b", 2, FW_DT_IN)) ||
         (s = fw_check_tensor(conv_weight, "conv_weight", 2, FW_DT_IN)) ||
-        (s = fw_check_tensor(a, "a", 2, FW_DT_IN)) || (s = fw_check_tensor(out, "out", 2, FW_DT_IN)))
+        (s = fw_check_tensor(a, "a", 2, FW_DT_IN)) ||
+        (s = fw_check_tensor(out, "out", 2, ref ? FW_DT_IN | 1u << FW_F64 : FW_DT_IN)))
         return s;
     /* a [T, n_v d_k]: KDA, a decay per key channel (d_k = 1 is GDN either way) */
     const int kda = dk > 1 && a->shape[1] == nv * dk;
@@ -398,10 +374,6 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
     cp.activation = FW_ACT_SILU;
     cp.threads = params->threads;
     cp.isa = params->isa;
-    const size_t es = fw_dtype_size(qkv->dtype);
-    void *cbuf = malloc((size_t)(fw_min64(used, LAYER_ROWS) * dim) * es + 1);
-    if (!s && !cbuf)
-        s = fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's %lld x %lld conv rows", (long long)used, (long long)dim);
     /* the core's parameters: the gates computed in its kernels from the raw a and b */
     fw_gdn_params gp;
     fw_gdn_params_init(&gp);
@@ -429,18 +401,40 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
     /* the gates of every row used (they do not depend on the conv): finite, or refused
      * before anything is written */
     if (!s) {
-        fw_tensor tg = kda ? rows_view(a, 0, used, 0, nv, dk) : rows2(a, 0, used), tb = rows2(b, 0, used);
+        fw_tensor tg = kda ? gdn_rows_view(a, 0, used, 0, nv, dk) : gdn_rows2(a, 0, used), tb = gdn_rows2(b, 0, used);
         s = fw_gdn_check_gates(&tg, &tb, nv, dk, &gp);
     }
     if (s) {
         free(ridx);
-        free(cbuf);
         return s;
+    }
+    *L = (gdn_layer_prob){qkv, conv_weight, conv_bias, out, a, b, qsl, ridx, wr, caches, NULL, cp, gp,
+                          nkq, nv, dk, dv, dim, slots, T, used, de, me, spec, kda, params->zero_tail};
+    return FW_OK;
+}
+
+fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                       const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                       const fw_tensor *a_log, const fw_tensor *dt_bias,
+                       const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                       const fw_tensor *out, const fw_gdn_layer_params *params)
+{
+    fw_clear_error();
+    gdn_layer_prob L;
+    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
+                                     params, 0);
+    if (s)
+        return s;
+    const int64_t used = L.used, de = L.de, me = L.me, spec = L.spec, dim = L.dim;
+    const int32_t *qsl = L.qsl;
+    L.cbuf = malloc((size_t)(fw_min64(used, LAYER_ROWS) * dim) * fw_dtype_size(qkv->dtype) + 1);
+    if (!L.cbuf) {
+        free((void *)L.ridx);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's %lld x %lld conv rows", (long long)used,
+                       (long long)dim);
     }
     /* windows of at most LAYER_ROWS rows: the conv writes a window's rows into cbuf and the
      * gated delta rule reads them there */
-    layer_ctx L = {qkv, conv_weight, conv_bias, out, a, b, qsl, ridx, wr, caches, cbuf, &cp, &gp,
-                   nkq, nv, dk, dv, dim, slots, kda};
     if (spec) { /* speculative windows, in groups of at most LAYER_ROWS rows */
         for (int64_t i = 0; i < de && !s;) {
             int64_t j = i + 1;
@@ -466,13 +460,9 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
         s = layer_window(&L, i, j, 0, -1, 0);
         i = j;
     }
-    if (!s && params->zero_tail)
-        for (int64_t t = used; t < T; t++) {
-            const float zero = 0.0f;
-            for (int64_t c = 0; c < nv * dv; c++)
-                fw_store_f64(out, t * out->stride[0] + c * out->stride[1], (double)zero);
-        }
-    free(ridx);
-    free(cbuf);
+    if (!s && L.zero_tail)
+        fw_gdn_layer_zero_tail(&L);
+    free((void *)L.ridx);
+    free(L.cbuf);
     return s;
 }

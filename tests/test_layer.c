@@ -1,0 +1,336 @@
+/*
+ * test_layer.c: the GDN / KDA serving layer (fw_gdn_layer) against its float64 reference
+ * (fw_gdn_layer_ref) on whole engine steps: decodes in place and from a prefix-cache slot, a
+ * new prefill, continued prefills shorter and longer than the layer's 256-row window, a
+ * skipped sequence and padding rows (zeroed); speculative windows with a read offset and a
+ * checkpoint per token; GDN and KDA gates; bf16 and f32 qkv; every table. Bars: f32 products
+ * within the fused step's absolute bar of the exact reference, bf16 products within 2x the
+ * error of the same-roundings reference; conv slots bit-equal to the reference's, unwritten
+ * slots untouched, the same bits on 1 and 3 threads. Bad input: refused by both, nothing
+ * written.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "internal.h"
+#include "test_util.h"
+
+enum { NKQ = 2, NV = 4, DK = 32, DV = 24, KW = 4, DIM = 2 * NKQ * DK + NV * DV, SLOTS = 16 };
+enum { SS = NV * DK * DV, RSTRIDE = SS + 8 }; /* recurrent slots padded, as engines page them */
+
+typedef struct {
+    fw_dtype dt;
+    int kda, spec;
+} lcase;
+
+/* One engine step's batch. */
+typedef struct {
+    int n, de, pe, me, spec, T;
+    int32_t qsl[8], sl[8], wr[8], rd[8], off[8];
+} lbatch;
+
+static const lbatch plain_step = {
+    /* decode in place, decode from a prefix slot, a new prefill, a prefill of 300 rows past
+     * 50, a short continued one, a skipped one; 4 padding rows */
+    6, 2, 5, 5, 0, 384,
+    {0, 1, 2, 72, 372, 377, 380},
+    {10, 5, 70, 350, 9, 3},
+    {3, 5, 6, 8, 9, 11},
+    {3, 4, 6, 7, 9, 11},
+    {0}};
+
+static const lbatch spec_step = {
+    /* windows of 4 tokens (read slot 1 + offset 1) and of 2 (a new sequence), then a prefill
+     * in place */
+    3, 2, 3, 3, 3, 30,
+    {0, 4, 6, 26},
+    {20, 2, 40},
+    {10, 14, 0},
+    {1, 9, 0},
+    {1, 0, 0}};
+
+typedef struct {
+    gbuf bqkv, ba, bb, bw, bbias, balog, bdt;
+    fw_tensor qkv, a, b, w, bias, alog, dt;
+    void *conv0;  /* the initial conv cache */
+    float *rec0;  /* the initial recurrent pool */
+    size_t conv_bytes;
+} linputs;
+
+static void make_layer_inputs(linputs *in, const lcase *c, int T, uint64_t seed)
+{
+    const size_t es = fw_dtype_size(c->dt);
+    const int64_t ga = c->kda ? NV * DK : NV;
+    in->bqkv = gbuf_new((size_t)(T * DIM) * es);
+    in->ba = gbuf_new((size_t)(T * ga) * 4);
+    in->bb = gbuf_new((size_t)(T * NV) * 4);
+    in->bw = gbuf_new((size_t)(DIM * KW) * 4);
+    in->bbias = gbuf_new((size_t)DIM * 4);
+    in->balog = gbuf_new((size_t)NV * 4);
+    in->bdt = gbuf_new((size_t)ga * 4);
+    in->qkv = fw_tensor_contiguous(in->bqkv.p, c->dt, 2, (int64_t[]){T, DIM});
+    in->a = fw_tensor_contiguous(in->ba.p, FW_F32, 2, (int64_t[]){T, ga});
+    in->b = fw_tensor_contiguous(in->bb.p, FW_F32, 2, (int64_t[]){T, NV});
+    in->w = fw_tensor_contiguous(in->bw.p, FW_F32, 2, (int64_t[]){DIM, KW});
+    in->bias = fw_tensor_contiguous(in->bbias.p, FW_F32, 1, (int64_t[]){DIM});
+    in->alog = fw_tensor_contiguous(in->balog.p, FW_F32, 1, (int64_t[]){NV});
+    in->dt = fw_tensor_contiguous(in->bdt.p, FW_F32, 1, (int64_t[]){ga});
+    rng_seed(seed);
+    tfill_normal(&in->qkv, 1.0);
+    tfill_normal(&in->a, 1.0);
+    tfill_normal(&in->b, 1.0);
+    tfill_normal(&in->w, 0.5);
+    tfill_normal(&in->bias, 0.1);
+    tfill_normal(&in->dt, 0.5);
+    for (int i = 0; i < NV; i++) /* A = exp(a_log) in [0.5, 8] */
+        ((float *)in->alog.data)[i] = (float)log(0.5 + 7.5 * rng_uniform());
+    in->conv_bytes = (size_t)(SLOTS * (KW - 1) * DIM) * es;
+    in->conv0 = malloc(in->conv_bytes);
+    fw_tensor cv = fw_tensor_contiguous(in->conv0, c->dt, 3, (int64_t[]){SLOTS, KW - 1, DIM});
+    tfill_normal(&cv, 1.0);
+    in->rec0 = malloc(sizeof(float) * SLOTS * RSTRIDE);
+    for (int i = 0; i < SLOTS * RSTRIDE; i++)
+        in->rec0[i] = (float)(0.1 * rng_normal());
+}
+
+static void free_layer_inputs(linputs *in)
+{
+    gbuf_free(&in->bqkv); gbuf_free(&in->ba); gbuf_free(&in->bb); gbuf_free(&in->bw);
+    gbuf_free(&in->bbias); gbuf_free(&in->balog); gbuf_free(&in->bdt);
+    free(in->conv0);
+    free(in->rec0);
+}
+
+/* Caches of one run, started from the inputs' initial ones. */
+typedef struct {
+    void *conv;
+    float *rec;
+    fw_gdn_caches c;
+} lcaches;
+
+static void caches_new(lcaches *k, const linputs *in, fw_dtype dt)
+{
+    k->conv = malloc(in->conv_bytes);
+    k->rec = malloc(sizeof(float) * SLOTS * RSTRIDE);
+    memcpy(k->conv, in->conv0, in->conv_bytes);
+    memcpy(k->rec, in->rec0, sizeof(float) * SLOTS * RSTRIDE);
+    k->c.conv = fw_tensor_contiguous(k->conv, dt, 3, (int64_t[]){SLOTS, KW - 1, DIM});
+    k->c.recurrent = k->rec;
+    k->c.recurrent_stride = RSTRIDE;
+}
+
+static void caches_free(lcaches *k)
+{
+    free(k->conv);
+    free(k->rec);
+}
+
+static fw_gdn_batch batch_of(const lbatch *s)
+{
+    fw_gdn_batch b;
+    memset(&b, 0, sizeof b);
+    b.n_seqs = s->n;
+    b.query_start_loc = s->qsl;
+    b.seq_lens = s->sl;
+    b.state_indices = s->wr;
+    b.read_state_indices = s->rd;
+    b.decode_end = s->de;
+    b.prefill_end = s->pe;
+    b.mixed_end = s->me;
+    b.num_spec_tokens = s->spec;
+    b.read_offsets = s->spec ? s->off : NULL;
+    return b;
+}
+
+static fw_gdn_layer_params lparams(const lcase *c, int precision, const char *isa, int threads)
+{
+    fw_gdn_layer_params p;
+    fw_gdn_layer_params_init(&p);
+    p.n_kq = NKQ;
+    p.n_v = NV;
+    p.d_k = DK;
+    p.d_v = DV;
+    p.zero_tail = 1;
+    p.precision = precision;
+    p.isa = isa;
+    p.threads = threads;
+    p.lower_bound = c->kda ? -5.0f : 0.0f; /* KDA with fla's safe gate, GDN with the softplus one */
+    return p;
+}
+
+static fw_status run_layer(int ref, const linputs *in, const lbatch *s, lcaches *k, const fw_tensor *out,
+                           const fw_gdn_layer_params *p)
+{
+    const fw_gdn_batch b = batch_of(s);
+    return (ref ? fw_gdn_layer_ref : fw_gdn_layer)(&in->qkv, &in->b, &in->a, &in->w, &in->bias, &in->alog, &in->dt,
+                                                    &b, &k->c, out, p);
+}
+
+static double max_diff(const double *x, const double *y, int64_t n)
+{
+    double e = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double d = fabs(x[i] - y[i]);
+        if (!(d <= e))
+            e = isnan(d) ? INFINITY : d;
+    }
+    return e;
+}
+
+static void state_to_double(const float *rec, double *dst)
+{
+    for (int64_t i = 0; i < SLOTS * RSTRIDE; i++)
+        dst[i] = rec[i];
+}
+
+static void layer_case(const lcase *c, uint64_t seed)
+{
+    const lbatch *s = c->spec ? &spec_step : &plain_step;
+    case_begin("layer %s %s qkv, %s", c->kda ? "kda" : "gdn", fw_dtype_name(c->dt),
+               c->spec ? "speculative windows" : "decodes + prefills + a skipped sequence");
+    linputs in;
+    make_layer_inputs(&in, c, s->T, seed);
+    const int64_t no = (int64_t)s->T * NV * DV, ns = (int64_t)SLOTS * RSTRIDE;
+    double *ro = malloc(sizeof(double) * (size_t)no), *so = malloc(sizeof(double) * (size_t)no);
+    double *got = malloc(sizeof(double) * (size_t)no), *rs = malloc(sizeof(double) * (size_t)ns);
+    double *ss = malloc(sizeof(double) * (size_t)ns), *ks = malloc(sizeof(double) * (size_t)ns);
+    const int64_t os[2] = {s->T, NV * DV};
+    /* the exact reference, and the same-roundings one of bf16 products */
+    lcaches cr, cs;
+    caches_new(&cr, &in, c->dt);
+    caches_new(&cs, &in, c->dt);
+    fw_gdn_layer_params p = lparams(c, FW_PREC_F32, NULL, 0);
+    fw_tensor tro = fw_tensor_contiguous(ro, FW_F64, 2, os), tso = fw_tensor_contiguous(so, FW_F64, 2, os);
+    fw_status st = run_layer(1, &in, s, &cr, &tro, &p);
+    case_check(st == FW_OK, "reference: %s", fw_last_error());
+    p.precision = FW_PREC_BF16;
+    st = run_layer(1, &in, s, &cs, &tso, &p);
+    case_check(st == FW_OK, "same-roundings reference: %s", fw_last_error());
+    for (int64_t i = 0; i < no; i++)
+        so[i] = round_to(c->dt, so[i]);
+    state_to_double(cr.rec, rs);
+    state_to_double(cs.rec, ss);
+    const double eosr = max_diff(so, ro, no), essr = max_diff(ss, rs, ns);
+    double big = 0;
+    for (int64_t i = 0; i < no; i++)
+        big = fmax(big, fabs(ro[i]));
+    const double bar = (c->dt == FW_F32 ? 1e-4 : 2 * 0x1p-8) * (1 + big);
+    /* slots the step writes: the rest must keep their bits */
+    int written[SLOTS] = {0};
+    for (int i = 0; i < s->me; i++)
+        for (int t = 0; t < (i < s->de && s->spec ? s->qsl[i + 1] - s->qsl[i] : 1); t++)
+            written[s->wr[i] + t] = 1;
+    gbuf ob = gbuf_new((size_t)no * fw_dtype_size(c->dt));
+    fw_tensor to = fw_tensor_contiguous(ob.p, c->dt, 2, os);
+    unsigned char *first = malloc(ob.bytes);
+    for (int it = 0; it < fw_isa_count(); it++) {
+        const char *isa = fw_isa_name(it);
+        if (!fw_isa_supported(isa))
+            continue;
+        for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
+            if (prec == FW_PREC_BF16 && c->kda) /* KDA runs f32 products whatever it is asked */
+                continue;
+            lcaches ck;
+            caches_new(&ck, &in, c->dt);
+            p = lparams(c, prec, isa, 3);
+            memset(ob.p, 0xA5, ob.bytes);
+            st = run_layer(0, &in, s, &ck, &to, &p);
+            case_check(st == FW_OK, "[%s prec %d] %s", isa, prec, fw_last_error());
+            case_check(gbuf_guards_ok(&ob), "[%s prec %d] out guards", isa, prec);
+            for (int64_t i = 0; i < no; i++) {
+                int64_t idx[2] = {i / (NV * DV), i % (NV * DV)};
+                got[i] = tget(&to, idx);
+            }
+            state_to_double(ck.rec, ks);
+            const double eo = max_diff(got, ro, no), es = max_diff(ks, rs, ns);
+            if (prec == FW_PREC_F32) {
+                case_check(eo <= bar, "[%s] out error %.3g > %.3g", isa, eo, bar);
+                case_check(es <= bar, "[%s] state error %.3g > %.3g", isa, es, bar);
+            } else {
+                case_check(eo <= 2 * eosr + 1e-5, "[%s bf16] out error %.3g > 2 x same-roundings %.3g + 1e-5", isa,
+                           eo, eosr);
+                case_check(es <= 2 * essr + 1e-5, "[%s bf16] state error %.3g > 2 x same-roundings %.3g + 1e-5",
+                           isa, es, essr);
+            }
+            case_check(memcmp(ck.conv, cr.conv, in.conv_bytes) == 0, "[%s prec %d] conv slots differ from the "
+                       "reference's", isa, prec);
+            for (int sl = 0; sl < SLOTS; sl++)
+                case_check(written[sl] || memcmp(ck.rec + sl * RSTRIDE, in.rec0 + sl * RSTRIDE,
+                                                  sizeof(float) * RSTRIDE) == 0,
+                           "[%s prec %d] slot %d is written by no sequence but changed", isa, prec, sl);
+            for (int sl = 0; sl < SLOTS; sl++)
+                case_check(memcmp(ck.rec + sl * RSTRIDE + SS, in.rec0 + sl * RSTRIDE + SS, 8 * sizeof(float)) == 0,
+                           "[%s prec %d] slot %d's padding changed", isa, prec, sl);
+            /* the same bits on one thread */
+            memcpy(first, ob.p, ob.bytes);
+            lcaches c1;
+            caches_new(&c1, &in, c->dt);
+            p.threads = 1;
+            st = run_layer(0, &in, s, &c1, &to, &p);
+            case_check(st == FW_OK && memcmp(first, ob.p, ob.bytes) == 0 &&
+                           memcmp(c1.rec, ck.rec, sizeof(float) * SLOTS * RSTRIDE) == 0,
+                       "[%s prec %d] 1 and 3 threads differ", isa, prec);
+            caches_free(&c1);
+            caches_free(&ck);
+        }
+    }
+    free(first); free(ro); free(so); free(got); free(rs); free(ss); free(ks);
+    gbuf_free(&ob);
+    caches_free(&cr);
+    caches_free(&cs);
+    free_layer_inputs(&in);
+    case_end();
+}
+
+static void test_layer_reference(void)
+{
+    static const lcase cases[] = {
+        {FW_F32, 0, 0}, {FW_BF16, 0, 0}, {FW_F32, 1, 0}, {FW_BF16, 1, 0},
+        {FW_F32, 0, 1}, {FW_BF16, 0, 1}, {FW_BF16, 1, 1}};
+    for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++)
+        layer_case(&cases[i], 300 + (uint64_t)i);
+}
+
+/* Two sequences writing one slot, and rows past qkv: both the layer and its reference refuse
+ * with the same status, and neither writes out or a cache. */
+static void test_layer_reference_bad_input(void)
+{
+    const lcase c = {FW_F32, 0, 0};
+    case_begin("layer and reference refuse the same bad input");
+    linputs in;
+    make_layer_inputs(&in, &c, plain_step.T, 320);
+    lbatch dup = plain_step, past = plain_step;
+    dup.wr[4] = dup.wr[2];
+    past.me = past.n = 6;
+    past.qsl[6] = past.T + 1;
+    const lbatch *bad[2] = {&dup, &past};
+    static const fw_status want[2] = {FW_ERR_INDEX, FW_ERR_SEQLENS};
+    gbuf ob = gbuf_new((size_t)plain_step.T * NV * DV * 8);
+    for (int k = 0; k < 2; k++)
+        for (int ref = 0; ref < 2; ref++) {
+            lcaches ck;
+            caches_new(&ck, &in, c.dt);
+            fw_gdn_layer_params p = lparams(&c, FW_PREC_F32, NULL, 2);
+            fw_tensor to = fw_tensor_contiguous(ob.p, ref ? FW_F64 : FW_F32, 2, (int64_t[]){plain_step.T, NV * DV});
+            memset(ob.p, 0xA5, ob.bytes);
+            const fw_status st = run_layer(ref, &in, bad[k], &ck, &to, &p);
+            case_check(st == want[k], "[%s case %d] status %d, want %d (%s)", ref ? "reference" : "layer", k,
+                       (int)st, (int)want[k], fw_last_error());
+            size_t wrote = 0;
+            for (size_t i = 0; i < ob.bytes; i++)
+                wrote += ((unsigned char *)ob.p)[i] != 0xA5;
+            case_check(wrote == 0 && gbuf_guards_ok(&ob), "[%s case %d] out written", ref ? "reference" : "layer", k);
+            case_check(memcmp(ck.conv, in.conv0, in.conv_bytes) == 0 &&
+                           memcmp(ck.rec, in.rec0, sizeof(float) * SLOTS * RSTRIDE) == 0,
+                       "[%s case %d] a cache written", ref ? "reference" : "layer", k);
+            caches_free(&ck);
+        }
+    gbuf_free(&ob);
+    free_layer_inputs(&in);
+    case_end();
+}
+
+const test_suite layer_suites[] = {
+    {"layer.reference", test_layer_reference},
+    {"layer.reference_bad_input", test_layer_reference_bad_input},
+    {NULL, NULL}};
