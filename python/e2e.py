@@ -113,15 +113,21 @@ class Timers:
             self.recording = False
 
     def alone(self, reps):
-        """Median seconds of each recorded call replayed `reps` times back to back."""
+        """Median seconds of each recorded call replayed `reps` times: back to back (hot), and
+        each after writing 64 MiB elsewhere (cold: its data out of this machine's caches, as
+        an engine step's other layers leave it): {kind: (hot, cold)}."""
+        evict = torch.zeros(16 << 20)
         out = {}
         for kind, (fn, a, k) in self.calls.items():
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn(*a, **k)
-                ts.append(time.perf_counter() - t0)
-            out[kind] = statistics.median(ts)
+            ts = {True: [], False: []}
+            for cold in (False, True):
+                for _ in range(reps):
+                    if cold:
+                        evict.add_(1.0)
+                    t0 = time.perf_counter()
+                    fn(*a, **k)
+                    ts[cold].append(time.perf_counter() - t0)
+            out[kind] = (statistics.median(ts[False]), statistics.median(ts[True]))
         self.calls = {}
         return out
 
@@ -290,15 +296,18 @@ def step_lines(rows, by):
         (pin, din), (palone, dalone) = r["step"]
         base = by[(r["dtype"], r["T"], "default")]
         out += [f"Inside the engine step, {r['dtype']}, prompt {r['T']} (flywheel's kernels per "
-                f"call: inside the model / the same call alone, median of replays):\n",
-                "| kernel | prefill: in model | alone | ratio | decode: in model | alone | ratio |",
+                f"call: inside the model / the same call alone, hot and cold, median of "
+                f"replays):\n",
+                "| kernel | prefill: in model | alone hot / cold | ratio to hot / cold | "
+                "decode: in model | alone hot / cold | ratio to hot / cold |",
                 "|---|---|---|---|---|---|---|"]
         for kind in ("attention", "GDN kernel", "conv"):
             cells = []
             for inm, alone in ((pin, palone), (din, dalone)):
                 if kind in inm and kind in alone:
-                    cells += [f"{inm[kind] * 1e3:.3f} ms", f"{alone[kind] * 1e3:.3f} ms",
-                              f"{inm[kind] / alone[kind]:.2f}x"]
+                    hot, cold = alone[kind]
+                    cells += [f"{inm[kind] * 1e3:.3f} ms", f"{hot * 1e3:.3f} / {cold * 1e3:.3f} ms",
+                              f"{inm[kind] / hot:.2f}x / {inm[kind] / cold:.2f}x"]
                 else:
                     cells += ["-"] * 3
             out.append(f"| {kind} | " + " | ".join(cells) + " |")
