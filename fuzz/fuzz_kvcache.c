@@ -2,10 +2,10 @@
  * fuzz_kvcache.c: libFuzzer harness of the KV-cache call (fw_attn_kvcache_fwd).
  * The problem: a ragged batch (decode, multi-token decode, chunked prefill; mostly short
  * contexts, sometimes past a 512-key split), with or without new rows to append, a contiguous
- * cache or a paged one (page size 8..64, a block table with spare columns, a row stride,
+ * cache or a paged one (page size 8..64 or 1..72, a block table with spare columns, a row stride,
  * read-only prefix pages shared between sequences), layouts and dtypes as in fuzz_util.h, and
  * broken on purpose now and then: a page index out of range, a page two sequences write, a
- * negative or too-long length, a page size that is not a power of two, a short block table,
+ * negative or too-long length, a page size of 0 or past 65536, a short block table,
  * offsets that do not add up, NULL lengths, an aliased cache that would be written.
  * Checks (beyond fuzz_util.h's): the reference and the kernel accept the same problems; on
  * FW_OK every cache byte is what it was except the appended rows, which hold k_new / v_new.
@@ -64,7 +64,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int64_t hkv = 1 + fz_range(&in, 0, 2), G = 1 + fz_range(&in, 0, 3), hq = hkv * G;
     int64_t d = 1 + fz_size(&in, 15, 140), dv = fz_chance(&in, 160) ? d : 1 + fz_size(&in, 15, 140);
     const int append = !fz_chance(&in, 64), paged = fz_chance(&in, 128);
-    int64_t batch = fz_size(&in, 4, MAXB), ps = paged ? (int64_t)8 << fz_range(&in, 0, 3) : 0;
+    /* pages of a power of two, or of any size (vLLM's hybrid models use 1152) */
+    int64_t batch = fz_size(&in, 4, MAXB);
+    int64_t ps = !paged ? 0 : fz_chance(&in, 128) ? (int64_t)8 << fz_range(&in, 0, 3) : 1 + fz_range(&in, 0, 71);
     int bad = 0;
     int32_t cuq[MAXB + 1] = {0}, seqlens[MAXB] = {0};
     int64_t maxlen = 0;
@@ -156,8 +158,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 bt[i * bts + (len - 1) / ps] = bt[j * bts + (lj - 1) / ps];
                 bad = 1;
             }
-        } else if (what == 4 && paged) { /* a page size that is not a power of two, or too large */
-            cache.k.shape[1] = cache.v.shape[1] = fz_chance(&in, 128) ? ps + 1 : 2048;
+        } else if (what == 4 && paged) { /* a page size past the largest, or 0 */
+            cache.k.shape[1] = cache.v.shape[1] = fz_chance(&in, 128) ? 65537 : 0;
             bad = 1;
         } else if (what == 5 && paged) { /* a block table too narrow, or its stride too short */
             if (fz_chance(&in, 128))

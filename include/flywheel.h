@@ -305,7 +305,8 @@ FW_API fw_status fw_attn_varlen_bwd_ref(const fw_tensor *q, const fw_tensor *k, 
  *   paged: k [num_pages, page_size, hkv, d], v [num_pages, page_size, hkv, dv];
  *       block_table [b, max_pages] int32 (row stride block_table_stride, 0 = max_pages):
  *       token t of sequence i lives in page block_table[i][t / page_size] at row
- *       t % page_size. page_size is a power of two from 8 to 1024.
+ *       t % page_size. page_size is any from 1 to 65536 (a power of two is addressed with a
+ *       shift; others, such as vLLM's 1152-token blocks of hybrid models, with a division).
  * seqlens[i] (int32) is the number of tokens sequence i already holds. k and v share a dtype
  * (f32, bf16 or f16). The library never changes seqlens: after an append of n tokens the
  * caller adds n, as with flash-attn's cache_seqlens.

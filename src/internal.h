@@ -12,8 +12,7 @@
 #define FW_MAX_HEAD_DIM 1024 /* head dims d, dv, dk: 1 .. FW_MAX_HEAD_DIM */
 #define FW_MAX_HEADS 65536   /* query heads (attention), value heads (Gated DeltaNet) */
 #define FW_MAX_THREADS 256   /* threads: 0 (all CPUs) .. this; also caps the pool (threads.c) */
-#define FW_MIN_PAGE_SIZE 8   /* KV-cache page size: a power of two in this range */
-#define FW_MAX_PAGE_SIZE 1024
+#define FW_MAX_PAGE_SIZE 65536 /* KV-cache page size: any from 1 to this (vLLM's hybrid models: 1152) */
 
 /* The input dtypes the drivers take (a mask of 1 << fw_dtype, for fw_check_tensor). */
 #define FW_DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))

@@ -35,8 +35,8 @@ static void addressing_of(const fw_kv_cache *c, fw_attn_prob *p)
     memset(p, 0, sizeof *p);
     p->bt = c->block_table;
     p->bt_stride = c->max_pages;
-    while (p->bt && ((int64_t)1 << p->page_shift) < c->k.shape[1])
-        p->page_shift++;
+    p->page = c->k.shape[1];
+    p->page_shift = -1; /* the general addressing: the library's shift must agree with it */
     p->kpage = p->kb = c->k.stride[0];
     p->vpage = p->vb = c->v.stride[0];
     for (int i = 0; i < 3; i++) {
@@ -319,7 +319,7 @@ static void sweep_kvcache(void)
      * a sequence with no new token, and an empty one */
     static const int32_t old_mix[] = {700, 37, 1500, 0, 64, 0, 250};
     static const int32_t new_mix[] = {1, 4, 150, 90, 0, 0, 8};
-    static const int64_t pages[] = {8, 16, 64, 128, 1024, 32, 256};
+    static const int64_t pages[] = {8, 24, 64, 1152, 1024, 3, 256}; /* 24, 1152, 3: not powers of two */
     static const int64_t R[][2] = {{8, 2}, {4, 1}, {6, 2}, {7, 7}, {16, 1}, {32, 8}, {1, 1}};
     for (int i = 0; i < 7; i++) {
         if (quick_mode() && i >= 5)
@@ -374,7 +374,7 @@ static void test_kvcache_bad_input(void)
         {"page index out of range", FW_ERR_INDEX, 0}, {"negative page index", FW_ERR_INDEX, 1},
         {"context overflows its pages", FW_ERR_SEQLENS, 2}, {"negative seqlens", FW_ERR_SEQLENS, 3},
         {"heads mismatch", FW_ERR_SHAPE, 4}, {"page written by two sequences", FW_ERR_INDEX, 5},
-        {"page size not a power of two", FW_ERR_SHAPE, 6}, {"k_new without v_new", FW_ERR_NULL, 7},
+        {"page size past 65536", FW_ERR_SHAPE, 6}, {"k_new without v_new", FW_ERR_NULL, 7},
         {"k_new dtype differs from the cache", FW_ERR_DTYPE, 8}, {"null block table row count", FW_ERR_ARG, 9},
         {"null seqlens", FW_ERR_NULL, 10}, {"null cache", FW_ERR_NULL, 11},
         {"cu_seqlens_q does not end at total_q", FW_ERR_SEQLENS, 12}, {"head dim mismatch", FW_ERR_SHAPE, 13},
@@ -396,10 +396,10 @@ static void test_kvcache_bad_input(void)
         case 3: sl[1] = -2; break;
         case 4: q2.shape[1] = 3; break;
         case 5: bt[c.max_pages] = bt[2]; break; /* seq 1's page 0 is seq 0's page 2 (written: tokens 20-21) */
-        case 6: /* a consistent [pages, 12, hkv, d] view */
-            c.k.shape[1] = c.v.shape[1] = 12;
-            c.k.stride[0] = 12 * c.k.stride[1];
-            c.v.stride[0] = 12 * c.v.stride[1];
+        case 6: /* a consistent [pages, 65537, hkv, d] view: pages past the largest */
+            c.k.shape[1] = c.v.shape[1] = 65537;
+            c.k.stride[0] = 65537 * c.k.stride[1];
+            c.v.stride[0] = 65537 * c.v.stride[1];
             break;
         case 7: pv = NULL; break;
         case 8: kn2.dtype = FW_BF16; pk = &kn2; break;

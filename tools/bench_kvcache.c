@@ -214,7 +214,7 @@ int bench_kvcache_main(int argc, char **argv)
         else if (OPT("--hq")) c.hq = INT("--hq", 1, 65536);
         else if (OPT("--hkv")) c.hkv = INT("--hkv", 1, 65536);
         else if (OPT("--d")) c.d = INT("--d", 1, 1024);
-        else if (OPT("--page")) c.page = INT("--page", 0, 1024);
+        else if (OPT("--page")) c.page = INT("--page", 0, 65536);
         else if (OPT("--threads")) c.threads = (int)INT("--threads", 0, 256), c.threads = c.threads ? c.threads : bench_cpus();
         else if (OPT("--reps")) c.reps = (int)INT("--reps", 1, 100000);
         else if (OPT("--isa")) c.isa = argv[i];

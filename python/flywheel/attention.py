@@ -291,7 +291,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     q [b, sq, hq, d] (sq = 1 is decode; more is chunked prefill or speculative decode).
     k_cache/v_cache: contiguous [b, S, hkv, d|dv], or paged [num_blocks, page_size, hkv, d|dv]
-    with block_table [b, max_pages] int32 (page_size a power of two from 8 to 1024).
+    with block_table [b, max_pages] int32 (page_size any from 1 to 65536: vLLM's 1152-token
+    blocks of hybrid models too).
     cache_seqlens: int or [b] ints, the tokens each sequence already holds (required).
     k, v [b, sq, hkv, d|dv] (optional): new tokens, written **in place** into the caches at
     positions cache_seqlens[i] .. before attending; then the context is cache_seqlens[i] + sq.

@@ -32,8 +32,8 @@ token-major layouts; these take the original package's:
 The merged paged cache is [num_pages, page_size, 2 * hkv, d]: row 2h of a token is K head h,
 row 2h + 1 is V head h ([k0, v0, k1, v1, ...]). flywheel reads it through two strided views
 (kv[:, :, 0::2] and kv[:, :, 1::2]), so appends write into the caller's array in place. Any
-page_size whose largest power-of-two factor is at least 8 works (pages of more than 1024
-tokens or of a size that is not a power of two are split into flywheel pages of up to 1024).
+page_size works (pages of more than 65536 tokens are split into flywheel pages of a divisor of
+it, up to 65536).
 
 Masks as in the original (and flash-attn): causal and window_size are aligned bottom-right,
 query i of a sequence sees key j iff i + sk - sq - left <= j <= i + sk - sq + right (a side
@@ -93,8 +93,8 @@ def _replay_refused(name):
 fused_conv1d_gdn_replay = _replay_refused("fused_conv1d_gdn_replay")
 fused_conv1d_kda_replay = _replay_refused("fused_conv1d_kda_replay")
 
-# flywheel's paged cache: page sizes are powers of two in [_MIN_PAGE, _MAX_PAGE]
-_MIN_PAGE, _MAX_PAGE = 8, 1024
+# flywheel's paged cache: any page size up to _MAX_PAGE
+_MAX_PAGE = 65536
 
 
 # ------------------------------------------------------------------ array families --
@@ -320,16 +320,11 @@ def _check_qkv(q, k, v, batch_axes, head_axis):
 # ----------------------------------------------------------------------- paged caches --
 
 def _split_factor(page):
-    """How many flywheel pages one page of `page` tokens becomes: flywheel pages are the
-    largest power of two that divides `page`, at most 1024."""
+    """How many flywheel pages one page of `page` tokens becomes: 1 up to 65536 tokens, else
+    the fewest that divide it into pages of at most 65536."""
     if page <= 0:
         raise ValueError(f"page_size must be positive; got {page}")
-    p = min(page & -page, _MAX_PAGE)
-    if p < _MIN_PAGE:
-        raise NotImplementedError(
-            f"page_size {page}: flywheel's paged cache needs pages that split into pages of "
-            f"a power of two from {_MIN_PAGE} to {_MAX_PAGE} tokens")
-    return page // p
+    return next(r for r in range(1, page + 1) if page % r == 0 and page // r <= _MAX_PAGE)
 
 
 def _split_pages(x, r, name):

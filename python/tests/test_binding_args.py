@@ -147,8 +147,8 @@ def test_kvcache_block_table_without_columns_is_not_a_contiguous_cache():
     assert e.value.status == "FW_ERR_ARG"
     # no sequences: still a paged cache, whose page size is checked
     with pytest.raises(FlywheelError, match="page_size"):
-        flywheel.flash_attn_with_kvcache(q[:0], np.zeros((2, 4, 2, 8), np.float32),
-                                         np.zeros((2, 4, 2, 8), np.float32),
+        flywheel.flash_attn_with_kvcache(q[:0], np.zeros((2, 0, 2, 8), np.float32),
+                                         np.zeros((2, 0, 2, 8), np.float32),
                                          cache_seqlens=np.zeros(0, np.int32),
                                          block_table=np.zeros((0, 1), np.int32))
 

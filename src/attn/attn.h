@@ -23,7 +23,7 @@ typedef struct fw_attn_prob {
     /* KV-cache calls: keys come from the cache, through the block table when paged */
     int kvcache, append;
     const int32_t *bt;                  /* block table, NULL when the cache is contiguous */
-    int64_t bt_stride, page_shift;      /* page_size = 1 << page_shift */
+    int64_t bt_stride, page, page_shift; /* page_size rows; page_shift: its log2 when a power of two, else -1 */
     int64_t kpage, vpage;               /* page strides of K and V (elements) */
     const int32_t *cache_len;           /* tokens cached before the call */
     const fw_tensor *knew, *vnew;       /* new rows (the reference reads them from here) */
@@ -60,8 +60,10 @@ static inline int64_t fw_attn_key(const fw_attn_prob *p, const fw_attn_seq *s, i
     const int64_t tok = v ? p->vs[0] : p->ks[0];
     if (!p->bt)
         return (v ? s->v0 : s->k0) + j * tok;
-    const int64_t page = p->bt[s->index * p->bt_stride + (j >> p->page_shift)];
-    return page * (v ? p->vpage : p->kpage) + (j & (((int64_t)1 << p->page_shift) - 1)) * tok;
+    /* a shift and a mask for a power of two (the branch goes one way for a whole call) */
+    const int64_t pg = p->page_shift >= 0 ? j >> p->page_shift : j / p->page;
+    const int64_t page = p->bt[s->index * p->bt_stride + pg];
+    return page * (v ? p->vpage : p->kpage) + (j - pg * p->page) * tok;
 }
 
 /* Keys query row r of a sequence sees: [*lo, *hi), empty when hi <= lo. */

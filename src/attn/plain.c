@@ -39,7 +39,7 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
             lo = hi;
         /* runs of keys with a constant row stride: all of them, or one page at a time */
         for (int64_t j = lo; j < hi;) {
-            const int64_t e = p->bt ? fw_min64(hi, ((j >> p->page_shift) + 1) << p->page_shift) : hi;
+            const int64_t e = p->bt ? fw_min64(hi, (j / p->page + 1) * p->page) : hi;
             kt->plain_row(qrow, d, dv, p->k->dtype, fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]),
                           p->ks[0], p->ks[2], fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]),
                           p->vs[0], p->vs[2], e - j, c->cap2, acc, &m, &l, scratch);

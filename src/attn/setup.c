@@ -364,11 +364,13 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
     const int64_t num_pages = kc->shape[0], rows = kc->shape[1];
     int64_t shift = 0, bts = 0;
     if (paged) {
-        while (((int64_t)1 << shift) < fw_min64(rows, FW_MAX_PAGE_SIZE))
+        if (rows < 1 || rows > FW_MAX_PAGE_SIZE)
+            return fw_fail(FW_ERR_SHAPE, "page_size (cache.k dimension 1) is %lld; it must be 1 to %d",
+                           (long long)rows, FW_MAX_PAGE_SIZE);
+        while (((int64_t)1 << shift) < rows)
             shift++;
-        if (rows < FW_MIN_PAGE_SIZE || rows > FW_MAX_PAGE_SIZE || ((int64_t)1 << shift) != rows)
-            return fw_fail(FW_ERR_SHAPE, "page_size (cache.k dimension 1) is %lld; it must be a power of "
-                           "two from %d to %d", (long long)rows, FW_MIN_PAGE_SIZE, FW_MAX_PAGE_SIZE);
+        if (((int64_t)1 << shift) != rows)
+            shift = -1;
         bts = cache->block_table_stride ? cache->block_table_stride : cache->max_pages;
         if (cache->max_pages < 1 || bts < cache->max_pages)
             return fw_fail(FW_ERR_ARG, "block table: max_pages %lld must be >= 1 and its row stride %lld "
@@ -393,7 +395,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
                 s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld cache rows but the cache holds %lld",
                             (long long)i, (long long)len, (long long)rows);
         } else {
-            const int64_t pages = (len + rows - 1) >> shift;
+            const int64_t pages = (len + rows - 1) / rows;
             if (pages > cache->max_pages)
                 s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld pages for %lld tokens but the block "
                             "table has %lld columns", (long long)i, (long long)pages, (long long)len,
@@ -403,7 +405,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
                 if (e < 0 || e >= num_pages)
                     s = fw_fail(FW_ERR_INDEX, "block_table[%lld][%lld] = %d is not a page of the cache "
                                 "(0..%lld)", (long long)i, (long long)pg, (int)e, (long long)num_pages - 1);
-                else if (written && n > 0 && pg >= (old >> shift)) {
+                else if (written && n > 0 && pg >= old / rows) {
                     if (written[e])
                         s = fw_fail(FW_ERR_INDEX, "page %d is written by two sequences (the second is %lld)",
                                     (int)e, (long long)i);
@@ -427,7 +429,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
     }
     p->kb = kc->stride[0]; p->vb = vc->stride[0];
     if (paged) {
-        p->bt = cache->block_table; p->bt_stride = bts; p->page_shift = shift;
+        p->bt = cache->block_table; p->bt_stride = bts; p->page = rows; p->page_shift = shift;
         p->kpage = kc->stride[0]; p->vpage = vc->stride[0];
     }
     p->cache_len = cache->seqlens;
