@@ -95,10 +95,11 @@ typedef struct fw_kernels {
     /* Decode kernels (keys along the lanes; layouts in attn_kern.h). pack_kt converts nk <= 64
      * key rows (rows[j] points at key j, head applied; kdim = stride within a row) into
      * Kt[d][FW_DEC_KEYS], transposed, zero past nk (every column is written, so any table's
-     * dec_qk reads it, whatever its vector length). dec_pv reads value rows in place
+     * dec_qk reads it, whatever its vector length; dec_qk reads row k of Kt at Kt + k ldk, and
+ * every key of the vectors holding the nk keys). dec_pv reads value rows in place
      * (contiguous rows of dtype dt). */
     void (*pack_kt)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt);
-    void (*dec_qk)(int R, int nk, int d, const float *Q, const float *Kt, float *S);
+    void (*dec_qk)(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk, float *S);
     void (*dec_softmax)(int R, int nk, float *S, const float *lo, const float *hi, float *m,
                         float *l, float *O, int dv);
     void (*dec_pv)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
@@ -108,6 +109,11 @@ typedef struct fw_kernels {
      * rounds P to bf16 pairs in PW [R][FW_DEC_KEYS / 2] and adds P V to O. */
     void (*pack_kt_bf16)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d,
                          uint32_t *KtW);
+    /* The same two panels (Kt, KtW) from keys stored transposed: key j of channel x at
+     * element x * ld + j of src (vLLM's CPU cache keeps each block's keys so), dtype dt; zero
+     * past nk. */
+    void (*pack_kt_cols)(const void *src, fw_dtype dt, int64_t ld, int nk, int d, float *Kt);
+    void (*pack_kt_cols_bf16)(const void *src, fw_dtype dt, int64_t ld, int nk, int d, uint32_t *KtW);
     /* Bytes of a bf16 operand panel in this table's layout, `red` reduction elements (a head
      * dim, or keys) by `cols` (the other operand's rows): ceil(red / 2) x cols words in the
      * pair layout. The workspace plans ask the table, so a table with padded tiles (AMX: 16
@@ -191,7 +197,7 @@ typedef struct fw_kernels {
  * packers write every column they hand on). The assertion keeps the list whole. */
 #define FW_KERNEL_ENTRIES(X)                                                                     \
     X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs)      \
-    X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16)          \
+    X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16) X(pack_kt_cols) X(pack_kt_cols_bf16)          \
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \

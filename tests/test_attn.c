@@ -1031,9 +1031,33 @@ static void test_micro_kernels(void)
                     }
                 case_check(same, "pack_kt %s nk %d d %d kdim %lld is not the transpose", dtn((fw_dtype)dt), nk, d,
                            (long long)kdim);
+                /* the same panels from the keys stored transposed (a row of keys per channel, row
+                 * stride ld past the keys, junk there): Kt and KtW equal to the row packers' */
+                {
+                    const int64_t ld = nk + 19;
+                    char *cols = malloc((size_t)(d * ld) * es);
+                    memset(cols, 0x7f, (size_t)(d * ld) * es); /* junk (NaN) past the keys */
+                    for (int j = 0; j < nk; j++)
+                        for (int k = 0; k < d; k++)
+                            memcpy(cols + (size_t)(k * ld + j) * es, (const char *)rows[j] + (size_t)(k * kdim) * es, es);
+                    float *Kc = malloc(sizeof(float) * (size_t)d * FW_DEC_KEYS);
+                    const int dw = (d + 1) / 2;
+                    uint32_t *Wr = malloc(sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS);
+                    uint32_t *Wc = malloc(sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS);
+                    memset(Kc, 0x55, sizeof(float) * (size_t)d * FW_DEC_KEYS);
+                    memset(Wc, 0x55, sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS);
+                    kt->pack_kt_cols(cols, (fw_dtype)dt, ld, nk, d, Kc);
+                    kt->pack_kt_bf16(rows, (fw_dtype)dt, kdim, nk, d, Wr);
+                    kt->pack_kt_cols_bf16(cols, (fw_dtype)dt, ld, nk, d, Wc);
+                    case_check(memcmp(Kc, Kt, sizeof(float) * (size_t)d * FW_DEC_KEYS) == 0,
+                               "pack_kt_cols %s nk %d d %d differs from pack_kt", dtn((fw_dtype)dt), nk, d);
+                    case_check(memcmp(Wc, Wr, sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS) == 0,
+                               "pack_kt_cols_bf16 %s nk %d d %d differs from pack_kt_bf16", dtn((fw_dtype)dt), nk, d);
+                    free(cols); free(Kc); free(Wr); free(Wc);
+                }
                 for (int i = 0; i < R * d; i++) Q[i] = (float)rng_normal();
                 for (int i = 0; i < nk * dv; i++) V[i] = (float)rng_normal();
-                kt->dec_qk(R, nk, d, Q, Kt, S);
+                kt->dec_qk(R, nk, d, Q, Kt, FW_DEC_KEYS, S);
                 double worst = 0;
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < nk; j++) {
@@ -1188,7 +1212,7 @@ static void test_partial_tables(void)
                         t->dec_qk_bf16(R, nk, DW, QW, KtW, 0.5f, S);
                     } else {
                         pk->pack_kt(rows32, FW_F32, 1, nk, D, Kt);
-                        t->dec_qk(R, nk, D, Q, Kt, S);
+                        t->dec_qk(R, nk, D, Q, Kt, FW_DEC_KEYS, S);
                     }
                 }
                 int same = 1;

@@ -57,8 +57,10 @@ static fw_attn_seq seq_of(const fw_attn_prob *p, int64_t i)
 
 /* Logical context rows as doubles [b][cap][hkv][d] are not kept: both caches are written from
  * the same random draws, row by row. */
+/* kcols: K pages laid out as vLLM's CPU cache keeps them, [hkv][d][page] (each channel's keys
+ * contiguous), V as usual. */
 static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, int32_t *seqlens,
-                       uint64_t seed)
+                       uint64_t seed, int kcols)
 {
     memset(cb, 0, sizeof *cb);
     const int64_t ps = paged ? t->page : cap;
@@ -69,6 +71,11 @@ static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, 
     cb->v = gbuf_new((size_t)(npages * ps * t->hkv * t->dv) * esz(t->dt));
     cb->c.k = fw_tensor_contiguous(cb->k.p, t->dt, 4, ks);
     cb->c.v = fw_tensor_contiguous(cb->v.p, t->dt, 4, vs);
+    if (kcols) {
+        cb->c.k.stride[1] = 1;
+        cb->c.k.stride[2] = t->d * ps;
+        cb->c.k.stride[3] = ps;
+    }
     rng_seed(seed + 1000);
     tfill_normal(&cb->c.k, 3.0); /* junk everywhere first */
     tfill_normal(&cb->c.v, 3.0);
@@ -104,10 +111,8 @@ static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, 
                 for (int64_t h = 0; h < t->hkv; h++)
                     for (int64_t x = 0; x < n; x++) {
                         int64_t idx[4];
-                        int64_t off = row + h * tt->stride[2] + x * tt->stride[3];
-                        idx[0] = off / tt->stride[0];
-                        off -= idx[0] * tt->stride[0];
-                        idx[1] = off / tt->stride[1];
+                        idx[0] = row / tt->stride[0];
+                        idx[1] = (row - idx[0] * tt->stride[0]) / tt->stride[1];
                         idx[2] = h;
                         idx[3] = x;
                         tset(tt, idx, rng_normal());
@@ -141,11 +146,12 @@ static int cache_image_ok(const kv_case *t, const cache_buf *before_k, const cac
                 for (int v = 0; v < 2; v++) {
                     const fw_tensor *src = v ? vn : kn;
                     const int64_t n = v ? t->dv : t->d, row = fw_attn_key(&p, &s, t->old[i] + r, v);
-                    const int64_t hs = v ? p.vs[1] : p.ks[1];
+                    const int64_t hs = v ? p.vs[1] : p.ks[1], xs = v ? p.vs[2] : p.ks[2];
                     for (int64_t h = 0; h < t->hkv; h++)
-                        memcpy((v ? ev : ek) + (size_t)(row + h * hs) * esz(t->dt),
-                               (char *)src->data + (size_t)(((cuq[i] + r) * t->hkv + h) * n) * esz(t->dt),
-                               (size_t)n * esz(t->dt));
+                        for (int64_t x = 0; x < n; x++)
+                            memcpy((v ? ev : ek) + (size_t)(row + h * hs + x * xs) * esz(t->dt),
+                                   (char *)src->data + (size_t)(((cuq[i] + r) * t->hkv + h) * n + x) * esz(t->dt),
+                                   esz(t->dt));
                 }
         }
     }
@@ -215,10 +221,12 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
     tfill_normal(&vn, 1.0);
     const fw_tensor *pk = t->append ? &kn : NULL, *pv = t->append ? &vn : NULL;
 
-    cache_buf cont, pag;
-    cache_make(&cont, t, 0, cap, seqlens, seed);
-    if (t->page)
-        cache_make(&pag, t, 1, cap, seqlens, seed);
+    cache_buf cont, pag, cols;
+    cache_make(&cont, t, 0, cap, seqlens, seed, 0);
+    if (t->page) {
+        cache_make(&pag, t, 1, cap, seqlens, seed, 0);
+        cache_make(&cols, t, 1, cap, seqlens, seed, 1);
+    }
 
     fw_attn_params p;
     fw_attn_params_init(&p);
@@ -263,12 +271,13 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
             continue;
         p.isa = isa;
         double err[2] = {0, 0}, lerr[2] = {0, 0};
-        /* plain, then the kernel on 1 and 3 threads (contiguous), then paged */
-        for (int run = 0; run < 4; run++) {
+        /* plain, then the kernel on 1 and 3 threads (contiguous), then paged, then paged with
+         * vLLM's key layout (other kernels: the error bar, not the bits) */
+        for (int run = 0; run < 5; run++) {
             p.precision = run == 0 ? FW_PREC_F32 : prec;
-            if (run == 3 && !t->page)
+            if (run >= 3 && !t->page)
                 break;
-            const cache_buf *src = run == 3 ? &pag : &cont;
+            const cache_buf *src = run == 4 ? &cols : run == 3 ? &pag : &cont;
             cache_buf work;
             cache_copy(&work, src);
             p.flags = run == 0 ? FW_ATTN_PLAIN : 0;
@@ -284,7 +293,11 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
                 err[run] = maxdiff(&o, ro, tq * t->hq * t->dv, 0);
                 lerr[run] = maxdiff(&l, rl, tq * t->hq, 1);
             }
-            if (run == 1) {
+            if (run == 4) { /* within the kernel's bar, as run 1 */
+                const double e = maxdiff(&o, ro, tq * t->hq * t->dv, 0);
+                const double bar = prec == FW_PREC_BF16 ? 2 * sre + 1e-5 : 2 * err[0] + 1e-5;
+                case_check(e <= bar, "[%s prec %d] vLLM's key layout: out error %.3g > %.3g", isa, prec, e, bar);
+            } else if (run == 1) {
                 memcpy(first, out.p, ob);
                 memcpy(firstl, lse.p, lb);
             } else if (run >= 2) {
@@ -308,8 +321,10 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
     free(first); free(firstl); free(ro); free(rl);
     gbuf_free(&out); gbuf_free(&lse); gbuf_free(&bq); gbuf_free(&bkn); gbuf_free(&bvn);
     cache_free(&cont);
-    if (t->page)
+    if (t->page) {
         cache_free(&pag);
+        cache_free(&cols);
+    }
     case_end();
 }
 
@@ -351,7 +366,7 @@ static void test_kvcache_bad_input(void)
     kv_case t = {2, 4, 2, 16, 16, 8, FW_F32, 1, 1, -1, 0.0f, old, nnew};
     int32_t cuq[3] = {0, 2, 5}, seqlens[2] = {20, 5};
     cache_buf pag;
-    cache_make(&pag, &t, 1, 32, seqlens, 5);
+    cache_make(&pag, &t, 1, 32, seqlens, 5, 0);
     int64_t qs[3] = {5, 4, 16}, kns[3] = {5, 2, 16}, os[3] = {5, 4, 16}, ls[2] = {4, 5};
     float qd[5 * 4 * 16], kd[5 * 2 * 16], vd[5 * 2 * 16];
     for (int i = 0; i < 5 * 4 * 16; i++) qd[i] = (float)i / 100;

@@ -115,7 +115,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * and sweep_rows reads these bytes; found by fuzz/fuzz_attn.c) */
     const int64_t kspan = ((p->hkv - 1) * p->ks[1] + (p->d - 1) * p->ks[2] + 1) * (int64_t)es;
     const int64_t vspan = ((p->hkv - 1) * p->vs[1] + (p->dv - 1) * p->vs[2] + 1) * (int64_t)es;
-    const int64_t span = gqa && kspan == vspan && kspan <= 2 * p->hkv * kline ? kspan : 0;
+    const int64_t span = gqa && kspan == vspan && kspan <= 2 * p->hkv * kline && p->ks[0] != 1 ? kspan : 0;
     /* The address-order sweep pays where the context streams from DRAM, and costs where it is
      * short. Measured (bf16 / f32, GQA 32:8, d 128, one thread, best of 300): 1K context,
      * cache-hot 254 / 395 us with it, 215 / 321 without; cache-cold (16 rotating caches) 405-415
@@ -124,6 +124,10 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * GB/s with it, 12.3 without. The next-tile prefetch below stays at every length: without
      * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). */
     const int sweep = span && sq->sk > FW_DEC_SWEEP_KEYS;
+    /* keys stored transposed, each channel's keys contiguous (vLLM's CPU cache blocks), with
+     * every 64-key tile inside one page: the panels come from those rows, and the next tile's
+     * prefetch is per channel row */
+    const int kcols = p->ks[0] == 1 && p->d > 1 && (!p->bt || p->page % FW_DEC_KEYS == 0);
     /* a token row in `units` slices of whole cache lines (no division in the key loop) */
     const int64_t slice = ((span + units - 1) / units + 63) & ~(int64_t)63;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
@@ -169,8 +173,13 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                         tt++;
                     }
                 } else if (j < nn && pf) {
-                    for (int64_t b = 0; b < kline; b += 64)
-                        __builtin_prefetch(kb + koff[cur ^ 1][j] * (int64_t)es + b, 0, 2);
+                    if (kcols) /* channel rows j, j + nk, ...: the next tile's keys of each */
+                        for (int64_t x = j; x < p->d; x += nk)
+                            for (int64_t b = 0; b < nn * (int64_t)es; b += 64)
+                                __builtin_prefetch(kb + (koff[cur ^ 1][0] + x * p->ks[2]) * (int64_t)es + b, 0, 2);
+                    else
+                        for (int64_t b = 0; b < kline; b += 64)
+                            __builtin_prefetch(kb + koff[cur ^ 1][j] * (int64_t)es + b, 0, 2);
                     for (int64_t b = 0; b < vline; b += 64)
                         __builtin_prefetch(vb + voff[cur ^ 1][j] * (int64_t)es + b, 0, 2);
                 }
@@ -186,6 +195,18 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
              * are their pairs); the rest go through a transposed panel */
             if (bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1) {
                 kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, S);
+            } else if (kcols) {
+                if (bf16) {
+                    kt->pack_kt_cols_bf16(rows[0], p->k->dtype, p->ks[2], nk, d, KtW);
+                    kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
+                } else if (p->k->dtype == FW_F32 && (p->bt || nk == FW_DEC_KEYS)) {
+                    /* f32 rows are the panel itself (a page holds whole tiles, junk keys
+                     * past nk included, which the softmax's bounds drop) */
+                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, (const float *)rows[0], p->ks[2], S);
+                } else {
+                    kt->pack_kt_cols(rows[0], p->k->dtype, p->ks[2], nk, d, Kt);
+                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, S);
+                }
             } else if (bf16) {
                 kt->pack_kt_bf16(rows, p->k->dtype, p->ks[2], nk, d, KtW);
                 kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
@@ -193,7 +214,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, p->k->dtype, S);
             } else {
                 kt->pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
-                kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, S);
+                kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, S);
             }
             if (c->cap2 > 0.0f)
                 kt->softcap(R, FW_DEC_KEYS, S, c->cap2);

@@ -499,7 +499,7 @@ static void pack_kt(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, 
 }
 
 FW_INLINE void dec_qk_tile(const int rt, const int kv, int d, const float *Q, const float *Kt,
-                           float *S)
+                           int64_t ldk, float *S)
 {
     vf tot[DEC_RT][2], acc[DEC_RT][2];
     for (int r = 0; r < rt; r++)
@@ -513,7 +513,7 @@ FW_INLINE void dec_qk_tile(const int rt, const int kv, int d, const float *Q, co
         for (int k = k0; k < k0 + (kn == QK_KB ? QK_KB : kn); k++) {
             vf kt[2];
             for (int x = 0; x < kv; x++)
-                kt[x] = vkeep(vload(Kt + (size_t)k * FW_DEC_KEYS + x * VL));
+                kt[x] = vkeep(vload(Kt + (size_t)k * ldk + x * VL));
             for (int r = 0; r < rt; r++) {
                 vf qb = vset1(Q[(size_t)r * d + k]);
                 for (int x = 0; x < kv; x++)
@@ -530,13 +530,14 @@ FW_INLINE void dec_qk_tile(const int rt, const int kv, int d, const float *Q, co
 }
 
 static __attribute__((noinline)) void dec_qk_tail(int rt, int kv, int d, const float *Q,
-                                                  const float *Kt, float *S)
+                                                  const float *Kt, int64_t ldk, float *S)
 {
-    dec_qk_tile(rt, kv, d, Q, Kt, S);
+    dec_qk_tile(rt, kv, d, Q, Kt, ldk, S);
 }
 
-/* S[r][j] = sum_k Q[r][k] Kt[k][j] for r < R and the ceil(nk / VL) key vectors holding keys. */
-static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, float *S)
+/* S[r][j] = sum_k Q[r][k] Kt[k][j] (row k of Kt at Kt + k ldk) for r < R and the
+ * ceil(nk / VL) key vectors holding keys (those keys are read, whatever nk says). */
+static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk, float *S)
 {
     const int nkv = (nk + VL - 1) / VL;
     for (int r0 = 0; r0 < R; r0 += DEC_RT)
@@ -545,9 +546,9 @@ static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, float 
             const float *q = Q + (size_t)r0 * d, *kt = Kt + x0 * VL;
             float *sp = S + (size_t)r0 * FW_DEC_KEYS + x0 * VL;
             if (rt == DEC_RT && kv == 2)
-                dec_qk_tile(DEC_RT, 2, d, q, kt, sp);
+                dec_qk_tile(DEC_RT, 2, d, q, kt, ldk, sp);
             else
-                dec_qk_tail(rt, kv, d, q, kt, sp);
+                dec_qk_tail(rt, kv, d, q, kt, ldk, sp);
         }
 }
 
@@ -795,6 +796,52 @@ static void dec_qk_bf16(int R, int nk, int dw, const uint32_t *QW, const uint32_
 FW_INLINE vf vload_pair_rows(const void *row0, const void *row1, fw_dtype dt, int64_t i)
 {
     return vbf16_pair(vload_in(row0, dt, i), row1 ? vload_in(row1, dt, i) : vzero());
+}
+
+/* One element of dtype dt at index i of p, as f32. */
+FW_INLINE float load_as_f32(const void *p, fw_dtype dt, int64_t i)
+{
+    return dt == FW_F32 ? ((const float *)p)[i]
+           : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)p)[i])
+                           : fw_cvt_f16_f32(((const uint16_t *)p)[i]);
+}
+
+/* Kt [d][FW_DEC_KEYS] from transposed keys (key j of channel x at src[x * ld + j]): rows
+ * copied a vector at a time, zero past nk. */
+static void pack_kt_cols(const void *src, fw_dtype dt, int64_t ld, int nk, int d, float *Kt)
+{
+    const int nv = nk / VL * VL;
+    for (int x = 0; x < d; x++) {
+        float *dst = Kt + (size_t)x * FW_DEC_KEYS;
+        int j = 0;
+        for (; j < nv; j += VL)
+            vstore(dst + j, vload_in(src, dt, (int64_t)x * ld + j));
+        for (; j < nk; j++)
+            dst[j] = load_as_f32(src, dt, (int64_t)x * ld + j);
+        for (; j < FW_DEC_KEYS; j++)
+            dst[j] = 0.0f;
+    }
+}
+
+/* KtW [ceil(d/2)][FW_DEC_KEYS] key words (channels 2w, 2w+1 of key j) from transposed keys,
+ * two channel rows paired a vector at a time, zero past nk. */
+static void pack_kt_cols_bf16(const void *src, fw_dtype dt, int64_t ld, int nk, int d, uint32_t *KtW)
+{
+    const int nv = nk / VL * VL, dw = (d + 1) / 2;
+    const size_t es = dt == FW_F32 ? 4 : 2;
+    for (int w = 0; w < dw; w++) {
+        const char *r0 = (const char *)src + (size_t)(2 * w * ld) * es;
+        const char *r1 = 2 * w + 1 < d ? r0 + (size_t)ld * es : NULL;
+        uint32_t *dst = KtW + (size_t)w * FW_DEC_KEYS;
+        int j = 0;
+        for (; j < nv; j += VL)
+            vstore((float *)dst + j, vload_pair_rows(r0, r1, dt, j));
+        for (; j < nk; j++)
+            dst[j] = (uint32_t)fw_cvt_f32_bf16(load_as_f32(r0, dt, j)) |
+                     (uint32_t)(r1 ? fw_cvt_f32_bf16(load_as_f32(r1, dt, j)) : 0) << 16;
+        for (; j < FW_DEC_KEYS; j++)
+            dst[j] = 0;
+    }
 }
 
 FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const uint32_t *PW,
@@ -1083,13 +1130,6 @@ FW_INLINE vf vsilu(vf x)
     return vdiv(x, vadd(vset1(1.0f), vexp2(vmul(x, vset1(-1.4426950408889634f)))));
 }
 
-/* One element of dtype dt at index i of p, as f32. */
-FW_INLINE float load_as_f32(const void *p, fw_dtype dt, int64_t i)
-{
-    return dt == FW_F32 ? ((const float *)p)[i]
-           : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)p)[i])
-                           : fw_cvt_f16_f32(((const uint16_t *)p)[i]);
-}
 
 /* nv vectors of outputs from channel c, their sums independent (4 at a time overlap the
  * latency of the tap chain, the exponential and the division: the conv above 4.90-5.09 ms
@@ -1657,6 +1697,8 @@ const fw_kernels FW_TABLE = {
     .dec_softmax = dec_softmax,
     .dec_pv = dec_pv,
     .pack_kt_bf16 = pack_kt_bf16,
+    .pack_kt_cols = pack_kt_cols,
+    .pack_kt_cols_bf16 = pack_kt_cols_bf16,
     .panel_bytes = panel_bytes,
     .dec_qk_bf16 = dec_qk_bf16,
     .dec_pv_bf16 = dec_pv_bf16,
