@@ -114,6 +114,9 @@ typedef struct fw_kernels {
      * past nk. */
     void (*pack_kt_cols)(const void *src, fw_dtype dt, int64_t ld, int nk, int d, float *Kt);
     void (*pack_kt_cols_bf16)(const void *src, fw_dtype dt, int64_t ld, int nk, int d, uint32_t *KtW);
+    /* Transposed keys back to f32 key rows: dst[j][x] (row stride d) = key j of channel x at
+     * src[x * ld + j], j < nk, x < d (the prefill's K rows from such a cache). */
+    void (*cols_to_rows)(const void *src, fw_dtype dt, int64_t ld, int nk, int d, float *dst);
     /* Bytes of a bf16 operand panel in this table's layout, `red` reduction elements (a head
      * dim, or keys) by `cols` (the other operand's rows): ceil(red / 2) x cols words in the
      * pair layout. The workspace plans ask the table, so a table with padded tiles (AMX: 16
@@ -197,7 +200,7 @@ typedef struct fw_kernels {
  * packers write every column they hand on). The assertion keeps the list whole. */
 #define FW_KERNEL_ENTRIES(X)                                                                     \
     X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs)      \
-    X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16) X(pack_kt_cols) X(pack_kt_cols_bf16)          \
+    X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16) X(pack_kt_cols) X(pack_kt_cols_bf16) X(cols_to_rows)          \
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \

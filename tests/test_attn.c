@@ -1053,7 +1053,14 @@ static void test_micro_kernels(void)
                                "pack_kt_cols %s nk %d d %d differs from pack_kt", dtn((fw_dtype)dt), nk, d);
                     case_check(memcmp(Wc, Wr, sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS) == 0,
                                "pack_kt_cols_bf16 %s nk %d d %d differs from pack_kt_bf16", dtn((fw_dtype)dt), nk, d);
-                    free(cols); free(Kc); free(Wr); free(Wc);
+                    float *Kr = malloc(sizeof(float) * (size_t)(nk * d)); /* and back to key rows */
+                    kt->cols_to_rows(cols, (fw_dtype)dt, ld, nk, d, Kr);
+                    int back = 1;
+                    for (int j = 0; j < nk; j++)
+                        for (int k = 0; k < d; k++)
+                            back &= Kr[(size_t)j * d + k] == Kt[k * FW_DEC_KEYS + j];
+                    case_check(back, "cols_to_rows %s nk %d d %d is not the transpose", dtn((fw_dtype)dt), nk, d);
+                    free(cols); free(Kc); free(Wr); free(Wc); free(Kr);
                 }
                 for (int i = 0; i < R * d; i++) Q[i] = (float)rng_normal();
                 for (int i = 0; i < nk * dv; i++) V[i] = (float)rng_normal();

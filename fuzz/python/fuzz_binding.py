@@ -1186,7 +1186,7 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
     nblocks, page = kc.shape[0], kc.shape[1]
     append = kn is not None
     if paged:
-        if page < 8 or page > 1024 or page & (page - 1):
+        if page < 1 or page > 65536:
             why.append(f"page size {page}")
             return None
     elif nblocks < batch:

@@ -135,14 +135,21 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
     khi = fw_min64(khi, it->ke);
     const int64_t es = (int64_t)fw_dtype_size(p->k->dtype);
     const int64_t kline = ((d - 1) * p->ks[2] + 1) * es, vline = ((dv - 1) * p->vs[2] + 1) * es;
+    /* keys stored transposed, each channel's keys contiguous, every tile inside one page */
+    const int kcols = p->ks[0] == 1 && d > 1 && (!p->bt || p->page % FW_ATTN_BK == 0);
     for (int64_t t0 = klo < khi ? klo / FW_ATTN_BK * FW_ATTN_BK : khi; t0 < khi; t0 += FW_ATTN_BK) {
         const int64_t t1 = fw_min64(sq->sk, t0 + FW_ATTN_BK);
         const int nk = (int)(t1 - t0);
-        /* K and V rows of this tile, converted to f32 once for every q tile and head here */
+        /* K and V rows of this tile, converted to f32 once for every q tile and head here;
+         * keys stored transposed (vLLM's CPU cache) are transposed back a block at a time */
+        if (kcols)
+            kt->cols_to_rows(fw_elem(p->k, fw_attn_key(p, sq, t0, 0) + kvh * p->ks[1]), p->k->dtype, p->ks[2], nk,
+                             d, Kf);
         for (int j = 0; j < nk; j++) {
             int64_t kr = fw_attn_key(p, sq, t0 + j, 0) + kvh * p->ks[1];
             int64_t vr = fw_attn_key(p, sq, t0 + j, 1) + kvh * p->vs[1];
-            kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
+            if (!kcols)
+                kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
             kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
             if (p->rot_k)
                 fw_attn_rotate(p, kt, Kf + (size_t)j * d, t0 + j);
@@ -160,10 +167,17 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
         /* Ask for the next tile's K and V rows now: they arrive while this tile's products run.
          * Without it the conversion above waited on memory for 10% of the time of a 4K causal
          * bf16 prefill (1 thread; rows 2 KiB apart defeat the hardware prefetcher). */
-        for (int64_t j = t1; j < fw_min64(khi, t1 + FW_ATTN_BK); j++) {
+        const int64_t tn = fw_min64(khi, t1 + FW_ATTN_BK);
+        if (kcols && tn > t1) /* transposed keys: each channel's row of the next tile's keys */
+            for (int64_t x = 0; x < d; x++) {
+                const char *kr = fw_elem(p->k, fw_attn_key(p, sq, t1, 0) + kvh * p->ks[1] + x * p->ks[2]);
+                for (int64_t b = 0; b < (tn - t1) * es; b += 64)
+                    __builtin_prefetch(kr + b, 0, 2);
+            }
+        for (int64_t j = t1; j < tn; j++) {
             const char *kr = fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]);
             const char *vr = fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]);
-            for (int64_t b = 0; b < kline; b += 64)
+            for (int64_t b = 0; b < (kcols ? 0 : kline); b += 64)
                 __builtin_prefetch(kr + b, 0, 2);
             for (int64_t b = 0; b < vline; b += 64)
                 __builtin_prefetch(vr + b, 0, 2);

@@ -844,6 +844,25 @@ static void pack_kt_cols_bf16(const void *src, fw_dtype dt, int64_t ld, int nk, 
     }
 }
 
+/* dst[j][x] = src[x * ld + j] as f32: VL x VL blocks transposed in registers, the edges one
+ * element at a time. */
+static void cols_to_rows(const void *src, fw_dtype dt, int64_t ld, int nk, int d, float *dst)
+{
+    const int nv = nk / VL * VL, dvv = d / VL * VL;
+    for (int j0 = 0; j0 < nv; j0 += VL)
+        for (int x0 = 0; x0 < dvv; x0 += VL) {
+            vf r[VL];
+            for (int i = 0; i < VL; i++)
+                r[i] = vload_in(src, dt, (int64_t)(x0 + i) * ld + j0);
+            vtranspose(r);
+            for (int c = 0; c < VL; c++)
+                vstore(dst + (size_t)(j0 + c) * d + x0, r[c]);
+        }
+    for (int j = 0; j < nk; j++)
+        for (int x = j < nv ? dvv : 0; x < d; x++)
+            dst[(size_t)j * d + x] = load_as_f32(src, dt, (int64_t)x * ld + j);
+}
+
 FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const uint32_t *PW,
                             const void *const *V, fw_dtype dt, float *O, int dv)
 {
@@ -1699,6 +1718,7 @@ const fw_kernels FW_TABLE = {
     .pack_kt_bf16 = pack_kt_bf16,
     .pack_kt_cols = pack_kt_cols,
     .pack_kt_cols_bf16 = pack_kt_cols_bf16,
+    .cols_to_rows = cols_to_rows,
     .panel_bytes = panel_bytes,
     .dec_qk_bf16 = dec_qk_bf16,
     .dec_pv_bf16 = dec_pv_bf16,

@@ -18,11 +18,10 @@ cached keys, causal aligned bottom-right, into vLLM's output buffer.
 register() is vLLM's general-plugin entry point (the package declares it in the group
 `vllm.general_plugins`, so every engine process loads it; FLYWHEEL_VLLM=0 turns it off): it
 registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
-as vLLM would (every sequence decoding one token, the "vec" cache layout, a bf16 or f32
-cache, decoder self-attention without ALiBi, sinks or a dynamic mask) and leaves the rest to
-vLLM's kernels. Prefill batches stay vLLM's: flywheel's prefill reads this key layout element
-by element. Not done: the Gated DeltaNet core on vLLM's state slots (README, "vLLM's CPU
-build").
+as vLLM would (decodes, prefills and chunked prefills mixed, on the "vec" cache layout, a bf16
+or f32 cache, causal decoder self-attention without ALiBi, sinks or a dynamic mask) and leaves
+the rest to vLLM's kernels. Not done: the Gated DeltaNet core on vLLM's state slots (README,
+"vLLM's CPU build").
 """
 
 import os
@@ -86,11 +85,12 @@ def backend_class():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
     class FlywheelCPUAttentionImpl(CPUAttentionBackendImpl):
-        """CPU_ATTN's implementation; decode batches on flywheel (see the module docstring)."""
+        """CPU_ATTN's implementation, on flywheel where it serves the batch (the module
+        docstring)."""
 
         def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale):
             return (md is not None and output_scale is None and output_block_scale is None and
-                    md.max_query_len == 1 and md.causal is True and md.dynamic_causal is None and
+                    md.causal is True and md.dynamic_causal is None and
                     self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and
                     self.sinks is None and not self.is_fp8_kv_cache and
                     getattr(layer, "isa", None) == "vec" and
@@ -109,7 +109,7 @@ def backend_class():
                              num_actual_tokens=n)
 
     class FlywheelCPUAttentionBackend(CPUAttentionBackend):
-        """CPU_ATTN with flywheel's decode (flywheel.integrations.vllm)."""
+        """CPU_ATTN on flywheel (flywheel.integrations.vllm)."""
 
         @staticmethod
         def get_impl_cls():
