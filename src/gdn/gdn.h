@@ -66,6 +66,17 @@ static inline fw_tensor gdn_rows2(const fw_tensor *t, int64_t r0, int64_t n)
     return v;
 }
 
+/* Rows [r0, r0 + n) of the layer's 2-D qkv [T, dim] as the conv's input [1, n, dim]. */
+static inline fw_tensor gdn_conv_rows(const fw_tensor *qkv, int64_t r0, int64_t n)
+{
+    fw_tensor x = *qkv;
+    x.ndim = 3;
+    x.data = (char *)qkv->data + r0 * qkv->stride[0] * (int64_t)fw_dtype_size(qkv->dtype);
+    x.shape[0] = 1; x.shape[1] = n; x.shape[2] = qkv->shape[1];
+    x.stride[0] = n * qkv->stride[0]; x.stride[1] = qkv->stride[0]; x.stride[2] = qkv->stride[1];
+    return x;
+}
+
 /* One layer call (fw_gdn_layer), checked: its tensors, batch and slots, and the parameters
  * of its conv and of its core (the gates computed in the core's kernels from the raw a, b). */
 typedef struct {

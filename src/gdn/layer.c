@@ -51,11 +51,7 @@ static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, i
     for (int64_t i = 0; i <= n; i++)
         cu_local[i] = piece ? (i ? (int32_t)rn : 0) : L->qsl[s0 + i] - (int32_t)R0;
     /* the conv of rows [R0, R1) */
-    fw_tensor x = *qkv;
-    x.ndim = 3;
-    x.data = (char *)qkv->data + R0 * qkv->stride[0] * (int64_t)fw_dtype_size(qkv->dtype);
-    x.shape[0] = 1; x.shape[1] = rn; x.shape[2] = L->dim;
-    x.stride[0] = rn * qkv->stride[0]; x.stride[1] = qkv->stride[0]; x.stride[2] = qkv->stride[1];
+    fw_tensor x = gdn_conv_rows(qkv, R0, rn);
     const int64_t xs[3] = {1, rn, L->dim};
     fw_tensor y = fw_tensor_contiguous(L->cbuf, qkv->dtype, 3, xs);
     fw_conv1d_state cin = {L->caches->conv, rd, NULL}, cfin = {L->caches->conv, wr, NULL};
@@ -171,11 +167,7 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
     int32_t cu[LAYER_ROWS + 1], rdv[LAYER_ROWS], wrv[LAYER_ROWS];
     for (int64_t i = 0; i <= n; i++)
         cu[i] = L->qsl[s0 + i] - (int32_t)R0;
-    fw_tensor x = *qkv;
-    x.ndim = 3;
-    x.data = (char *)qkv->data + R0 * qkv->stride[0] * es;
-    x.shape[0] = 1; x.shape[1] = rn; x.shape[2] = dim;
-    x.stride[0] = rn * qkv->stride[0]; x.stride[1] = qkv->stride[0]; x.stride[2] = qkv->stride[1];
+    fw_tensor x = gdn_conv_rows(qkv, R0, rn);
     fw_tensor y = fw_tensor_contiguous(L->cbuf, qkv->dtype, 3, (int64_t[]){1, rn, dim});
     fw_conv1d_state cin = {*conv, L->ridx + s0, NULL};
     fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, NULL, NULL, &y, &L->cp);

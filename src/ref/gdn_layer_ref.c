@@ -24,12 +24,8 @@ static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32
                            const piece_buf *B)
 {
     const fw_tensor *qkv = L->qkv;
-    const int64_t es = (int64_t)fw_dtype_size(qkv->dtype), dim = L->dim, ss = L->nv * L->dk * L->dv;
-    fw_tensor x = *qkv;
-    x.ndim = 3;
-    x.data = (char *)qkv->data + r0 * qkv->stride[0] * es;
-    x.shape[0] = 1; x.shape[1] = n; x.shape[2] = dim;
-    x.stride[0] = n * qkv->stride[0]; x.stride[1] = qkv->stride[0]; x.stride[2] = qkv->stride[1];
+    const int64_t dim = L->dim, ss = L->nv * L->dk * L->dv;
+    fw_tensor x = gdn_conv_rows(qkv, r0, n);
     fw_tensor y = fw_tensor_contiguous(B->rows, qkv->dtype, 3, (int64_t[]){1, n, dim});
     const int32_t cu[2] = {0, (int32_t)n};
     fw_conv1d_state cin = {L->caches->conv, &rd, NULL}, cfin = {L->caches->conv, &wr, NULL};
