@@ -173,8 +173,8 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                         tt++;
                     }
                 } else if (j < nn && pf) {
-                    if (kcols) /* channel rows j, j + nk, ...: the next tile's keys of each */
-                        for (int64_t x = j; x < p->d; x += nk)
+                    if (kcols) /* channel rows j, j + nn, ...: the next tile's keys of each */
+                        for (int64_t x = j; x < p->d; x += nn)
                             for (int64_t b = 0; b < nn * (int64_t)es; b += 64)
                                 __builtin_prefetch(kb + (koff[cur ^ 1][0] + x * p->ks[2]) * (int64_t)es + b, 0, 2);
                     else
