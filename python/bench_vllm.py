@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 CHILD = r"""
 import json, os, sys, time, random, importlib.util
@@ -32,7 +31,6 @@ cfg.torch_dtype = "bfloat16"
 cfg.save_pretrained(args["dir"])
 timed = {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]}
 worst = [0.0, 0.0]
-import torch
 import flywheel.integrations.vllm as fwv
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 impl = fwv.backend_class().get_impl_cls()

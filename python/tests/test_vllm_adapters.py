@@ -12,7 +12,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import flywheel  # noqa: E402
 from flywheel.integrations import vllm as fwv  # noqa: E402
 
 HQ, HKV, D = 8, 2, 64
