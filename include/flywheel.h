@@ -553,6 +553,59 @@ FW_API fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, cons
                                   const fw_tensor *out, const fw_gdn_layer_params *params);
 
 /*
+ * ReplaySSM decodes (flywheel-tpu's fused_conv1d_gdn_replay / fused_conv1d_kda_replay): a
+ * decode sequence keeps its recurrent state as the f32 checkpoint in its recurrent slot plus
+ * the first replay_lens[i] records of its slot in `records`. A step computes its tokens'
+ * outputs from the checkpoint and the records without forming the state, and appends one
+ * record per token [u | k | g]: the delta-rule correction u = beta (v - k S) per value head
+ * (n_v d_v), the normalised key per q/k head (n_kq d_k), and the token's log decay (natural
+ * log) per value head (GDN: n_v entries, then padding to a multiple of 128 that is never
+ * written; KDA: n_v d_k). It flushes (folds the committed records into a new checkpoint,
+ * written with its bf16 shadow to the write slot, and appends from row 0) when the committed
+ * records plus its tokens would not fit in the window, when it has no initial state (seq_len
+ * equal to its query length: a zero checkpoint) or when it reads and writes different slots.
+ * The caller commits with next_replay_lens: committed + accepted tokens, or accepted alone
+ * after a flush.
+ *   shadow [slots, n_v, d_k, d_v] bf16: the checkpoint's bf16 copy, written with every
+ *     checkpoint the layer writes (prefills included); never read here (this CPU reads the
+ *     f32 checkpoint)
+ *   records [slots, window, fw_gdn_replay_record_dim(...)] f32 | bf16, window >= 1 and
+ *     >= num_spec_tokens + 1
+ *   replay_lens [n_seqs] (decodes read theirs: 0 .. window)
+ * Decodes (and speculative windows, whose conv still checkpoints per position, from
+ * read_state_indices + read_offsets) read the checkpoint and records of read_state_indices
+ * alone, and write records (and a flushed checkpoint) to state_indices; prefills and mixed
+ * sequences run as in fw_gdn_layer and write the shadow with their state.
+ */
+typedef struct fw_gdn_replay {
+    fw_tensor shadow;
+    fw_tensor records;
+    const int32_t *replay_lens;
+} fw_gdn_replay;
+
+/* Entries of one record: n_v d_v + n_kq d_k + (KDA: n_v d_k; GDN: n_v rounded up to 128). */
+FW_API int64_t fw_gdn_replay_record_dim(int64_t n_kq, int64_t n_v, int64_t d_k, int64_t d_v, int kda);
+
+/* fw_gdn_layer with ReplaySSM decodes (above); the same arguments and checks, and those of
+ * replay. KDA when a is [T, n_v d_k], as in fw_gdn_layer. */
+FW_API fw_status fw_gdn_layer_replay(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                                     const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                                     const fw_tensor *a_log, const fw_tensor *dt_bias,
+                                     const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                                     const fw_gdn_replay *replay, const fw_tensor *out,
+                                     const fw_gdn_layer_params *params);
+
+/* Its float64 reference: per decode, the checkpoint and the committed records (as stored)
+ * folded in double, the exact recurrence over its tokens, records stored in their dtype;
+ * everything else as fw_gdn_layer_ref. */
+FW_API fw_status fw_gdn_layer_replay_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                                         const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                                         const fw_tensor *a_log, const fw_tensor *dt_bias,
+                                         const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                                         const fw_gdn_replay *replay, const fw_tensor *out,
+                                         const fw_gdn_layer_params *params);
+
+/*
  * Speculative verify: n_i <= 64 tokens per sequence (cu_seqlens, as in prefill) from the
  * committed state in slot state_indices[i], which is read, not changed. Writes out for every
  * token and keeps, in the caller-owned `replay` buffer, what fw_gdn_commit needs to rebuild

@@ -152,7 +152,8 @@ typedef struct fw_kernels {
     float (*stream_sum)(const float *x, size_t n);
     /* Gated DeltaNet (kern/attn_kern.h): x = 2^x; X = (I + A)^-1 for a strictly lower
      * triangular L x L A (L <= 64), by forward substitution or in blocked matmul form; the
-     * fused decode step on a block of at most FW_MAX_HEAD_DIM state columns; the 4-pass
+     * fused decode step on a block of at most FW_MAX_HEAD_DIM state columns, and its two reads
+     * of the state alone (gdn_dec_reads: a = (decay k)^T h, b = (decay q)^T h); the 4-pass
      * recurrent step of the baseline (tmp: dv floats). The steps decay state row r by
      * decay[r] (dk floats: alike for GDN, per key channel for KDA). */
     void (*exp2_inplace)(float *x, int64_t n);
@@ -164,6 +165,8 @@ typedef struct fw_kernels {
     void (*gdn_dec_cols)(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
                          const float *k, const float *v, const float *decay, float beta, float kq,
                          float *o);
+    void (*gdn_dec_reads)(const float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+                          const float *k, const float *decay, float *a, float *b);
     void (*gdn_step4)(float *h, int64_t ldh, int dk, int dv, const float *q, const float *k,
                       const float *v, const float *decay, float beta, float *o, float *tmp);
     /* KDA's chunk (kern/attn_kern.h): dst = x o 2^(g1 - g0) (x NULL: ones, g0 NULL: zeros);
@@ -204,7 +207,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row) X(bwd_ds) X(rope)
+    X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row) X(bwd_ds) X(rope)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

@@ -329,7 +329,7 @@ static void test_decode_step(void)
         if (!fw_isa_supported(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
-        case_begin("gdn: fused decode step on a column range [%s]", kt->name);
+        case_begin("gdn: fused decode step and its reads alone on a column range [%s]", kt->name);
         rng_seed(41);
         enum { DK = 37, LDH = 300 };
         const int c0 = 3, c1 = c0 + kt->vl * (8 + 2) + 5;
@@ -350,11 +350,15 @@ static void test_decode_step(void)
         for (int x = 0; x < DK; x++)
             kq += (double)k[x] * q[x];
         kt->gdn_dec_cols(h, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, o);
-        double eo = 0, eh = 0;
+        static float ra[LDH], rb[LDH]; /* the two reads alone (ReplaySSM's), of the same h */
+        for (int c = 0; c < LDH; c++)
+            ra[c] = rb[c] = 7.0f;
+        kt->gdn_dec_reads(h0, LDH, DK, c0, c1, q, k, al, ra, rb);
+        double eo = 0, eh = 0, er = 0;
         int outside = 1;
         for (int c = 0; c < LDH; c++) {
             if (c < c0 || c >= c1) {
-                outside &= o[c] == 7.0f;
+                outside &= o[c] == 7.0f && ra[c] == 7.0f && rb[c] == 7.0f;
                 for (int r = 0; r < DK; r++)
                     outside &= h[r * LDH + c] == h0[r * LDH + c];
                 continue;
@@ -365,13 +369,15 @@ static void test_decode_step(void)
                 b += (double)al[r] * q[r] * h0[r * LDH + c];
                 sa += fabs((double)q[r] * h0[r * LDH + c]) + fabs((double)k[r] * h0[r * LDH + c]);
             }
+            er = fmax(er, fmax(fabs(ra[c] - a), fabs(rb[c] - b)) / (1 + sa));
             const double dl = beta * (v[c] - a), want = b + dl * kq;
             eo = fmax(eo, fabs(o[c] - want) / (1 + sa + fabs(want)));
             for (int r = 0; r < DK; r++)
                 eh = fmax(eh, fabs(h[r * LDH + c] - ((double)al[r] * h0[r * LDH + c] + k[r] * dl)) /
                                   (1 + fabs(h0[r * LDH + c]) + sa));
         }
-        case_check(eo <= 1e-5 && eh <= 1e-5, "columns %d..%d: output error %.3g, state error %.3g", c0, c1, eo, eh);
+        case_check(eo <= 1e-5 && eh <= 1e-5 && er <= 1e-5, "columns %d..%d: output error %.3g, state error %.3g, "
+                   "reads alone %.3g", c0, c1, eo, eh, er);
         case_check(outside, "columns outside the range were written");
         case_end();
     }

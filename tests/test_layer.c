@@ -330,7 +330,280 @@ static void test_layer_reference_bad_input(void)
     case_end();
 }
 
+/* ReplaySSM (fw_gdn_layer_replay) over several steps of one batch: a decode in place (its
+ * records accumulate, then flush when the window fills), one from a prefix slot (flushes
+ * every step), a new sequence, a new prefill (its state's shadow written); speculative
+ * windows in the `spec` cases. Every step both the layer and its reference start from the
+ * same caches: out, checkpoints, records and conv slots against the reference under the
+ * layer's bars, each shadow the bf16 of its checkpoint, untouched slots and records kept,
+ * 1 and 3 threads the same bits, every table. Without windows and with f32 records, the
+ * decode in place also follows the plain layer (fw_gdn_layer_ref) on the same tokens. */
+enum { RW = 4, RSTEPS = 6 };
+static const lbatch replay_step = {
+    4, 3, 4, 4, 0, 25, {0, 1, 2, 3, 23}, {30, 12, 1, 20}, {3, 5, 6, 8}, {3, 4, 0, 0}, {0}};
+static const lbatch replay_spec_step = {
+    4, 3, 4, 4, 2, 30, {0, 3, 5, 6, 26}, {40, 12, 1, 20}, {3, 12, 7, 8}, {3, 10, 0, 0}, {0, 1, 0, 0}};
+
+typedef struct {
+    fw_dtype dt, rdt; /* qkv's dtype, the records' */
+    int kda, spec;
+} rcase;
+
+typedef struct {
+    lcaches k;
+    gbuf shadow, rec;
+    fw_gdn_replay r;
+} rstate;
+
+static void rstate_new(rstate *x, const linputs *in, const rcase *c, int64_t rdim)
+{
+    const lcase lc = {c->dt, c->kda, c->spec};
+    caches_new(&x->k, in, lc.dt);
+    x->shadow = gbuf_new((size_t)SLOTS * SS * 2);
+    x->rec = gbuf_new((size_t)(SLOTS * RW * rdim) * fw_dtype_size(c->rdt));
+    x->r.shadow = fw_tensor_contiguous(x->shadow.p, FW_BF16, 4, (int64_t[]){SLOTS, NV, DK, DV});
+    x->r.records = fw_tensor_contiguous(x->rec.p, c->rdt, 3, (int64_t[]){SLOTS, RW, rdim});
+    x->r.replay_lens = NULL;
+    rng_seed(77);
+    tfill_normal(&x->r.records, 0.3);
+    const int64_t goff = NV * DV + NKQ * DK; /* log decays: non-positive */
+    for (int64_t sl = 0; sl < SLOTS; sl++)
+        for (int64_t j = 0; j < RW; j++)
+            for (int64_t g = goff; g < rdim; g++)
+                fw_store_f64(&x->r.records, (sl * RW + j) * rdim + g, -fabs(fw_load_f64(&x->r.records, (sl * RW + j) * rdim + g)));
+    tfill_normal(&x->r.shadow, 0.1);
+}
+
+static void rstate_copy(rstate *dst, const rstate *src)
+{
+    memcpy(dst->k.conv, src->k.conv, src->k.c.conv.shape[0] * (KW - 1) * DIM * fw_dtype_size(src->k.c.conv.dtype));
+    memcpy(dst->k.rec, src->k.rec, sizeof(float) * SLOTS * RSTRIDE);
+    memcpy(dst->shadow.p, src->shadow.p, src->shadow.bytes);
+    memcpy(dst->rec.p, src->rec.p, src->rec.bytes);
+}
+
+static void rstate_free(rstate *x)
+{
+    caches_free(&x->k);
+    gbuf_free(&x->shadow);
+    gbuf_free(&x->rec);
+}
+
+static fw_status run_replay(int ref, const linputs *in, const lbatch *s, rstate *x, const int32_t *lens,
+                            const fw_tensor *out, const fw_gdn_layer_params *p)
+{
+    const fw_gdn_batch b = batch_of(s);
+    x->r.replay_lens = lens;
+    return (ref ? fw_gdn_layer_replay_ref : fw_gdn_layer_replay)(&in->qkv, &in->b, &in->a, &in->w, &in->bias,
+                                                                  &in->alog, &in->dt, &b, &x->k.c, &x->r, out, p);
+}
+
+static void replay_case(const rcase *c, uint64_t seed)
+{
+    const lbatch *s = c->spec ? &replay_spec_step : &replay_step;
+    const lcase lc = {c->dt, c->kda, c->spec};
+    case_begin("layer replay %s %s qkv, %s records%s", c->kda ? "kda" : "gdn", fw_dtype_name(c->dt),
+               fw_dtype_name(c->rdt), c->spec ? ", speculative windows" : "");
+    const int64_t rdim = fw_gdn_replay_record_dim(NKQ, NV, DK, DV, c->kda), no = (int64_t)s->T * NV * DV;
+    const int64_t os[2] = {s->T, NV * DV}, nrec = (int64_t)SLOTS * RW * rdim;
+    linputs in;
+    make_layer_inputs(&in, &lc, s->T, seed);
+    rstate run, ref, plain;
+    rstate_new(&run, &in, c, rdim);
+    rstate_new(&ref, &in, c, rdim);
+    rstate_new(&plain, &in, c, rdim);
+    gbuf ob = gbuf_new((size_t)no * fw_dtype_size(c->dt)), ob1 = gbuf_new(ob.bytes);
+    double *ro = malloc(sizeof(double) * (size_t)no), *po = malloc(sizeof(double) * (size_t)no);
+    fw_tensor to = fw_tensor_contiguous(ob.p, c->dt, 2, os), to1 = fw_tensor_contiguous(ob1.p, c->dt, 2, os);
+    fw_tensor tro = fw_tensor_contiguous(ro, FW_F64, 2, os), tpo = fw_tensor_contiguous(po, FW_F64, 2, os);
+    int32_t lens[4] = {0, 3, 0, 0}; /* the decode in place starts from its checkpoint alone */
+    const int bf = c->dt == FW_BF16, rbf = c->rdt == FW_BF16;
+    int flushes = 0;
+    for (int step = 0; step < RSTEPS; step++) {
+        rng_seed(seed * 100 + (uint64_t)step); /* new tokens each step */
+        tfill_normal(&in.qkv, 1.0);
+        tfill_normal(&in.a, 1.0);
+        tfill_normal(&in.b, 1.0);
+        fw_gdn_layer_params p = lparams(&lc, FW_PREC_F32, NULL, 0);
+        rstate_copy(&ref, &run);
+        fw_status st = run_replay(1, &in, s, &ref, lens, &tro, &p);
+        case_check(st == FW_OK, "[step %d] reference: %s", step, fw_last_error());
+        double big = 0;
+        for (int64_t i = 0; i < no; i++)
+            big = fmax(big, fabs(ro[i]));
+        const double bar = (bf ? 2 * 0x1p-8 : 1e-4) * (1 + big);
+        void *rec0 = malloc(run.rec.bytes), *sh0 = malloc(run.shadow.bytes);
+        memcpy(rec0, run.rec.p, run.rec.bytes);
+        memcpy(sh0, run.shadow.p, run.shadow.bytes);
+        float *st0 = malloc(sizeof(float) * SLOTS * RSTRIDE);
+        memcpy(st0, run.k.rec, sizeof(float) * SLOTS * RSTRIDE);
+        rstate one;
+        rstate_new(&one, &in, c, rdim);
+        for (int it = 0; it < fw_isa_count(); it++) {
+            const char *isa = fw_isa_name(it);
+            if (!fw_isa_supported(isa))
+                continue;
+            rstate k;
+            rstate_new(&k, &in, c, rdim);
+            rstate_copy(&k, &run);
+            rstate_copy(&one, &run);
+            p = lparams(&lc, FW_PREC_F32, isa, 3);
+            st = run_replay(0, &in, s, &k, lens, &to, &p);
+            case_check(st == FW_OK, "[step %d %s] %s", step, isa, fw_last_error());
+            double eo = 0, es = 0, er = 0;
+            for (int64_t i = 0; i < no; i++)
+                eo = fmax(eo, fabs(tget(&to, (int64_t[]){i / (NV * DV), i % (NV * DV)}) - ro[i]));
+            for (int64_t i = 0; i < SLOTS * RSTRIDE; i++)
+                es = fmax(es, fabs((double)k.k.rec[i] - ref.k.rec[i]));
+            for (int64_t i = 0; i < nrec; i++) {
+                const double want = fw_load_f64(&ref.r.records, i), d = fabs(fw_load_f64(&k.r.records, i) - want);
+                er = fmax(er, rbf ? d / (0x1p-7 * (1 + fabs(want))) * 1e-4 : d);
+            }
+            case_check(eo <= bar && es <= bar && er <= 1e-4 * (1 + big), "[step %d %s] out error %.3g, checkpoint "
+                       "%.3g, records %.3g (bar %.3g)", step, isa, eo, es, er, bar);
+            case_check(memcmp(k.k.conv, ref.k.conv, in.conv_bytes) == 0, "[step %d %s] conv slots differ", step, isa);
+            /* every shadow written is its checkpoint's bf16; slots nobody writes keep their bits */
+            int sh_ok = 1, kept = 1;
+            for (int64_t sl = 0; sl < SLOTS; sl++) {
+                const int ckpt_changed = memcmp(k.k.rec + sl * RSTRIDE, st0 + sl * RSTRIDE, sizeof(float) * SS) != 0;
+                const int sh_changed = memcmp((char *)k.shadow.p + sl * SS * 2, (char *)sh0 + sl * SS * 2, SS * 2) != 0;
+                if (sh_changed || ckpt_changed)
+                    for (int64_t e = 0; e < SS; e++)
+                        sh_ok &= ((uint16_t *)k.shadow.p)[sl * SS + e] == fw_cvt_f32_bf16(k.k.rec[sl * RSTRIDE + e]);
+                kept &= memcmp(k.k.rec + sl * RSTRIDE + SS, st0 + sl * RSTRIDE + SS, 8 * sizeof(float)) == 0;
+                int touched = 0;
+                for (int i = 0; i < s->me; i++)
+                    touched |= s->wr[i] == sl;
+                if (!touched)
+                    kept &= !ckpt_changed && !sh_changed &&
+                            memcmp((char *)k.rec.p + sl * RW * rdim * fw_dtype_size(c->rdt),
+                                   (char *)rec0 + sl * RW * rdim * fw_dtype_size(c->rdt),
+                                   (size_t)(RW * rdim) * fw_dtype_size(c->rdt)) == 0;
+            }
+            case_check(sh_ok, "[step %d %s] a shadow is not its checkpoint's bf16", step, isa);
+            case_check(kept, "[step %d %s] a slot nobody writes, or a slot's padding, changed", step, isa);
+            p.threads = 1;
+            st = run_replay(0, &in, s, &one, lens, &to1, &p);
+            case_check(st == FW_OK && memcmp(ob.p, ob1.p, ob.bytes) == 0 &&
+                           memcmp(k.k.rec, one.k.rec, sizeof(float) * SLOTS * RSTRIDE) == 0 &&
+                           memcmp(k.rec.p, one.rec.p, k.rec.bytes) == 0,
+                       "[step %d %s] 1 and 3 threads differ", step, isa);
+            if (it == 0 || !strcmp(isa, fw_isa_default()))
+                rstate_copy(&one, &k);
+            rstate_free(&k);
+        }
+        /* carry the default table's caches on; the decode in place against the plain layer */
+        rstate_copy(&run, &one);
+        if (!c->spec && !rbf) {
+            const lbatch mine = {1, 1, 1, 1, 0, s->T, {0, 1}, {s->sl[0]}, {3}, {3}, {0}};
+            p = lparams(&lc, FW_PREC_F32, NULL, 0);
+            const fw_gdn_batch b = batch_of(&mine);
+            st = fw_gdn_layer_ref(&in.qkv, &in.b, &in.a, &in.w, &in.bias, &in.alog, &in.dt, &b, &plain.k.c, &tpo, &p);
+            double ep = 0;
+            for (int64_t e = 0; e < NV * DV; e++)
+                ep = fmax(ep, fabs(po[e] - ro[e]));
+            case_check(st == FW_OK && ep <= bar, "[step %d] the decode in place is %.3g from the plain layer's",
+                       step, ep);
+        }
+        for (int i = 0; i < s->de; i++) { /* accept every token */
+            const int ql = s->qsl[i + 1] - s->qsl[i], has = s->sl[i] > ql;
+            const int len = has ? lens[i] : 0, flush = !has || len + ql > RW || s->rd[i] != s->wr[i];
+            flushes += flush;
+            lens[i] = (flush ? 0 : len) + ql;
+        }
+        free(rec0);
+        free(sh0);
+        free(st0);
+        rstate_free(&one);
+    }
+    case_check(flushes >= RSTEPS + 2, "only %d flushes", flushes);
+    free(ro);
+    free(po);
+    gbuf_free(&ob);
+    gbuf_free(&ob1);
+    rstate_free(&run);
+    rstate_free(&ref);
+    rstate_free(&plain);
+    free_layer_inputs(&in);
+    case_end();
+}
+
+static void test_layer_replay(void)
+{
+    static const rcase cases[] = {{FW_F32, FW_F32, 0, 0}, {FW_BF16, FW_BF16, 0, 0}, {FW_F32, FW_F32, 1, 0},
+                                  {FW_F32, FW_F32, 0, 1}, {FW_BF16, FW_BF16, 1, 1}};
+    for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++)
+        replay_case(&cases[i], 400 + (uint64_t)i);
+}
+
+/* Bad replay input, each class refused by the layer and its reference with its status and
+ * nothing written: replay NULL, a shadow not bf16, records of the wrong width, a window
+ * shorter than a speculative window, committed records past the window, a decode reading
+ * records another sequence writes. */
+static void test_layer_replay_bad_input(void)
+{
+    const rcase c = {FW_F32, FW_F32, 0, 0};
+    const lcase lc = {FW_F32, 0, 0};
+    case_begin("layer replay: bad input refused, nothing written");
+    const int64_t rdim = fw_gdn_replay_record_dim(NKQ, NV, DK, DV, 0);
+    linputs in;
+    make_layer_inputs(&in, &lc, replay_step.T, 330);
+    rstate x;
+    rstate_new(&x, &in, &c, rdim);
+    void *rec0 = malloc(x.rec.bytes), *sh0 = malloc(x.shadow.bytes);
+    memcpy(rec0, x.rec.p, x.rec.bytes);
+    memcpy(sh0, x.shadow.p, x.shadow.bytes);
+    gbuf ob = gbuf_new((size_t)replay_step.T * NV * DV * 8);
+    static const fw_status want[6] = {FW_ERR_NULL, FW_ERR_DTYPE, FW_ERR_SHAPE, FW_ERR_SHAPE, FW_ERR_INDEX,
+                                      FW_ERR_INDEX};
+    for (int k = 0; k < 6; k++)
+        for (int ref = 0; ref < 2; ref++) {
+            lbatch s = replay_step;
+            int32_t lens[4] = {1, 1, 0, 0};
+            fw_gdn_replay r = x.r, *rp = &r;
+            if (k == 0)
+                rp = NULL;
+            if (k == 1)
+                r.shadow.dtype = FW_F16;
+            if (k == 2)
+                r.records.shape[2] = rdim - 1;
+            if (k == 3) { /* windows of 5 tokens need 5 records */
+                s.spec = 4;
+                r.records.shape[1] = 4;
+                r.records.stride[0] = 4 * rdim;
+            }
+            if (k == 4)
+                lens[0] = RW + 1;
+            if (k == 5) /* the decode from slot 4 reads what the prefill writes */
+                s.wr[3] = 4;
+            const fw_gdn_batch b = batch_of(&s);
+            r.replay_lens = lens;
+            fw_gdn_layer_params p = lparams(&lc, FW_PREC_F32, NULL, 2);
+            fw_tensor to = fw_tensor_contiguous(ob.p, ref ? FW_F64 : FW_F32, 2, (int64_t[]){replay_step.T, NV * DV});
+            memset(ob.p, 0xA5, ob.bytes);
+            const fw_status st = (ref ? fw_gdn_layer_replay_ref : fw_gdn_layer_replay)(
+                &in.qkv, &in.b, &in.a, &in.w, &in.bias, &in.alog, &in.dt, &b, &x.k.c, rp, &to, &p);
+            case_check(st == want[k], "[%s case %d] status %d, want %d (%s)", ref ? "reference" : "layer", k, (int)st,
+                       (int)want[k], fw_last_error());
+            size_t wrote = 0;
+            for (size_t i = 0; i < ob.bytes; i++)
+                wrote += ((unsigned char *)ob.p)[i] != 0xA5;
+            case_check(wrote == 0 && memcmp(x.k.conv, in.conv0, in.conv_bytes) == 0 &&
+                           memcmp(x.k.rec, in.rec0, sizeof(float) * SLOTS * RSTRIDE) == 0 &&
+                           memcmp(x.rec.p, rec0, x.rec.bytes) == 0 && memcmp(x.shadow.p, sh0, x.shadow.bytes) == 0,
+                       "[%s case %d] something was written", ref ? "reference" : "layer", k);
+        }
+    free(rec0);
+    free(sh0);
+    gbuf_free(&ob);
+    rstate_free(&x);
+    free_layer_inputs(&in);
+    case_end();
+}
+
 const test_suite layer_suites[] = {
+    {"layer.replay_bad_input", test_layer_replay_bad_input},
+    {"layer.replay", test_layer_replay},
     {"layer.reference", test_layer_reference},
     {"layer.reference_bad_input", test_layer_reference_bad_input},
     {NULL, NULL}};

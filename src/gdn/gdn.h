@@ -98,6 +98,29 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
                              const fw_tensor *out, const fw_gdn_layer_params *params, int ref);
 /* out's rows past the last token used, zeroed (params->zero_tail). */
 void fw_gdn_layer_zero_tail(const gdn_layer_prob *L);
+/* The slots of n sequences of a step, the first de of them windows of qsl[i+1] - qsl[i]
+ * tokens writing slots wr[i] .. wr[i] + n_i - 1, the others wr[i]: all in [0, slots), none
+ * written twice, none read (rd, negative: none) by one sequence and written by another. */
+fw_status gdn_check_window_slots(int64_t n, int64_t de, const int32_t *qsl, const int32_t *rd, const int32_t *wr,
+                                 int64_t slots);
+/* A step's ReplaySSM decodes (fw_gdn_layer_replay), checked: per decode i < de the slot its
+ * checkpoint and records are read from (negative: none), the committed records it reads, and
+ * whether it flushes. */
+typedef struct {
+    const fw_gdn_replay *R;
+    int32_t *rd, *len;
+    unsigned char *flush;
+    int64_t window, koff, goff; /* records' rows; where the keys and the log decays start */
+} gdn_replay_plan;
+/* Every check of replay against the checked layer L; nothing is written. On FW_OK the caller
+ * frees the plan (gdn_replay_free). */
+fw_status gdn_replay_check(const gdn_layer_prob *L, const fw_gdn_batch *batch, const fw_gdn_replay *replay,
+                           gdn_replay_plan *P);
+void gdn_replay_free(gdn_replay_plan *P);
+/* The replay core of decodes [s0, s1), their conv rows in L->cbuf from row 0. */
+fw_status gdn_replay_run(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t s0, int64_t s1);
+/* The bf16 shadow of recurrent slot `slot`, from the f32 state there. */
+void gdn_replay_shadow(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t slot);
 
 static inline const char *at(const fw_tensor *t, int64_t i, int64_t j)
 {

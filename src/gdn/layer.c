@@ -39,17 +39,19 @@ static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n, int6
  * its final state written with the sequence's last token, then the decode step or the
  * chunked pass from the recurrent read slot (a later piece: the write slot, where the
  * earlier piece left it). */
-static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
+/* The conv part of a window (as layer_window): its rows into L->cbuf, cu its sequences'
+ * bounds there. */
+static fw_status window_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int32_t *cu)
 {
     const fw_tensor *qkv = L->qkv;
     const int piece = u1 >= 0;
     const int64_t len = L->qsl[s0 + 1] - L->qsl[s0];
     const int64_t R0 = L->qsl[s0] + (piece ? u0 : 0), R1 = piece ? L->qsl[s0] + u1 : L->qsl[s1], rn = R1 - R0;
     const int64_t n = s1 - s0, K = L->w->shape[1];
-    int32_t cu_local[LAYER_ROWS + 1], rd_local[1], wr_local[1];
-    const int32_t *cu = cu_local, *rd = L->ridx + s0, *wr = L->wr + s0;
+    int32_t rd_local[1];
+    const int32_t *rd = L->ridx + s0, *wr = L->wr + s0;
     for (int64_t i = 0; i <= n; i++)
-        cu_local[i] = piece ? (i ? (int32_t)rn : 0) : L->qsl[s0 + i] - (int32_t)R0;
+        cu[i] = piece ? (i ? (int32_t)rn : 0) : L->qsl[s0 + i] - (int32_t)R0;
     /* the conv of rows [R0, R1) */
     fw_tensor x = gdn_conv_rows(qkv, R0, rn);
     const int64_t xs[3] = {1, rn, L->dim};
@@ -65,10 +67,21 @@ static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, i
         cin.idx = rd_local;
     }
     const int last = !piece || u1 == len;
-    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, NULL, &y, &L->cp);
+    return fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, NULL, &y, &L->cp);
+}
+
+static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
+{
+    const int piece = u1 >= 0;
+    const int64_t R0 = L->qsl[s0] + (piece ? u0 : 0), R1 = piece ? L->qsl[s0] + u1 : L->qsl[s1], rn = R1 - R0;
+    const int64_t n = s1 - s0;
+    int32_t cu[LAYER_ROWS + 1], wr_local[1];
+    const int32_t *rd = L->ridx + s0, *wr = L->wr + s0;
+    fw_status s = window_conv(L, s0, s1, u0, u1, cu);
     if (s)
         return s;
     /* the gated delta rule on views of the conv rows */
+    const fw_tensor *qkv = L->qkv;
     fw_tensor y2 = fw_tensor_contiguous(L->cbuf, qkv->dtype, 2, (int64_t[]){rn, L->dim});
     fw_tensor o2 = *L->out;
     fw_tensor q = gdn_rows_view(&y2, 0, rn, 0, L->nkq, L->dk);
@@ -101,7 +114,7 @@ static int by_slot_seq(const void *x, const void *y)
     return a->slot != b->slot ? (a->slot < b->slot ? -1 : 1) : (a->seq > b->seq) - (a->seq < b->seq);
 }
 
-static fw_status check_window_slots(int64_t n, int64_t de, const int32_t *qsl, const int32_t *rd, const int32_t *wr,
+fw_status gdn_check_window_slots(int64_t n, int64_t de, const int32_t *qsl, const int32_t *rd, const int32_t *wr,
                                     int64_t slots)
 {
     const int64_t total = (n > 0 ? (int64_t)qsl[de] - qsl[0] : 0) + (n - de);
@@ -158,13 +171,13 @@ void fw_gdn_layer_zero_tail(const gdn_layer_prob *L)
  * slot's rows saved first, as the window may overwrite its read slot) to slot wr[i] + t; then
  * token by token the fused decode step of the windows that reach position t, from slot
  * rd[i] (t = 0) or wr[i] + t - 1 to slot wr[i] + t, on rows gathered into scratch. */
-static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
+static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
 {
     const fw_kernels *kt = fw_kernels_get(L->gp.isa);
     const fw_tensor *qkv = L->qkv, *conv = &L->caches->conv;
     const int64_t n = s1 - s0, K = L->w->shape[1], dim = L->dim, R0 = L->qsl[s0], rn = L->qsl[s1] - R0;
-    const int64_t ga = L->kda ? L->nv * L->dk : L->nv, es = (int64_t)fw_dtype_size(qkv->dtype);
-    int32_t cu[LAYER_ROWS + 1], rdv[LAYER_ROWS], wrv[LAYER_ROWS];
+    const int64_t es = (int64_t)fw_dtype_size(qkv->dtype);
+    int32_t cu[LAYER_ROWS + 1];
     for (int64_t i = 0; i <= n; i++)
         cu[i] = L->qsl[s0 + i] - (int32_t)R0;
     fw_tensor x = gdn_conv_rows(qkv, R0, rn);
@@ -173,16 +186,11 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
     fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, NULL, NULL, &y, &L->cp);
     if (s)
         return s;
-    /* scratch: the read slots' conv rows, then per position the gathered rows and gates */
+    /* scratch: the read slots' conv rows */
     const int64_t km = K - 1 > 0 ? K - 1 : 0;
     float *init = malloc(sizeof(float) * (size_t)(n * km * dim + dim + 1));
-    const int64_t nvdv = L->nv * L->dv, oes = (int64_t)fw_dtype_size(L->out->dtype);
-    char *rows = malloc((size_t)(n * (dim * es + (ga + L->nv) * 4 + nvdv * oes) + nvdv * 4) + 1);
-    if (!init || !rows) {
-        free(init);
-        free(rows);
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate the speculative windows' scratch");
-    }
+    if (!init)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the speculative windows' conv scratch");
     float *row = init + n * km * dim;
     const int64_t cs1 = conv->stride[1], cs2 = conv->stride[2], ces = (int64_t)fw_dtype_size(conv->dtype);
     for (int64_t i = 0; i < n; i++)
@@ -210,6 +218,24 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
                              (char *)conv->data + ((L->wr[s0 + i] + t) * conv->stride[0] + j * cs1) * ces, conv->dtype, cs2);
             }
     free(init);
+    return FW_OK;
+}
+
+static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
+{
+    const fw_kernels *kt = fw_kernels_get(L->gp.isa);
+    const fw_tensor *qkv = L->qkv;
+    const int64_t n = s1 - s0, dim = L->dim, R0 = L->qsl[s0];
+    const int64_t ga = L->kda ? L->nv * L->dk : L->nv, es = (int64_t)fw_dtype_size(qkv->dtype);
+    int32_t rdv[LAYER_ROWS], wrv[LAYER_ROWS];
+    fw_status s = windows_conv(L, s0, s1);
+    if (s)
+        return s;
+    /* scratch: per position the gathered rows and gates */
+    const int64_t nvdv = L->nv * L->dv, oes = (int64_t)fw_dtype_size(L->out->dtype);
+    char *rows = malloc((size_t)(n * (dim * es + (ga + L->nv) * 4 + nvdv * oes) + nvdv * 4) + 1);
+    if (!rows)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the speculative windows' scratch");
     /* the recurrent state, position by position */
     char *qr = rows, *ar = qr + n * dim * es, *br = ar + n * ga * 4, *orow = br + n * L->nv * 4;
     float *otmp = (float *)(orow + n * nvdv * oes);
@@ -344,7 +370,7 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
         if (wr[i] < 0)
             s = fw_fail(FW_ERR_INDEX, "state_indices[%lld] is %d; every sequence writes a slot", (long long)i, (int)wr[i]);
     if (!s && spec) /* windows write a group of slots each */
-        s = check_window_slots(me, de, qsl, ridx, wr, slots);
+        s = gdn_check_window_slots(me, de, qsl, ridx, wr, slots);
     /* the conv's arguments (its slots are the pool's, checked above) */
     if (!s && (conv_weight->shape[0] != dim || K < 1 || K > FW_MAX_CONV_WIDTH))
         s = fw_fail(FW_ERR_SHAPE, "conv_weight is [%lld, %lld]; it must be [dim, K] = [%lld, 1..%d]",
@@ -405,6 +431,58 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
     return FW_OK;
 }
 
+/* The step: windows of at most LAYER_ROWS rows, the conv writing a window's rows into cbuf
+ * and the gated delta rule reading them there. With a replay plan P, the decodes (and
+ * windows) run ReplaySSM and every recurrent state written gets its bf16 shadow. */
+static fw_status layer_run(gdn_layer_prob *L, const gdn_replay_plan *P)
+{
+    const int64_t used = L->used, de = L->de, me = L->me, spec = L->spec, dim = L->dim;
+    const int32_t *qsl = L->qsl;
+    L->cbuf = malloc((size_t)(fw_min64(used, LAYER_ROWS) * dim) * fw_dtype_size(L->qkv->dtype) + 1);
+    if (!L->cbuf)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's %lld x %lld conv rows", (long long)used,
+                       (long long)dim);
+    fw_status s = FW_OK;
+    if (spec || P) { /* windows (or ReplaySSM decodes), in groups of at most LAYER_ROWS rows */
+        for (int64_t i = 0; i < de && !s;) {
+            int64_t j = i + 1;
+            while (j < de && qsl[j + 1] - qsl[i] <= LAYER_ROWS)
+                j++;
+            if (!P) {
+                s = layer_windows(L, i, j);
+            } else {
+                int32_t cu[LAYER_ROWS + 1];
+                s = spec ? windows_conv(L, i, j) : window_conv(L, i, j, 0, -1, cu);
+                if (!s)
+                    s = gdn_replay_run(L, P, i, j);
+            }
+            i = j;
+        }
+    }
+    for (int64_t d0 = 0; d0 < (spec || P ? 0 : de) && !s; d0 += LAYER_ROWS) /* decodes: whole sequences */
+        s = layer_window(L, d0, fw_min64(de, d0 + LAYER_ROWS), 0, -1, 1);
+    for (int64_t i = de; i < me && !s;) {
+        const int64_t len = qsl[i + 1] - qsl[i];
+        if (len > LAYER_ROWS) { /* a long sequence: pieces of LAYER_ROWS tokens, state carried */
+            for (int64_t u0 = 0; u0 < len && !s; u0 += LAYER_ROWS)
+                s = layer_window(L, i, i + 1, u0, fw_min64(len, u0 + LAYER_ROWS), 0);
+            i++;
+            continue;
+        }
+        int64_t j = i + 1; /* short ones together, up to LAYER_ROWS rows */
+        while (j < me && j - i < LAYER_ROWS && qsl[j + 1] - qsl[i] <= LAYER_ROWS)
+            j++;
+        s = layer_window(L, i, j, 0, -1, 0);
+        i = j;
+    }
+    for (int64_t i = de; P && i < me && !s; i++)
+        gdn_replay_shadow(L, P, L->wr[i]);
+    if (!s && L->zero_tail)
+        fw_gdn_layer_zero_tail(L);
+    free(L->cbuf);
+    return s;
+}
+
 fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
                        const fw_tensor *conv_weight, const fw_tensor *conv_bias,
                        const fw_tensor *a_log, const fw_tensor *dt_bias,
@@ -417,44 +495,29 @@ fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor
                                      params, 0);
     if (s)
         return s;
-    const int64_t used = L.used, de = L.de, me = L.me, spec = L.spec, dim = L.dim;
-    const int32_t *qsl = L.qsl;
-    L.cbuf = malloc((size_t)(fw_min64(used, LAYER_ROWS) * dim) * fw_dtype_size(qkv->dtype) + 1);
-    if (!L.cbuf) {
-        free((void *)L.ridx);
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's %lld x %lld conv rows", (long long)used,
-                       (long long)dim);
-    }
-    /* windows of at most LAYER_ROWS rows: the conv writes a window's rows into cbuf and the
-     * gated delta rule reads them there */
-    if (spec) { /* speculative windows, in groups of at most LAYER_ROWS rows */
-        for (int64_t i = 0; i < de && !s;) {
-            int64_t j = i + 1;
-            while (j < de && qsl[j + 1] - qsl[i] <= LAYER_ROWS)
-                j++;
-            s = layer_windows(&L, i, j);
-            i = j;
-        }
-    }
-    for (int64_t d0 = 0; d0 < (spec ? 0 : de) && !s; d0 += LAYER_ROWS) /* decodes: whole sequences */
-        s = layer_window(&L, d0, fw_min64(de, d0 + LAYER_ROWS), 0, -1, 1);
-    for (int64_t i = de; i < me && !s;) {
-        const int64_t len = qsl[i + 1] - qsl[i];
-        if (len > LAYER_ROWS) { /* a long sequence: pieces of LAYER_ROWS tokens, state carried */
-            for (int64_t u0 = 0; u0 < len && !s; u0 += LAYER_ROWS)
-                s = layer_window(&L, i, i + 1, u0, fw_min64(len, u0 + LAYER_ROWS), 0);
-            i++;
-            continue;
-        }
-        int64_t j = i + 1; /* short ones together, up to LAYER_ROWS rows */
-        while (j < me && j - i < LAYER_ROWS && qsl[j + 1] - qsl[i] <= LAYER_ROWS)
-            j++;
-        s = layer_window(&L, i, j, 0, -1, 0);
-        i = j;
-    }
-    if (!s && L.zero_tail)
-        fw_gdn_layer_zero_tail(&L);
+    s = layer_run(&L, NULL);
     free((void *)L.ridx);
-    free(L.cbuf);
+    return s;
+}
+
+fw_status fw_gdn_layer_replay(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                              const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                              const fw_tensor *a_log, const fw_tensor *dt_bias,
+                              const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                              const fw_gdn_replay *replay, const fw_tensor *out,
+                              const fw_gdn_layer_params *params)
+{
+    fw_clear_error();
+    gdn_layer_prob L;
+    gdn_replay_plan P;
+    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
+                                     params, 0);
+    if (s)
+        return s;
+    if (!(s = gdn_replay_check(&L, batch, replay, &P))) {
+        s = layer_run(&L, &P);
+        gdn_replay_free(&P);
+    }
+    free((void *)L.ridx);
     return s;
 }

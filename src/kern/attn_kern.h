@@ -1561,13 +1561,15 @@ static __attribute__((noinline)) void gdn_dec_update_tail(int cv, float *h, int6
  * 5.7-5.8 ms, where DRAM bandwidth bounds it).
  * The columns are independent, so threads can split them. */
 #define GDN_COLS 1024
-static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
-                         const float *k, const float *v, const float *decay, float beta, float kq,
-                         float *o)
+/* The fused step's two reads of the state, alone (ReplaySSM reads a checkpoint it does not
+ * update): a[c] = sum_r decay[r] k[r] h[r][c], b[c] = the same with q, for c in [c0, c1). */
+static void gdn_dec_reads(const float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+                          const float *k, const float *decay, float *a, float *b)
 {
-    float a[GDN_COLS], b[GDN_COLS], dl[GDN_COLS];
     const int n = c1 - c0, nv = n / VL * VL;
     h += c0;
+    a += c0;
+    b += c0;
     for (int c = 0; c < nv; c += GDN_CV * VL) {
         const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
         if (cv == GDN_CV)
@@ -1582,6 +1584,16 @@ static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const fl
             b[c] += decay[r] * q[r] * h[(size_t)r * ldh + c];
         }
     }
+}
+
+static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+                         const float *k, const float *v, const float *decay, float beta, float kq,
+                         float *o)
+{
+    float a[GDN_COLS], b[GDN_COLS], dl[GDN_COLS];
+    const int n = c1 - c0, nv = n / VL * VL;
+    h += c0;
+    gdn_dec_reads(h, ldh, dk, 0, n, q, k, decay, a, b);
     for (int c = 0; c < n; c++) {
         dl[c] = beta * (v[c0 + c] - a[c]);
         o[c0 + c] = b[c] + dl[c] * kq;
@@ -1734,6 +1746,7 @@ const fw_kernels FW_TABLE = {
     .tri_inv_fwd = tri_inv_fwd,
     .tri_inv_blocked = tri_inv_blocked,
     .gdn_dec_cols = gdn_dec_cols,
+    .gdn_dec_reads = gdn_dec_reads,
     .gdn_step4 = gdn_step4,
     .exp2_scale = exp2_scale,
     .kda_diag = kda_diag,

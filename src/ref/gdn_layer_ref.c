@@ -20,16 +20,24 @@ typedef struct {
  * caches; decode: the exact recurrence (the layer's fused step has no product roundings),
  * else the chunked pass's precision (fw_gdn_ref's same-roundings reference for bf16
  * products). */
+/* The conv's reference of rows [r0, r0 + n) of one sequence from conv slot rd to slot wr,
+ * into `rows` (qkv's dtype). */
+static fw_status ref_conv(const gdn_layer_prob *L, int64_t r0, int64_t n, int32_t rd, int32_t wr, void *rows)
+{
+    fw_tensor x = gdn_conv_rows(L->qkv, r0, n);
+    fw_tensor y = fw_tensor_contiguous(rows, L->qkv->dtype, 3, (int64_t[]){1, n, L->dim});
+    const int32_t cu[2] = {0, (int32_t)n};
+    fw_conv1d_state cin = {L->caches->conv, &rd, NULL}, cfin = {L->caches->conv, &wr, NULL};
+    return fw_conv1d_ref(&x, L->w, L->bias, cu, 1, &cin, &cfin, NULL, &y, &L->cp);
+}
+
 static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32_t rd, int32_t wr, int decode,
                            const piece_buf *B)
 {
     const fw_tensor *qkv = L->qkv;
     const int64_t dim = L->dim, ss = L->nv * L->dk * L->dv;
-    fw_tensor x = gdn_conv_rows(qkv, r0, n);
-    fw_tensor y = fw_tensor_contiguous(B->rows, qkv->dtype, 3, (int64_t[]){1, n, dim});
     const int32_t cu[2] = {0, (int32_t)n};
-    fw_conv1d_state cin = {L->caches->conv, &rd, NULL}, cfin = {L->caches->conv, &wr, NULL};
-    fw_status s = fw_conv1d_ref(&x, L->w, L->bias, cu, 1, &cin, &cfin, NULL, &y, &L->cp);
+    fw_status s = ref_conv(L, r0, n, rd, wr, B->rows);
     if (s)
         return s;
     fw_tensor y2 = fw_tensor_contiguous(B->rows, qkv->dtype, 2, (int64_t[]){n, dim});
@@ -53,6 +61,125 @@ static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32
     return s;
 }
 
+/* One ReplaySSM decode i in double (fw_gdn_layer_replay_ref): its conv rows (a window's token
+ * by token, a conv checkpoint after each), the checkpoint and committed records folded, the
+ * flushed checkpoint written, then the exact recurrence over its tokens, their records
+ * stored in the records' dtype. S: n_v d_k d_v doubles of scratch. */
+static fw_status ref_replay(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t i, const piece_buf *B,
+                            double *S)
+{
+    const int64_t r0 = L->qsl[i], n = L->qsl[i + 1] - r0, dim = L->dim, es = (int64_t)fw_dtype_size(L->qkv->dtype);
+    const int64_t nkq = L->nkq, nv = L->nv, dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, rr = nv / nkq;
+    const int64_t Lc = P->len[i], rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc;
+    const fw_tensor *rec = &P->R->records;
+    fw_status s = L->spec ? FW_OK : ref_conv(L, r0, n, L->ridx[i], L->wr[i], B->rows);
+    for (int64_t t = 0; L->spec && t < n && !s; t++)
+        s = ref_conv(L, r0 + t, 1, t ? L->wr[i] + (int32_t)t - 1 : L->ridx[i], L->wr[i] + (int32_t)t,
+                     (char *)B->rows + t * dim * es);
+    if (s)
+        return s;
+    fw_tensor y2 = fw_tensor_contiguous(B->rows, L->qkv->dtype, 2, (int64_t[]){n, dim});
+    fw_tensor q = gdn_rows_view(&y2, 0, n, 0, nkq, dk), k = gdn_rows_view(&y2, 0, n, nkq * dk, nkq, dk);
+    fw_tensor v = gdn_rows_view(&y2, 0, n, 2 * nkq * dk, nv, dv), o = gdn_rows_view(L->out, r0, n, 0, nv, dv);
+    fw_tensor tg = L->kda ? gdn_rows_view(L->a, r0, n, 0, nv, dk) : gdn_rows2(L->a, r0, n), tb = gdn_rows2(L->b, r0, n);
+    gdn_prob p;
+    if ((s = fw_gdn_check(&p, &q, &k, &v, &tg, &tb, NULL, 0, 0, &o, &L->gp, 1)))
+        return s;
+    /* the checkpoint, then the committed records: S = diag(e^g_j) S + k_j u_j^T */
+    const float *ck = rd >= 0 ? L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
+    for (int64_t e = 0; e < nv * dk * dv; e++)
+        S[e] = ck ? ck[e] : 0.0;
+    #define REC(slot, row, col) (((slot) * rec->stride[0] + (row) * rec->stride[1] + (col) * rec->stride[2]))
+    for (int64_t j = 0; j < Lc; j++)
+        for (int64_t vh = 0; vh < nv; vh++)
+            for (int64_t x = 0; x < dk; x++) {
+                const double dec = exp(fw_load_f64(rec, REC(rd, j, P->goff + vh * gw + (L->kda ? x : 0))));
+                const double kx = fw_load_f64(rec, REC(rd, j, P->koff + (vh / rr) * dk + x));
+                for (int64_t y = 0; y < dv; y++)
+                    S[(vh * dk + x) * dv + y] = dec * S[(vh * dk + x) * dv + y] +
+                                                kx * fw_load_f64(rec, REC(rd, j, vh * dv + y));
+            }
+    if (P->flush[i]) {
+        float *cw = L->caches->recurrent + wr * L->caches->recurrent_stride;
+        for (int64_t e = 0; e < nv * dk * dv; e++)
+            cw[e] = (float)S[e];
+        gdn_replay_shadow(L, P, wr);
+    }
+    /* the new tokens */
+    double qn[FW_MAX_HEAD_DIM], kn[FW_MAX_HEAD_DIM], u[FW_MAX_HEAD_DIM], g[FW_MAX_HEAD_DIM];
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t hk = 0; hk < nkq; hk++) {
+            double nq = 0, nk = 0;
+            for (int64_t x = 0; x < dk; x++) {
+                qn[x] = fw_load_f64(&q, t * q.stride[0] + hk * q.stride[1] + x * q.stride[2]);
+                kn[x] = fw_load_f64(&k, t * k.stride[0] + hk * k.stride[1] + x * k.stride[2]);
+                nq += qn[x] * qn[x];
+                nk += kn[x] * kn[x];
+            }
+            const double sq = p.scale / sqrt(nq + p.eps), sk = 1.0 / sqrt(nk + p.eps);
+            for (int64_t x = 0; x < dk; x++) {
+                qn[x] *= sq;
+                kn[x] *= sk;
+                fw_store_f64(rec, REC(wr, base + t, P->koff + hk * dk + x), kn[x]);
+            }
+            for (int64_t vh = hk * rr; vh < (hk + 1) * rr; vh++) {
+                double *Sh = S + vh * dk * dv;
+                for (int64_t x = 0; x < gw; x++) {
+                    g[x] = gate_g_at(&p, t, vh, x);
+                    fw_store_f64(rec, REC(wr, base + t, P->goff + vh * gw + x), g[x]);
+                }
+                const double beta = gate_beta(&p, t, vh);
+                for (int64_t y = 0; y < dv; y++) {
+                    double ks = 0;
+                    for (int64_t x = 0; x < dk; x++)
+                        ks += kn[x] * (Sh[x * dv + y] *= exp(g[L->kda ? x : 0]));
+                    u[y] = beta * (fw_load_f64(&v, t * v.stride[0] + vh * v.stride[1] + y * v.stride[2]) - ks);
+                    fw_store_f64(rec, REC(wr, base + t, vh * dv + y), u[y]);
+                }
+                for (int64_t y = 0; y < dv; y++) {
+                    double os = 0;
+                    for (int64_t x = 0; x < dk; x++)
+                        os += qn[x] * (Sh[x * dv + y] += kn[x] * u[y]);
+                    fw_store_f64(&o, t * o.stride[0] + vh * o.stride[1] + y * o.stride[2], os);
+                }
+            }
+        }
+    #undef REC
+    return FW_OK;
+}
+
+/* Both references: the plain layer (P NULL) or ReplaySSM decodes. */
+static fw_status layer_ref(gdn_layer_prob *L, const gdn_replay_plan *P)
+{
+    fw_status s = FW_OK;
+    int64_t longest = 1;
+    for (int64_t i = 0; i < L->me; i++)
+        longest = fw_max64(longest, L->qsl[i + 1] - L->qsl[i]);
+    const int64_t ss = L->nv * L->dk * L->dv;
+    piece_buf B = {malloc((size_t)(longest * L->dim) * fw_dtype_size(L->qkv->dtype)),
+                   malloc(sizeof(float) * (size_t)ss), malloc(sizeof(double) * (size_t)ss)};
+    if (!B.rows || !B.state || !B.fin)
+        s = fw_fail(FW_ERR_NOMEM, "cannot allocate the reference's scratch");
+    for (int64_t i = 0; i < L->me && !s; i++) {
+        const int64_t r0 = L->qsl[i], len = L->qsl[i + 1] - r0;
+        if (P && i < L->de)
+            s = ref_replay(L, P, i, &B, B.fin);
+        else if (L->spec && i < L->de) /* a window: slot wr + t holds the states after token t */
+            for (int64_t t = 0; t < len && !s; t++)
+                s = ref_piece(L, r0 + t, 1, t ? L->wr[i] + (int32_t)t - 1 : L->ridx[i], L->wr[i] + (int32_t)t, 1, &B);
+        else
+            s = ref_piece(L, r0, len, L->ridx[i], L->wr[i], i < L->de, &B);
+        if (!s && P && i >= L->de)
+            gdn_replay_shadow(L, P, L->wr[i]);
+    }
+    if (!s && L->zero_tail)
+        fw_gdn_layer_zero_tail(L);
+    free(B.rows);
+    free(B.state);
+    free(B.fin);
+    return s;
+}
+
 fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
                            const fw_tensor *conv_weight, const fw_tensor *conv_bias,
                            const fw_tensor *a_log, const fw_tensor *dt_bias, const fw_gdn_batch *batch,
@@ -65,27 +192,28 @@ fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_te
                                      params, 1);
     if (s)
         return s;
-    int64_t longest = 1;
-    for (int64_t i = 0; i < L.me; i++)
-        longest = fw_max64(longest, L.qsl[i + 1] - L.qsl[i]);
-    const int64_t ss = L.nv * L.dk * L.dv;
-    piece_buf B = {malloc((size_t)(longest * L.dim) * fw_dtype_size(qkv->dtype)),
-                   malloc(sizeof(float) * (size_t)ss), malloc(sizeof(double) * (size_t)ss)};
-    if (!B.rows || !B.state || !B.fin)
-        s = fw_fail(FW_ERR_NOMEM, "cannot allocate the reference's scratch");
-    for (int64_t i = 0; i < L.me && !s; i++) {
-        const int64_t r0 = L.qsl[i], len = L.qsl[i + 1] - r0;
-        if (L.spec && i < L.de) /* a window: slot wr + t holds the states after token t */
-            for (int64_t t = 0; t < len && !s; t++)
-                s = ref_piece(&L, r0 + t, 1, t ? L.wr[i] + (int32_t)t - 1 : L.ridx[i], L.wr[i] + (int32_t)t, 1, &B);
-        else
-            s = ref_piece(&L, r0, len, L.ridx[i], L.wr[i], i < L.de, &B);
+    s = layer_ref(&L, NULL);
+    free((void *)L.ridx);
+    return s;
+}
+
+fw_status fw_gdn_layer_replay_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                                  const fw_tensor *conv_weight, const fw_tensor *conv_bias,
+                                  const fw_tensor *a_log, const fw_tensor *dt_bias, const fw_gdn_batch *batch,
+                                  const fw_gdn_caches *caches, const fw_gdn_replay *replay, const fw_tensor *out,
+                                  const fw_gdn_layer_params *params)
+{
+    fw_clear_error();
+    gdn_layer_prob L;
+    gdn_replay_plan P;
+    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
+                                     params, 1);
+    if (s)
+        return s;
+    if (!(s = gdn_replay_check(&L, batch, replay, &P))) {
+        s = layer_ref(&L, &P);
+        gdn_replay_free(&P);
     }
-    if (!s && L.zero_tail)
-        fw_gdn_layer_zero_tail(&L);
-    free(B.rows);
-    free(B.state);
-    free(B.fin);
     free((void *)L.ridx);
     return s;
 }
