@@ -9,6 +9,10 @@ bf16 activations, float32 recurrent states, torch CPU tensors, 2 threads (--thre
   decode 64: the layer on 64 one-token decodes; bytes moved = recurrent states read and
     written (64 x 32 x 128 x 128 x 4 x 2) + conv states read and written (64 x 3 x 8192 x 2
     x 2); GB/s against the read bandwidth measured in the same run.
+  replay N (1 and 64): the same decodes through fused_conv1d_gdn_replay (window 16, f32
+    records) against fused_conv1d_gdn: a step with 8 committed records (it reads the f32
+    checkpoint and the records and writes one record), and a flushing step (16 committed:
+    it also folds them into the checkpoint and writes it with its bf16 shadow).
 Each figure: the median (and min-max) of --reps timed calls after one warm-up call.
 """
 
@@ -123,6 +127,31 @@ def main():
         gbps = nbytes / t_dec[0] / 1e9
         print(f"decode {N} seqs: {fmt(t_dec)}  {gbps:.1f} GB/s states moved = "
               f"{100 * gbps / bw.value:.0f}% of {bw.value:.1f} GB/s read bandwidth")
+        # ReplaySSM decodes against the plain ones
+        W, dim = 16, flywheel.replay_record_dim(NKQ, NV, D, D)
+        for N in (1, 64):
+            qkv, b, a, w, a_log, dt_bias, conv, rec = setup(N, N + 1, rng)
+            rec.normal_(0, 0.1)
+            qsl = np.arange(N + 1, dtype=np.int32)
+            seq_lens, sidx = np.full(N, 50, np.int32), np.arange(1, N + 1, dtype=np.int32)
+            dist = np.array([N, N, N], np.int32)
+            out = torch.empty(N, NV * D, dtype=torch.bfloat16)
+            shadow = torch.zeros(N + 1, NV, D, D, dtype=torch.bfloat16)
+            records = torch.randn(N + 1, W, dim) * 0.1
+            records[:, :, NV * D + NKQ * D:] = -records[:, :, NV * D + NKQ * D:].abs()
+            t_plain = timed(layer(args, qkv, b, a, w, a_log, dt_bias, conv, rec, qsl, seq_lens,
+                                  sidx, dist, out), args.reps * 4)
+            times = []
+            for committed in (8, W):
+                lens = np.full(N, committed, np.int32)
+                times.append(timed(lambda: flywheel.fused_conv1d_gdn_replay(
+                    qkv, b, a, conv, rec, shadow, records, w, None, a_log, dt_bias, qsl, sidx,
+                    dist, seq_lens, sidx, lens, n_kq=NKQ, n_v=NV, d_k=D, d_v=D, kernel_size=K,
+                    replay_window=W, out=out), args.reps * 4))
+            print(f"replay {N} seqs: plain decode {fmt(t_plain)}  replay step {fmt(times[0])}  "
+                  f"flush step {fmt(times[1])}  plain / replay = {t_plain[0] / times[0][0]:.2f}, "
+                  f"per step over a window of {W} = "
+                  f"{t_plain[0] / ((W - 1) * times[0][0] + times[1][0]) * W:.2f}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ from . import fla, tpu
 from .attention import (flash_attn_backward, flash_attn_func, flash_attn_varlen_backward,
                         flash_attn_varlen_func, flash_attn_with_kvcache)
 from .conv import causal_conv1d_fn, causal_conv1d_update
-from .layers import fused_conv1d_gdn, fused_conv1d_kda
+from .layers import (fused_conv1d_gdn, fused_conv1d_gdn_replay, fused_conv1d_kda,
+                     fused_conv1d_kda_replay, kda_replay_record_dim, next_replay_lens,
+                     replay_record_dim)
 from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                           gated_delta_rule_commit, gated_delta_rule_decode,
                           gated_delta_rule_prefill, gated_delta_rule_verify)
@@ -46,7 +48,8 @@ __all__ = [
     "causal_conv1d_update", "chunk_gated_delta_rule", "chunk_kda", "fla", "tpu",
     "flash_attn_backward", "flash_attn_func", "flash_attn_varlen_backward",
     "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_conv1d_gdn",
-    "fused_conv1d_kda",
+    "fused_conv1d_kda", "fused_conv1d_gdn_replay", "fused_conv1d_kda_replay", "replay_record_dim",
+    "kda_replay_record_dim", "next_replay_lens",
     "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
     "gated_delta_rule_verify",

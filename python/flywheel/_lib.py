@@ -218,6 +218,14 @@ class GdnCaches(ctypes.Structure):
     ]
 
 
+class GdnReplay(ctypes.Structure):
+    _fields_ = [
+        ("shadow", Tensor),
+        ("records", Tensor),
+        ("replay_lens", ctypes.c_void_p),
+    ]
+
+
 class GdnLayerParams(ctypes.Structure):
     _fields_ = [
         ("n_kq", ctypes.c_int32),
@@ -319,6 +327,10 @@ _SIGNATURES = {
     "fw_gdn_decode_pool": (ctypes.c_int, [_T, _T, _T, _T, _T, _P(GdnPool), _T, _P(GdnParams)]),
     "fw_gdn_layer": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _T, _P(GdnBatch), _P(GdnCaches), _T,
                                     _P(GdnLayerParams)]),
+    "fw_gdn_layer_replay": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _T, _P(GdnBatch),
+                                           _P(GdnCaches), _P(GdnReplay), _T,
+                                           _P(GdnLayerParams)]),
+    "fw_gdn_replay_record_dim": (_i64, [_i64, _i64, _i64, _i64, ctypes.c_int]),
     "fw_gdn_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
     "fw_kda_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
     "fw_gdn_verify": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _i64, _vp, _vp, _sz,

@@ -1,7 +1,9 @@
 """The original FlyWheel package's serving-layer calls for Gated DeltaNet and KDA (flywheel-tpu
-0.3's fused_conv1d_gdn and fused_conv1d_kda), on the C library's fw_gdn_layer: one call per
-layer per engine step over a ragged batch of decodes and prefills, both slot caches updated in
-place (numpy and torch) or returned as new arrays (JAX, which has no in-place update).
+0.3's fused_conv1d_gdn and fused_conv1d_kda, and their ReplaySSM forms fused_conv1d_gdn_replay
+and fused_conv1d_kda_replay with next_replay_lens), on the C library's fw_gdn_layer and
+fw_gdn_layer_replay: one call per layer per engine step over a ragged batch of decodes and
+prefills, the slot caches updated in place (numpy and torch) or returned as new arrays (JAX,
+which has no in-place update).
 """
 
 import numpy as np
@@ -59,6 +61,94 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
                   zero_initialize_out, precision, l2norm_eps, out, isa, None, False)
 
 
+def replay_record_dim(n_kq, n_v, d_k, d_v):
+    """Entries of one GDN replay record [u | k | g], the last axis of replay_state:
+    n_v d_v + n_kq d_k + n_v rounded up to 128 (flywheel-tpu's lane padding, never written)."""
+    return int(_lib.lib.fw_gdn_replay_record_dim(n_kq, n_v, d_k, d_v, 0))
+
+
+def kda_replay_record_dim(n_kq, n_v, d_k, d_v):
+    """Entries of one KDA replay record: n_v d_v + n_kq d_k + n_v d_k (a log decay per key
+    channel)."""
+    return int(_lib.lib.fw_gdn_replay_record_dim(n_kq, n_v, d_k, d_v, 1))
+
+
+def fused_conv1d_gdn_replay(qkv, b, a, conv_state, recurrent_state, recurrent_shadow,
+                            replay_state, conv_weight, conv_bias, a_log, dt_bias, query_start_loc,
+                            state_indices, distribution, seq_lens, read_state_indices,
+                            replay_lens, read_offsets=None, *, n_kq, n_v, d_k, d_v, kernel_size,
+                            replay_window=16, num_spec_tokens=0, zero_initialize_out=True,
+                            compute_precision=None, decode_tile_size=4, mixed_tile_size=128,
+                            compute_chunk_size=64, precision=None, l2norm_eps=None, out=None,
+                            isa=None):
+    """fused_conv1d_gdn whose decodes run ReplaySSM (flywheel-tpu's call of this name).
+
+    A decode sequence s keeps its state as the f32 checkpoint recurrent_state[slot] plus the
+    first replay_lens[s] records of replay_state[slot] (slot read_state_indices[s] when read,
+    state_indices[s] when written). A step computes its tokens' outputs from them without
+    forming the state and appends its tokens' records; it flushes (folds the committed
+    records into a new checkpoint, written with its bf16 shadow, and appends from row 0) when
+    they would not fit in replay_window, when it has no initial state, or when it reads and
+    writes different slots. next_replay_lens gives the committed records of the next step.
+    Speculative windows commit by moving replay_lens; only the conv keeps a checkpoint per
+    position (read at read_offsets). Prefills and mixed sequences run as in fused_conv1d_gdn
+    and write the shadow with their state.
+
+    recurrent_shadow [slots, n_v, d_k, d_v] bfloat16, written with every checkpoint (never
+    read here: the CPU reads the f32 checkpoint); replay_state [slots, replay_window,
+    replay_record_dim(n_kq, n_v, d_k, d_v)] float32 or bfloat16; replay_lens [num_seqs].
+    Any replay_window >= num_spec_tokens + 1 is taken (the original asks a multiple of 8).
+    Returns ((conv_state, recurrent_state, recurrent_shadow, replay_state), out).
+    """
+    if np.shape(a)[-1:] != (n_v,):
+        raise ValueError(f"a must be [T, n_v] = [T, {n_v}], got shape {tuple(np.shape(a))} (KDA's "
+                         "per-channel gate: fused_conv1d_kda_replay)")
+    return _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+                  query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
+                  read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
+                  zero_initialize_out, precision, l2norm_eps, out, isa, None, False,
+                  (recurrent_shadow, replay_state, replay_lens, replay_window))
+
+
+def fused_conv1d_kda_replay(qkv, b, g, conv_state, recurrent_state, recurrent_shadow,
+                            replay_state, conv_weight, conv_bias, a_log, dt_bias, query_start_loc,
+                            state_indices, distribution, seq_lens, read_state_indices,
+                            replay_lens, read_offsets=None, *, n_kq, n_v, d_k, d_v, kernel_size,
+                            replay_window=16, num_spec_tokens=0, zero_initialize_out=True,
+                            compute_precision=None, decode_tile_size=4, mixed_tile_size=128,
+                            compute_chunk_size=64, lower_bound=None, beta_is_activated=False,
+                            l2norm_eps=None, out=None, isa=None):
+    """fused_conv1d_kda whose decodes run ReplaySSM: the protocol of fused_conv1d_gdn_replay,
+    records of kda_replay_record_dim(n_kq, n_v, d_k, d_v) entries (a log decay per key
+    channel). Returns ((conv_state, recurrent_state, recurrent_shadow, replay_state), out)."""
+    if np.shape(g)[-1:] != (n_v * d_k,) or len(np.shape(g)) != 2:
+        raise ValueError(f"g must be [T, n_v d_k] = [T, {n_v * d_k}] (a raw gate per key "
+                         f"channel), got shape {tuple(np.shape(g))}")
+    return _layer(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+                  query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
+                  read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
+                  zero_initialize_out, None, l2norm_eps, out, isa, lower_bound,
+                  beta_is_activated, (recurrent_shadow, replay_state, replay_lens, replay_window))
+
+
+def next_replay_lens(replay_lens, query_start_loc, seq_lens, state_indices, read_state_indices,
+                     distribution, num_accepted, replay_window):
+    """Committed records of each sequence after a replay step that accepted num_accepted[s] of
+    its tokens (its query length without speculation): the committed ones plus the accepted,
+    or the accepted alone after a flush; 0 for prefills and mixed sequences. int32 numpy."""
+    lens = np.asarray(replay_lens, dtype=np.int64)
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    ql = qsl[1:] - qsl[:-1]
+    has_init = (np.asarray(seq_lens, dtype=np.int64) - ql) > 0
+    rd = np.asarray(read_state_indices, dtype=np.int64)
+    wr = np.asarray(state_indices, dtype=np.int64)
+    committed = np.where(has_init, lens, 0)
+    flush = (committed + ql > replay_window) | ~has_init | (rd != wr)
+    is_decode = np.arange(lens.size) < int(np.asarray(distribution)[0])
+    base = np.where(flush, 0, committed)
+    return np.where(is_decode, base + np.asarray(num_accepted, dtype=np.int64), 0).astype(np.int32)
+
+
 def fused_conv1d_kda(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
                      dt_bias, query_start_loc, state_indices, distribution, seq_lens,
                      read_state_indices, read_offsets=None, *, n_kq, n_v, d_k, d_v, kernel_size,
@@ -87,8 +177,9 @@ def fused_conv1d_kda(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_b
 def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
            query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
            read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens, zero_initialize_out,
-           precision, l2norm_eps, out, isa, lower_bound, beta_is_activated):
-    """fw_gdn_layer for both calls (a [T, n_v]: GDN; [T, n_v d_k]: KDA)."""
+           precision, l2norm_eps, out, isa, lower_bound, beta_is_activated, replay=None):
+    """fw_gdn_layer for both calls (a [T, n_v]: GDN; [T, n_v d_k]: KDA); with replay =
+    (shadow, records, replay_lens, replay_window), fw_gdn_layer_replay."""
     jax_in = _is_jax(qkv)
     qkv = T.float_array(qkv, "qkv")
     b, a = T.float_array(b, "b"), T.float_array(a, "a")
@@ -146,12 +237,32 @@ def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
         if not p.lower_bound < 0:
             raise ValueError(f"lower_bound must be negative, got {lower_bound}")
     p.beta_activated = 1 if beta_is_activated else 0
-    _lib.check(_lib.lib.fw_gdn_layer(T.describe(qkv), T.describe(b), T.describe(a), T.describe(w),
-                                     None if cb is None else T.describe(cb), T.describe(al),
-                                     T.describe(dtb), batch, caches, T.describe(o), p))
-    if conv_new or rec_jax:
+    args = (T.describe(qkv), T.describe(b), T.describe(a), T.describe(w),
+            None if cb is None else T.describe(cb), T.describe(al), T.describe(dtb), batch, caches)
+    if replay is None:
+        _lib.check(_lib.lib.fw_gdn_layer(*args, T.describe(o), p))
+    else:
+        shadow_in, records_in, lens_in, window = replay
+        shadow, shadow_new = _cache(shadow_in, "recurrent_shadow")
+        records, records_new = _cache(records_in, "replay_state")
+        lens = T.index_array(lens_in, "replay_lens")
+        if lens.shape != (n,):
+            raise ValueError(f"replay_lens must have num_seqs = {n} entries, got {lens.shape}")
+        if np.shape(records)[1:2] != (int(window),):
+            raise ValueError(f"replay_state must be [slots, replay_window, record_dim] with "
+                             f"replay_window {window}, got shape {tuple(np.shape(records))}")
+        r = _lib.GdnReplay()
+        r.shadow, r.records, r.replay_lens = T.describe(shadow), T.describe(records), T.ptr(lens)
+        _lib.check(_lib.lib.fw_gdn_layer_replay(*args, r, T.describe(o), p))
+    if conv_new or rec_jax or (replay is not None and (shadow_new or records_new)):
         import jax.numpy as jnp
         conv_out = jnp.asarray(conv) if conv_new else conv_state
         rec_out = jnp.asarray(rec) if rec_jax else recurrent_state
-        return (conv_out, rec_out), (jnp.asarray(o) if jax_in else o)
-    return (conv_state, recurrent_state), o
+        o = jnp.asarray(o) if jax_in else o
+        if replay is None:
+            return (conv_out, rec_out), o
+        return (conv_out, rec_out, jnp.asarray(shadow) if shadow_new else replay[0],
+                jnp.asarray(records) if records_new else replay[1]), o
+    if replay is None:
+        return (conv_state, recurrent_state), o
+    return (conv_state, recurrent_state, replay[0], replay[1]), o

@@ -1,8 +1,7 @@
 """The calls of the original FlyWheel package (flywheel-tpu 0.3, JAX Pallas kernels for TPU),
 with its signatures, layouts and return conventions, on flywheel's CPU kernels: the three
-attention calls below, and its serving-layer calls fused_conv1d_gdn and fused_conv1d_kda (the
-same functions as flywheel.fused_conv1d_gdn / _kda; fused_conv1d_gdn_replay and
-fused_conv1d_kda_replay raise NotImplementedError naming what to use instead).
+attention calls below, and its serving-layer calls fused_conv1d_gdn, fused_conv1d_kda,
+fused_conv1d_gdn_replay and fused_conv1d_kda_replay (the same functions as flywheel's).
 
     import flywheel.tpu as tpu
     out = tpu.flash_attn_func(q, k, v, causal=True)        # q [b, hq, sq, d]: head-major
@@ -71,27 +70,14 @@ import sys
 import numpy as np
 
 from . import attention as _attn
-from .layers import fused_conv1d_gdn, fused_conv1d_kda
+from .layers import (fused_conv1d_gdn, fused_conv1d_gdn_replay, fused_conv1d_kda,
+                     fused_conv1d_kda_replay)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "fused_conv1d_gdn", "fused_conv1d_kda", "fused_conv1d_gdn_replay",
            "fused_conv1d_kda_replay"]
 
 
-def _replay_refused(name):
-    def call(*args, **kwargs):
-        raise NotImplementedError(
-            f"{name} (the original's ReplaySSM decode with a bf16 shadow state and per-slot "
-            "record buffers) is not provided: use fused_conv1d_gdn / fused_conv1d_kda (their "
-            "speculative windows write per-token checkpoints as the original's do), or "
-            "flywheel.gated_delta_rule_verify / gated_delta_rule_commit (replay of kept deltas)")
-    call.__name__ = name
-    call.__doc__ = f"{name}: not provided; raises NotImplementedError saying what to use."
-    return call
-
-
-fused_conv1d_gdn_replay = _replay_refused("fused_conv1d_gdn_replay")
-fused_conv1d_kda_replay = _replay_refused("fused_conv1d_kda_replay")
 
 # flywheel's paged cache: any page size up to _MAX_PAGE
 _MAX_PAGE = 65536

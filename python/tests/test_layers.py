@@ -4,6 +4,7 @@ sequence), SiLU, the q/k/v split, the gates, and the gated delta rule from its r
 both caches' write slots, untouched slots and zeroed padding rows; bad batches refused with
 nothing written."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -297,3 +298,131 @@ def test_kda_layer_bad_gates_are_refused_with_nothing_written():
     with pytest.raises(FlywheelError, match="computed from a"):
         flywheel.fused_conv1d_kda(qkv, b, g, conv, rec, *args, **kw, out=out)
     assert np.array_equal(conv, conv0) and np.array_equal(rec, rec0) and (out == 7.0).all()
+
+
+# ------------------------------------------------------------------ ReplaySSM decodes --
+
+def _replay_step_inputs(rng, kda):
+    """One step of 3 decodes (slots 1, 2 in place; slot 3 read, slot 4 written: it flushes
+    every step) and padding: qkv, b, gate, qsl, seq_lens, sidx, read, dist."""
+    T = 5
+    qkv = rng.standard_normal((T, DIM)).astype(np.float32)
+    b = rng.standard_normal((T, NV)).astype(np.float32)
+    g = rng.standard_normal((T, NV * DK if kda else NV)).astype(np.float32)
+    qsl = np.array([0, 1, 2, 3], np.int32)
+    return qkv, b, g, qsl
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_replay_decodes_follow_the_plain_layer(kda):
+    """Eight steps of ReplaySSM decodes (window 4: records accumulate, then flush) give the
+    plain layer's outputs on the same tokens; every flushed checkpoint's shadow is its bf16;
+    next_replay_lens counts the records."""
+    rng = np.random.default_rng(11)
+    _, _, _, w, bias, a_log, _, conv, rec = inputs(rng, 1)
+    dt_bias = (rng.standard_normal(NV * DK if kda else NV) * 0.5).astype(np.float32)
+    call = flywheel.fused_conv1d_kda_replay if kda else flywheel.fused_conv1d_gdn_replay
+    plain = flywheel.fused_conv1d_kda if kda else flywheel.fused_conv1d_gdn
+    dim = (flywheel.kda_replay_record_dim if kda else flywheel.replay_record_dim)(NKQ, NV, DK, DV)
+    assert dim == NV * DV + NKQ * DK + (NV * DK if kda else 128)
+    W = 4
+    conv_p, rec_p = conv.copy(), rec.copy()
+    shadow = np.zeros((SLOTS, NV, DK, DV), ml_dtypes.bfloat16)
+    records = np.full((SLOTS, W, dim), np.nan, np.float32)   # never read past replay_lens
+    lens = np.zeros(3, np.int32)
+    sidx, read = np.array([1, 2, 4], np.int32), np.array([1, 2, 3], np.int32)
+    seq_lens, dist = np.array([9, 9, 9], np.int32), np.array([3, 3, 3], np.int32)
+    lb = {"lower_bound": -5.0} if kda else {}
+    flushed = 0
+    for step in range(8):
+        qkv, b, g, qsl = _replay_step_inputs(rng, kda)
+        (_, _), want = plain(qkv, b, g, conv_p, rec_p, w, bias, a_log, dt_bias, qsl, sidx, dist,
+                             seq_lens, read, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV, kernel_size=K, **lb)
+        before = rec.copy()
+        (c2, r2, s2, p2), o = call(qkv, b, g, conv, rec, shadow, records, w, bias, a_log, dt_bias,
+                                   qsl, sidx, dist, seq_lens, read, lens, n_kq=NKQ, n_v=NV,
+                                   d_k=DK, d_v=DV, kernel_size=K, replay_window=W, **lb)
+        assert c2 is conv and r2 is rec and s2 is shadow and p2 is records
+        assert np.abs(o - want).max() <= 1e-4 * (1 + np.abs(want).max()), step
+        assert np.array_equal(conv, conv_p)
+        for s in range(SLOTS):
+            if not np.array_equal(rec[s], before[s]):
+                flushed += 1
+                assert np.array_equal(shadow[s], rec[s].astype(ml_dtypes.bfloat16))
+        new = flywheel.next_replay_lens(lens, qsl, seq_lens, sidx, read, dist, [1, 1, 1], W)
+        assert new.dtype == np.int32
+        assert list(new) == [1 if lens[0] == W else lens[0] + 1,
+                             1 if lens[1] == W else lens[1] + 1, 1]
+        lens = new
+        conv_p[3], rec_p[3] = conv_p[4], rec_p[4]   # the prefix-slot decode reads back its copy
+        conv[3], rec[3] = conv[4], rec[4]
+        records[3], shadow[3] = records[4], shadow[4]
+    assert flushed >= 8 + 2     # slot 4 every step, slots 1 and 2 once their window filled
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_replay_on_bf16_torch_tensors():
+    """bf16 qkv, shadow and records as torch tensors: updated in place, outputs close to the
+    plain layer's (bf16 records round u, k and g once)."""
+    rng = np.random.default_rng(12)
+    _, _, _, w, bias, a_log, dt_bias, conv, rec = inputs(rng, 1)
+    dim = flywheel.replay_record_dim(NKQ, NV, DK, DV)
+    conv_t = torch.from_numpy(conv).to(torch.bfloat16)
+    conv_p, rec_p, rec_t = conv_t.clone(), rec.copy(), torch.from_numpy(rec.copy())
+    shadow = torch.zeros(SLOTS, NV, DK, DV, dtype=torch.bfloat16)
+    records = torch.zeros(SLOTS, 8, dim, dtype=torch.bfloat16)
+    lens = np.zeros(3, np.int32)
+    sidx = read = np.array([1, 2, 3], np.int32)
+    seq_lens, dist = np.array([9, 9, 1], np.int32), np.array([3, 3, 3], np.int32)
+    for step in range(5):
+        qkv, b, g, qsl = _replay_step_inputs(rng, False)
+        tq = torch.from_numpy(qkv).to(torch.bfloat16)
+        (_, _), want = flywheel.fused_conv1d_gdn(tq, b, g, conv_p, rec_p, w, bias, a_log, dt_bias,
+                                                 qsl, sidx, dist, seq_lens, read, n_kq=NKQ,
+                                                 n_v=NV, d_k=DK, d_v=DV, kernel_size=K)
+        (c2, r2, s2, p2), o = flywheel.fused_conv1d_gdn_replay(
+            tq, b, g, conv_t, rec_t, shadow, records, w, bias, a_log, dt_bias, qsl, sidx, dist,
+            seq_lens, read, lens, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV, kernel_size=K,
+            replay_window=8)
+        assert o.dtype == torch.bfloat16 and s2 is shadow and p2 is records and r2 is rec_t
+        assert np.abs(as64(o) - as64(want)).max() <= 0.05 * (1 + np.abs(as64(want)).max())
+        assert torch.equal(conv_t, conv_p)
+        lens = flywheel.next_replay_lens(lens, qsl, seq_lens, sidx, read, dist, [1, 1, 1], 8)
+        seq_lens = seq_lens + 1
+    assert records[1, :5].abs().sum() > 0 and records[1, 5:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("case", ["replay_lens past the window", "records of the wrong width",
+                                  "replay_window not the records'", "shadow not bf16",
+                                  "replay_lens of the wrong length"])
+def test_bad_replay_input_is_refused_with_nothing_written(case):
+    rng = np.random.default_rng(13)
+    _, _, _, w, bias, a_log, dt_bias, conv, rec = inputs(rng, 1)
+    qkv, b, g, qsl = _replay_step_inputs(rng, False)
+    dim = flywheel.replay_record_dim(NKQ, NV, DK, DV)
+    bf = ml_dtypes.bfloat16
+    shadow = np.zeros((SLOTS, NV, DK, DV), bf)
+    records = np.zeros((SLOTS, 4, dim), np.float32)
+    lens, window = np.array([1, 1, 1], np.int32), 4
+    if case == "replay_lens past the window":
+        lens[1] = 5
+    elif case == "records of the wrong width":
+        records = np.zeros((SLOTS, 4, dim - 1), np.float32)
+    elif case == "replay_window not the records'":
+        window = 8
+    elif case == "shadow not bf16":
+        shadow = np.zeros((SLOTS, NV, DK, DV), np.float32)
+    else:
+        lens = np.array([1, 1], np.int32)
+    saved = [x.copy() for x in (conv, rec, shadow, records)]
+    out = np.full((qkv.shape[0], NV * DV), 7.0, np.float32)
+    with pytest.raises((ValueError, TypeError)):
+        flywheel.fused_conv1d_gdn_replay(qkv, b, g, conv, rec, shadow, records, w, bias, a_log,
+                                         dt_bias, qsl, np.array([1, 2, 3], np.int32),
+                                         np.array([3, 3, 3], np.int32), np.array([9, 9, 9], np.int32),
+                                         np.array([1, 2, 3], np.int32), lens, n_kq=NKQ, n_v=NV,
+                                         d_k=DK, d_v=DV, kernel_size=K, replay_window=window,
+                                         out=out)
+    for x, y in zip((conv, rec, shadow, records), saved):
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    assert (out == 7.0).all()

@@ -591,14 +591,12 @@ def test_rows_with_no_visible_key_give_zero_and_neg_inf():
 
 
 def test_the_original_serving_layer_names():
-    """flywheel.tpu carries the original's seven calls: the layers are flywheel's, the replay
-    variants refuse, saying what to use."""
+    """flywheel.tpu carries the original's seven calls: the layers (and their ReplaySSM forms)
+    are flywheel's."""
     import flywheel
-    assert tpu.fused_conv1d_gdn is flywheel.fused_conv1d_gdn
-    assert tpu.fused_conv1d_kda is flywheel.fused_conv1d_kda
-    for name in ("fused_conv1d_gdn_replay", "fused_conv1d_kda_replay"):
-        with pytest.raises(NotImplementedError, match="gated_delta_rule_verify"):
-            getattr(tpu, name)(None)
+    for name in ("fused_conv1d_gdn", "fused_conv1d_kda", "fused_conv1d_gdn_replay",
+                 "fused_conv1d_kda_replay"):
+        assert getattr(tpu, name) is getattr(flywheel, name)
     assert set(tpu.__all__) >= {"flash_attn_func", "flash_attn_varlen_func",
                                 "flash_attn_with_kvcache", "fused_conv1d_gdn",
                                 "fused_conv1d_gdn_replay", "fused_conv1d_kda",

@@ -160,11 +160,12 @@ static void replay_item(void *vctx, int64_t it, int tid)
     const gdn_prob *p = &c->p;
     const fw_kernels *kt = c->kt;
     const int64_t i = c->s0 + it / L->nkq, hk = it % L->nkq, r = L->nv / L->nkq;
-    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1;
+    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, dvp = (dv + kt->vl - 1) / kt->vl * kt->vl;
     const int64_t n = L->qsl[i + 1] - L->qsl[i], r0 = L->qsl[i] - c->R0, Lc = P->len[i], W = P->window;
     const int64_t rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc;
     float *Kr = c->ws + (size_t)tid * c->ws_stride, *qn = Kr + W * dk, *kn = qn + n * dk, *ur = kn + n * dk;
-    float *gr = ur + W * dv, *gn = gr + W * gw, *un = gn + n * gw, *a = un + n * dv, *b = a + dv, *row = b + dv;
+    float *Kt = ur + W * dvp, *ST = Kt + dk * W, *zero = ST + dk * dvp; /* the flush's product */
+    float *gr = zero + dvp, *gn = gr + W * gw, *un = gn + n * gw, *a = un + n * dv, *b = a + dv, *row = b + dv;
     float *d = row + fw_max64(dk, dv), *e = d + dk, *tmp = e + dk, *gnat = tmp + dk;
     for (int64_t j = 0; j < Lc; j++)
         rec_load(c, rd, j, P->koff + hk * dk, dk, Kr + j * dk);
@@ -177,7 +178,8 @@ static void replay_item(void *vctx, int64_t it, int tid)
     for (int64_t vh = hk * r; vh < (hk + 1) * r; vh++) {
         /* the committed records of this head: u, and the cumulative log2 decays */
         for (int64_t j = 0; j < Lc; j++) {
-            rec_load(c, rd, j, vh * dv, dv, ur + j * dv);
+            rec_load(c, rd, j, vh * dv, dv, ur + j * dvp);
+            memset(ur + j * dvp + dv, 0, sizeof(float) * (size_t)(dvp - dv));
             rec_load(c, rd, j, P->goff + vh * gw, gw, gr + j * gw);
             for (int64_t x = 0; x < gw; x++)
                 gr[j * gw + x] = (float)(gr[j * gw + x] * FW_LOG2E) + (j ? gr[(j - 1) * gw + x] : 0.0f);
@@ -214,7 +216,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
             for (int64_t j = 0; j < Lc + t; j++) {
                 const int new_tok = j >= Lc;
                 const float *kj = new_tok ? kn + (j - Lc) * dk : Kr + j * dk;
-                const float *uj = new_tok ? un + (j - Lc) * dv : ur + j * dv;
+                const float *uj = new_tok ? un + (j - Lc) * dv : ur + j * dvp;
                 const float *g0 = new_tok ? gn + (j - Lc) * gw : gr + j * gw; /* G_j, on e's scale */
                 float ck, cq;
                 if (L->kda) {
@@ -247,19 +249,33 @@ static void replay_item(void *vctx, int64_t it, int tid)
             }
             kt->from_f32(b, dv, (char *)at(p->out, r0 + t, vh), p->out->dtype, p->out->stride[2]);
         }
-        /* a flush folds the committed records into the checkpoint of the write slot (rows in
-         * order: row x is read before it is written, so the read slot may be the write slot) */
+        /* a flush folds the committed records into the checkpoint of the write slot:
+         * 2^Gt S + Kt U, Kt [dk][Lc] the keys decayed to the last record, by the table's qk
+         * (rows in order: row x is read before it is written, so the read slot may be the
+         * write slot) */
         if (P->flush[i]) {
-            for (int64_t x = 0; x < dk; x++) {
-                const int64_t ch = L->kda ? x : 0;
-                const float et = exp2f(Gt ? Gt[ch] : 0.0f);
-                for (int64_t y = 0; y < dv; y++)
-                    row[y] = ckpt ? et * ckpt[head + x * dv + y] : 0.0f;
+            if (Lc) {
                 for (int64_t j = 0; j < Lc; j++) {
-                    const float w = Kr[j * dk + x] * exp2f(Gt[ch] - gr[j * gw + ch]);
-                    for (int64_t y = 0; y < dv; y++)
-                        row[y] += w * ur[j * dv + y];
+                    if (L->kda) {
+                        kt->exp2_scale((int)dk, Kr + j * dk, Gt, gr + j * gw, tmp);
+                    } else {
+                        const float w = exp2f(Gt[0] - gr[j]);
+                        for (int64_t x = 0; x < dk; x++)
+                            tmp[x] = w * Kr[j * dk + x];
+                    }
+                    for (int64_t x = 0; x < dk; x++)
+                        Kt[x * Lc + j] = tmp[x];
                 }
+                memset(zero, 0, sizeof(float) * (size_t)dvp);
+                kt->qk((int)dk, (int)Lc, (int)dvp, Kt, Lc, ur, zero, ST);
+            }
+            for (int64_t x = 0; x < gw; x++)
+                e[x] = Gt ? Gt[x] : 0.0f;
+            kt->exp2_inplace(e, gw);
+            for (int64_t x = 0; x < dk; x++) {
+                const float et = e[L->kda ? x : 0];
+                for (int64_t y = 0; y < dv; y++)
+                    row[y] = (ckpt ? et * ckpt[head + x * dv + y] : 0.0f) + (Lc ? ST[x * dvp + y] : 0.0f);
                 memcpy(out_state + head + x * dv, row, sizeof(float) * (size_t)dv);
             }
             const fw_tensor *sh = &P->R->shadow;
@@ -301,8 +317,10 @@ fw_status gdn_replay_run(const gdn_layer_prob *L, const gdn_replay_plan *P, int6
     for (int64_t i = s0; i < s1; i++)
         nmax = fw_max64(nmax, L->qsl[i + 1] - L->qsl[i]);
     const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, W = P->window;
-    /* Kr, ur, gr: W rows; qn, kn, gn, un, gnat: nmax rows; a, b, row, d, e, tmp */
-    c.ws_stride = (size_t)(W * (dk + dv + gw) + nmax * (2 * dk + dv + 2 * gw) + 2 * dv + fw_max64(dk, dv) + 3 * dk + 16);
+    const int64_t dvp = (dv + c.kt->vl - 1) / c.kt->vl * c.kt->vl;
+    /* Kr, ur, Kt, gr: W rows; ST, zero; qn, kn, gn, un, gnat: nmax rows; a, b, row, d, e, tmp */
+    c.ws_stride = (size_t)(W * (2 * dk + dvp + gw) + (dk + 1) * dvp + nmax * (2 * dk + dv + 2 * gw) + 2 * dv +
+                           fw_max64(dk, dv) + 3 * dk + 16);
     const int threads = fw_threads(L->gp.threads);
     if (!(c.ws = malloc((size_t)threads * c.ws_stride * sizeof(float))))
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the replay workspace");
