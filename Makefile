@@ -252,7 +252,7 @@ test-baseline: build
 
 # ---- fuzzing ----
 FUZZ_SECONDS ?= 55
-FUZZ_HARNESSES ?= attn kvcache gdn conv diff
+FUZZ_HARNESSES ?= attn kvcache gdn conv diff layer
 
 .PHONY: fuzz fuzz-build fuzz-python
 

@@ -19,14 +19,15 @@ set_property(SOURCE src/kern/portable.c src/kern/avx2.c src/kern/avx512.c src/ke
   APPEND PROPERTY COMPILE_OPTIONS -fno-sanitize-coverage=trace-cmp)
 add_library(flywheel_fuzz STATIC ${FW_FUZZ_LIB_SOURCES})
 target_compile_options(flywheel_fuzz PRIVATE -fsanitize=fuzzer-no-link ${FW_SAN} -O1)
-add_library(flywheel_fuzz_ref STATIC src/ref/attn_ref.c src/ref/gdn_ref.c src/ref/conv_ref.c tests/test_util.c
+add_library(flywheel_fuzz_ref STATIC src/ref/attn_ref.c src/ref/gdn_ref.c src/ref/conv_ref.c
+  src/ref/gdn_layer_ref.c tests/test_util.c
   fuzz/fuzz_util.c)
 target_compile_options(flywheel_fuzz_ref PRIVATE ${FW_SAN} -O2)
 foreach(t flywheel_fuzz flywheel_fuzz_ref)
   target_include_directories(${t} PUBLIC include src tests fuzz)
   target_link_libraries(${t} PUBLIC Threads::Threads m)
 endforeach()
-foreach(h attn kvcache gdn conv diff)
+foreach(h attn kvcache gdn conv diff layer)
   if(EXISTS ${PROJECT_SOURCE_DIR}/fuzz/fuzz_${h}.c)
     add_executable(fuzz_${h} fuzz/fuzz_${h}.c)
     target_compile_options(fuzz_${h} PRIVATE -fsanitize=fuzzer ${FW_SAN} -O1)

@@ -3,13 +3,13 @@
 # committed seed corpus (fuzz/corpus/NAME) and its regression inputs (fuzz/regress/NAME; every
 # finding is kept there). New corpus entries go to BUILD_DIR/fuzz-corpus/NAME, findings to
 # BUILD_DIR/fuzz-findings/. Prints one line per harness with the executions it ran clean and
-# exits non-zero if any harness found something. Harnesses: attn kvcache gdn conv diff (default all).
+# exits non-zero if any harness found something. Harnesses: attn kvcache gdn conv diff layer (default all).
 set -uo pipefail
 build=$1
 seconds=$2
 shift 2
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(attn kvcache gdn conv diff)
+[ ${#names[@]} -gt 0 ] || names=(attn kvcache gdn conv diff layer)
 src=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$build/fuzz-findings"
 status=0

@@ -233,12 +233,16 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
         return s;
     /* scratch: per position the gathered rows and gates */
     const int64_t nvdv = L->nv * L->dv, oes = (int64_t)fw_dtype_size(L->out->dtype);
-    char *rows = malloc((size_t)(n * (dim * es + (ga + L->nv) * 4 + nvdv * oes) + nvdv * 4) + 1);
+    /* rows (qkv's dtype), gates (f32), out rows (out's dtype), one f32 row: each part 64-byte
+     * aligned, so the f32 ones are aligned whatever the 2-byte parts' lengths */
+    const int64_t rb = (n * dim * es + 63) / 64 * 64, gb = (n * (ga + L->nv) * 4 + 63) / 64 * 64;
+    const int64_t ob = (n * nvdv * oes + 63) / 64 * 64;
+    char *rows = aligned_alloc(64, (size_t)(rb + gb + ob + (nvdv * 4 + 63) / 64 * 64));
     if (!rows)
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the speculative windows' scratch");
     /* the recurrent state, position by position */
-    char *qr = rows, *ar = qr + n * dim * es, *br = ar + n * ga * 4, *orow = br + n * L->nv * 4;
-    float *otmp = (float *)(orow + n * nvdv * oes);
+    char *qr = rows, *ar = qr + rb, *br = ar + n * ga * 4, *orow = ar + gb;
+    float *otmp = (float *)(orow + ob);
     for (int64_t t = 0; !s; t++) {
         int64_t na = 0;
         int32_t who[LAYER_ROWS];

@@ -31,16 +31,50 @@ static fw_status ref_conv(const gdn_layer_prob *L, int64_t r0, int64_t n, int32_
     return fw_conv1d_ref(&x, L->w, L->bias, cu, 1, &cin, &cfin, NULL, &y, &L->cp);
 }
 
+/* A speculative window i: the conv's reference over its rows from conv slot ridx[i] into
+ * `rows` (as one sequence: token t's taps are the window's raw rows, not a checkpoint read
+ * back in the cache's dtype), then the checkpoint after each token t to conv slot wr[i] + t:
+ * the K-1 raw rows ending there, from the read slot's rows (saved first: the window may write
+ * its read slot) and the window's. */
+static fw_status ref_window_conv(const gdn_layer_prob *L, int64_t i, void *rows)
+{
+    const fw_tensor *qkv = L->qkv, *conv = &L->caches->conv;
+    const int64_t r0 = L->qsl[i], n = L->qsl[i + 1] - r0, km = L->w->shape[1] - 1, dim = L->dim;
+    fw_tensor x = gdn_conv_rows(qkv, r0, n);
+    fw_tensor y = fw_tensor_contiguous(rows, qkv->dtype, 3, (int64_t[]){1, n, dim});
+    const int32_t cu[2] = {0, (int32_t)n}, rd = L->ridx[i];
+    fw_conv1d_state cin = {*conv, &rd, NULL};
+    fw_status s = fw_conv1d_ref(&x, L->w, L->bias, cu, 1, &cin, NULL, NULL, &y, &L->cp);
+    double *init = malloc(sizeof(double) * (size_t)(km * dim + 1));
+    if (!s && !init)
+        s = fw_fail(FW_ERR_NOMEM, "cannot allocate the reference's conv rows");
+    for (int64_t j = 0; j < km * dim && !s; j++)
+        init[j] = rd < 0 ? 0.0 : fw_load_f64(conv, rd * conv->stride[0] + (j / dim) * conv->stride[1] +
+                                                       (j % dim) * conv->stride[2]);
+    for (int64_t t = 0; t < n && !s; t++)
+        for (int64_t j = 0; j < km; j++)
+            for (int64_t c = 0; c < dim; c++) {
+                const int64_t e = t + 1 + j; /* entry of [init | window] */
+                const double v = e < km ? init[e * dim + c]
+                                        : fw_load_f64(qkv, (r0 + e - km) * qkv->stride[0] + c * qkv->stride[1]);
+                fw_store_f64(conv, (L->wr[i] + t) * conv->stride[0] + j * conv->stride[1] + c * conv->stride[2], v);
+            }
+    free(init);
+    return s;
+}
+
+/* Rows [r0, r0 + n) of one sequence from slot rd to slot wr: the conv's (unless `rows` holds
+ * them already), then the core's. */
 static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32_t rd, int32_t wr, int decode,
-                           const piece_buf *B)
+                           const piece_buf *B, const void *rows)
 {
     const fw_tensor *qkv = L->qkv;
     const int64_t dim = L->dim, ss = L->nv * L->dk * L->dv;
     const int32_t cu[2] = {0, (int32_t)n};
-    fw_status s = ref_conv(L, r0, n, rd, wr, B->rows);
+    fw_status s = rows ? FW_OK : ref_conv(L, r0, n, rd, wr, B->rows);
     if (s)
         return s;
-    fw_tensor y2 = fw_tensor_contiguous(B->rows, qkv->dtype, 2, (int64_t[]){n, dim});
+    fw_tensor y2 = fw_tensor_contiguous(rows ? (void *)rows : B->rows, qkv->dtype, 2, (int64_t[]){n, dim});
     fw_tensor q = gdn_rows_view(&y2, 0, n, 0, L->nkq, L->dk);
     fw_tensor k = gdn_rows_view(&y2, 0, n, L->nkq * L->dk, L->nkq, L->dk);
     fw_tensor v = gdn_rows_view(&y2, 0, n, 2 * L->nkq * L->dk, L->nv, L->dv);
@@ -68,14 +102,11 @@ static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32
 static fw_status ref_replay(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t i, const piece_buf *B,
                             double *S)
 {
-    const int64_t r0 = L->qsl[i], n = L->qsl[i + 1] - r0, dim = L->dim, es = (int64_t)fw_dtype_size(L->qkv->dtype);
+    const int64_t r0 = L->qsl[i], n = L->qsl[i + 1] - r0, dim = L->dim;
     const int64_t nkq = L->nkq, nv = L->nv, dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, rr = nv / nkq;
     const int64_t Lc = P->len[i], rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc;
     const fw_tensor *rec = &P->R->records;
-    fw_status s = L->spec ? FW_OK : ref_conv(L, r0, n, L->ridx[i], L->wr[i], B->rows);
-    for (int64_t t = 0; L->spec && t < n && !s; t++)
-        s = ref_conv(L, r0 + t, 1, t ? L->wr[i] + (int32_t)t - 1 : L->ridx[i], L->wr[i] + (int32_t)t,
-                     (char *)B->rows + t * dim * es);
+    fw_status s = L->spec ? ref_window_conv(L, i, B->rows) : ref_conv(L, r0, n, L->ridx[i], L->wr[i], B->rows);
     if (s)
         return s;
     fw_tensor y2 = fw_tensor_contiguous(B->rows, L->qkv->dtype, 2, (int64_t[]){n, dim});
@@ -164,11 +195,14 @@ static fw_status layer_ref(gdn_layer_prob *L, const gdn_replay_plan *P)
         const int64_t r0 = L->qsl[i], len = L->qsl[i + 1] - r0;
         if (P && i < L->de)
             s = ref_replay(L, P, i, &B, B.fin);
-        else if (L->spec && i < L->de) /* a window: slot wr + t holds the states after token t */
+        else if (L->spec && i < L->de) { /* a window: slot wr + t holds the states after token t */
+            s = ref_window_conv(L, i, B.rows);
             for (int64_t t = 0; t < len && !s; t++)
-                s = ref_piece(L, r0 + t, 1, t ? L->wr[i] + (int32_t)t - 1 : L->ridx[i], L->wr[i] + (int32_t)t, 1, &B);
-        else
-            s = ref_piece(L, r0, len, L->ridx[i], L->wr[i], i < L->de, &B);
+                s = ref_piece(L, r0 + t, 1, t ? L->wr[i] + (int32_t)t - 1 : L->ridx[i], L->wr[i] + (int32_t)t, 1, &B,
+                              (char *)B.rows + t * L->dim * (int64_t)fw_dtype_size(L->qkv->dtype));
+        } else {
+            s = ref_piece(L, r0, len, L->ridx[i], L->wr[i], i < L->de, &B, NULL);
+        }
         if (!s && P && i >= L->de)
             gdn_replay_shadow(L, P, L->wr[i]);
     }
