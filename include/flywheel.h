@@ -567,8 +567,9 @@ FW_API fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, cons
  * The caller commits with next_replay_lens: committed + accepted tokens, or accepted alone
  * after a flush.
  *   shadow [slots, n_v, d_k, d_v] bf16: the checkpoint's bf16 copy, written with every
- *     checkpoint the layer writes (prefills included); never read here (this CPU reads the
- *     f32 checkpoint)
+ *     checkpoint the layer writes (prefills included); with bf16 products (params->precision,
+ *     FW_PREC_AUTO: bf16 for bf16 qkv) the decodes read it instead of the f32 checkpoint, as
+ *     the original's do (its dots round the state to bf16); a flush folds the f32 checkpoint
  *   records [slots, window, fw_gdn_replay_record_dim(...)] f32 | bf16, window >= 1 and
  *     >= num_spec_tokens + 1
  *   replay_lens [n_seqs] (decodes read theirs: 0 .. window)

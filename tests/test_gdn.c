@@ -350,15 +350,20 @@ static void test_decode_step(void)
         for (int x = 0; x < DK; x++)
             kq += (double)k[x] * q[x];
         kt->gdn_dec_cols(h, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, o);
-        static float ra[LDH], rb[LDH]; /* the two reads alone (ReplaySSM's), of the same h */
+        /* the two reads alone (ReplaySSM's), of the same h and of its bf16 copy */
+        static float ra[LDH], rb[LDH], xa[LDH], xb[LDH];
+        static uint16_t hb[DK * LDH];
         for (int c = 0; c < LDH; c++)
-            ra[c] = rb[c] = 7.0f;
-        kt->gdn_dec_reads(h0, LDH, DK, c0, c1, q, k, al, ra, rb);
+            ra[c] = rb[c] = xa[c] = xb[c] = 7.0f;
+        for (int i = 0; i < DK * LDH; i++)
+            hb[i] = fw_f32_to_bf16(h0[i]);
+        kt->gdn_dec_reads(h0, FW_F32, LDH, DK, c0, c1, q, k, al, ra, rb);
+        kt->gdn_dec_reads(hb, FW_BF16, LDH, DK, c0, c1, q, k, al, xa, xb);
         double eo = 0, eh = 0, er = 0;
         int outside = 1;
         for (int c = 0; c < LDH; c++) {
             if (c < c0 || c >= c1) {
-                outside &= o[c] == 7.0f && ra[c] == 7.0f && rb[c] == 7.0f;
+                outside &= o[c] == 7.0f && ra[c] == 7.0f && rb[c] == 7.0f && xa[c] == 7.0f && xb[c] == 7.0f;
                 for (int r = 0; r < DK; r++)
                     outside &= h[r * LDH + c] == h0[r * LDH + c];
                 continue;
@@ -369,7 +374,13 @@ static void test_decode_step(void)
                 b += (double)al[r] * q[r] * h0[r * LDH + c];
                 sa += fabs((double)q[r] * h0[r * LDH + c]) + fabs((double)k[r] * h0[r * LDH + c]);
             }
-            er = fmax(er, fmax(fabs(ra[c] - a), fabs(rb[c] - b)) / (1 + sa));
+            double ab = 0, bb = 0;
+            for (int r = 0; r < DK; r++) {
+                ab += (double)al[r] * k[r] * fw_bf16_to_f32(hb[r * LDH + c]);
+                bb += (double)al[r] * q[r] * fw_bf16_to_f32(hb[r * LDH + c]);
+            }
+            er = fmax(er, fmax(fmax(fabs(ra[c] - a), fabs(rb[c] - b)), fmax(fabs(xa[c] - ab), fabs(xb[c] - bb))) /
+                              (1 + sa));
             const double dl = beta * (v[c] - a), want = b + dl * kq;
             eo = fmax(eo, fabs(o[c] - want) / (1 + sa + fabs(want)));
             for (int r = 0; r < DK; r++)

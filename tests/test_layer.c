@@ -347,6 +347,7 @@ static const lbatch replay_spec_step = {
 typedef struct {
     fw_dtype dt, rdt; /* qkv's dtype, the records' */
     int kda, spec;
+    int prec; /* FW_PREC_BF16: the decodes read the bf16 shadow */
 } rcase;
 
 typedef struct {
@@ -371,7 +372,9 @@ static void rstate_new(rstate *x, const linputs *in, const rcase *c, int64_t rdi
         for (int64_t j = 0; j < RW; j++)
             for (int64_t g = goff; g < rdim; g++)
                 fw_store_f64(&x->r.records, (sl * RW + j) * rdim + g, -fabs(fw_load_f64(&x->r.records, (sl * RW + j) * rdim + g)));
-    tfill_normal(&x->r.shadow, 0.1);
+    for (int64_t sl = 0; sl < SLOTS; sl++) /* each shadow the bf16 of its checkpoint */
+        for (int64_t e = 0; e < SS; e++)
+            ((uint16_t *)x->shadow.p)[sl * SS + e] = fw_f32_to_bf16(in->rec0[sl * RSTRIDE + e]);
 }
 
 static void rstate_copy(rstate *dst, const rstate *src)
@@ -402,8 +405,9 @@ static void replay_case(const rcase *c, uint64_t seed)
 {
     const lbatch *s = c->spec ? &replay_spec_step : &replay_step;
     const lcase lc = {c->dt, c->kda, c->spec};
-    case_begin("layer replay %s %s qkv, %s records%s", c->kda ? "kda" : "gdn", fw_dtype_name(c->dt),
-               fw_dtype_name(c->rdt), c->spec ? ", speculative windows" : "");
+    case_begin("layer replay %s %s qkv, %s records%s%s", c->kda ? "kda" : "gdn", fw_dtype_name(c->dt),
+               fw_dtype_name(c->rdt), c->spec ? ", speculative windows" : "",
+               c->prec == FW_PREC_BF16 ? ", bf16 products (shadow reads)" : "");
     const int64_t rdim = fw_gdn_replay_record_dim(NKQ, NV, DK, DV, c->kda), no = (int64_t)s->T * NV * DV;
     const int64_t os[2] = {s->T, NV * DV}, nrec = (int64_t)SLOTS * RW * rdim;
     linputs in;
@@ -424,7 +428,7 @@ static void replay_case(const rcase *c, uint64_t seed)
         tfill_normal(&in.qkv, 1.0);
         tfill_normal(&in.a, 1.0);
         tfill_normal(&in.b, 1.0);
-        fw_gdn_layer_params p = lparams(&lc, FW_PREC_F32, NULL, 0);
+        fw_gdn_layer_params p = lparams(&lc, c->prec, NULL, 0);
         rstate_copy(&ref, &run);
         fw_status st = run_replay(1, &in, s, &ref, lens, &tro, &p);
         case_check(st == FW_OK, "[step %d] reference: %s", step, fw_last_error());
@@ -447,7 +451,7 @@ static void replay_case(const rcase *c, uint64_t seed)
             rstate_new(&k, &in, c, rdim);
             rstate_copy(&k, &run);
             rstate_copy(&one, &run);
-            p = lparams(&lc, FW_PREC_F32, isa, 3);
+            p = lparams(&lc, c->prec, isa, 3);
             st = run_replay(0, &in, s, &k, lens, &to, &p);
             case_check(st == FW_OK, "[step %d %s] %s", step, isa, fw_last_error());
             double eo = 0, es = 0, er = 0;
@@ -494,7 +498,7 @@ static void replay_case(const rcase *c, uint64_t seed)
         }
         /* carry the default table's caches on; the decode in place against the plain layer */
         rstate_copy(&run, &one);
-        if (!c->spec && !rbf) {
+        if (!c->spec && !rbf && c->prec == FW_PREC_F32) {
             const lbatch mine = {1, 1, 1, 1, 0, s->T, {0, 1}, {s->sl[0]}, {3}, {3}, {0}};
             p = lparams(&lc, FW_PREC_F32, NULL, 0);
             const fw_gdn_batch b = batch_of(&mine);
@@ -530,8 +534,11 @@ static void replay_case(const rcase *c, uint64_t seed)
 
 static void test_layer_replay(void)
 {
-    static const rcase cases[] = {{FW_F32, FW_F32, 0, 0}, {FW_BF16, FW_BF16, 0, 0}, {FW_F32, FW_F32, 1, 0},
-                                  {FW_F32, FW_F32, 0, 1}, {FW_BF16, FW_BF16, 1, 1}};
+    static const rcase cases[] = {
+        {FW_F32, FW_F32, 0, 0, FW_PREC_F32}, {FW_BF16, FW_BF16, 0, 0, FW_PREC_F32},
+        {FW_F32, FW_F32, 1, 0, FW_PREC_F32}, {FW_F32, FW_F32, 0, 1, FW_PREC_F32},
+        {FW_BF16, FW_BF16, 1, 1, FW_PREC_F32}, {FW_BF16, FW_F32, 0, 0, FW_PREC_AUTO},
+        {FW_F32, FW_BF16, 1, 1, FW_PREC_BF16}};
     for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++)
         replay_case(&cases[i], 400 + (uint64_t)i);
 }
@@ -542,7 +549,7 @@ static void test_layer_replay(void)
  * records another sequence writes. */
 static void test_layer_replay_bad_input(void)
 {
-    const rcase c = {FW_F32, FW_F32, 0, 0};
+    const rcase c = {FW_F32, FW_F32, 0, 0, FW_PREC_F32};
     const lcase lc = {FW_F32, 0, 0};
     case_begin("layer replay: bad input refused, nothing written");
     const int64_t rdim = fw_gdn_replay_record_dim(NKQ, NV, DK, DV, 0);

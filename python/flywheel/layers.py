@@ -94,8 +94,10 @@ def fused_conv1d_gdn_replay(qkv, b, a, conv_state, recurrent_state, recurrent_sh
     position (read at read_offsets). Prefills and mixed sequences run as in fused_conv1d_gdn
     and write the shadow with their state.
 
-    recurrent_shadow [slots, n_v, d_k, d_v] bfloat16, written with every checkpoint (never
-    read here: the CPU reads the f32 checkpoint); replay_state [slots, replay_window,
+    recurrent_shadow [slots, n_v, d_k, d_v] bfloat16, the checkpoint's bf16 (the caller
+    initializes it so), written with every checkpoint; with bf16 products (precision "bf16",
+    or the default with bf16 qkv) the decodes read it instead of the f32 checkpoint, as the
+    original's do; replay_state [slots, replay_window,
     replay_record_dim(n_kq, n_v, d_k, d_v)] float32 or bfloat16; replay_lens [num_seqs].
     Any replay_window >= num_spec_tokens + 1 is taken (the original asks a multiple of 8).
     Returns ((conv_state, recurrent_state, recurrent_shadow, replay_state), out).

@@ -363,13 +363,14 @@ def test_replay_decodes_follow_the_plain_layer(kda):
 @pytest.mark.skipif(torch is None, reason="torch is not installed")
 def test_replay_on_bf16_torch_tensors():
     """bf16 qkv, shadow and records as torch tensors: updated in place, outputs close to the
-    plain layer's (bf16 records round u, k and g once)."""
+    plain layer's (bf16 products: the decodes read the bf16 shadow; bf16 records round u, k
+    and g once)."""
     rng = np.random.default_rng(12)
     _, _, _, w, bias, a_log, dt_bias, conv, rec = inputs(rng, 1)
     dim = flywheel.replay_record_dim(NKQ, NV, DK, DV)
     conv_t = torch.from_numpy(conv).to(torch.bfloat16)
     conv_p, rec_p, rec_t = conv_t.clone(), rec.copy(), torch.from_numpy(rec.copy())
-    shadow = torch.zeros(SLOTS, NV, DK, DV, dtype=torch.bfloat16)
+    shadow = rec_t.to(torch.bfloat16)           # the original's contract: the checkpoint's bf16
     records = torch.zeros(SLOTS, 8, dim, dtype=torch.bfloat16)
     lens = np.zeros(3, np.int32)
     sidx = read = np.array([1, 2, 3], np.int32)

@@ -111,6 +111,7 @@ typedef struct {
     int32_t *rd, *len;
     unsigned char *flush;
     int64_t window, koff, goff; /* records' rows; where the keys and the log decays start */
+    int shadow_reads;           /* bf16 products: the decodes read the bf16 shadow */
 } gdn_replay_plan;
 /* Every check of replay against the checked layer L; nothing is written. On FW_OK the caller
  * frees the plan (gdn_replay_free). */

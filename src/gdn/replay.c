@@ -99,6 +99,7 @@ fw_status gdn_replay_check(const gdn_layer_prob *L, const fw_gdn_batch *batch, c
         return s;
     }
     P->R = R;
+    P->shadow_reads = fw_attn_bf16_products(L->qkv->dtype, L->gp.precision);
     P->window = window;
     P->koff = L->nv * L->dv;
     P->goff = P->koff + L->nkq * L->dk;
@@ -127,12 +128,17 @@ typedef struct {
     size_t ws_stride;
 } rp_ctx;
 
+/* x . y with four running sums (one is bound by the adds' latency). */
 static float dotf(const float *x, const float *y, int64_t n)
 {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++)
-        s += x[i] * y[i];
-    return s;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int l = 0; l < 4; l++)
+            s[l] += x[i + l] * y[i + l];
+    for (; i < n; i++)
+        s[0] += x[i] * y[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 /* Record row `row` of slot `slot`, from entry col: n entries to f32, or from f32. */
@@ -165,13 +171,26 @@ static void replay_item(void *vctx, int64_t it, int tid)
     const int64_t rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc;
     float *Kr = c->ws + (size_t)tid * c->ws_stride, *qn = Kr + W * dk, *kn = qn + n * dk, *ur = kn + n * dk;
     float *Kt = ur + W * dvp, *ST = Kt + dk * W, *zero = ST + dk * dvp; /* the flush's product */
-    float *gr = zero + dvp, *gn = gr + W * gw, *un = gn + n * gw, *a = un + n * dv, *b = a + dv, *row = b + dv;
+    const int64_t M = (2 * n + kt->vl - 1) / kt->vl * kt->vl; /* GDN: [k_t | q_t] . k_j by the table's qk */
+    float *QT = zero + fw_max64(dvp, M), *C = QT + dk * M;
+    float *Sf = C + W * M; /* a shadow head in f32, when its rows are strided */
+    float *gr = Sf + dk * dv, *gn = gr + W * gw, *un = gn + n * gw, *a = un + n * dv, *b = a + dv, *row = b + dv;
     float *d = row + fw_max64(dk, dv), *e = d + dk, *tmp = e + dk, *gnat = tmp + dk;
     for (int64_t j = 0; j < Lc; j++)
         rec_load(c, rd, j, P->koff + hk * dk, dk, Kr + j * dk);
     for (int64_t t = 0; t < n; t++) {
         load_qk(kt, p, p->q, r0 + t, hk, p->scale, qn + t * dk);
         load_qk(kt, p, p->k, r0 + t, hk, 1.0, kn + t * dk);
+    }
+    if (!L->kda && Lc) { /* the committed keys against [k_t | q_t]: C [Lc][M] */
+        memset(QT, 0, sizeof(float) * (size_t)(dk * M));
+        memset(zero, 0, sizeof(float) * (size_t)M);
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t x = 0; x < dk; x++) {
+                QT[x * M + 2 * t] = kn[t * dk + x];
+                QT[x * M + 2 * t + 1] = qn[t * dk + x];
+            }
+        kt->qk((int)Lc, (int)dk, (int)M, Kr, dk, QT, zero, C);
     }
     const float *ckpt = rd >= 0 ? L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
     float *out_state = L->caches->recurrent + wr * L->caches->recurrent_stride;
@@ -198,6 +217,24 @@ static void replay_item(void *vctx, int64_t it, int tid)
                 gt[x] += gt[x - gw];
         }
         const size_t head = (size_t)(vh * dk * dv);
+        /* bf16 products read the checkpoint's bf16 shadow (in place when its rows are
+         * contiguous, else through f32 scratch), f32 products the checkpoint itself */
+        const void *hsrc = NULL;
+        fw_dtype hdt = FW_F32;
+        int64_t hld = dv;
+        if (ckpt && P->shadow_reads) {
+            const fw_tensor *sh = &P->R->shadow;
+            const char *h0 = fw_elem(sh, rd * sh->stride[0] + vh * sh->stride[1]);
+            if (sh->stride[3] == 1) {
+                hsrc = h0;
+                hdt = FW_BF16;
+                hld = sh->stride[2];
+            } else {
+                for (int64_t x = 0; x < dk; x++)
+                    kt->to_f32(h0 + x * sh->stride[2] * 2, FW_BF16, sh->stride[3], dv, 1.0f, Sf + x * dv);
+                hsrc = Sf;
+            }
+        }
         for (int64_t t = 0; t < n; t++) {
             const float *qt = qn + t * dk, *kt_ = kn + t * dk, *gt = gn + t * gw;
             /* e = G_t in log2 units, per channel (from the checkpoint) */
@@ -207,7 +244,10 @@ static void replay_item(void *vctx, int64_t it, int tid)
                 for (int64_t x = 0; x < dk; x++)
                     d[x] = e[L->kda ? x : 0];
                 kt->exp2_inplace(d, dk);
-                kt->gdn_dec_reads(ckpt + head, dv, (int)dk, 0, (int)dv, qt, kt_, d, a, b);
+                if (hsrc)
+                    kt->gdn_dec_reads(hsrc, hdt, hld, (int)dk, 0, (int)dv, qt, kt_, d, a, b);
+                else
+                    kt->gdn_dec_reads(ckpt + head, FW_F32, dv, (int)dk, 0, (int)dv, qt, kt_, d, a, b);
             } else {
                 memset(a, 0, sizeof(float) * (size_t)dv);
                 memset(b, 0, sizeof(float) * (size_t)dv);
@@ -229,10 +269,14 @@ static void replay_item(void *vctx, int64_t it, int tid)
                     kt->exp2_scale((int)dk, kj, gt, g0, w);
                     ck = dotf(kt_, w, dk);
                     cq = dotf(qt, w, dk);
-                } else {
-                    const float w = exp2f(new_tok ? gt[0] - g0[0] : (Gt[0] - g0[0]) + gt[0]);
+                } else if (new_tok) {
+                    const float w = exp2f(gt[0] - g0[0]);
                     ck = w * dotf(kt_, kj, dk);
                     cq = w * dotf(qt, kj, dk);
+                } else {
+                    const float w = exp2f((Gt[0] - g0[0]) + gt[0]);
+                    ck = w * C[j * M + 2 * t];
+                    cq = w * C[j * M + 2 * t + 1];
                 }
                 for (int64_t y = 0; y < dv; y++) {
                     a[y] += ck * uj[y];
@@ -318,9 +362,10 @@ fw_status gdn_replay_run(const gdn_layer_prob *L, const gdn_replay_plan *P, int6
         nmax = fw_max64(nmax, L->qsl[i + 1] - L->qsl[i]);
     const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, W = P->window;
     const int64_t dvp = (dv + c.kt->vl - 1) / c.kt->vl * c.kt->vl;
-    /* Kr, ur, Kt, gr: W rows; ST, zero; qn, kn, gn, un, gnat: nmax rows; a, b, row, d, e, tmp */
-    c.ws_stride = (size_t)(W * (2 * dk + dvp + gw) + (dk + 1) * dvp + nmax * (2 * dk + dv + 2 * gw) + 2 * dv +
-                           fw_max64(dk, dv) + 3 * dk + 16);
+    const int64_t M = (2 * nmax + c.kt->vl - 1) / c.kt->vl * c.kt->vl;
+    /* Kr, ur, Kt, C, gr: W rows; ST, zero, QT; qn, kn, gn, un, gnat: nmax rows; a, b, row, d, e, tmp */
+    c.ws_stride = (size_t)(W * (2 * dk + dvp + M + gw) + dk * dvp + fw_max64(dvp, M) + dk * M + dk * dv +
+                           nmax * (2 * dk + dv + 2 * gw) + 2 * dv + fw_max64(dk, dv) + 3 * dk + 16);
     const int threads = fw_threads(L->gp.threads);
     if (!(c.ws = malloc((size_t)threads * c.ws_stride * sizeof(float))))
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the replay workspace");

@@ -1500,17 +1500,17 @@ static void kda_diag(int L, int dk, const float *Q, const float *K, const float 
 
 /* a = h^T (d o k), b = h^T (d o q) over rows 0 .. dk-1 (d the rows' decays) for cv column
  * vectors of h from column 0. */
-FW_INLINE void gdn_dec_ab(const int cv, const float *h, int64_t ldh, int dk, const float *q,
-                          const float *k, const float *d, float *a, float *b)
+FW_INLINE void gdn_dec_ab_in(const int cv, const void *h, const fw_dtype dt, int64_t ldh, int dk,
+                             const float *q, const float *k, const float *d, float *a, float *b)
 {
     vf va[GDN_CV], vb[GDN_CV];
     for (int c = 0; c < cv; c++)
         va[c] = vb[c] = vzero();
     for (int r = 0; r < dk; r++) {
-        const float *hr = h + (size_t)r * ldh;
+        const char *hr = (const char *)h + (size_t)r * (size_t)ldh * (dt == FW_F32 ? 4 : 2);
         const vf kr = vset1(d[r] * k[r]), qr = vset1(d[r] * q[r]);
         for (int c = 0; c < cv; c++) {
-            const vf x = vload(hr + c * VL);
+            const vf x = vload_in(hr, dt, c * VL);
             va[c] = vfma(kr, x, va[c]);
             vb[c] = vfma(qr, x, vb[c]);
         }
@@ -1519,6 +1519,12 @@ FW_INLINE void gdn_dec_ab(const int cv, const float *h, int64_t ldh, int dk, con
         vstore(a + c * VL, va[c]);
         vstore(b + c * VL, vb[c]);
     }
+}
+
+FW_INLINE void gdn_dec_ab(const int cv, const float *h, int64_t ldh, int dk, const float *q,
+                          const float *k, const float *d, float *a, float *b)
+{
+    gdn_dec_ab_in(cv, h, FW_F32, ldh, dk, q, k, d, a, b);
 }
 
 /* h = diag(decay) h + k dl^T for cv column vectors of h from column 0. */
@@ -1543,6 +1549,13 @@ static __attribute__((noinline)) void gdn_dec_ab_tail(int cv, const float *h, in
     gdn_dec_ab(cv, h, ldh, dk, q, k, d, a, b);
 }
 
+static __attribute__((noinline)) void gdn_dec_ab_bf16(int cv, const void *h, int64_t ldh, int dk,
+                                                      const float *q, const float *k, const float *d,
+                                                      float *a, float *b)
+{
+    gdn_dec_ab_in(cv, h, FW_BF16, ldh, dk, q, k, d, a, b);
+}
+
 static __attribute__((noinline)) void gdn_dec_update_tail(int cv, float *h, int64_t ldh, int dk,
                                                           const float *k, const float *dl,
                                                           const float *decay)
@@ -1562,26 +1575,32 @@ static __attribute__((noinline)) void gdn_dec_update_tail(int cv, float *h, int6
  * The columns are independent, so threads can split them. */
 #define GDN_COLS 1024
 /* The fused step's two reads of the state, alone (ReplaySSM reads a checkpoint it does not
- * update): a[c] = sum_r decay[r] k[r] h[r][c], b[c] = the same with q, for c in [c0, c1). */
-static void gdn_dec_reads(const float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+ * update, f32 or its bf16 shadow: hdt): a[c] = sum_r decay[r] k[r] h[r][c], b[c] = the same
+ * with q, for c in [c0, c1); ldh in elements. */
+static void gdn_dec_reads(const void *hv, fw_dtype hdt, int64_t ldh, int dk, int c0, int c1, const float *q,
                           const float *k, const float *decay, float *a, float *b)
 {
-    const int n = c1 - c0, nv = n / VL * VL;
-    h += c0;
+    const int n = c1 - c0, nv = n / VL * VL, es = hdt == FW_F32 ? 4 : 2;
+    const char *h = (const char *)hv + (size_t)c0 * (size_t)es;
     a += c0;
     b += c0;
     for (int c = 0; c < nv; c += GDN_CV * VL) {
         const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
-        if (cv == GDN_CV)
-            gdn_dec_ab(GDN_CV, h + c, ldh, dk, q, k, decay, a + c, b + c);
+        const char *hc = h + (size_t)c * (size_t)es;
+        if (hdt != FW_F32)
+            gdn_dec_ab_bf16(cv, hc, ldh, dk, q, k, decay, a + c, b + c);
+        else if (cv == GDN_CV)
+            gdn_dec_ab(GDN_CV, (const float *)hc, ldh, dk, q, k, decay, a + c, b + c);
         else
-            gdn_dec_ab_tail(cv, h + c, ldh, dk, q, k, decay, a + c, b + c);
+            gdn_dec_ab_tail(cv, (const float *)hc, ldh, dk, q, k, decay, a + c, b + c);
     }
     for (int c = nv; c < n; c++) {
         a[c] = b[c] = 0.0f;
         for (int r = 0; r < dk; r++) {
-            a[c] += decay[r] * k[r] * h[(size_t)r * ldh + c];
-            b[c] += decay[r] * q[r] * h[(size_t)r * ldh + c];
+            const char *e = h + ((size_t)r * (size_t)ldh + (size_t)c) * (size_t)es;
+            const float x = hdt == FW_F32 ? *(const float *)e : fw_cvt_bf16_f32(*(const uint16_t *)e);
+            a[c] += decay[r] * k[r] * x;
+            b[c] += decay[r] * q[r] * x;
         }
     }
 }
@@ -1593,7 +1612,7 @@ static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const fl
     float a[GDN_COLS], b[GDN_COLS], dl[GDN_COLS];
     const int n = c1 - c0, nv = n / VL * VL;
     h += c0;
-    gdn_dec_reads(h, ldh, dk, 0, n, q, k, decay, a, b);
+    gdn_dec_reads(h, FW_F32, ldh, dk, 0, n, q, k, decay, a, b);
     for (int c = 0; c < n; c++) {
         dl[c] = beta * (v[c0 + c] - a[c]);
         o[c0 + c] = b[c] + dl[c] * kq;

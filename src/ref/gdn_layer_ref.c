@@ -95,6 +95,36 @@ static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32
     return s;
 }
 
+/* Element (slot, row, col) of the records tensor `rec`. */
+#define REC(slot, row, col) (((slot) * rec->stride[0] + (row) * rec->stride[1] + (col) * rec->stride[2]))
+
+/* Decode i's state before its tokens, in double: its checkpoint (the f32 one, or from the bf16
+ * shadow), then each committed record as stored: S = diag(e^g_j) S + k_j u_j^T. The shadow is
+ * read before the flush writes it: the flush may write the slot it reads. */
+static void ref_fold(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t i, int shadow, double *S)
+{
+    const int64_t nv = L->nv, dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, rr = nv / L->nkq;
+    const int64_t Lc = P->len[i], rd = P->rd[i];
+    const fw_tensor *rec = &P->R->records, *sh = &P->R->shadow;
+    const float *ck = rd >= 0 ? L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
+    for (int64_t h = 0; h < nv; h++)
+        for (int64_t x = 0; x < dk; x++)
+            for (int64_t y = 0; y < dv; y++)
+                S[(h * dk + x) * dv + y] =
+                    !ck ? 0.0
+                    : shadow ? fw_load_f64(sh, rd * sh->stride[0] + h * sh->stride[1] + x * sh->stride[2] + y * sh->stride[3])
+                             : ck[(h * dk + x) * dv + y];
+    for (int64_t j = 0; j < Lc; j++)
+        for (int64_t vh = 0; vh < nv; vh++)
+            for (int64_t x = 0; x < dk; x++) {
+                const double dec = exp(fw_load_f64(rec, REC(rd, j, P->goff + vh * gw + (L->kda ? x : 0))));
+                const double kx = fw_load_f64(rec, REC(rd, j, P->koff + (vh / rr) * dk + x));
+                for (int64_t y = 0; y < dv; y++)
+                    S[(vh * dk + x) * dv + y] = dec * S[(vh * dk + x) * dv + y] +
+                                                kx * fw_load_f64(rec, REC(rd, j, vh * dv + y));
+            }
+}
+
 /* One ReplaySSM decode i in double (fw_gdn_layer_replay_ref): its conv rows (a window's token
  * by token, a conv checkpoint after each), the checkpoint and committed records folded, the
  * flushed checkpoint written, then the exact recurrence over its tokens, their records
@@ -104,7 +134,7 @@ static fw_status ref_replay(const gdn_layer_prob *L, const gdn_replay_plan *P, i
 {
     const int64_t r0 = L->qsl[i], n = L->qsl[i + 1] - r0, dim = L->dim;
     const int64_t nkq = L->nkq, nv = L->nv, dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, rr = nv / nkq;
-    const int64_t Lc = P->len[i], rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc;
+    const int64_t Lc = P->len[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc;
     const fw_tensor *rec = &P->R->records;
     fw_status s = L->spec ? ref_window_conv(L, i, B->rows) : ref_conv(L, r0, n, L->ridx[i], L->wr[i], B->rows);
     if (s)
@@ -116,26 +146,18 @@ static fw_status ref_replay(const gdn_layer_prob *L, const gdn_replay_plan *P, i
     gdn_prob p;
     if ((s = fw_gdn_check(&p, &q, &k, &v, &tg, &tb, NULL, 0, 0, &o, &L->gp, 1)))
         return s;
-    /* the checkpoint, then the committed records: S = diag(e^g_j) S + k_j u_j^T */
-    const float *ck = rd >= 0 ? L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
-    for (int64_t e = 0; e < nv * dk * dv; e++)
-        S[e] = ck ? ck[e] : 0.0;
-    #define REC(slot, row, col) (((slot) * rec->stride[0] + (row) * rec->stride[1] + (col) * rec->stride[2]))
-    for (int64_t j = 0; j < Lc; j++)
-        for (int64_t vh = 0; vh < nv; vh++)
-            for (int64_t x = 0; x < dk; x++) {
-                const double dec = exp(fw_load_f64(rec, REC(rd, j, P->goff + vh * gw + (L->kda ? x : 0))));
-                const double kx = fw_load_f64(rec, REC(rd, j, P->koff + (vh / rr) * dk + x));
-                for (int64_t y = 0; y < dv; y++)
-                    S[(vh * dk + x) * dv + y] = dec * S[(vh * dk + x) * dv + y] +
-                                                kx * fw_load_f64(rec, REC(rd, j, vh * dv + y));
-            }
+    /* the flushed checkpoint: the f32 one, then the committed records; the state the tokens
+     * read: the same, from the bf16 shadow under bf16 products */
+    ref_fold(L, P, i, 0, S);
     if (P->flush[i]) {
         float *cw = L->caches->recurrent + wr * L->caches->recurrent_stride;
         for (int64_t e = 0; e < nv * dk * dv; e++)
             cw[e] = (float)S[e];
-        gdn_replay_shadow(L, P, wr);
     }
+    if (P->shadow_reads)
+        ref_fold(L, P, i, 1, S);
+    if (P->flush[i])
+        gdn_replay_shadow(L, P, wr);
     /* the new tokens */
     double qn[FW_MAX_HEAD_DIM], kn[FW_MAX_HEAD_DIM], u[FW_MAX_HEAD_DIM], g[FW_MAX_HEAD_DIM];
     for (int64_t t = 0; t < n; t++)
@@ -175,7 +197,6 @@ static fw_status ref_replay(const gdn_layer_prob *L, const gdn_replay_plan *P, i
                 }
             }
         }
-    #undef REC
     return FW_OK;
 }
 
