@@ -132,7 +132,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_seed(&in);
     fz_tensor_new(&in, &x.qkv, dt, 2, (int64_t[]){T, dim}, 0, FZ_ALL, FZ_MODERATE, 1);
     fz_tensor_new(&in, &x.b, FW_F32, 2, (int64_t[]){T, nv}, 0, FZ_ALL, FZ_MODERATE, 1);
-    fz_tensor_new(&in, &x.a, FW_F32, 2, (int64_t[]){T, ga}, 0, FZ_ALL, FZ_MODERATE, 1);
+    /* (a's width is not broken: n_v d_k instead of n_v is KDA's valid form, and the reverse) */
+    fz_tensor_new(&in, &x.a, FW_F32, 2, (int64_t[]){T, ga}, 0, 0x1, FZ_MODERATE, 1);
     fz_tensor_new(&in, &x.w, FW_F32, 2, (int64_t[]){dim, K}, 0, FZ_ALL, FZ_MODERATE, 0.5);
     fz_tensor_new(&in, &x.bias, FW_F32, 1, (int64_t[]){dim}, 0, FZ_ALL, FZ_MODERATE, 0.1);
     fz_tensor_new(&in, &x.alog, FW_F32, 1, (int64_t[]){nv}, 0, FZ_NONE, FZ_MODERATE, 1);
@@ -143,7 +144,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_tensor_new(&in, &x.conv, cdt, 3, (int64_t[]){slots, K - 1, dim}, 1, replay ? FZ_ALL : 0x6, 0, 0);
     const fw_dtype sdt = fz_chance(&in, 8) ? FW_F32 : FW_BF16, rdt = fz_chance(&in, 8) ? FW_F16 : fz_chance(&in, 128) ? FW_BF16 : FW_F32;
     fz_tensor_new(&in, &x.shadow, sdt, 4, (int64_t[]){slots, nv, dk, dv}, 1, FZ_ALL, 0, 0);
-    fz_tensor_new(&in, &x.rec, rdt, 3, (int64_t[]){slots, W, rdim + (fz_chance(&in, 6) ? 1 : 0)}, 1, 0x5, 0, 0);
+    /* (the records' width is broken here, not by fz_tensor_new, which could undo it) */
+    fz_tensor_new(&in, &x.rec, rdt, 3, (int64_t[]){slots, W, rdim + (fz_chance(&in, 6) ? 1 : 0)}, 1, 0x1, 0, 0);
     const fw_tensor *bias = fz_chance(&in, 64) ? NULL : &x.bias.t;
     bad |= x.qkv.bad | x.b.bad | x.a.bad | x.w.bad | (bias && x.bias.bad) | x.out.bad | x.conv.bad;
     if (replay)
@@ -191,6 +193,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fz_describe("\n  seq %lld: %d tokens, seq_len %d, write %d, read %d, records %d", (long long)i,
                     (int)(qsl[i + 1] - qsl[i]), (int)sl[i], (int)wr[i], (int)rd[i], (int)lens[i]);
     fz_describe_tensor("qkv", &x.qkv, FZ_MODERATE);
+    fz_describe_tensor("b", &x.b, FZ_MODERATE);
+    fz_describe_tensor("a", &x.a, FZ_MODERATE);
+    fz_describe_tensor("a_log", &x.alog, FZ_MODERATE);
+    fz_describe_tensor("dt_bias", &x.dt, FZ_MODERATE);
     fz_describe_tensor("out", &x.out, -1);
     fz_describe_tensor("conv", &x.conv, -1);
     fz_describe_tensor("records", &x.rec, -1);

@@ -10,9 +10,10 @@ bf16 activations, float32 recurrent states, torch CPU tensors, 2 threads (--thre
     written (64 x 32 x 128 x 128 x 4 x 2) + conv states read and written (64 x 3 x 8192 x 2
     x 2); GB/s against the read bandwidth measured in the same run.
   replay N (1 and 64): the same decodes through fused_conv1d_gdn_replay (window 16, f32
-    records) against fused_conv1d_gdn: a step with 8 committed records (it reads the f32
-    checkpoint and the records and writes one record), and a flushing step (16 committed:
-    it also folds them into the checkpoint and writes it with its bf16 shadow).
+    records) against fused_conv1d_gdn: a step with 8 committed records (it reads the
+    checkpoint's bf16 shadow, bf16 qkv making the products bf16, or with --replay-f32 the f32
+    checkpoint, and the records, and writes one record), and a flushing step (16 committed:
+    it also folds them into the f32 checkpoint and writes it with its bf16 shadow).
 Each figure: the median (and min-max) of --reps timed calls after one warm-up call.
 """
 
@@ -66,6 +67,8 @@ def main():
     ap.add_argument("--t", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--replay-f32", action="store_true",
+                    help="replay decodes with f32 products (read the f32 checkpoint)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     flywheel.set_num_threads(args.threads)
@@ -136,7 +139,7 @@ def main():
             seq_lens, sidx = np.full(N, 50, np.int32), np.arange(1, N + 1, dtype=np.int32)
             dist = np.array([N, N, N], np.int32)
             out = torch.empty(N, NV * D, dtype=torch.bfloat16)
-            shadow = torch.zeros(N + 1, NV, D, D, dtype=torch.bfloat16)
+            shadow = rec.to(torch.bfloat16)
             records = torch.randn(N + 1, W, dim) * 0.1
             records[:, :, NV * D + NKQ * D:] = -records[:, :, NV * D + NKQ * D:].abs()
             t_plain = timed(layer(args, qkv, b, a, w, a_log, dt_bias, conv, rec, qsl, seq_lens,
@@ -147,8 +150,10 @@ def main():
                 times.append(timed(lambda: flywheel.fused_conv1d_gdn_replay(
                     qkv, b, a, conv, rec, shadow, records, w, None, a_log, dt_bias, qsl, sidx,
                     dist, seq_lens, sidx, lens, n_kq=NKQ, n_v=NV, d_k=D, d_v=D, kernel_size=K,
-                    replay_window=W, out=out), args.reps * 4))
-            print(f"replay {N} seqs: plain decode {fmt(t_plain)}  replay step {fmt(times[0])}  "
+                    replay_window=W, out=out, precision="f32" if args.replay_f32 else None),
+                    args.reps * 4))
+            print(f"replay {N} seqs ({'f32 checkpoint' if args.replay_f32 else 'bf16 shadow'} "
+                  f"reads): plain decode {fmt(t_plain)}  replay step {fmt(times[0])}  "
                   f"flush step {fmt(times[1])}  plain / replay = {t_plain[0] / times[0][0]:.2f}, "
                   f"per step over a window of {W} = "
                   f"{t_plain[0] / ((W - 1) * times[0][0] + times[1][0]) * W:.2f}")

@@ -124,8 +124,11 @@ typedef struct {
     const fw_kernels *kt;
     gdn_prob p; /* the decodes' q, k, v, raw gates and out, rows of L->cbuf */
     int64_t s0, R0;
+    int64_t nmax, dvp, nblk; /* the most tokens of a decode; dv padded to the table's vectors;
+                                blocks of FW_DEC_KEYS records in a window */
     float *ws;
     size_t ws_stride;
+    const void **ptrs; /* per thread: 3 x window row pointers */
 } rp_ctx;
 
 /* x . y with four running sums (one is bound by the adds' latency). */
@@ -141,23 +144,52 @@ static float dotf(const float *x, const float *y, int64_t n)
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-/* Record row `row` of slot `slot`, from entry col: n entries to f32, or from f32. */
+/* Record row `row` of slot `slot`, from entry col: its address; n entries to f32; from f32. */
+static const char *rec_at(const rp_ctx *c, int64_t slot, int64_t row, int64_t col)
+{
+    const fw_tensor *r = &c->P->R->records;
+    return fw_elem(r, slot * r->stride[0] + row * r->stride[1] + col * r->stride[2]);
+}
+
 static void rec_load(const rp_ctx *c, int64_t slot, int64_t row, int64_t col, int64_t n, float *dst)
 {
     const fw_tensor *r = &c->P->R->records;
-    c->kt->to_f32(fw_elem(r, slot * r->stride[0] + row * r->stride[1] + col * r->stride[2]), r->dtype, r->stride[2], n,
-                  1.0f, dst);
+    c->kt->to_f32(rec_at(c, slot, row, col), r->dtype, r->stride[2], n, 1.0f, dst);
 }
 
 static void rec_store(const rp_ctx *c, int64_t slot, int64_t row, int64_t col, int64_t n, const float *src)
 {
     const fw_tensor *r = &c->P->R->records;
-    c->kt->from_f32(src, n, (char *)fw_elem(r, slot * r->stride[0] + row * r->stride[1] + col * r->stride[2]), r->dtype,
-                    r->stride[2]);
+    c->kt->from_f32(src, n, (char *)rec_at(c, slot, row, col), r->dtype, r->stride[2]);
+}
+
+/* The scratch of one worker (floats): where each part starts, in the order replay_item names
+ * them, each on its own 64 bytes. */
+enum { RP_KR, RP_KD, RP_UR, RP_KT, RP_ST, RP_ZERO, RP_Q, RP_S, RP_PM, RP_O, RP_QN, RP_KN, RP_GR, RP_GN, RP_GNAT,
+       RP_UN, RP_SF, RP_ROW, RP_D, RP_E, RP_TMP, RP_PARTS };
+typedef struct {
+    int64_t at[RP_PARTS], total;
+} rp_layout;
+
+static rp_layout rp_layout_of(const gdn_layer_prob *L, int64_t W, int64_t nmax, int64_t dvp, int64_t nblk)
+{
+    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, R = 2 * nmax, K = FW_DEC_KEYS;
+    const int64_t sizes[RP_PARTS] = {W * dk, W * dk, W * dvp, dk * W, dk * dvp, dvp, R * dk, nblk * R * K,
+                                     nblk * R * K, R * dv, nmax * dk, nmax * dk, W * gw, nmax * gw, nmax * gw,
+                                     nmax * dv, dk * dv, fw_max64(dk, dv), dk, dk, dk};
+    rp_layout l;
+    l.total = 0;
+    for (int i = 0; i < RP_PARTS; i++) {
+        l.at[i] = l.total;
+        l.total += (sizes[i] + 15) / 16 * 16;
+    }
+    return l;
 }
 
 /* Item: (decode, q/k head) with the value heads that share the head's keys, so that a flush
- * overwriting its slot's first records reads them all first. */
+ * overwriting its slot's first records reads them all first. The records enter through the
+ * decode kernels: their keys against [k_t | q_t] (dec_qk_rows), then the coefficients times
+ * their u rows (dec_pv), both reading the records in place when their rows are contiguous. */
 static void replay_item(void *vctx, int64_t it, int tid)
 {
     const rp_ctx *c = vctx;
@@ -165,40 +197,53 @@ static void replay_item(void *vctx, int64_t it, int tid)
     const gdn_replay_plan *P = c->P;
     const gdn_prob *p = &c->p;
     const fw_kernels *kt = c->kt;
+    const fw_tensor *rec = &P->R->records;
     const int64_t i = c->s0 + it / L->nkq, hk = it % L->nkq, r = L->nv / L->nkq;
-    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, dvp = (dv + kt->vl - 1) / kt->vl * kt->vl;
+    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, dvp = c->dvp, KS = FW_DEC_KEYS;
     const int64_t n = L->qsl[i + 1] - L->qsl[i], r0 = L->qsl[i] - c->R0, Lc = P->len[i], W = P->window;
-    const int64_t rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc;
-    float *Kr = c->ws + (size_t)tid * c->ws_stride, *qn = Kr + W * dk, *kn = qn + n * dk, *ur = kn + n * dk;
-    float *Kt = ur + W * dvp, *ST = Kt + dk * W, *zero = ST + dk * dvp; /* the flush's product */
-    const int64_t M = (2 * n + kt->vl - 1) / kt->vl * kt->vl; /* GDN: [k_t | q_t] . k_j by the table's qk */
-    float *QT = zero + fw_max64(dvp, M), *C = QT + dk * M;
-    float *Sf = C + W * M; /* a shadow head in f32, when its rows are strided */
-    float *gr = Sf + dk * dv, *gn = gr + W * gw, *un = gn + n * gw, *a = un + n * dv, *b = a + dv, *row = b + dv;
-    float *d = row + fw_max64(dk, dv), *e = d + dk, *tmp = e + dk, *gnat = tmp + dk;
-    for (int64_t j = 0; j < Lc; j++)
-        rec_load(c, rd, j, P->koff + hk * dk, dk, Kr + j * dk);
+    const int64_t rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc, R = 2 * n;
+    const rp_layout l = rp_layout_of(L, W, c->nmax, dvp, c->nblk);
+    float *ws = c->ws + (size_t)tid * c->ws_stride;
+    float *Kr = ws + l.at[RP_KR], *Kd = ws + l.at[RP_KD], *ur = ws + l.at[RP_UR], *Kt = ws + l.at[RP_KT];
+    float *ST = ws + l.at[RP_ST], *zero = ws + l.at[RP_ZERO], *Q = ws + l.at[RP_Q], *S = ws + l.at[RP_S];
+    float *Pm = ws + l.at[RP_PM], *O = ws + l.at[RP_O], *qn = ws + l.at[RP_QN], *kn = ws + l.at[RP_KN];
+    float *gr = ws + l.at[RP_GR], *gn = ws + l.at[RP_GN], *gnat = ws + l.at[RP_GNAT], *un = ws + l.at[RP_UN];
+    float *Sf = ws + l.at[RP_SF], *row = ws + l.at[RP_ROW], *d = ws + l.at[RP_D], *e = ws + l.at[RP_E];
+    float *tmp = ws + l.at[RP_TMP];
+    const void **krow = c->ptrs + (size_t)tid * 3 * (size_t)W, **urow = krow + W, **kdrow = urow + W;
+    /* the records' rows in place (contiguous), else as f32 copies */
+    const int inplace = rec->stride[2] == 1;
+    const fw_dtype rdt = inplace ? rec->dtype : FW_F32;
+    const int need_kr = L->kda || !inplace || P->flush[i];
+    for (int64_t j = 0; j < Lc; j++) {
+        if (need_kr)
+            rec_load(c, rd, j, P->koff + hk * dk, dk, Kr + j * dk);
+        krow[j] = inplace ? (const void *)rec_at(c, rd, j, P->koff + hk * dk) : Kr + j * dk;
+        kdrow[j] = Kd + j * dk;
+    }
     for (int64_t t = 0; t < n; t++) {
         load_qk(kt, p, p->q, r0 + t, hk, p->scale, qn + t * dk);
         load_qk(kt, p, p->k, r0 + t, hk, 1.0, kn + t * dk);
     }
-    if (!L->kda && Lc) { /* the committed keys against [k_t | q_t]: C [Lc][M] */
-        memset(QT, 0, sizeof(float) * (size_t)(dk * M));
-        memset(zero, 0, sizeof(float) * (size_t)M);
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t x = 0; x < dk; x++) {
-                QT[x * M + 2 * t] = kn[t * dk + x];
-                QT[x * M + 2 * t + 1] = qn[t * dk + x];
-            }
-        kt->qk((int)Lc, (int)dk, (int)M, Kr, dk, QT, zero, C);
+    /* GDN: the records' keys against [k_t | q_t], once for the head's value heads */
+    if (!L->kda && Lc) {
+        for (int64_t t = 0; t < n; t++) {
+            memcpy(Q + 2 * t * dk, kn + t * dk, sizeof(float) * (size_t)dk);
+            memcpy(Q + (2 * t + 1) * dk, qn + t * dk, sizeof(float) * (size_t)dk);
+        }
+        for (int64_t j0 = 0; j0 < Lc; j0 += KS)
+            kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, krow + j0, rdt, S + (j0 / KS) * R * KS);
     }
     const float *ckpt = rd >= 0 ? L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
     float *out_state = L->caches->recurrent + wr * L->caches->recurrent_stride;
     for (int64_t vh = hk * r; vh < (hk + 1) * r; vh++) {
-        /* the committed records of this head: u, and the cumulative log2 decays */
+        /* the committed records of this head: u rows, and the cumulative log2 decays */
         for (int64_t j = 0; j < Lc; j++) {
-            rec_load(c, rd, j, vh * dv, dv, ur + j * dvp);
-            memset(ur + j * dvp + dv, 0, sizeof(float) * (size_t)(dvp - dv));
+            if (!inplace || P->flush[i]) {
+                rec_load(c, rd, j, vh * dv, dv, ur + j * dvp);
+                memset(ur + j * dvp + dv, 0, sizeof(float) * (size_t)(dvp - dv));
+            }
+            urow[j] = inplace ? (const void *)rec_at(c, rd, j, vh * dv) : ur + j * dvp;
             rec_load(c, rd, j, P->goff + vh * gw, gw, gr + j * gw);
             for (int64_t x = 0; x < gw; x++)
                 gr[j * gw + x] = (float)(gr[j * gw + x] * FW_LOG2E) + (j ? gr[(j - 1) * gw + x] : 0.0f);
@@ -235,55 +280,67 @@ static void replay_item(void *vctx, int64_t it, int tid)
                 hsrc = Sf;
             }
         }
+        /* a_t, b_t (rows 2t, 2t + 1 of O): the checkpoint's reads, decayed to token t */
         for (int64_t t = 0; t < n; t++) {
-            const float *qt = qn + t * dk, *kt_ = kn + t * dk, *gt = gn + t * gw;
-            /* e = G_t in log2 units, per channel (from the checkpoint) */
-            for (int64_t x = 0; x < gw; x++)
-                e[x] = (Gt ? Gt[x] : 0.0f) + gt[x];
+            float *a = O + 2 * t * dv, *b = a + dv;
             if (ckpt) {
+                for (int64_t x = 0; x < gw; x++)
+                    e[x] = (Gt ? Gt[x] : 0.0f) + gn[t * gw + x];
                 for (int64_t x = 0; x < dk; x++)
                     d[x] = e[L->kda ? x : 0];
                 kt->exp2_inplace(d, dk);
-                if (hsrc)
-                    kt->gdn_dec_reads(hsrc, hdt, hld, (int)dk, 0, (int)dv, qt, kt_, d, a, b);
-                else
-                    kt->gdn_dec_reads(ckpt + head, FW_F32, dv, (int)dk, 0, (int)dv, qt, kt_, d, a, b);
+                kt->gdn_dec_reads(hsrc ? hsrc : ckpt + head, hdt, hld, (int)dk, 0, (int)dv, qn + t * dk, kn + t * dk, d,
+                                  a, b);
             } else {
-                memset(a, 0, sizeof(float) * (size_t)dv);
-                memset(b, 0, sizeof(float) * (size_t)dv);
+                memset(a, 0, sizeof(float) * (size_t)(2 * dv));
             }
-            /* committed records j, then this step's earlier tokens */
-            for (int64_t j = 0; j < Lc + t; j++) {
-                const int new_tok = j >= Lc;
-                const float *kj = new_tok ? kn + (j - Lc) * dk : Kr + j * dk;
-                const float *uj = new_tok ? un + (j - Lc) * dv : ur + j * dvp;
-                const float *g0 = new_tok ? gn + (j - Lc) * gw : gr + j * gw; /* G_j, on e's scale */
+        }
+        /* plus the committed records': coefficients 2^(G_t - G_j) (k_t . k_j, q_t . k_j) */
+        if (Lc) {
+            if (L->kda) { /* per channel: the keys decayed to the last record, the tokens' from it */
+                for (int64_t j = 0; j < Lc; j++)
+                    kt->exp2_scale((int)dk, Kr + j * dk, Gt, gr + j * gw, Kd + j * dk);
+                for (int64_t t = 0; t < n; t++) {
+                    kt->exp2_scale((int)dk, kn + t * dk, gn + t * gw, NULL, Q + 2 * t * dk);
+                    kt->exp2_scale((int)dk, qn + t * dk, gn + t * gw, NULL, Q + (2 * t + 1) * dk);
+                }
+                for (int64_t j0 = 0; j0 < Lc; j0 += KS)
+                    kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, kdrow + j0, FW_F32,
+                                    Pm + (j0 / KS) * R * KS);
+            } else {
+                for (int64_t j = 0; j < Lc; j++)
+                    for (int64_t t = 0; t < n; t++) {
+                        const float w = exp2f((Gt[0] - gr[j]) + gn[t]);
+                        const int64_t o = (j / KS) * R * KS + j % KS;
+                        Pm[o + 2 * t * KS] = w * S[o + 2 * t * KS];
+                        Pm[o + (2 * t + 1) * KS] = w * S[o + (2 * t + 1) * KS];
+                    }
+            }
+            for (int64_t j0 = 0; j0 < Lc; j0 += KS)
+                kt->dec_pv((int)R, (int)fw_min64(KS, Lc - j0), (int)dv, Pm + (j0 / KS) * R * KS, urow + j0, rdt, O);
+        }
+        /* token by token: this step's earlier tokens, then u_t = beta (v - k_t S_t) and
+         * o_t = q_t S_t + (q_t . k_t) u_t */
+        for (int64_t t = 0; t < n; t++) {
+            const float *qt = qn + t * dk, *kt_ = kn + t * dk, *gt = gn + t * gw;
+            float *a = O + 2 * t * dv, *b = a + dv;
+            for (int64_t j = 0; j < t; j++) {
+                const float *kj = kn + j * dk, *uj = un + j * dv, *g0 = gn + j * gw;
                 float ck, cq;
                 if (L->kda) {
-                    if (!new_tok) { /* G_j of a record is from the first record: e - G_j = Gt - G_j + gt */
-                        for (int64_t x = 0; x < dk; x++)
-                            tmp[x] = g0[x] - (Gt ? Gt[x] : 0.0f);
-                        g0 = tmp;
-                    }
-                    float *w = row; /* k_j decayed to t per channel, then the two dots */
-                    kt->exp2_scale((int)dk, kj, gt, g0, w);
-                    ck = dotf(kt_, w, dk);
-                    cq = dotf(qt, w, dk);
-                } else if (new_tok) {
+                    kt->exp2_scale((int)dk, kj, gt, g0, row);
+                    ck = dotf(kt_, row, dk);
+                    cq = dotf(qt, row, dk);
+                } else {
                     const float w = exp2f(gt[0] - g0[0]);
                     ck = w * dotf(kt_, kj, dk);
                     cq = w * dotf(qt, kj, dk);
-                } else {
-                    const float w = exp2f((Gt[0] - g0[0]) + gt[0]);
-                    ck = w * C[j * M + 2 * t];
-                    cq = w * C[j * M + 2 * t + 1];
                 }
                 for (int64_t y = 0; y < dv; y++) {
                     a[y] += ck * uj[y];
                     b[y] += cq * uj[y];
                 }
             }
-            /* u_t = beta (v - k_t S_t), o_t = q_t S_t + (q_t . k_t) u_t */
             const float beta = gate_beta(p, r0 + t, vh), qk = dotf(qt, kt_, dk);
             kt->to_f32(at(p->v, r0 + t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, row);
             float *ut = un + t * dv;
@@ -301,7 +358,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
             if (Lc) {
                 for (int64_t j = 0; j < Lc; j++) {
                     if (L->kda) {
-                        kt->exp2_scale((int)dk, Kr + j * dk, Gt, gr + j * gw, tmp);
+                        memcpy(tmp, Kd + j * dk, sizeof(float) * (size_t)dk);
                     } else {
                         const float w = exp2f(Gt[0] - gr[j]);
                         for (int64_t x = 0; x < dk; x++)
@@ -357,19 +414,22 @@ fw_status gdn_replay_run(const gdn_layer_prob *L, const gdn_replay_plan *P, int6
     fw_status s = fw_gdn_check(&c.p, &q, &k, &v, &tg, &tb, NULL, 0, 0, &o, &L->gp, 0);
     if (s)
         return s;
-    int64_t nmax = 1;
+    c.nmax = 1;
     for (int64_t i = s0; i < s1; i++)
-        nmax = fw_max64(nmax, L->qsl[i + 1] - L->qsl[i]);
-    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, W = P->window;
-    const int64_t dvp = (dv + c.kt->vl - 1) / c.kt->vl * c.kt->vl;
-    const int64_t M = (2 * nmax + c.kt->vl - 1) / c.kt->vl * c.kt->vl;
-    /* Kr, ur, Kt, C, gr: W rows; ST, zero, QT; qn, kn, gn, un, gnat: nmax rows; a, b, row, d, e, tmp */
-    c.ws_stride = (size_t)(W * (2 * dk + dvp + M + gw) + dk * dvp + fw_max64(dvp, M) + dk * M + dk * dv +
-                           nmax * (2 * dk + dv + 2 * gw) + 2 * dv + fw_max64(dk, dv) + 3 * dk + 16);
+        c.nmax = fw_max64(c.nmax, L->qsl[i + 1] - L->qsl[i]);
+    c.dvp = (L->dv + c.kt->vl - 1) / c.kt->vl * c.kt->vl;
+    c.nblk = (P->window + FW_DEC_KEYS - 1) / FW_DEC_KEYS;
+    c.ws_stride = (size_t)rp_layout_of(L, P->window, c.nmax, c.dvp, c.nblk).total;
     const int threads = fw_threads(L->gp.threads);
-    if (!(c.ws = malloc((size_t)threads * c.ws_stride * sizeof(float))))
+    c.ws = aligned_alloc(64, (size_t)threads * c.ws_stride * sizeof(float));
+    c.ptrs = malloc(sizeof(void *) * (size_t)(threads * 3 * P->window));
+    if (!c.ws || !c.ptrs) {
+        free(c.ws);
+        free(c.ptrs);
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the replay workspace");
+    }
     fw_parallel(threads, (s1 - s0) * L->nkq, replay_item, &c);
     free(c.ws);
+    free(c.ptrs);
     return FW_OK;
 }
