@@ -24,6 +24,13 @@ def _cache(x, name):
     return T.check_writable(T.float_array(x, name, inplace=True), name), False
 
 
+def _check_gate(x, width, what, kda_call=None):
+    """A raw gate of 2 dims whose last is `width`, else ValueError saying what it must be."""
+    if len(np.shape(x)) != 2 or np.shape(x)[-1:] != width:
+        hint = f" (KDA's per-channel gate: {kda_call})" if kda_call else ""
+        raise ValueError(f"{what} = [T, {width[0]}], got shape {tuple(np.shape(x))}{hint}")
+
+
 def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log,
                      dt_bias, query_start_loc, state_indices, distribution, seq_lens,
                      read_state_indices, read_offsets=None, *, n_kq, n_v, d_k, d_v, kernel_size,
@@ -52,9 +59,7 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
     and are accepted and ignored; compute_precision too (the original's dots round to bf16
     whatever it says): precision= picks the chunked products as in chunk_gated_delta_rule.
     """
-    if np.shape(a)[-1:] != (n_v,):
-        raise ValueError(f"a must be [T, n_v] = [T, {n_v}], got shape {tuple(np.shape(a))} (KDA's "
-                         "per-channel gate: fused_conv1d_kda)")
+    _check_gate(a, (n_v,), "a must be [T, n_v]", "fused_conv1d_kda")
     return _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
                   query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
                   read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
@@ -102,9 +107,7 @@ def fused_conv1d_gdn_replay(qkv, b, a, conv_state, recurrent_state, recurrent_sh
     Any replay_window >= num_spec_tokens + 1 is taken (the original asks a multiple of 8).
     Returns ((conv_state, recurrent_state, recurrent_shadow, replay_state), out).
     """
-    if np.shape(a)[-1:] != (n_v,):
-        raise ValueError(f"a must be [T, n_v] = [T, {n_v}], got shape {tuple(np.shape(a))} (KDA's "
-                         "per-channel gate: fused_conv1d_kda_replay)")
+    _check_gate(a, (n_v,), "a must be [T, n_v]", "fused_conv1d_kda_replay")
     return _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
                   query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
                   read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
@@ -123,9 +126,7 @@ def fused_conv1d_kda_replay(qkv, b, g, conv_state, recurrent_state, recurrent_sh
     """fused_conv1d_kda whose decodes run ReplaySSM: the protocol of fused_conv1d_gdn_replay,
     records of kda_replay_record_dim(n_kq, n_v, d_k, d_v) entries (a log decay per key
     channel). Returns ((conv_state, recurrent_state, recurrent_shadow, replay_state), out)."""
-    if np.shape(g)[-1:] != (n_v * d_k,) or len(np.shape(g)) != 2:
-        raise ValueError(f"g must be [T, n_v d_k] = [T, {n_v * d_k}] (a raw gate per key "
-                         f"channel), got shape {tuple(np.shape(g))}")
+    _check_gate(g, (n_v * d_k,), "g must be [T, n_v d_k] (a raw gate per key channel)")
     return _layer(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
                   query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
                   read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
@@ -166,9 +167,7 @@ def fused_conv1d_kda(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_b
     The original's TPU knobs (decode_tile_size, mixed_tile_size, compute_chunk_size,
     compute_precision) are accepted and ignored; speculative windows as in fused_conv1d_gdn.
     """
-    if np.shape(g)[-1:] != (n_v * d_k,) or len(np.shape(g)) != 2:
-        raise ValueError(f"g must be [T, n_v d_k] = [T, {n_v * d_k}] (a raw gate per key "
-                         f"channel), got shape {tuple(np.shape(g))}")
+    _check_gate(g, (n_v * d_k,), "g must be [T, n_v d_k] (a raw gate per key channel)")
     return _layer(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
                   query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
                   read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,

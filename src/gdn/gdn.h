@@ -120,6 +120,14 @@ fw_status gdn_replay_check(const gdn_layer_prob *L, const fw_gdn_batch *batch, c
 void gdn_replay_free(gdn_replay_plan *P);
 /* The replay core of decodes [s0, s1), their conv rows in L->cbuf from row 0. */
 fw_status gdn_replay_run(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t s0, int64_t s1);
+/* The entry points of the layer and its reference: every check (replay's too when
+ * with_replay: a NULL replay is refused), then run(L, the replay plan or NULL). */
+typedef fw_status (*gdn_layer_run_fn)(gdn_layer_prob *L, const gdn_replay_plan *P);
+fw_status gdn_layer_call(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a, const fw_tensor *conv_weight,
+                         const fw_tensor *conv_bias, const fw_tensor *a_log, const fw_tensor *dt_bias,
+                         const fw_gdn_batch *batch, const fw_gdn_caches *caches, const fw_gdn_replay *replay,
+                         int with_replay, const fw_tensor *out, const fw_gdn_layer_params *params, int ref,
+                         gdn_layer_run_fn run);
 /* The bf16 shadow of recurrent slot `slot`, from the f32 state there. */
 void gdn_replay_shadow(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t slot);
 

@@ -487,21 +487,37 @@ static fw_status layer_run(gdn_layer_prob *L, const gdn_replay_plan *P)
     return s;
 }
 
+fw_status gdn_layer_call(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a, const fw_tensor *conv_weight,
+                         const fw_tensor *conv_bias, const fw_tensor *a_log, const fw_tensor *dt_bias,
+                         const fw_gdn_batch *batch, const fw_gdn_caches *caches, const fw_gdn_replay *replay,
+                         int with_replay, const fw_tensor *out, const fw_gdn_layer_params *params, int ref,
+                         gdn_layer_run_fn run)
+{
+    fw_clear_error();
+    gdn_layer_prob L;
+    gdn_replay_plan P;
+    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
+                                     params, ref);
+    if (s)
+        return s;
+    if (!with_replay) {
+        s = run(&L, NULL);
+    } else if (!(s = gdn_replay_check(&L, batch, replay, &P))) {
+        s = run(&L, &P);
+        gdn_replay_free(&P);
+    }
+    free((void *)L.ridx);
+    return s;
+}
+
 fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
                        const fw_tensor *conv_weight, const fw_tensor *conv_bias,
                        const fw_tensor *a_log, const fw_tensor *dt_bias,
                        const fw_gdn_batch *batch, const fw_gdn_caches *caches,
                        const fw_tensor *out, const fw_gdn_layer_params *params)
 {
-    fw_clear_error();
-    gdn_layer_prob L;
-    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
-                                     params, 0);
-    if (s)
-        return s;
-    s = layer_run(&L, NULL);
-    free((void *)L.ridx);
-    return s;
+    return gdn_layer_call(qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, NULL, 0, out, params, 0,
+                          layer_run);
 }
 
 fw_status fw_gdn_layer_replay(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
@@ -511,17 +527,6 @@ fw_status fw_gdn_layer_replay(const fw_tensor *qkv, const fw_tensor *b, const fw
                               const fw_gdn_replay *replay, const fw_tensor *out,
                               const fw_gdn_layer_params *params)
 {
-    fw_clear_error();
-    gdn_layer_prob L;
-    gdn_replay_plan P;
-    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
-                                     params, 0);
-    if (s)
-        return s;
-    if (!(s = gdn_replay_check(&L, batch, replay, &P))) {
-        s = layer_run(&L, &P);
-        gdn_replay_free(&P);
-    }
-    free((void *)L.ridx);
-    return s;
+    return gdn_layer_call(qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, replay, 1, out, params, 0,
+                          layer_run);
 }

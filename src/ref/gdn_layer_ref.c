@@ -241,15 +241,8 @@ fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_te
                            const fw_gdn_caches *caches, const fw_tensor *out,
                            const fw_gdn_layer_params *params)
 {
-    fw_clear_error();
-    gdn_layer_prob L;
-    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
-                                     params, 1);
-    if (s)
-        return s;
-    s = layer_ref(&L, NULL);
-    free((void *)L.ridx);
-    return s;
+    return gdn_layer_call(qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, NULL, 0, out, params, 1,
+                          layer_ref);
 }
 
 fw_status fw_gdn_layer_replay_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
@@ -258,17 +251,6 @@ fw_status fw_gdn_layer_replay_ref(const fw_tensor *qkv, const fw_tensor *b, cons
                                   const fw_gdn_caches *caches, const fw_gdn_replay *replay, const fw_tensor *out,
                                   const fw_gdn_layer_params *params)
 {
-    fw_clear_error();
-    gdn_layer_prob L;
-    gdn_replay_plan P;
-    fw_status s = fw_gdn_layer_check(&L, qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, out,
-                                     params, 1);
-    if (s)
-        return s;
-    if (!(s = gdn_replay_check(&L, batch, replay, &P))) {
-        s = layer_ref(&L, &P);
-        gdn_replay_free(&P);
-    }
-    free((void *)L.ridx);
-    return s;
+    return gdn_layer_call(qkv, b, a, conv_weight, conv_bias, a_log, dt_bias, batch, caches, replay, 1, out, params, 1,
+                          layer_ref);
 }
