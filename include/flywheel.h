@@ -584,7 +584,8 @@ typedef struct fw_gdn_replay {
     const int32_t *replay_lens;
 } fw_gdn_replay;
 
-/* Entries of one record: n_v d_v + n_kq d_k + (KDA: n_v d_k; GDN: n_v rounded up to 128). */
+/* Entries of one record: n_v d_v + n_kq d_k + (KDA: n_v d_k; GDN: n_v rounded up to 128);
+ * -1 when a count or dim is negative or past FW_MAX_HEADS / FW_MAX_HEAD_DIM. */
 FW_API int64_t fw_gdn_replay_record_dim(int64_t n_kq, int64_t n_v, int64_t d_k, int64_t d_v, int kda);
 
 /* fw_gdn_layer with ReplaySSM decodes (above); the same arguments and checks, and those of

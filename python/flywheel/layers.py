@@ -6,6 +6,8 @@ prefills, the slot caches updated in place (numpy and torch) or returned as new 
 which has no in-place update).
 """
 
+import operator
+
 import numpy as np
 
 from . import _lib
@@ -66,16 +68,26 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
                   zero_initialize_out, precision, l2norm_eps, out, isa, None, False)
 
 
+def _record_dim(n_kq, n_v, d_k, d_v, kda):
+    dims = [operator.index(x) for x in (n_kq, n_v, d_k, d_v)]
+    dim = -1 if any(not 0 <= x < 2 ** 31 for x in dims) else int(
+        _lib.lib.fw_gdn_replay_record_dim(*dims, kda))
+    if dim < 0:
+        raise ValueError(f"n_kq {n_kq}, n_v {n_v}, d_k {d_k}, d_v {d_v}: counts and dims must be "
+                         "non-negative and within the library's head limits")
+    return dim
+
+
 def replay_record_dim(n_kq, n_v, d_k, d_v):
     """Entries of one GDN replay record [u | k | g], the last axis of replay_state:
     n_v d_v + n_kq d_k + n_v rounded up to 128 (flywheel-tpu's lane padding, never written)."""
-    return int(_lib.lib.fw_gdn_replay_record_dim(n_kq, n_v, d_k, d_v, 0))
+    return _record_dim(n_kq, n_v, d_k, d_v, 0)
 
 
 def kda_replay_record_dim(n_kq, n_v, d_k, d_v):
     """Entries of one KDA replay record: n_v d_v + n_kq d_k + n_v d_k (a log decay per key
     channel)."""
-    return int(_lib.lib.fw_gdn_replay_record_dim(n_kq, n_v, d_k, d_v, 1))
+    return _record_dim(n_kq, n_v, d_k, d_v, 1)
 
 
 def fused_conv1d_gdn_replay(qkv, b, a, conv_state, recurrent_state, recurrent_shadow,

@@ -360,6 +360,16 @@ def test_replay_decodes_follow_the_plain_layer(kda):
     assert flushed >= 8 + 2     # slot 4 every step, slots 1 and 2 once their window filled
 
 
+def test_replay_record_dims_refuse_bad_counts():
+    assert flywheel.replay_record_dim(16, 32, 128, 128) == 32 * 128 + 16 * 128 + 128
+    assert flywheel.kda_replay_record_dim(16, 32, 128, 128) == 32 * 128 + 16 * 128 + 32 * 128
+    for bad in ((-1, 2, 8, 8), (1, 2, 1 << 20, 8), (1, 2, 8, 2 ** 70)):
+        with pytest.raises(ValueError):
+            flywheel.replay_record_dim(*bad)
+    with pytest.raises(TypeError):
+        flywheel.kda_replay_record_dim(1, 2, 8.5, 8)
+
+
 @pytest.mark.skipif(torch is None, reason="torch is not installed")
 def test_replay_on_bf16_torch_tensors():
     """bf16 qkv, shadow and records as torch tensors: updated in place, outputs close to the
