@@ -184,6 +184,10 @@ typedef struct fw_kernels {
     void (*conv1d_row)(int W, const void *const *taps, fw_dtype tdt, const float *wt, int64_t ldw,
                        const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
                        fw_dtype ydt);
+    /* R consecutive rows without a residual: ys[r] = conv1d_row over taps rows[r .. r + W - 1]
+     * (R + W - 1 tap rows), the same bits; width 4 slides its taps in registers. */
+    void (*conv1d_rows)(int W, int R, const void *const *rows, fw_dtype tdt, const float *wt, int64_t ldw,
+                        const float *bias, int n, int silu, void *const *ys, fw_dtype ydt);
     /* Attention backward's elementwise step (kern/attn_kern.h): P and dS of R query rows x
      * FW_DEC_KEYS keys from the raw scores S and dP = dO.v, per-row lse2 (log2 units), D and
      * visible keys [lo, hi). */
@@ -207,7 +211,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row) X(bwd_ds) X(rope)
+    X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row) X(conv1d_rows) X(bwd_ds) X(rope)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

@@ -333,7 +333,57 @@ static void test_conv_heuristics(void)
     case_end();
 }
 
+/* The rows kernel (conv1d_rows: width 4 slides its taps in registers) against the row
+ * kernel, bit for bit, on every table: widths 4 and 3, channel counts past and short of the
+ * vector pairs, every tap dtype, bf16 and f32 out, SiLU or not. */
+static void test_conv_rows_kernel(void)
+{
+    enum { R = 9, N = 83, WMAX = 4 };
+    static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
+    static float wt[WMAX * N], bias[N];
+    static unsigned char x[(R + WMAX) * N * 4], ya[R * N * 4], yb[R * N * 4];
+    rng_seed(71);
+    for (int i = 0; i < WMAX * N; i++)
+        wt[i] = (float)rng_normal();
+    for (int i = 0; i < N; i++)
+        bias[i] = (float)(0.1 * rng_normal());
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        case_begin("conv1d: the rows kernel equals the row kernel [%s]", kt->name);
+        for (int W = 3; W <= 4; W++)
+            for (int di = 0; di < 3; di++)
+                for (int oi = 0; oi < 2; oi++)
+                    for (int silu = 0; silu < 2; silu++)
+                        for (int n = 1; n <= N; n += 41) {
+                            const fw_dtype dt = dts[di], ydt = oi ? FW_BF16 : FW_F32;
+                            const size_t es = fw_dtype_size(dt), ys = fw_dtype_size(ydt);
+                            for (int i = 0; i < (R + WMAX) * N; i++) {
+                                const float v = (float)rng_normal();
+                                kt->from_f32(&v, 1, x + (size_t)i * es, dt, 1);
+                            }
+                            const void *rows[R + WMAX];
+                            void *yr[R];
+                            for (int r = 0; r < R + W - 1; r++)
+                                rows[r] = x + (size_t)r * N * es;
+                            memset(ya, 0xA5, sizeof ya);
+                            memset(yb, 0xA5, sizeof yb);
+                            for (int r = 0; r < R; r++) {
+                                yr[r] = ya + (size_t)r * N * ys;
+                                kt->conv1d_row(W, rows + r, dt, wt, N, bias, NULL, FW_F32, n, silu,
+                                               yb + (size_t)r * N * ys, ydt);
+                            }
+                            kt->conv1d_rows(W, R, rows, dt, wt, N, bias, n, silu, yr, ydt);
+                            case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels: "
+                                       "the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n);
+                        }
+        case_end();
+    }
+}
+
 const test_suite conv_suites[] = {
+    {"conv.rows_kernel", test_conv_rows_kernel},
     {"conv.heuristics", test_conv_heuristics},
     {"conv.bad_input", test_conv_bad_input},
     {"conv.threads_identical", test_conv_threads},

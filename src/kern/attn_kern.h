@@ -1216,6 +1216,68 @@ static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float
 #undef CONV_ROW
 }
 
+/* R consecutive output rows of width 4 from R + 3 tap rows (row r's taps: rows[r .. r+3]),
+ * 2 vectors of channels at a time with their weights and the three earlier taps held in
+ * registers as the rows slide: each tap row is loaded and converted once, not 4 times. The
+ * same operations in the same order as conv_vecs, so the same bits. */
+FW_INLINE void conv_rows4_as(int R, const void *const *rows, const fw_dtype tdt, const float *wt, int64_t ldw,
+                             const float *bias, int n, const int silu, void *const *ys, fw_dtype ydt)
+{
+    int c = 0;
+    for (; c + 2 * VL <= n; c += 2 * VL) {
+        vf w[4][2], t[3][2], bb[2];
+        for (int v = 0; v < 2; v++) {
+            bb[v] = vload(bias + c + v * VL);
+            for (int k = 0; k < 4; k++)
+                w[k][v] = vload(wt + (size_t)k * ldw + c + v * VL);
+            for (int k = 0; k < 3; k++)
+                t[k][v] = vload_in(rows[k], tdt, c + v * VL);
+        }
+        for (int r = 0; r < R; r++) {
+            for (int v = 0; v < 2; v++) {
+                const vf t3 = vload_in(rows[r + 3], tdt, c + v * VL);
+                vf acc = vfma(w[0][v], t[0][v], bb[v]);
+                acc = vfma(w[1][v], t[1][v], acc);
+                acc = vfma(w[2][v], t[2][v], acc);
+                acc = vfma(w[3][v], t3, acc);
+                vstore_as(ys[r], ydt, c + v * VL, silu ? vsilu(acc) : acc);
+                t[0][v] = t[1][v];
+                t[1][v] = t[2][v];
+                t[2][v] = t3;
+            }
+        }
+    }
+    if (c < n) { /* the channels past the last pair of vectors, row by row */
+        const size_t ts = tdt == FW_F32 ? 4 : 2, ysz = ydt == FW_F32 ? 4 : 2;
+        for (int r = 0; r < R; r++) {
+            const void *taps[4];
+            for (int k = 0; k < 4; k++)
+                taps[k] = (const char *)rows[r + k] + (size_t)c * ts;
+            conv_row_as(4, taps, tdt, wt + c, ldw, bias + c, NULL, FW_F32, n - c, silu, (char *)ys[r] + (size_t)c * ysz,
+                        ydt);
+        }
+    }
+}
+
+/* R consecutive output rows (no residual): ys[r] = conv1d_row of taps rows[r .. r + W - 1]. */
+static void conv1d_rows(int W, int R, const void *const *rows, fw_dtype tdt, const float *wt, int64_t ldw,
+                        const float *bias, int n, int silu, void *const *ys, fw_dtype ydt)
+{
+    if (W != 4) {
+        for (int r = 0; r < R; r++)
+            conv1d_row(W, rows + r, tdt, wt, ldw, bias, NULL, FW_F32, n, silu, ys[r], ydt);
+        return;
+    }
+#define CONV_ROWS(T, S) conv_rows4_as(R, rows, T, wt, ldw, bias, n, S, ys, ydt)
+    if (tdt == FW_BF16)
+        silu ? CONV_ROWS(FW_BF16, 1) : CONV_ROWS(FW_BF16, 0);
+    else if (tdt == FW_F16)
+        silu ? CONV_ROWS(FW_F16, 1) : CONV_ROWS(FW_F16, 0);
+    else
+        silu ? CONV_ROWS(FW_F32, 1) : CONV_ROWS(FW_F32, 0);
+#undef CONV_ROWS
+}
+
 /* ------------------------------------------------------------ plain baseline -- */
 
 static float dot(const float *x, const float *y, int n)
@@ -1771,6 +1833,7 @@ const fw_kernels FW_TABLE = {
     .kda_diag = kda_diag,
     .kda_gates = kda_gates,
     .conv1d_row = conv1d_row,
+    .conv1d_rows = conv1d_rows,
     .bwd_ds = bwd_ds,
     .rope = rope,
 };
