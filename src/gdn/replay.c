@@ -286,9 +286,9 @@ static void replay_item(void *vctx, int64_t it, int tid)
             if (ckpt) {
                 for (int64_t x = 0; x < gw; x++)
                     e[x] = (Gt ? Gt[x] : 0.0f) + gn[t * gw + x];
+                kt->exp2_inplace(e, gw); /* one decay for GDN, one per channel for KDA */
                 for (int64_t x = 0; x < dk; x++)
                     d[x] = e[L->kda ? x : 0];
-                kt->exp2_inplace(d, dk);
                 kt->gdn_dec_reads(hsrc ? hsrc : ckpt + head, hdt, hld, (int)dk, 0, (int)dv, qn + t * dk, kn + t * dk, d,
                                   a, b);
             } else {
