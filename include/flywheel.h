@@ -418,7 +418,8 @@ FW_API void fw_gdn_params_init(fw_gdn_params *p);
  *   initial_state [N, HV, dk, dv] f32 or NULL (zeros); final_state [N, HV, dk, dv] f32 or NULL
  *   (they may be the same buffer). A sequence of length 0 returns its initial state.
  * Chunks of 64 tokens never span two sequences; all exponentials are of differences <= 0.
- * KDA runs f32 products whatever params->precision says (README, "KDA").
+ * KDA's bf16 products round the operands its per-channel decays are folded into; A and the
+ * gated QK stay on f32 products (README, "KDA").
  * Memory: per-thread workspace of O(64 x (dk + dv) + (HV/H) x dk x dv) floats, allocated
  * inside the call (FW_ERR_NOMEM if that fails).
  */

@@ -474,7 +474,7 @@ def bench_kda_prefill(P, rows, T, reps):
                                                      "fla naive_chunk_kda (torch)")
     bench_linear_prefill(
         P, rows, "KDA prefill", f"T={T}", kda_inputs(rng, 1, T), kda_flop(T), reps,
-        flywheel.chunk_kda, flywheel.fused_recurrent_kda, "flywheel chunk (f32 products)",
+        flywheel.chunk_kda, flywheel.fused_recurrent_kda, "flywheel chunk",
         "ggml gated_delta_net (gate per channel)", fla, KHV // KH)
 
 
@@ -543,9 +543,8 @@ def oracle(P, rows):
 
 def row_peak(r, peaks):
     """The peak a row is measured against: bf16 rows (bf16 products, for flywheel) the bf16
-    dot-product peak, every other row (and flywheel's KDA, on f32 products whatever the
-    input dtype) the FMA peak; both measured in the same run."""
-    bf16 = r.dtype == "bfloat16" and "f32 products" not in r.system
+    dot-product peak, every other row the FMA peak; both measured in the same run."""
+    bf16 = r.dtype == "bfloat16"
     return peaks["bf16"] if bf16 else peaks["f32"]
 
 

@@ -185,14 +185,6 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
                 case_check(memcmp(first, ob.p, ob.bytes) == 0, "[%s] 1 and 3 threads differ", p.isa);
             }
         }
-        if (c->kda) { /* KDA runs f32 products whatever precision asks: the bits of mode 0 */
-            p.flags = 0;
-            p.precision = FW_PREC_BF16;
-            st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, nseq, init, fin, &to, &p);
-            case_check(st == FW_OK && memcmp(first, ob.p, ob.bytes) == 0, "[%s] KDA with FW_PREC_BF16 differs",
-                       p.isa);
-            continue;
-        }
         /* bf16 products, both inverses: within 2 x the same-roundings reference's error */
         for (int m = 1; m < 3; m++) {
             p.flags = modes[m];

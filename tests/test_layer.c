@@ -228,8 +228,6 @@ static void layer_case(const lcase *c, uint64_t seed)
         if (!fw_isa_supported(isa))
             continue;
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
-            if (prec == FW_PREC_BF16 && c->kda) /* KDA runs f32 products whatever it is asked */
-                continue;
             lcaches ck;
             caches_new(&ck, &in, c->dt);
             p = lparams(c, prec, isa, 3);

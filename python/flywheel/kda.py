@@ -9,7 +9,8 @@ Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; st
 The gates may be computed inside the kernels (use_gate_in_kernel): g is then the raw input,
 A_log [HV] and dt_bias [HV * K], and the log decay -exp(A_log) softplus(g + dt_bias), or with
 a lower bound (fla's safe gate) lower_bound * sigmoid(exp(A_log) (g + dt_bias)).
-The chunked pass runs f32 products whatever the input dtype (README, "KDA").
+The chunked pass runs bf16 products for bfloat16 q by default, as chunk_gated_delta_rule
+(precision=; README, "KDA").
 Dtypes and errors as in flywheel.gated_delta; decode into slot arrays, verify and commit take
 KDA's g through gated_delta_rule_decode / _verify / _commit.
 """
@@ -33,7 +34,7 @@ def _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval):
 
 
 def _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
-         flags, isa, out, l2norm_eps, gate):
+         flags, isa, out, l2norm_eps, gate, precision=None):
     """Prefill over [B, T] (or packed) sequences; gate = (use_gate_in_kernel, A_log, dt_bias,
     lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)."""
     use_gate, A_log, dt_bias, lower_bound, beta_sigmoid, neg = gate
@@ -43,7 +44,7 @@ def _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     if g.ndim != 4:
         raise ValueError(f"g must be [B, T, HV, K] (a decay per key channel), got shape {g.shape}")
     return _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                         cu_seqlens, flags, isa, out, None, l2norm_eps,
+                         cu_seqlens, flags, isa, out, precision, l2norm_eps,
                          lambda p, HV, K: _kernel_gates(p, HV, use_gate, A_log, dt_bias,
                                                         beta_sigmoid, K, lower_bound))
 
@@ -54,7 +55,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               lower_bound=None, disable_recompute=False, return_intermediate_states=False,
               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
               use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, out=None,
-              isa=None, inverse="blocked", l2norm_eps=None, chunk_size=64, **kwargs):
+              isa=None, inverse="blocked", precision=None, l2norm_eps=None, chunk_size=64,
+              **kwargs):
     """Chunked prefill (WY form, 64-token chunks), fla's `chunk_kda`.
 
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
@@ -64,8 +66,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     safe_gate. use_beta_sigmoid_in_kernel: beta is the raw logit (allow_neg_eigval: 2 sigmoid).
     disable_recompute, use_graph, max_num_seqs and cu_seqlens_cpu (training and CUDA-graph
     knobs) are accepted and ignored; chunk_size 32 or 64 is accepted and the kernel's chunk is
-    64 (the result is the same recurrence). out, isa, inverse, l2norm_eps: as in
-    flywheel.chunk_gated_delta_rule. Not supported (NotImplementedError): state_v_first,
+    64 (the result is the same recurrence). out, isa, inverse, precision, l2norm_eps: as in
+    flywheel.chunk_gated_delta_rule (precision None: bf16 products for bfloat16 q, which round
+    the operands decayed per channel: the README's "KDA"). Not supported (NotImplementedError): state_v_first,
     cp_context, return_intermediate_states, other fla keyword arguments.
     """
     _unsupported(kwargs, state_v_first=state_v_first, cp_context=cp_context,
@@ -83,7 +86,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound if safe_gate else None,
             use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(q, k, v, g, beta, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel, cu_seqlens, flags, isa, out, l2norm_eps, gate)
+                use_qk_l2norm_in_kernel, cu_seqlens, flags, isa, out, l2norm_eps, gate, precision)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,

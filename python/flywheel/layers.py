@@ -134,7 +134,7 @@ def fused_conv1d_kda_replay(qkv, b, g, conv_state, recurrent_state, recurrent_sh
                             replay_window=16, num_spec_tokens=0, zero_initialize_out=True,
                             compute_precision=None, decode_tile_size=4, mixed_tile_size=128,
                             compute_chunk_size=64, lower_bound=None, beta_is_activated=False,
-                            l2norm_eps=None, out=None, isa=None):
+                            precision=None, l2norm_eps=None, out=None, isa=None):
     """fused_conv1d_kda whose decodes run ReplaySSM: the protocol of fused_conv1d_gdn_replay,
     records of kda_replay_record_dim(n_kq, n_v, d_k, d_v) entries (a log decay per key
     channel). Returns ((conv_state, recurrent_state, recurrent_shadow, replay_state), out)."""
@@ -142,7 +142,7 @@ def fused_conv1d_kda_replay(qkv, b, g, conv_state, recurrent_state, recurrent_sh
     return _layer(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
                   query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
                   read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
-                  zero_initialize_out, None, l2norm_eps, out, isa, lower_bound,
+                  zero_initialize_out, precision, l2norm_eps, out, isa, lower_bound,
                   beta_is_activated, (recurrent_shadow, replay_state, replay_lens, replay_window))
 
 
@@ -169,13 +169,14 @@ def fused_conv1d_kda(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_b
                      read_state_indices, read_offsets=None, *, n_kq, n_v, d_k, d_v, kernel_size,
                      num_spec_tokens=0, zero_initialize_out=True, compute_precision=None,
                      decode_tile_size=4, mixed_tile_size=128, compute_chunk_size=64,
-                     lower_bound=None, beta_is_activated=False, l2norm_eps=None, out=None,
-                     isa=None):
+                     lower_bound=None, beta_is_activated=False, precision=None, l2norm_eps=None,
+                     out=None, isa=None):
     """Conv1d + SiLU + KDA (Kimi Delta Attention) for one layer of an engine step: as
     fused_conv1d_gdn, with g [T, n_v d_k] the raw gate of each key channel (head-major like q
     and k) and dt_bias [n_v d_k]: the log decay -exp(a_log) softplus(g + dt_bias), or with
     lower_bound lower_bound * sigmoid(exp(a_log) (g + dt_bias)); the state [d_k, d_v] decays
-    row by row. beta_is_activated: b holds beta itself. The chunked pass runs f32 products.
+    row by row. beta_is_activated: b holds beta itself. precision= as in fused_conv1d_gdn (bf16
+    products for bfloat16 qkv by default).
     The original's TPU knobs (decode_tile_size, mixed_tile_size, compute_chunk_size,
     compute_precision) are accepted and ignored; speculative windows as in fused_conv1d_gdn.
     """
@@ -183,7 +184,7 @@ def fused_conv1d_kda(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_b
     return _layer(qkv, b, g, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
                   query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
                   read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens,
-                  zero_initialize_out, None, l2norm_eps, out, isa, lower_bound,
+                  zero_initialize_out, precision, l2norm_eps, out, isa, lower_bound,
                   beta_is_activated)
 
 

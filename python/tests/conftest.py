@@ -128,6 +128,9 @@ def ref_gdn_bf16(q, k, v, g, beta, scale, h0=None, l2norm=False, chunk=64):
       W = Tb rb(beta e^gam K^);  U = Tb rb(beta V);  Deltab = rb(U - rb(W) rb(h))
       O = scale (e^gam Qb rb(h) + Gb Deltab),  Gb_ij = rb(e^(gam_i - gam_j) Qb_i . Kb_j) (j <= i)
       h <- e^gam_last h + rb(e^(gam_last - gam) K^)^T Deltab
+    KDA (g [T, HV, K], gam per key channel): A and G on K^ and Q^ unrounded (the kernel's f32
+    products), e^(gam_i - gam_j) inside the sums, and the decays in the rounded operands:
+      O = scale (rb(e^gam o Q^) rb(h) + Gb Deltab),  h <- e^gam_last o h + rb(e^(gam_last - gam) o K^)^T Deltab
     The output is not rounded to the output dtype (see round_to); the state stays float64."""
     Tn, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -137,9 +140,31 @@ def ref_gdn_bf16(q, k, v, g, beta, scale, h0=None, l2norm=False, chunk=64):
     # per value head, chunk rows first: [HV, T, K], [HV, T, V], [HV, T]
     q = np.repeat(q, HV // H, axis=1).transpose(1, 0, 2)
     k = np.repeat(k, HV // H, axis=1).transpose(1, 0, 2)
-    v, g, beta = v.transpose(1, 0, 2), g.T, beta.T
+    kda = np.ndim(g) == 3
+    v, g, beta = v.transpose(1, 0, 2), (g.transpose(1, 0, 2) if kda else g.T), beta.T
     h = np.zeros((HV, K, V)) if h0 is None else h0.astype(np.float64).copy()
     o = np.zeros((HV, Tn, V))
+    if kda:
+        for t0 in range(0, Tn, chunk):
+            s = slice(t0, t0 + chunk)
+            Kh, Qh, Vc, bet = k[:, s], q[:, s], v[:, s], beta[:, s]
+            L = Kh.shape[1]
+            gam = np.cumsum(g[:, s], axis=1)  # [HV, L, K]
+            lower = np.tril(np.ones((L, L), bool))[None, :, :, None]
+            D = np.exp(np.where(lower, gam[:, :, None] - gam[:, None], -np.inf))  # j <= i
+            KK = np.einsum("hix,hjx,hijx->hij", Kh, Kh, D)
+            QK = np.einsum("hix,hjx,hijx->hij", Qh, Kh, D)
+            A = bet[:, :, None] * np.tril(KK, -1)
+            Tb = round_bf16(np.tril(np.linalg.inv(np.eye(L) + A)))
+            W = Tb @ round_bf16(bet[:, :, None] * np.exp(gam) * Kh)
+            U = Tb @ round_bf16(bet[:, :, None] * Vc)
+            hb = round_bf16(h)
+            Db = round_bf16(U - round_bf16(W) @ hb)
+            o[:, s] = scale * (round_bf16(np.exp(gam) * Qh) @ hb + round_bf16(QK) @ Db)
+            last = gam[:, -1:]
+            Kd = round_bf16(np.exp(last - gam) * Kh)
+            h = np.exp(last[:, 0])[:, :, None] * h + Kd.transpose(0, 2, 1) @ Db
+        return o.transpose(1, 0, 2), h
     for t0 in range(0, Tn, chunk):
         s = slice(t0, t0 + chunk)
         Kh, Qh, Vc, bet = k[:, s], q[:, s], v[:, s], beta[:, s]

@@ -8,7 +8,7 @@ import pytest
 
 import flywheel
 from flywheel import FlywheelError
-from conftest import FAMILIES, as64, make, ref_gdn, torch
+from conftest import FAMILIES, as64, make, ref_gdn, ref_gdn_bf16, round_to, torch
 
 try:
     from fla.ops.kda.naive import naive_recurrent_kda
@@ -47,13 +47,48 @@ def test_matches_reference(family, dtype, Tn, heads, fn):
     (q, k, v, g, beta), (q64, k64, v64, g64, b64) = inputs(rng, 2, Tn, H, HV, K, V, dtype, family)
     h0 = rng.standard_normal((2, HV, K, V)).astype(np.float32) * 0.1
     f = flywheel.chunk_kda if fn == "chunk" else flywheel.fused_recurrent_kda
-    o, ht = f(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-              use_qk_l2norm_in_kernel=True)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if fn == "chunk":
+        kw["precision"] = "f32"  # bf16 inputs default to bf16 products: checked below
+    o, ht = f(q, k, v, g, beta, **kw)
     assert tuple(o.shape) == (2, Tn, HV, V) and o.dtype == v.dtype
+    bf16_default = fn == "chunk" and dtype == "bfloat16"
+    if bf16_default:
+        del kw["precision"]
+        ob, hb = f(q, k, v, g, beta, **kw)
     for i in range(2):
-        ro, rh = ref_gdn(q64[i], k64[i], v64[i], g64[i], b64[i], K ** -0.5, h0[i], True)
+        args = (q64[i], k64[i], v64[i], g64[i], b64[i], K ** -0.5, h0[i], True)
+        ro, rh = ref_gdn(*args)
         assert np.abs(as64(o)[i] - ro).max() <= TOL[dtype]
         assert np.abs(as64(ht)[i] - rh).max() <= 1e-3
+        if bf16_default:  # within 2 x the same-roundings reference's error
+            so, sh = ref_gdn_bf16(*args)
+            assert np.abs(as64(ob)[i] - ro).max() <= \
+                2 * np.abs(round_to(so, dtype) - ro).max(initial=0) + 1e-5
+            assert np.abs(as64(hb)[i] - rh).max() <= 2 * np.abs(sh - rh).max() + 1e-5
+
+
+@pytest.mark.parametrize("Tn", [1, 64, 150])
+@pytest.mark.parametrize("gscale", [0.3, 20.0])
+def test_bf16_products_on_float32_inputs(Tn, gscale):
+    """precision="bf16" rounds the operands decayed per channel (README, "KDA"): within 2 x the
+    same-roundings reference's error, strong decays included; the products were rounded."""
+    H, HV, K, V = 2, 4, 32, 24
+    rng = np.random.default_rng(Tn + 11)
+    (q, k, v, g, beta), (q64, k64, v64, g64, b64) = inputs(rng, 2, Tn, H, HV, K, V, "float32",
+                                                         "numpy", gscale)
+    h0 = rng.standard_normal((2, HV, K, V)).astype(np.float32) * 0.1
+    kw = dict(scale=0.2, initial_state=h0, output_final_state=True,
+              use_qk_l2norm_in_kernel=True)
+    o, ht = flywheel.chunk_kda(q, k, v, g, beta, precision="bf16", **kw)
+    o32, _ = flywheel.chunk_kda(q, k, v, g, beta, precision="f32", **kw)
+    assert o.dtype == q.dtype and not np.array_equal(o, o32)
+    for i in range(2):
+        args = (q64[i], k64[i], v64[i], g64[i], b64[i], 0.2, h0[i], True)
+        ro, rh = ref_gdn(*args)
+        so, sh = ref_gdn_bf16(*args)
+        assert np.abs(o[i] - ro).max() <= 2 * np.abs(so - ro).max() + 1e-5
+        assert np.abs(ht[i] - rh).max() <= 2 * np.abs(sh - rh).max() + 1e-5
 
 
 def test_varlen_equals_separate_runs_and_strong_decays():

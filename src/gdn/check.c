@@ -104,8 +104,6 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     p->beta_sigmoid = raw_b;
     p->lower_bound = raw_g ? params->lower_bound : 0.0f;
     p->kda = kda;
-    if (kda)
-        p->bf16 = 0; /* KDA runs f32 products */
     return check_gates(p);
 }
 

@@ -437,7 +437,11 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
  *   Delta = U - Wb hb, with hb the state rounded (the state itself stays f32);  Deltab
  *   O = scale (2^g o (Qb hb) + Gb Deltab), G = QK o Gamma o M in f32, then Gb
  *   h <- 2^g_last h + (2^(g_last - g) K^)b^T Deltab
- * fla's chunk kernels round the same operands (they decay Delta where this decays K^). */
+ * fla's chunk kernels round the same operands (they decay Delta where this decays K^).
+ * KDA: A and G come from kda_chunk_gates on f32 products (its decays differ per channel, so
+ * the Gram matrices are not shared by the value heads), the keys of the RHS are 2^G o K^,
+ * and the per-channel decays enter the rounded operands instead of scaling results:
+ *   O = scale ((2^G o Q^)b hb + Gb Deltab),   h <- 2^G_last o h + (2^(G_last - G) o K^)b^T Deltab */
 static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, int nxt, int update)
 {
     const gdn_prob *p = c->p;
@@ -453,26 +457,38 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
     uint32_t *KPw = (uint32_t *)(W + w->kpw);
     const float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
     const float scale = (float)p->scale;
+    /* G's rows: GDN's gated QK alone (stride 64); KDA's kda_chunk_gates layout, 2^G o Q^ then
+     * the gated QK (stride dk + 64) */
+    const int ldg = p->kda ? dk + GDN_C : GDN_C;
+    const float *Gq = p->kda ? G + dk : G;
     chunk_rows(c, K, Q, h, t0, L, 1.0f);
-    const void *krows[GDN_C];
-    for (int i = 0; i < L; i++) {
-        kt->pack_row_pairs(K + (size_t)i * dk, dk, Kw + (size_t)i * dkw);
-        kt->pack_row_pairs(Q + (size_t)i * dk, dk, Qw + (size_t)i * dkw);
-        krows[i] = Kw + (size_t)i * dkw;
+    if (!p->kda) {
+        const void *krows[GDN_C];
+        for (int i = 0; i < L; i++) {
+            kt->pack_row_pairs(K + (size_t)i * dk, dk, Kw + (size_t)i * dkw);
+            kt->pack_row_pairs(Q + (size_t)i * dk, dk, Qw + (size_t)i * dkw);
+            krows[i] = Kw + (size_t)i * dkw;
+        }
+        /* Kb^T [dkw][64] words, zero past L: Kb's rows are already their words, moved as bf16 rows */
+        kt->pack_kt_bf16(krows, FW_BF16, 1, L, dk, KtW);
+        kt->qk_bf16(L, dkw, GDN_C, Kw, dkw, KtW, 1.0f, zero, KK);
+        kt->qk_bf16(L, dkw, GDN_C, Qw, dkw, KtW, 1.0f, zero, QK);
     }
-    /* Kb^T [dkw][64] words, zero past L: Kb's rows are already their words, moved as bf16 rows */
-    kt->pack_kt_bf16(krows, FW_BF16, 1, L, dk, KtW);
-    kt->qk_bf16(L, dkw, GDN_C, Kw, dkw, KtW, 1.0f, zero, KK);
-    kt->qk_bf16(L, dkw, GDN_C, Qw, dkw, KtW, 1.0f, zero, QK);
     for (int64_t e = 0; e < p->r; e++) {
         const int64_t vh = h * p->r + e;
-        chunk_gates(c, gam, vh, t0, L);
-        kt->gdn_gates(L, gam, bet, KK, QK, Am, G, GDN_C);
-        chunk_rhs(c, RHS, K, gam, vh, t0, L);
+        if (p->kda) {
+            kda_chunk_gates(c, W, vh, t0, L, Am, G);
+            for (int i = 0; i < L; i++) /* (2^G o Q^)b, this value head's */
+                kt->pack_row_pairs(G + (size_t)i * ldg, dk, Qw + (size_t)i * dkw);
+        } else {
+            chunk_gates(c, gam, vh, t0, L);
+            kt->gdn_gates(L, gam, bet, KK, QK, Am, G, GDN_C);
+        }
+        chunk_rhs(c, RHS, p->kda ? W + w->k2 : K, gam, vh, t0, L);
         chunk_inverse(c, Am, L, Ti);
         for (int i = 0; i < L; i++) {
             kt->pack_row_pairs(Ti + (size_t)i * GDN_C, L, Tw + (size_t)i * GDN_W);
-            kt->pack_row_pairs(G + (size_t)i * GDN_C, L, Gw + (size_t)i * GDN_W);
+            kt->pack_row_pairs(Gq + (size_t)i * ldg, L, Gw + (size_t)i * GDN_W);
         }
         for (int q = 0; q < np; q++) { /* [W | U] = Tb RHSb, a panel at a time */
             const float *R = RHS + (size_t)q * GDN_C * P;
@@ -488,8 +504,9 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
                        (size_t)panel_cols(dk, q) * sizeof(float));
             kt->pack_row_pairs(Wr + (size_t)i * dk, dk, Ww + (size_t)i * dkw);
         }
-        if (update) { /* (2^(g_last - g) K^)b in pairs of tokens: the A operand of the update */
-            for (int i = 0; i < L; i++) {
+        if (update) { /* (2^(g_last - g) K^)b in pairs of tokens: the A operand of the update
+                       * (KDA's Kpp is already decayed per channel) */
+            for (int i = 0; i < L && !p->kda; i++) {
                 memcpy(Kpp + (size_t)i * dk, K + (size_t)i * dk, (size_t)dk * sizeof(float));
                 kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
             }
@@ -508,7 +525,7 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
             for (int x = 0; x < Lw; x++)
                 kt->pack_pairs(D + (size_t)(2 * x) * P, 2 * x + 1 < L ? D + (size_t)(2 * x + 1) * P : NULL, P,
                                Dw + (size_t)x * P);
-            kt->qk_bf16(L, dkw, P, Qw, dkw, Hw, 1.0f, zero, X);   /* Qb hb */
+            kt->qk_bf16(L, dkw, P, Qw, dkw, Hw, 1.0f, zero, X);   /* Qb hb (KDA: (2^G o Q^)b hb) */
             kt->qk_bf16(L, Lw, P, Gw, GDN_W, Dw, 1.0f, zero, Wh); /* Gb Deltab */
             for (int r = 0; r < L; r++) {
                 float *o = Wh + (size_t)r * P;
@@ -518,7 +535,11 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
                 store_out(c, o, t0 + r, vh, q, panel_cols(p->dv, q));
             }
             if (update) { /* h <- 2^g_last h + (2^(g_last - g) K^)b^T Deltab */
-                kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
+                if (p->kda)
+                    for (int x = 0; x < dk; x++)
+                        kt->rows_l2scale(HD + (size_t)x * P, 1, P, W[w->dl + (size_t)x], 0, 0.0f);
+                else
+                    kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
                 kt->pv_bf16(Lw, dk, P, KPw, Dw, HD);
             }
         }

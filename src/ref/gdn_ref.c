@@ -30,21 +30,28 @@ static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh
 
 /* Same-roundings reference of the chunked pass on bf16 products: chunks of 64 tokens from each
  * sequence's start, every product in double, and the roundings of gdn_chunk_bf16 (gdn/chunk.c,
- * its comment) and no others. One (sequence, value head) at a time. */
+ * its comment) and no others. One (sequence, value head) at a time. With G the cumulative log
+ * decay of a row per key channel (GDN: the same in every channel) and Ka, Qa the operands of
+ * A and of the gated QK (GDN: Kb, Qb; KDA: K^, Q^ unrounded, its f32 products):
+ *   A_ij = beta_i sum_x Ka_ix Ka_jx e^(G_ix - G_jx) (j < i),  Gb = (sum_x Qa_ix Ka_jx e^(G_ix - G_jx))b
+ *   O = scale (qh + Gb Deltab), qh = e^G_i Qb hb (GDN) or (e^G o Q^)b hb (KDA). */
 static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *final)
 {
     const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
     double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *hb = malloc(sizeof(double) * (size_t)(dk * dv));
     double *Kh = malloc(sizeof(double) * (size_t)(C * dk)), *Kb = malloc(sizeof(double) * (size_t)(C * dk));
-    double *Qb = malloc(sizeof(double) * (size_t)(C * dk)), *Wb = malloc(sizeof(double) * (size_t)(C * dk));
+    double *Qh = malloc(sizeof(double) * (size_t)(C * dk)), *Qb = malloc(sizeof(double) * (size_t)(C * dk));
+    double *Wb = malloc(sizeof(double) * (size_t)(C * dk)), *Gc = malloc(sizeof(double) * (size_t)(C * dk));
     double *U = malloc(sizeof(double) * (size_t)(C * dv)), *Db = malloc(sizeof(double) * (size_t)(C * dv));
     double *T = malloc(sizeof(double) * (size_t)(C * C)), *Gb = malloc(sizeof(double) * (size_t)(C * C));
     double *row = malloc(sizeof(double) * (size_t)(dk > dv ? dk : dv));
-    double gam[GDN_C], bet[GDN_C];
-    if (!h || !hb || !Kh || !Kb || !Qb || !Wb || !U || !Db || !T || !Gb || !row) {
-        free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
+    double bet[GDN_C];
+    if (!h || !hb || !Kh || !Kb || !Qh || !Qb || !Wb || !Gc || !U || !Db || !T || !Gb || !row) {
+        free(h); free(hb); free(Kh); free(Kb); free(Qh); free(Qb); free(Wb); free(Gc); free(U); free(Db);
+        free(T); free(Gb); free(row);
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
     }
+    const double *Ka = p->kda ? Kh : Kb, *Qa = p->kda ? Qh : Qb;
     for (int64_t s = 0; s < p->n; s++)
         for (int64_t vh = 0; vh < p->HV; vh++) {
             const int64_t hh = vh / p->r;
@@ -52,31 +59,32 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
                 h[x] = init ? init[state_off(p, s, vh) + x] : 0.0;
             for (int64_t t0 = p->cu[s]; t0 < p->cu[s + 1]; t0 += C) {
                 const int64_t L = fw_min64(C, p->cu[s + 1] - t0);
-                double acc = 0;
                 for (int64_t i = 0; i < L; i++) {
                     ref_row(p, p->k, t0 + i, hh, Kh + i * dk);
-                    ref_row(p, p->q, t0 + i, hh, Qb + i * dk);
+                    ref_row(p, p->q, t0 + i, hh, Qh + i * dk);
                     for (int64_t x = 0; x < dk; x++) {
                         Kb[i * dk + x] = rb(Kh[i * dk + x]);
-                        Qb[i * dk + x] = rb(Qb[i * dk + x]);
+                        Qb[i * dk + x] = rb(Qh[i * dk + x]);
+                        Gc[i * dk + x] = (i ? Gc[(i - 1) * dk + x] : 0.0) + gate_g_at(p, t0 + i, vh, p->kda ? x : 0);
                     }
-                    acc += gate_g(p, t0 + i, vh);
-                    gam[i] = acc;
                     bet[i] = gate_beta(p, t0 + i, vh);
                 }
-                /* T = (I + A)^-1, A_ij = beta_i e^(gam_i - gam_j) Kb_i . Kb_j (j < i), by rows;
-                 * Gb = (e^(gam_i - gam_j) Qb_i . Kb_j)b (j <= i) */
+                /* T = (I + A)^-1 by rows, and Gb */
                 for (int64_t i = 0; i < L; i++) {
                     double a[GDN_C];
-                    for (int64_t j = 0; j < L; j++) {
+                    for (int64_t j = 0; j <= i; j++) {
                         double kk = 0, qk = 0;
                         for (int64_t x = 0; x < dk; x++) {
-                            kk += Kb[i * dk + x] * Kb[j * dk + x];
-                            qk += Qb[i * dk + x] * Kb[j * dk + x];
+                            const double d = p->kda ? exp(Gc[i * dk + x] - Gc[j * dk + x]) : 1.0;
+                            kk += Ka[i * dk + x] * Ka[j * dk + x] * d;
+                            qk += Qa[i * dk + x] * Ka[j * dk + x] * d;
                         }
-                        a[j] = j < i ? bet[i] * exp(gam[i] - gam[j]) * kk : 0.0;
-                        Gb[i * C + j] = j <= i ? rb(exp(gam[i] - gam[j]) * qk) : 0.0;
+                        const double d = p->kda ? 1.0 : exp(Gc[i * dk] - Gc[j * dk]);
+                        a[j] = bet[i] * d * kk;
+                        Gb[i * C + j] = rb(d * qk);
                     }
+                    for (int64_t j = i + 1; j < L; j++)
+                        Gb[i * C + j] = 0.0;
                     for (int64_t j = 0; j < L; j++) {
                         double v = i == j;
                         for (int64_t m = j; m < i; m++)
@@ -86,7 +94,7 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
                 }
                 for (int64_t i = 0; i < L * C; i++)
                     T[i] = rb(T[i]);
-                /* [W | U] = Tb [beta e^gam K^ | beta V]b; Wb */
+                /* [W | U] = Tb [beta e^G o K^ | beta V]b; Wb */
                 for (int64_t i = 0; i < L; i++) {
                     for (int64_t x = 0; x < dk; x++)
                         Wb[i * dk + x] = 0;
@@ -95,7 +103,7 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
                 }
                 for (int64_t j = 0; j < L; j++) {
                     for (int64_t x = 0; x < dk; x++)
-                        row[x] = rb(bet[j] * exp(gam[j]) * Kh[j * dk + x]);
+                        row[x] = rb(bet[j] * exp(Gc[j * dk + x]) * Kh[j * dk + x]);
                     for (int64_t i = j; i < L; i++)
                         for (int64_t x = 0; x < dk; x++)
                             Wb[i * dk + x] += T[i * C + j] * row[x];
@@ -109,7 +117,7 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
                     Wb[i] = rb(Wb[i]);
                 for (int64_t x = 0; x < dk * dv; x++)
                     hb[x] = rb(h[x]);
-                /* Deltab = (U - Wb hb)b; O = scale (e^gam Qb hb + Gb Deltab) */
+                /* Deltab = (U - Wb hb)b; O = scale (qh + Gb Deltab) */
                 for (int64_t i = 0; i < L; i++)
                     for (int64_t y = 0; y < dv; y++) {
                         double wh = 0;
@@ -117,22 +125,31 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
                             wh += Wb[i * dk + x] * hb[x * dv + y];
                         Db[i * dv + y] = rb(U[i * dv + y] - wh);
                     }
-                for (int64_t i = 0; i < L; i++)
+                for (int64_t i = 0; i < L; i++) {
+                    if (p->kda) /* (e^G o Q^)b */
+                        for (int64_t x = 0; x < dk; x++)
+                            row[x] = rb(exp(Gc[i * dk + x]) * Qh[i * dk + x]);
                     for (int64_t y = 0; y < dv; y++) {
                         double qh = 0, gd = 0;
                         for (int64_t x = 0; x < dk; x++)
-                            qh += Qb[i * dk + x] * hb[x * dv + y];
+                            qh += (p->kda ? row[x] : Qb[i * dk + x]) * hb[x * dv + y];
+                        if (!p->kda)
+                            qh *= exp(Gc[i * dk]);
                         for (int64_t j = 0; j <= i; j++)
                             gd += Gb[i * C + j] * Db[j * dv + y];
-                        fw_store_f64(p->out, off3(p->out, t0 + i, vh, y), p->scale * (exp(gam[i]) * qh + gd));
+                        fw_store_f64(p->out, off3(p->out, t0 + i, vh, y), p->scale * (qh + gd));
                     }
-                /* h <- e^gam_last h + sum_i (e^(gam_last - gam_i) K^_i)b^T Deltab_i */
-                const double al = exp(gam[L - 1]);
-                for (int64_t x = 0; x < dk * dv; x++)
-                    h[x] *= al;
+                }
+                /* h <- e^G_last o h + sum_i (e^(G_last - G_i) o K^_i)b^T Deltab_i */
+                const double *Gl = Gc + (L - 1) * dk;
+                for (int64_t x = 0; x < dk; x++) {
+                    const double al = exp(Gl[x]);
+                    for (int64_t y = 0; y < dv; y++)
+                        h[x * dv + y] *= al;
+                }
                 for (int64_t i = 0; i < L; i++)
                     for (int64_t x = 0; x < dk; x++) {
-                        const double kx = rb(exp(gam[L - 1] - gam[i]) * Kh[i * dk + x]);
+                        const double kx = rb(exp(Gl[x] - Gc[i * dk + x]) * Kh[i * dk + x]);
                         for (int64_t y = 0; y < dv; y++)
                             h[x * dv + y] += kx * Db[i * dv + y];
                     }
@@ -140,7 +157,8 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
             if (final)
                 memcpy(final + state_off(p, s, vh), h, sizeof(double) * (size_t)(dk * dv));
         }
-    free(h); free(hb); free(Kh); free(Kb); free(Qb); free(Wb); free(U); free(Db); free(T); free(Gb); free(row);
+    free(h); free(hb); free(Kh); free(Kb); free(Qh); free(Qb); free(Wb); free(Gc); free(U); free(Db);
+    free(T); free(Gb); free(row);
     return FW_OK;
 }
 
