@@ -366,7 +366,7 @@ int bench_gdn_main(int argc, char **argv)
                    "       --no-baselines --kda --json]\n"
                    "  with neither: prefill at T = 1K, 4K, 16K (one sequence, then a 4-sequence varlen batch)\n"
                    "  with the recurrent baselines, then decode for 1 and 64 sequences\n"
-                   "  --kda: KDA (a decay per key channel; f32 products)\n");
+                   "  --kda: KDA (a decay per key channel)\n");
             return bench_is_help(a) ? 0 : 2;
         }
 #undef INT
