@@ -2,9 +2,11 @@
 Qwen3-Next-style model of python/e2e.py with dummy weights, one prompt of --prompt tokens
 then --decode greedy steps, in-process.
 
-The figure: attention kernel time inside the engine. Every attention call the plugin takes is
-also run through vLLM's own CPU_ATTN kernel on the same inputs (alternating which goes first),
-each timed, summed per phase, with the largest difference between the two outputs. (End to
+The figures: attention and GDN kernel time inside the engine. Every attention call the plugin
+takes is also run through vLLM's own CPU_ATTN kernel on the same inputs, and every GDN layer
+step through vLLM's cpu_gdn_attention_core on the same cache slots (float32 states), alternating
+which goes first, each timed, summed per phase, with the largest difference between the two
+outputs. (End to
 end timing is not measured here: generate() calls of 1 and of N tokens did not give a
 consistent difference on this VM.)
 
@@ -29,6 +31,7 @@ cfg = e2e.config()
 cfg.architectures = ["Qwen3NextForCausalLM"]
 cfg.torch_dtype = "bfloat16"
 cfg.save_pretrained(args["dir"])
+FLY, VLLM, CALLS = 0, 1, 2  # the slots of timed and gdn: seconds of each kernel, calls
 timed = {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]}
 worst = [0.0, 0.0]
 import flywheel.integrations.vllm as fwv
@@ -37,43 +40,81 @@ impl = fwv.backend_class().get_impl_cls()
 fly = impl.forward
 flip = [0]
 def both(self, layer, query, key, value, kv_cache, md, output, *a, **k):
-    if not self._flywheel_takes(layer, kv_cache, md, None, None, prefill=True):
+    if not self._flywheel_takes(layer, kv_cache, md, None, None):
         return fly(self, layer, query, key, value, kv_cache, md, output, *a, **k)
     want = output.clone()
-    runs = [(1, lambda: self._flywheel(kv_cache, query, output, md)),
-            (0, lambda: CPUAttentionBackendImpl.forward(self, layer, query, key, value,
-                                                        kv_cache, md, want))]
+    runs = [(FLY, lambda: self._flywheel(kv_cache, query, output, md)),
+            (VLLM, lambda: CPUAttentionBackendImpl.forward(self, layer, query, key, value,
+                                                           kv_cache, md, want))]
     flip[0] ^= 1
     for who, f in (runs if flip[0] else runs[::-1]):
         t0 = time.perf_counter()
         f()
         dt = time.perf_counter() - t0
         timed["prefill" if md.max_query_len > 1 else "decode"][who] += dt
-    timed["prefill" if md.max_query_len > 1 else "decode"][2] += 1
+    timed["prefill" if md.max_query_len > 1 else "decode"][CALLS] += 1
     n = md.num_actual_tokens
     worst[0] = max(worst[0], (output[:n].float() - want[:n].float()).abs().max().item())
     worst[1] = max(worst[1], want[:n].float().abs().max().item())
     return output
 impl.forward = both
+
+# the GDN layers: flywheel's step and vLLM's op on the same slots, alternating which goes first;
+# the slots the step uses are saved before and put back between the two (not timed), and
+# flywheel's results are what the engine keeps
+gdn = {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]}
+gworst = [0.0, 0.0]
+fly_step = fwv.gdn_step
+def both_gdn(layer, md, mixed_qkv, b, a, out):
+    conv, ssm = layer.kv_cache[0], layer.kv_cache[1]
+    n = md.num_decodes + md.num_prefills
+    idx = md.non_spec_state_indices_tensor[:n].long()
+    before = (conv[idx].clone(), ssm[idx].clone())
+    phase = "prefill" if md.num_prefills else "decode"
+    want = out.clone()
+    took = [True]
+    def ours():
+        took[0] = fly_step(layer, md, mixed_qkv, b, a, out)
+    def theirs():
+        fwv._GDN["vllm"](mixed_qkv, b, a, want, layer.prefix)
+    flip[0] ^= 1
+    order = [(FLY, ours), (VLLM, theirs)] if flip[0] else [(VLLM, theirs), (FLY, ours)]
+    for i, (who, f) in enumerate(order):
+        if i:  # the second starts from the same slots
+            after = (conv[idx].clone(), ssm[idx].clone())
+            conv[idx], ssm[idx] = before
+        t0 = time.perf_counter()
+        f()
+        gdn[phase][who] += time.perf_counter() - t0
+    if not took[0]:
+        raise RuntimeError("flywheel declined a GDN step (its states must be float32)")
+    if order[1][0] == VLLM:  # vLLM went second: the engine keeps flywheel's caches
+        conv[idx], ssm[idx] = after
+    gdn[phase][CALLS] += 1
+    t = md.num_actual_tokens
+    gworst[0] = max(gworst[0], (out[:t].float() - want[:t].float()).abs().max().item())
+    gworst[1] = max(gworst[1], want[:t].float().abs().max().item())
+    return True
+fwv.gdn_step = both_gdn
 llm = LLM(model=args["dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
           max_model_len=args["prompt"] + args["decode"] + 16, enforce_eager=True, seed=0,
-          enable_prefix_caching=False)
+          enable_prefix_caching=False, mamba_ssm_cache_dtype="float32")
 random.seed(0)
 prompt = {"prompt_token_ids": [random.randrange(10, 30000) for _ in range(args["prompt"])]}
 llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"][:64]}],
              SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))  # warm-up
-for v in timed.values():
+for v in list(timed.values()) + list(gdn.values()):
     v[:] = [0.0, 0.0, 0]
 llm.generate([prompt], SamplingParams(max_tokens=args["decode"] + 1, ignore_eos=True,
                                       detokenize=False))
-print("RESULT " + json.dumps({"timed": timed, "worst": worst}))
+print("RESULT " + json.dumps({"timed": timed, "worst": worst, "gdn": gdn, "gworst": gworst}))
 """
 
 
 def child(args):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads),
-               FLYWHEEL_VLLM="1",
+               FLYWHEEL_VLLM="1", FLYWHEEL_VLLM_CALLS="all",
                FW_E2E=os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e.py"))
     a = dict(prompt=args.prompt, decode=args.decode,
              dir=tempfile.mkdtemp(prefix="fw-vllm-"))
@@ -99,6 +140,13 @@ def main():
                   f"vLLM's kernel {v * 1e3:.1f} ms ({v / f:.2f}x)")
     print(f"largest difference flywheel - vLLM: {k['worst'][0]:.3g} (largest output "
           f"{k['worst'][1]:.3g})")
+    for phase in ("prefill", "decode"):
+        f, v, n = k["gdn"][phase]
+        if n:
+            print(f"GDN layer steps inside the engine (conv + gates + delta rule), {phase}: {n} "
+                  f"calls, flywheel {f * 1e3:.1f} ms, vLLM's op {v * 1e3:.1f} ms ({v / f:.2f}x)")
+    print(f"GDN: largest difference flywheel - vLLM: {k['gworst'][0]:.3g} (largest output "
+          f"{k['gworst'][1]:.3g})")
 
 if __name__ == "__main__":
     main()

@@ -115,6 +115,23 @@ def test_bad_cache_shapes_raise():
         fwv.kv_cache_views(torch.zeros(2, 2, 16, 8)[:, :, ::2])
 
 
+@pytest.mark.parametrize("calls, decode_only, prefill", [
+    (None, False, True), ("prefill", False, True), ("decode", True, False), ("all", True, True)])
+def test_which_steps_the_plugin_takes(monkeypatch, calls, decode_only, prefill):
+    if calls is None:
+        monkeypatch.delenv("FLYWHEEL_VLLM_CALLS", raising=False)
+    else:
+        monkeypatch.setenv("FLYWHEEL_VLLM_CALLS", calls)
+    assert fwv.takes_step(True) is decode_only
+    assert fwv.takes_step(False) is prefill
+
+
+def test_bad_steps_setting_raises(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_VLLM_CALLS", "decodes")
+    with pytest.raises(ValueError, match="prefill, decode or all"):
+        fwv.takes_step(True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bs", [128, 1152])
 def test_against_vllms_own_kernels(dtype, bs):

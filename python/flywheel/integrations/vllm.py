@@ -17,13 +17,25 @@ cached keys, causal aligned bottom-right, into vLLM's output buffer.
 
 register() is vLLM's general-plugin entry point (the package declares it in the group
 `vllm.general_plugins`, so every engine process loads it; FLYWHEEL_VLLM=0 turns it off): it
-registers a subclass of CPU_ATTN's backend whose forward hands flywheel the decode batches
-(every sequence one new token) it serves as vLLM would (the "vec" cache layout, a bf16 or f32
-cache, causal decoder self-attention without ALiBi, sinks or a dynamic mask) and leaves the
-rest to vLLM's kernels. Prefills stay vLLM's: alone flywheel's prefill on this cache runs
-1.85-2.3x vLLM's kernel, but inside the engine it measured 0.55-0.65x (python/bench_vllm.py;
-not explained yet). Not done: the Gated DeltaNet core on vLLM's state slots (README, "vLLM's
-CPU build").
+registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
+as vLLM would (the "vec" cache layout, a bf16 or f32 cache, causal decoder self-attention
+without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. Which steps:
+FLYWHEEL_VLLM_CALLS = "prefill" (the default: steps with at least one prefill), "decode"
+(decode-only steps) or "all". Measured inside the engine (python/bench_vllm.py, both kernels
+on every call): flywheel's prefill steps are faster than vLLM's (attention 1.6-2.1x, GDN
+2.5-4x at 1K and 4K prompts), its GDN decode steps slower (0.4x) and its attention decode
+slower at a 1K context (0.7-0.8x), faster at 4K (1.2x); so by default decodes stay vLLM's.
+
+The plugin also serves the Gated DeltaNet layers (Qwen3-Next, Qwen3.5): vLLM's CPU op
+`cpu_gdn_attention_core` (conv1d + SiLU, the gates, the gated delta rule of one layer's step)
+becomes one flywheel.fused_conv1d_gdn call on vLLM's own caches in place (gdn_core). vLLM's
+CPU kernels use its state slots [slots, HV, V, K] as [slots, HV, K, V] (the same memory viewed
+with K and V swapped), flywheel's layout; the conv cache is read as [slots, K - 1, dim] in
+either of vLLM's layouts (SD, or DS through a transposed view); the unpacked conv weights are
+the ones vLLM stashes when it packs them. flywheel takes the step when the recurrent state is
+float32 (`mamba_ssm_cache_dtype="float32"`; vLLM's default "auto" keeps it in the model's
+bf16, which stays on vLLM's kernels), without speculative decoding or prefix-caching
+checkpoints; otherwise vLLM's own op runs.
 """
 
 import os
@@ -74,6 +86,76 @@ def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, s
     return output
 
 
+def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
+    """vLLM's non-speculative GDN step (its metadata md) on flywheel: decodes first, then
+    prefills, each sequence from its slot (a prefill without an initial state starts from zero
+    whatever the slot holds), both caches updated in place, core_attn_out [T, HV, V] written.
+    Returns False (nothing done) where flywheel does not take the step (the module docstring:
+    takes_step, float32 states, no speculative decoding or checkpoints)."""
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    conv_cache, ssm = layer.kv_cache[0], layer.kv_cache[1]
+    weight = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)
+    if weight is None:
+        weight = layer.conv1d.weight
+        weight = weight[:, 0] if weight.dim() == 3 else weight
+    width = weight.shape[-1]
+    conv = conv_cache.transpose(1, 2) if is_conv_state_dim_first() else conv_cache
+    if (not takes_step(md.num_prefills == 0) or
+            md.spec_sequence_masks is not None or md.num_accepted_tokens is not None or
+            getattr(md, "checkpoint", None) is not None or conv.shape[1] != width - 1 or
+            ssm.dtype != torch.float32 or mixed_qkv.dtype not in (torch.bfloat16, torch.float32)
+            or layer.activation != "silu" or ssm.dim() != 4 or
+            ssm.stride()[1:] != (ssm.shape[2] * ssm.shape[3], ssm.shape[3], 1)):
+        return False
+    slots, hv, dv, dk = ssm.shape
+    n_kq = layer.num_k_heads // layer.tp_size
+    nd, n = md.num_decodes, md.num_decodes + md.num_prefills
+    t = md.num_actual_tokens
+    qsl = md.non_spec_query_start_loc[:n + 1]
+    idx = md.non_spec_state_indices_tensor[:n]
+    has_init = torch.ones(n, dtype=torch.int32)
+    if md.has_initial_state is not None and n > nd:
+        has_init[nd:] = md.has_initial_state[nd:n].to(torch.int32)
+    seq_lens = (qsl[1:] - qsl[:-1]).to(torch.int32) + has_init
+    # the slot's memory as vLLM's CPU kernels read it: [slots, HV, K, V]
+    rec = torch.as_strided(ssm, (slots, hv, dk, dv), (ssm.stride(0), ssm.stride(1), dv, 1),
+                           ssm.storage_offset())
+    flywheel.fused_conv1d_gdn(
+        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight, layer.conv1d.bias, layer.A_log,
+        layer.dt_bias, qsl, idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens, idx,
+        n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width, l2norm_eps=1e-5,
+        out=core_attn_out[:t].view(t, hv * dv))
+    return True
+
+
+_GDN = {}
+
+
+def gdn_core(mixed_qkv, b, a, core_attn_out, layer_name):
+    """vLLM's CPU op cpu_gdn_attention_core (same arguments) on flywheel where gdn_step takes
+    the step, else vLLM's own."""
+    from vllm.forward_context import get_forward_context
+    from vllm.utils.torch_utils import _resolve_layer_name
+    fc = get_forward_context()
+    layer = fc.no_compile_layers[_resolve_layer_name(layer_name)]
+    md = fc.attn_metadata
+    md = None if md is None else md[layer.prefix]
+    if md is None or md.num_actual_tokens == 0:
+        return
+    if not gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
+        _GDN["vllm"](mixed_qkv, b, a, core_attn_out, layer_name)
+
+
+def takes_step(decode_only):
+    """Whether the plugin takes a step (FLYWHEEL_VLLM_CALLS: "prefill", the default, takes steps
+    with a prefill; "decode" decode-only steps; "all" both)."""
+    calls = os.environ.get("FLYWHEEL_VLLM_CALLS", "prefill")
+    if calls not in ("prefill", "decode", "all"):
+        raise ValueError(f"FLYWHEEL_VLLM_CALLS must be prefill, decode or all, got {calls!r}")
+    return calls == "all" or calls == ("decode" if decode_only else "prefill")
+
+
 _BACKEND = {}
 
 
@@ -90,11 +172,10 @@ def backend_class():
         """CPU_ATTN's implementation, on flywheel where it serves the batch (the module
         docstring)."""
 
-        def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale,
-                            prefill=False):
-            """Whether flywheel serves this call (prefill: batches with prefills too)."""
+        def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale):
+            """Whether flywheel serves this call (takes_step: which steps)."""
             return (md is not None and output_scale is None and output_block_scale is None and
-                    (prefill or md.max_query_len == 1) and md.causal is True and
+                    takes_step(md.max_query_len == 1) and md.causal is True and
                     md.dynamic_causal is None and
                     self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and
                     self.sinks is None and not self.is_fp8_kv_cache and
@@ -137,11 +218,25 @@ def __getattr__(name):  # the backend's class path, as vLLM's registry imports i
 
 def register():
     """vLLM's general-plugin entry point: flywheel's backend in place of CPU_ATTN (the CPU
-    platform always asks for CPU_ATTN). FLYWHEEL_VLLM=0 leaves vLLM as it is."""
+    platform always asks for CPU_ATTN) and gdn_core in place of cpu_gdn_attention_core.
+    FLYWHEEL_VLLM=0 leaves vLLM as it is."""
     if os.environ.get("FLYWHEEL_VLLM", "1") == "0":
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.FlywheelCPUAttentionBackend")
+    try:  # the GDN op: its module's function, which vLLM registers as the op when a layer is built
+        import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as gdn
+    except ImportError:  # a vLLM without the CPU GDN op
+        return
+    if "vllm" not in _GDN:
+        import typing
+        _GDN["vllm"] = gdn.cpu_gdn_attention_core
+        # torch.library infers the op's schema from the annotations: vLLM's, resolved
+        hints = typing.get_type_hints(gdn.cpu_gdn_attention_core)
+        hints["return"] = None  # (get_type_hints gives NoneType, which the schema refuses)
+        gdn_core.__annotations__ = hints
+        gdn.cpu_gdn_attention_core = gdn_core
 
 
-__all__ = ["attention", "backend_class", "kv_cache_views", "register"]
+__all__ = ["attention", "backend_class", "gdn_core", "gdn_step", "kv_cache_views", "register",
+           "takes_step"]
