@@ -81,7 +81,8 @@ cfg.torch_dtype = "bfloat16"
 d = sys.argv[1]
 cfg.save_pretrained(d)
 llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-          max_model_len=2048, enforce_eager=True, seed=0, mamba_ssm_cache_dtype="float32")
+          max_model_len=2048, enforce_eager=True, seed=0,
+          mamba_ssm_cache_dtype=os.environ["FW_TEST_SSM_DTYPE"])
 random.seed(0)
 prompts = [{"prompt_token_ids": [random.randrange(10, 4000) for _ in range(n)]} for n in (300, 77)]
 outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False,
@@ -93,10 +94,10 @@ print("RESULT " + json.dumps({"calls": calls[0], "diffs": diffs, "gdn_calls": gc
 """
 
 
-def run_engine(tmp_path, plugin, calls="all"):
+def run_engine(tmp_path, plugin, calls="all", ssm_dtype="float32"):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", FLYWHEEL_VLLM="1" if plugin else "0",
-               FLYWHEEL_VLLM_CALLS=calls)
+               FLYWHEEL_VLLM_CALLS=calls, FW_TEST_SSM_DTYPE=ssm_dtype)
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / ("on" if plugin else "off"))],
                        env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -139,11 +140,19 @@ def test_plugin_agrees_with_vllms_kernels(tmp_path):
         assert a[0][0] == b[0][0]
 
 
-def test_plugin_default_takes_the_prefill_steps(tmp_path):
-    """The default (FLYWHEEL_VLLM_CALLS=prefill): flywheel takes the steps with a prefill, the
-    decode-only steps stay vLLM's (faster inside the engine: README, "vLLM's CPU build")."""
+def test_plugin_defaults(tmp_path):
+    """vLLM's and the plugin's defaults: bf16 GDN states (stepped in float32, rounded back) and
+    FLYWHEEL_VLLM_CALLS=prefill, so flywheel takes the steps with a prefill and the decode-only
+    steps stay vLLM's (faster inside the engine: README, "vLLM's CPU build"); the steps it
+    takes agree with vLLM's op (states within a bf16 rounding or two of the largest)."""
     need_engine()
-    on = run_engine(tmp_path, True, "prefill")
+    on = run_engine(tmp_path, True, "prefill", "auto")
     assert on["calls"] >= 1 and all(p for *_, p in on["diffs"]), on["diffs"]
+    for err, big, _ in on["diffs"]:
+        assert err <= 2 ** -6 * big + 1e-6, (err, big)
     assert on["gdn_calls"][0] >= 3 and all(p for *_, p in on["gdn_diffs"])
     assert on["gdn_calls"][1] >= 3 * 11 and not any(on["declined"]), on["declined"]
+    for out_err, conv_err, state_err, out_big, state_big, _ in on["gdn_diffs"]:
+        assert out_err <= 2 ** -6 * out_big + 1e-30, (out_err, out_big)
+        assert state_err <= 2 ** -6 * state_big + 1e-30, (state_err, state_big)
+        assert conv_err == 0, conv_err

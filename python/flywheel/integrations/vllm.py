@@ -32,10 +32,10 @@ becomes one flywheel.fused_conv1d_gdn call on vLLM's own caches in place (gdn_co
 CPU kernels use its state slots [slots, HV, V, K] as [slots, HV, K, V] (the same memory viewed
 with K and V swapped), flywheel's layout; the conv cache is read as [slots, K - 1, dim] in
 either of vLLM's layouts (SD, or DS through a transposed view); the unpacked conv weights are
-the ones vLLM stashes when it packs them. flywheel takes the step when the recurrent state is
-float32 (`mamba_ssm_cache_dtype="float32"`; vLLM's default "auto" keeps it in the model's
-bf16, which stays on vLLM's kernels), without speculative decoding or prefix-caching
-checkpoints; otherwise vLLM's own op runs.
+the ones vLLM stashes when it packs them. States in float32 (`mamba_ssm_cache_dtype=
+"float32"`) are updated in place; in bf16 (vLLM's default "auto" for a bf16 model) the step's
+slots are read into float32, stepped, and rounded back, as vLLM's kernels round them once a
+step. Speculative decoding and prefix-caching checkpoints stay on vLLM's own op.
 """
 
 import os
@@ -91,7 +91,7 @@ def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
     prefills, each sequence from its slot (a prefill without an initial state starts from zero
     whatever the slot holds), both caches updated in place, core_attn_out [T, HV, V] written.
     Returns False (nothing done) where flywheel does not take the step (the module docstring:
-    takes_step, float32 states, no speculative decoding or checkpoints)."""
+    takes_step, float32 or bf16 states, no speculative decoding or checkpoints)."""
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     conv_cache, ssm = layer.kv_cache[0], layer.kv_cache[1]
@@ -104,7 +104,8 @@ def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
     if (not takes_step(md.num_prefills == 0) or
             md.spec_sequence_masks is not None or md.num_accepted_tokens is not None or
             getattr(md, "checkpoint", None) is not None or conv.shape[1] != width - 1 or
-            ssm.dtype != torch.float32 or mixed_qkv.dtype not in (torch.bfloat16, torch.float32)
+            ssm.dtype not in (torch.float32, torch.bfloat16) or
+            mixed_qkv.dtype not in (torch.bfloat16, torch.float32)
             or layer.activation != "silu" or ssm.dim() != 4 or
             ssm.stride()[1:] != (ssm.shape[2] * ssm.shape[3], ssm.shape[3], 1)):
         return False
@@ -121,11 +122,18 @@ def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
     # the slot's memory as vLLM's CPU kernels read it: [slots, HV, K, V]
     rec = torch.as_strided(ssm, (slots, hv, dk, dv), (ssm.stride(0), ssm.stride(1), dv, 1),
                            ssm.storage_offset())
+    slot_idx = idx
+    if ssm.dtype == torch.bfloat16:  # the step's slots in float32, rounded back after it
+        rows = idx.long()
+        bf16_rec, rec = rec, rec[rows].float()
+        slot_idx = torch.arange(n, dtype=torch.int32)
     flywheel.fused_conv1d_gdn(
         mixed_qkv[:t], b[:t], a[:t], conv, rec, weight, layer.conv1d.bias, layer.A_log,
-        layer.dt_bias, qsl, idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens, idx,
-        n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width, l2norm_eps=1e-5,
+        layer.dt_bias, qsl, slot_idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens,
+        slot_idx, n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width, l2norm_eps=1e-5,
         out=core_attn_out[:t].view(t, hv * dv))
+    if ssm.dtype == torch.bfloat16:
+        bf16_rec[rows] = rec.to(torch.bfloat16)
     return True
 
 
