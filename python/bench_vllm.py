@@ -38,7 +38,7 @@ import flywheel.integrations.vllm as fwv
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 impl = fwv.backend_class().get_impl_cls()
 fly = impl.forward
-flip = [0]
+flip = {}  # per kind and phase, so each sum has as many calls of each order
 def both(self, layer, query, key, value, kv_cache, md, output, *a, **k):
     if not self._flywheel_takes(layer, kv_cache, md, None, None):
         return fly(self, layer, query, key, value, kv_cache, md, output, *a, **k)
@@ -46,8 +46,9 @@ def both(self, layer, query, key, value, kv_cache, md, output, *a, **k):
     runs = [(FLY, lambda: self._flywheel(kv_cache, query, output, md)),
             (VLLM, lambda: CPUAttentionBackendImpl.forward(self, layer, query, key, value,
                                                            kv_cache, md, want))]
-    flip[0] ^= 1
-    for who, f in (runs if flip[0] else runs[::-1]):
+    key = ("attention", md.max_query_len > 1)
+    flip[key] = first = not flip.get(key, False)
+    for who, f in (runs if first else runs[::-1]):
         t0 = time.perf_counter()
         f()
         dt = time.perf_counter() - t0
@@ -77,8 +78,9 @@ def both_gdn(layer, md, mixed_qkv, b, a, out):
         took[0] = fly_step(layer, md, mixed_qkv, b, a, out)
     def theirs():
         fwv._GDN["vllm"](mixed_qkv, b, a, want, layer.prefix)
-    flip[0] ^= 1
-    order = [(FLY, ours), (VLLM, theirs)] if flip[0] else [(VLLM, theirs), (FLY, ours)]
+    key = ("gdn", phase)
+    flip[key] = first = not flip.get(key, False)
+    order = [(FLY, ours), (VLLM, theirs)] if first else [(VLLM, theirs), (FLY, ours)]
     for i, (who, f) in enumerate(order):
         if i:  # the second starts from the same slots
             after = (conv[idx].clone(), ssm[idx].clone())

@@ -7,7 +7,7 @@
  * Engines make thousands of such calls per second.
  *
  * How it stays exactly the binding it speeds up: each public Python function (attention.py,
- * gated_delta.py) first offers its arguments to the matching function here. The fast path
+ * gated_delta.py, layers.py) first offers its arguments to the matching function here. The fast path
  * takes only the common, fully valid case: torch CPU tensors or numpy arrays seen through
  * DLPack without copies, int32 index arrays, plain numbers, the options that need no Python
  * work. Anything else -- another type or dtype, a layout the Python path would copy, a
@@ -84,6 +84,11 @@ typedef void (*gdn_init_fn)(fw_gdn_params *);
 typedef fw_status (*gdn_decode_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
                                    const fw_tensor *, const fw_tensor *, float *, int64_t,
                                    const int32_t *, const fw_tensor *, const fw_gdn_params *);
+typedef fw_status (*gdn_layer_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                  const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                  const fw_tensor *, const fw_gdn_batch *, const fw_gdn_caches *,
+                                  const fw_tensor *, const fw_gdn_layer_params *);
+typedef void (*layer_init_fn)(fw_gdn_layer_params *);
 
 static struct {
     attn_fwd_fn attn_fwd;
@@ -92,6 +97,8 @@ static struct {
     gdn_decode_fn gdn_decode;
     attn_init_fn attn_params_init;
     gdn_init_fn gdn_params_init;
+    gdn_layer_fn gdn_layer;
+    layer_init_fn layer_params_init;
     PyObject *torch_tensor; /* torch.Tensor, once torch is imported */
     PyObject *to_dlpack;    /* torch._C._to_dlpack */
     PyObject *torch_empty;  /* torch.empty */
@@ -742,16 +749,122 @@ done:
     return finish(rc, out, NULL);
 }
 
+/* -------------------------------------------------------- GDN serving layer -- */
+
+/* An int32 index vector of n entries (unit stride, or one entry) */
+static int get_indices(PyObject *o, int64_t n, const int32_t **out)
+{
+    arr x;
+    int rc = get_index(o, &x, 1);
+    if (rc != OK)
+        return rc;
+    if (x.t.shape[0] != n)
+        return DECLINE;
+    *out = x.t.data;
+    return OK;
+}
+
+/* gdn_layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+ *   query_start_loc, state_indices, distribution, seq_lens, read_state_indices, n_kq, n_v,
+ *   d_k, d_v, kernel_size, l2norm_eps, zero_tail, threads, out) -> out: fused_conv1d_gdn without
+ *   speculative windows, isa or precision, with out given; recurrent_state a float32 slot
+ *   array [slots, n_v, d_k, d_v], each slot contiguous. The library checks the rest. */
+static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    (void)self;
+    if (!nargs(n, 23, "gdn_layer"))
+        return NULL;
+    arr qkv, b, ga, conv, rec, w, cb, alog, dtb, dist, o;
+    PyObject *out = NULL;
+    fw_gdn_batch batch;
+    fw_gdn_caches caches;
+    fw_gdn_layer_params p;
+    long long nkq, nv, dk, dv, ks, zt, th;
+    int rc = OK;
+    if (a[22] == Py_None)
+        TRY(DECLINE);
+    out = Py_NewRef(a[22]);
+    TRY(get_float(a[0], &qkv, 2));
+    TRY(get_float(a[1], &b, 2));
+    TRY(get_float(a[2], &ga, 2));
+    TRY(get_arr(a[3], &conv));
+    TRY(get_float(a[4], &rec, 4));
+    TRY(get_arr(a[5], &w));
+    if (w.dtype == FW_INT32 || conv.dtype == FW_INT32 || w.t.ndim < 2 || w.t.ndim > 3)
+        TRY(DECLINE);
+    if (w.t.ndim == 3) { /* [dim, 1, K] */
+        if (w.t.shape[1] != 1)
+            TRY(DECLINE);
+        drop1(&w.t);
+    }
+    if (a[6] != Py_None)
+        TRY(get_float(a[6], &cb, 1));
+    TRY(get_float(a[7], &alog, 1));
+    TRY(get_float(a[8], &dtb, 1));
+    TRY(get_int(a[14], 1, INT32_MAX, &nkq));
+    TRY(get_int(a[15], 1, INT32_MAX, &nv));
+    TRY(get_int(a[16], 1, INT32_MAX, &dk));
+    TRY(get_int(a[17], 1, INT32_MAX, &dv));
+    TRY(get_int(a[18], 1, INT32_MAX, &ks));
+    /* GDN's a [T, n_v] (the library would read [T, n_v d_k] as KDA's) and K = kernel_size */
+    if (ga.t.shape[1] != nv || w.t.shape[1] != ks)
+        TRY(DECLINE);
+    /* the state pool as _pool_slots takes it: float32, each slot contiguous */
+    const fw_tensor *R = &rec.t;
+    if (rec.dtype != FW_F32 || R->shape[1] != nv || R->shape[2] != dk || R->shape[3] != dv ||
+        R->stride[3] != 1 || R->stride[2] != dv || R->stride[1] != dk * dv ||
+        (R->shape[0] > 1 && R->stride[0] < nv * dk * dv))
+        TRY(DECLINE);
+    memset(&batch, 0, sizeof batch);
+    TRY(get_index(a[9], &dist, 1)); /* query_start_loc: n_seqs + 1 entries */
+    batch.n_seqs = dist.t.shape[0] - 1;
+    if (batch.n_seqs < 0 || (dist.t.stride[0] != 1 && dist.t.shape[0] > 1))
+        TRY(DECLINE);
+    batch.query_start_loc = dist.t.data;
+    TRY(get_indices(a[10], batch.n_seqs, &batch.state_indices));
+    TRY(get_indices(a[12], batch.n_seqs, &batch.seq_lens));
+    if (a[13] != Py_None)
+        TRY(get_indices(a[13], batch.n_seqs, &batch.read_state_indices));
+    const int32_t *d3;
+    TRY(get_indices(a[11], 3, &d3));
+    batch.decode_end = d3[0];
+    batch.prefill_end = d3[1];
+    batch.mixed_end = d3[2];
+    st.layer_params_init(&p);
+    p.n_kq = (int32_t)nkq;
+    p.n_v = (int32_t)nv;
+    p.d_k = (int32_t)dk;
+    p.d_v = (int32_t)dv;
+    TRY(get_f32(a[19], 0.0f, 0, &p.l2norm_eps));
+    TRY(get_int(a[20], 0, 1, &zt));
+    p.zero_tail = (int32_t)zt;
+    TRY(get_int(a[21], 0, INT32_MAX, &th));
+    p.threads = (int32_t)th;
+    TRY(get_float(out, &o, 2));
+    caches.conv = conv.t;
+    caches.recurrent = R->data;
+    caches.recurrent_stride = R->shape[0] > 1 ? R->stride[0] : nv * dk * dv;
+    fw_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = st.gdn_layer(&qkv.t, &b.t, &ga.t, &w.t, a[6] == Py_None ? NULL : &cb.t, &alog.t, &dtb.t,
+                     &batch, &caches, &o.t, &p);
+    Py_END_ALLOW_THREADS
+    if (s != FW_OK)
+        TRY(DECLINE);
+done:
+    return finish(rc, out, NULL);
+}
+
 /* -------------------------------------------------------------------- module -- */
 
 /* init(abi, fw_attn_fwd, fw_attn_varlen_fwd, fw_attn_kvcache_fwd, fw_gdn_decode,
- *   fw_attn_params_init, fw_gdn_params_init): the library's ABI
- * version and the addresses of its functions, from the ctypes binding. ImportError when the
- * ABI differs from the header this was compiled with. */
+ *   fw_attn_params_init, fw_gdn_params_init, fw_gdn_layer, fw_gdn_layer_params_init): the
+ * library's ABI version and the addresses of its functions, from the ctypes binding.
+ * ImportError when the ABI differs from the header this was compiled with. */
 static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 7, "init"))
+    if (!nargs(n, 9, "init"))
         return NULL;
     const long abi = PyLong_AsLong(a[0]);
     if (abi == -1 && PyErr_Occurred())
@@ -763,8 +876,8 @@ static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
                      FW_ABI_VERSION, abi);
         return NULL;
     }
-    void *f[6];
-    for (int i = 0; i < 6; i++) {
+    void *f[8];
+    for (int i = 0; i < 8; i++) {
         f[i] = PyLong_AsVoidPtr(a[i + 1]);
         if (!f[i]) {
             if (!PyErr_Occurred())
@@ -779,6 +892,8 @@ static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
     memcpy(&st.gdn_decode, &f[3], sizeof f[3]);
     memcpy(&st.attn_params_init, &f[4], sizeof f[4]);
     memcpy(&st.gdn_params_init, &f[5], sizeof f[5]);
+    memcpy(&st.gdn_layer, &f[6], sizeof f[6]);
+    memcpy(&st.layer_params_init, &f[7], sizeof f[7]);
     Py_RETURN_NONE;
 }
 
@@ -799,6 +914,7 @@ static PyMethodDef methods[] = {
      "flash_attn_with_kvcache"},
     {"gdn_decode", (PyCFunction)(void (*)(void))gdn_decode, METH_FASTCALL,
      "gated_delta_rule_decode"},
+    {"gdn_layer", (PyCFunction)(void (*)(void))gdn_layer, METH_FASTCALL, "fused_conv1d_gdn"},
     {"stats", stats, METH_NOARGS, "(fast calls, declined calls)"},
     {NULL, NULL, 0, NULL},
 };

@@ -215,6 +215,73 @@ def test_gdn_decode_same_bits(family, squeeze, with_idx):
                   taken=not squeeze)
 
 
+def _layer_call(family, dtype="bfloat16", with_read=True, zero_tail=True, padded=False,
+                eps=None, **over):
+    """fused_conv1d_gdn over 2 decodes, a continued prefill of 5 and a new one of 3 tokens,
+    then a padding row: (out, conv_state, recurrent_state)."""
+    rng = np.random.default_rng(9)
+    nkq, nv, dk, dv, K, slots = 2, 4, 16, 8, 4, 6
+    dim, T = 2 * nkq * dk + nv * dv, 11
+    qkv, _ = make(rng, (T, dim), dtype, family)
+    b, _ = make(rng, (T, nv), dtype, family)
+    a, _ = make(rng, (T, nv), dtype, family)
+    w, _ = make(rng, (dim, 1, K), dtype, family)
+    cb, _ = make(rng, (dim,), "float32", family)
+    conv, _ = make(rng, (slots, K - 1, dim), dtype, family)
+    alog = rng.standard_normal(nv).astype(np.float32) * 0.5
+    dtb = rng.standard_normal(nv).astype(np.float32)
+    words = nv * dk * dv + (24 if padded else 0)
+    pool = (rng.standard_normal((slots, words)) * 0.1).astype(np.float32)
+    rec = np.lib.stride_tricks.as_strided(pool, (slots, nv, dk, dv),
+                                          (words * 4, dk * dv * 4, dv * 4, 4))
+    qsl = np.array([0, 1, 2, 7, 10], np.int32)
+    idx = np.array([3, 0, 5, 1], np.int32)
+    sl = np.array([9, 4, 12, 3], np.int32)
+    read = np.array([3, 2, 5, 1], np.int32) if with_read else None
+    dist = np.array([2, 4, 4], np.int32)
+    out = np.full((T, nv * dv), 7, qkv.dtype if family == "numpy" else np.float32)
+    if family == "torch":
+        alog, dtb = torch.from_numpy(alog), torch.from_numpy(dtb)
+        pool = torch.from_numpy(pool)
+        rec = torch.as_strided(pool, (slots, nv, dk, dv), (words, dk * dv, dv, 1))
+        qsl, idx, sl, dist = (torch.from_numpy(x) for x in (qsl, idx, sl, dist))
+        read = None if read is None else torch.from_numpy(read)
+        out = torch.full((T, nv * dv), 7.0, dtype=qkv.dtype)
+    kw = dict(n_kq=nkq, n_v=nv, d_k=dk, d_v=dv, kernel_size=K, l2norm_eps=eps,
+              zero_initialize_out=zero_tail, out=out)
+    a = over.pop("a", a)
+    kw.update(over)
+    args = [qkv, b, a, conv, rec, w, cb, alog, dtb, qsl, idx, dist, sl, read]
+    (c, r), o = flywheel.fused_conv1d_gdn(*args, **kw)
+    assert c is conv and r is rec and o is kw["out"]
+    return o, conv, pool
+
+
+@fast_only
+@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gdn_layer_same_bits(family, dtype):
+    for opts in (dict(), dict(with_read=False), dict(zero_tail=False), dict(padded=True),
+                 dict(eps=1e-5)):
+        check(lambda: _layer_call(family, dtype, **opts), taken=_exportable(family, dtype))
+
+
+@fast_only
+def test_gdn_layer_declined_as_ctypes():
+    """Calls the layer's fast path leaves to the ctypes path: no out (a new one), isa=, int64
+    indices, KDA's a width under fused_conv1d_gdn, a kernel_size the weights do not have."""
+    check(lambda: _layer_call("numpy", "float32", isa="portable"), taken=False)
+    check(lambda: _layer_call("numpy", "float32", precision="f32"), taken=False)
+    with pytest.raises(ValueError, match="kernel_size"):
+        _layer_call("numpy", "float32", kernel_size=3)
+    fast, slow, n_fast, _ = both_paths(lambda: _layer_call("numpy", "float32", kernel_size=3))
+    assert fast == slow and n_fast == 0
+    rng = np.random.default_rng(1)
+    wide = rng.standard_normal((11, 4 * 16)).astype(np.float32)
+    fast, slow, n_fast, _ = both_paths(lambda: _layer_call("numpy", "float32", a=wide))
+    assert fast == slow and fast[0] == "raised" and n_fast == 0
+
+
 def _readonly(x):
     x = np.array(x)
     x.setflags(write=False)

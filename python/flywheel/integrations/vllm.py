@@ -23,8 +23,8 @@ without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. W
 FLYWHEEL_VLLM_CALLS = "prefill" (the default: steps with at least one prefill), "decode"
 (decode-only steps) or "all". Measured inside the engine (python/bench_vllm.py, both kernels
 on every call): flywheel's prefill steps are faster than vLLM's (attention 1.6-2.1x, GDN
-2.5-4x at 1K and 4K prompts), its GDN decode steps slower (0.4x) and its attention decode
-slower at a 1K context (0.7-0.8x), faster at 4K (1.2x); so by default decodes stay vLLM's.
+1.2-2.0x at 1K and 4K prompts), its decode-only steps slower (attention 0.74-0.87x, GDN
+0.52-0.85x); so by default decodes stay vLLM's.
 
 The plugin also serves the Gated DeltaNet layers (Qwen3-Next, Qwen3.5): vLLM's CPU op
 `cpu_gdn_attention_core` (conv1d + SiLU, the gates, the gated delta rule of one layer's step)
@@ -127,10 +127,14 @@ def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
         rows = idx.long()
         bf16_rec, rec = rec, rec[rows].float()
         slot_idx = torch.arange(n, dtype=torch.int32)
+    bias = layer.conv1d.bias
+    # the parameters detached: a tensor that requires grad goes the ctypes way (the compiled
+    # fast path leaves autograd questions to it), which costs ~0.1 ms a call
     flywheel.fused_conv1d_gdn(
-        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight, layer.conv1d.bias, layer.A_log,
-        layer.dt_bias, qsl, slot_idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens,
-        slot_idx, n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width, l2norm_eps=1e-5,
+        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight.detach(),
+        None if bias is None else bias.detach(), layer.A_log.detach(), layer.dt_bias.detach(),
+        qsl, slot_idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens, slot_idx,
+        n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width, l2norm_eps=1e-5,
         out=core_attn_out[:t].view(t, hv * dv))
     if ssm.dtype == torch.bfloat16:
         bf16_rec[rows] = rec.to(torch.bfloat16)
