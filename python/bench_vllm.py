@@ -135,20 +135,19 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     k = child(args)
+    report("attention", "vLLM's kernel", k["timed"], k["worst"])
+    report("GDN layer steps (conv + gates + delta rule)", "vLLM's op", k["gdn"], k["gworst"])
+
+
+def report(what, theirs, sums, worst):
+    """One kind of call: per phase the two sums and their ratio, then the largest difference."""
     for phase in ("prefill", "decode"):
-        f, v, n = k["timed"][phase]
+        f, v, n = sums[phase]
         if n:
-            print(f"attention inside the engine, {phase}: {n} calls, flywheel {f * 1e3:.1f} ms, "
-                  f"vLLM's kernel {v * 1e3:.1f} ms ({v / f:.2f}x)")
-    print(f"largest difference flywheel - vLLM: {k['worst'][0]:.3g} (largest output "
-          f"{k['worst'][1]:.3g})")
-    for phase in ("prefill", "decode"):
-        f, v, n = k["gdn"][phase]
-        if n:
-            print(f"GDN layer steps inside the engine (conv + gates + delta rule), {phase}: {n} "
-                  f"calls, flywheel {f * 1e3:.1f} ms, vLLM's op {v * 1e3:.1f} ms ({v / f:.2f}x)")
-    print(f"GDN: largest difference flywheel - vLLM: {k['gworst'][0]:.3g} (largest output "
-          f"{k['gworst'][1]:.3g})")
+            print(f"{what} inside the engine, {phase}: {n} calls, flywheel {f * 1e3:.1f} ms, "
+                  f"{theirs} {v * 1e3:.1f} ms ({v / f:.2f}x)")
+    print(f"{what}: largest difference flywheel - vLLM: {worst[0]:.3g} (largest output "
+          f"{worst[1]:.3g})")
 
 if __name__ == "__main__":
     main()
