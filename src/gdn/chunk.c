@@ -345,6 +345,18 @@ static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, 
     kt->kda_diag(L, dk, Q, K, E, bet, Am, GDN_C, Ao + dk, lda);
 }
 
+/* The state rows of one dv panel (HD, dk rows of 64) decayed over the chunk: by 2^g_last, or
+ * for KDA row x by its own 2^G_last[x] (kda_chunk_gates' dl). */
+static void decay_state(const gdn_ctx *c, const float *W, float *HD, float ex_last)
+{
+    const int dk = (int)c->p->dk;
+    if (c->p->kda)
+        for (int x = 0; x < dk; x++)
+            c->kt->rows_l2scale(HD + (size_t)x * GDN_P, 1, GDN_P, W[c->w.dl + (size_t)x], 0, 0.0f);
+    else
+        c->kt->rows_l2scale(HD, dk, GDN_P, ex_last, 0, 0.0f);
+}
+
 static void chunk_inverse(const gdn_ctx *c, const float *Am, int L, float *Ti)
 {
     if (c->flags & FW_GDN_FWD_SUBST)
@@ -419,11 +431,7 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
         }
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e, q);
-            if (p->kda)
-                for (int x = 0; x < dk; x++)
-                    kt->rows_l2scale(HD + (size_t)x * P, 1, P, W[w->dl + (size_t)x], 0, 0.0f);
-            else
-                kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
+            decay_state(c, W, HD, ex[L - 1]);
             kt->pv(L, dk, P, Kpp, dk, HD + (size_t)dk * P, HD);
         }
     }
@@ -535,11 +543,7 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
                 store_out(c, o, t0 + r, vh, q, panel_cols(p->dv, q));
             }
             if (update) { /* h <- 2^g_last h + (2^(g_last - g) K^)b^T Deltab */
-                if (p->kda)
-                    for (int x = 0; x < dk; x++)
-                        kt->rows_l2scale(HD + (size_t)x * P, 1, P, W[w->dl + (size_t)x], 0, 0.0f);
-                else
-                    kt->rows_l2scale(HD, dk, P, ex[L - 1], 0, 0.0f);
+                decay_state(c, W, HD, ex[L - 1]);
                 kt->pv_bf16(Lw, dk, P, KPw, Dw, HD);
             }
         }
