@@ -205,7 +205,7 @@ int main(int argc, char **argv)
         fail |= bench_kvcache_headline();
         printf("\nGated DeltaNet (Qwen3-Next shapes, bf16): chunked prefill against the plain 4-pass\n"
                "recurrence and the fused recurrent step in the same run; decode against the read bandwidth;\n"
-               "then KDA (a decay per key channel, Kimi Linear's 32 heads, f32 products) the same way\n");
+               "then KDA (a decay per key channel, Kimi Linear's 32 heads) the same way\n");
         fail |= bench_gdn_headline();
         printf("\nCausal conv1d (Qwen3-Next's, bf16, width 4, SiLU): prefill GB/s against a copy of the same\n"
                "bytes in the same run; decode of 64 sequences with their conv states in place\n");
