@@ -774,7 +774,7 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
     (void)self;
     if (!nargs(n, 23, "gdn_layer"))
         return NULL;
-    arr qkv, b, ga, conv, rec, w, cb, alog, dtb, dist, o;
+    arr qkv, b, ga, conv, rec, w, cb, alog, dtb, qsl, o;
     PyObject *out = NULL;
     fw_gdn_batch batch;
     fw_gdn_caches caches;
@@ -816,11 +816,11 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
         (R->shape[0] > 1 && R->stride[0] < nv * dk * dv))
         TRY(DECLINE);
     memset(&batch, 0, sizeof batch);
-    TRY(get_index(a[9], &dist, 1)); /* query_start_loc: n_seqs + 1 entries */
-    batch.n_seqs = dist.t.shape[0] - 1;
-    if (batch.n_seqs < 0 || (dist.t.stride[0] != 1 && dist.t.shape[0] > 1))
+    TRY(get_index(a[9], &qsl, 1)); /* query_start_loc: n_seqs + 1 entries */
+    batch.n_seqs = qsl.t.shape[0] - 1;
+    if (batch.n_seqs < 0)
         TRY(DECLINE);
-    batch.query_start_loc = dist.t.data;
+    batch.query_start_loc = qsl.t.data;
     TRY(get_indices(a[10], batch.n_seqs, &batch.state_indices));
     TRY(get_indices(a[12], batch.n_seqs, &batch.seq_lens));
     if (a[13] != Py_None)
