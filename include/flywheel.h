@@ -120,11 +120,16 @@ FW_API uint16_t fw_f32_to_f16(float f);
 /* Kernel tables by name: "portable" (plain C, always present), "avx2" (AVX2+FMA+F16C),
  * "avx512" (AVX-512 F/BW/DQ/VL) and "avx512bf16" (AVX-512 with AVX512_BF16: bf16 products on
  * vdpbf16ps) on x86-64. Every table runs both product precisions (fw_precision); tables
- * without a bf16 dot product emulate it with f32 FMAs on the same rounded operands. The default is the best table this CPU runs, or
- * the one named by the environment variable FLYWHEEL_ISA (read once). */
+ * without a bf16 dot product emulate it with f32 FMAs on the same rounded operands, slower
+ * than f32 products, so FW_PREC_AUTO picks bf16 products only on a table with one. The
+ * default is the best table this CPU runs, or the one named by the environment variable
+ * FLYWHEEL_ISA (read once). */
 FW_API int fw_isa_count(void);
 FW_API const char *fw_isa_name(int i);            /* NULL past the end */
 FW_API int fw_isa_supported(const char *name);    /* 1 if this CPU runs the table */
+/* 1 if the table (NULL: the default) has a native bf16 dot product, so that FW_PREC_AUTO
+ * gives bf16 inputs bf16 products there; 0 otherwise, or for a table this CPU cannot run. */
+FW_API int fw_isa_native_bf16(const char *name);
 /* The table used when params->isa is NULL; NULL if FLYWHEEL_ISA names a table this CPU cannot
  * run (then calls that use the default fail with FW_ERR_UNSUPPORTED and say why). */
 FW_API const char *fw_isa_default(void);
@@ -141,7 +146,8 @@ enum {
 
 /* Precision of the matrix products (QK^T and PV). */
 typedef enum fw_precision {
-    FW_PREC_AUTO = 0, /* bf16 products when q is bf16, else f32 products */
+    FW_PREC_AUTO = 0, /* bf16 products when q is bf16 and the table has a native bf16 dot
+                       * product (fw_isa_native_bf16), else f32 products */
     FW_PREC_F32 = 1,  /* operands converted to f32, f32 FMAs (any input dtype) */
     FW_PREC_BF16 = 2  /* bf16 operands (q, k, v as given when bf16, else rounded to bf16), f32
                          accumulation; the probabilities P are rounded to bf16 before PV, the
@@ -391,7 +397,7 @@ typedef struct fw_gdn_params {
     const char *isa;   /* NULL = fw_isa_default() */
     uint32_t flags;    /* FW_GDN_* algorithm switches; 0 = chunked WY with the blocked inverse */
     int32_t precision; /* fw_precision of the chunked products (prefill, verify); FW_PREC_AUTO:
-                          bf16 products for bf16 q. Which operands are rounded: README, "Gated
+                          bf16 products for bf16 q on a table with a native bf16 dot product. Which operands are rounded: README, "Gated
                           DeltaNet on bf16 products". Decode, commit and the recurrent modes
                           always run f32 products on the f32 state. */
     float l2norm_eps;  /* with l2norm_qk: x / sqrt(|x|^2 + eps); 0 = 1e-6 (fla's and
@@ -506,7 +512,7 @@ typedef struct fw_gdn_layer_params {
     int32_t zero_tail;           /* zero the out rows past the last token of sequence mixed_end - 1 */
     int32_t threads;             /* 0 = all online CPUs */
     const char *isa;             /* NULL = fw_isa_default() */
-    int32_t precision;           /* fw_precision of the chunked products (FW_PREC_AUTO: bf16 for bf16 qkv) */
+    int32_t precision;           /* fw_precision of the chunked products (FW_PREC_AUTO: as fw_gdn_params) */
     float lower_bound;           /* < 0: the sigmoid gate lower_bound sigmoid(exp(a_log) (a + dt_bias)) */
     int32_t beta_activated;      /* 1: b holds beta itself (no sigmoid) */
 } fw_gdn_layer_params;
@@ -569,7 +575,7 @@ FW_API fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, cons
  * after a flush.
  *   shadow [slots, n_v, d_k, d_v] bf16: the checkpoint's bf16 copy, written with every
  *     checkpoint the layer writes (prefills included); with bf16 products (params->precision,
- *     FW_PREC_AUTO: bf16 for bf16 qkv) the decodes read it instead of the f32 checkpoint, as
+ *     FW_PREC_AUTO as for the products) the decodes read it instead of the f32 checkpoint, as
  *     the original's do (its dots round the state to bf16); a flush folds the f32 checkpoint
  *   records [slots, window, fw_gdn_replay_record_dim(...)] f32 | bf16, window >= 1 and
  *     >= num_spec_tokens + 1

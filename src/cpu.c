@@ -85,6 +85,12 @@ int fw_isa_supported(const char *name)
     return e && e->supported();
 }
 
+int fw_isa_native_bf16(const char *name)
+{
+    const fw_kernels *k = fw_kernels_get(name);
+    return k && k->native_bf16;
+}
+
 /* Detection result: an index into tables, or -1 if FLYWHEEL_ISA named a table this CPU cannot
  * run (then every call that uses the default fails with that message). Computed once, under
  * pthread_once, so concurrent first calls are safe. */

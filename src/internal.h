@@ -65,6 +65,9 @@ typedef struct fw_softmax_args {
 typedef struct fw_kernels {
     const char *name;
     int vl; /* floats per vector; M must be a multiple of it */
+    /* 1 when bf16 pair products are one instruction (vdpbf16ps); the other tables emulate
+     * them with f32 FMAs, slower than f32 products (fw_attn_bf16_products) */
+    int native_bf16;
     /* dst[i] = scale * src[i*stride] for i < n; src is f32, bf16 or f16. */
     void (*to_f32)(const void *src, fw_dtype dt, int64_t stride, int64_t n, float scale, float *dst);
     /* dst[i*stride] = src[i] rounded to dt (f32, bf16, f16) for i < n. */

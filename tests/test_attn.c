@@ -502,6 +502,47 @@ static void *conc_main(void *x)
     return NULL;
 }
 
+/* FW_PREC_AUTO: bf16 products for bf16 q only on a table with a native bf16 dot product
+ * (fw_isa_native_bf16), f32 products elsewhere and for other dtypes: the same bits as the
+ * precision it resolves to, on every table the host runs. */
+static void test_auto_precision(void)
+{
+    case_begin("fw_isa_native_bf16");
+    case_check(!fw_isa_native_bf16("portable") && !fw_isa_native_bf16("avx2") &&
+                   !fw_isa_native_bf16("avx512") && !fw_isa_native_bf16("no-such-table"),
+               "a table without vdpbf16ps, or no table, reports a native bf16 dot product");
+    case_check(fw_isa_native_bf16("avx512bf16") == fw_isa_supported("avx512bf16"),
+               "avx512bf16: %d, supported %d", fw_isa_native_bf16("avx512bf16"), fw_isa_supported("avx512bf16"));
+    case_check(fw_isa_native_bf16(NULL) == fw_isa_native_bf16(fw_isa_default()), "the default table");
+    case_end();
+    const fw_dtype dts[2] = {FW_BF16, FW_F32};
+    for (int it = 0; it < fw_isa_count(); it++) {
+        const char *isa = table(it);
+        if (!isa)
+            continue;
+        for (int di = 0; di < 2; di++) {
+            shape s = base_shape();
+            s.sq = 70; s.sk = 90; s.hq = 4; s.hkv = 2; s.causal = 1; s.dt = s.odt = dts[di];
+            problem P;
+            problem_make(&P, &s, 31 + (uint64_t)di);
+            const int want = dts[di] == FW_BF16 && fw_isa_native_bf16(isa) ? FW_PREC_BF16 : FW_PREC_F32;
+            case_begin("auto precision [%s] %s: %s products", isa, dtn(s.dt), want == FW_PREC_BF16 ? "bf16" : "f32");
+            size_t n = P.out.bytes;
+            char *ref = malloc(n);
+            fw_status st = run_kernel(&P, isa, 2, 0, want);
+            memcpy(ref, P.out.p, n);
+            fw_status sa = run_kernel(&P, isa, 2, 0, FW_PREC_AUTO);
+            case_check(st == FW_OK && sa == FW_OK, "status %d / %d", st, sa);
+            case_check(memcmp(ref, P.out.p, n) == 0, "FW_PREC_AUTO differs from the precision it resolves to");
+            fw_status so = run_kernel(&P, isa, 2, 0, want == FW_PREC_BF16 ? FW_PREC_F32 : FW_PREC_BF16);
+            case_check(so == FW_OK && memcmp(ref, P.out.p, n) != 0, "the other precision gives the same bits");
+            free(ref);
+            problem_free(&P);
+            case_end();
+        }
+    }
+}
+
 static void test_concurrent_callers(void)
 {
     shape s = base_shape();
@@ -1376,6 +1417,7 @@ const test_suite attn_suites[] = {
     {"attn.workspace", test_workspace},
     {"attn.threads_identical", test_threads_identical},
     {"attn.concurrent_callers", test_concurrent_callers},
+    {"attn.auto_precision", test_auto_precision},
     {"attn.fork_child", test_fork_child},
     {"attn.overflow_replay", test_overflow_replay},
     {"attn.varlen", test_varlen},

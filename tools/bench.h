@@ -28,8 +28,9 @@ double bench_median(double *x, int n);
 double bench_peak(int threads);
 /* The same for bf16 pair products (fw_peak_bf16_gflops): the peak of bf16-product runs. */
 double bench_peak_bf16(int threads);
-/* 1 when a call with inputs of dtype dt and this fw_precision uses bf16 products. */
-int bench_bf16_products(fw_dtype dt, int precision);
+/* 1 when a call on table isa (NULL: the default) with inputs of dtype dt and this
+ * fw_precision uses bf16 products (FW_PREC_AUTO: on a table with a native bf16 dot product). */
+int bench_bf16_products(const char *isa, fw_dtype dt, int precision);
 /* "auto", "f32" or "bf16" into *prec (an fw_precision); 0 for any other name. */
 int bench_precision(const char *name, int *prec);
 

@@ -224,7 +224,7 @@ static result measure(const cfg *c, bufs *B, uint32_t flags, int with_baseline, 
     if (!r.ok)
         return r;
     r.gflops = flop_per_pair * P / r.sec * 1e-9;
-    r.bf16 = !(flags & FW_ATTN_PLAIN) && bench_bf16_products(c->dt, c->prec);
+    r.bf16 = !(flags & FW_ATTN_PLAIN) && bench_bf16_products(c->isa, c->dt, c->prec);
     r.peak_f32 = bench_peak(c->threads);
     r.peak_bf16 = bench_peak_bf16(c->threads);
     r.peak = r.bf16 ? r.peak_bf16 : r.peak_f32;
@@ -492,7 +492,7 @@ static int run_bwd_cfg(const cfg *c)
     fw_attn_params p;
     params_of(c, &p, 0, c->threads);
     p.precision = FW_PREC_F32;
-    const int bf16 = bench_bf16_products(c->dt, c->prec);
+    const int bf16 = bench_bf16_products(c->isa, c->dt, c->prec);
     int fail = fw_attn_fwd(&W.B.tq, &W.B.tk, &W.B.tv, &W.B.to, &W.tl, &p) != FW_OK, ok = !fail;
     result r;
     memset(&r, 0, sizeof r);
@@ -611,7 +611,7 @@ static void attn_usage(void)
            "  --b N --t T (sq = sk = T) --sq N --sk N --hq N --hkv N --d N --dv N\n"
            "  --dtype f32|bf16|f16   --causal 0|1   --window L,R   --softcap C\n"
            "  --threads N (0 = all)  --reps N (median)   --isa portable|avx2|avx512|avx512bf16\n"
-           "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs)\n"
+           "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs on avx512bf16)\n"
            "  --online --no-gqa-pack --no-skip --plain   technique switches\n"
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"
@@ -683,7 +683,7 @@ int bench_attn_headline(void)
     printf("FlyWheel-C main job: softmax attention forward, causal prefill (bottom-right), "
            "kernel table %s, %d thread(s)\n", fw_isa_default(), all);
     printf("GFLOP/s = 2*(d+dv)*unmasked_pairs/s; xbf16 = bf16 products (the default for bf16 "
-           "inputs), %% of the measured bf16 dot-product peak; xf32 = f32 products, %% of the measured "
+           "inputs on avx512bf16), %% of the measured bf16 dot-product peak; xf32 = f32 products, %% of the measured "
            "FMA peak (same run); plain = row-at-a-time online softmax, f32 (same run); err = "
            "max|out-ref| on the last 32 rows vs float64 (bf16 products: bar = 2 x the same-roundings "
            "reference's error)\n");

@@ -199,7 +199,7 @@ static int run_prefill(const gcfg *c)
         cu[i] = (int32_t)(c->T * i / c->nseq + (i < c->nseq ? (i % 2 ? 37 : -37) : 0));
     const double fl = flop_per_token_head(c->dk, c->dv) * (double)c->T * (double)c->HV;
     const double pk = bench_peak(c->threads), pkb = bench_peak_bf16(c->threads);
-    const int bf16 = bench_bf16_products(c->dt, c->prec);
+    const int bf16 = bench_bf16_products(c->isa, c->dt, c->prec);
     /* the chunked modes in the chosen precision; with bf16 products, the same on f32 products
      * (the same-run ratio); the recurrent baselines always run f32 products */
     const int cp = bf16 ? FW_PREC_BF16 : FW_PREC_F32;

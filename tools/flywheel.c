@@ -58,9 +58,9 @@ int bench_precision(const char *name, int *prec)
     return 0;
 }
 
-int bench_bf16_products(fw_dtype dt, int precision)
+int bench_bf16_products(const char *isa, fw_dtype dt, int precision)
 {
-    return precision == FW_PREC_BF16 || (precision == FW_PREC_AUTO && dt == FW_BF16);
+    return precision == FW_PREC_BF16 || (precision == FW_PREC_AUTO && dt == FW_BF16 && fw_isa_native_bf16(isa));
 }
 
 static int cmp_double(const void *a, const void *b)

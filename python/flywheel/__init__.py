@@ -53,7 +53,7 @@ __all__ = [
     "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
     "gated_delta_rule_verify",
-    "get_num_threads", "get_spin_us", "isa_tables", "default_isa", "set_num_threads",
+    "get_num_threads", "get_spin_us", "isa_tables", "default_isa", "auto_precision", "set_num_threads",
     "set_spin_us",
 ]
 
@@ -69,3 +69,13 @@ def default_isa():
     """The table calls use unless they name one (FLYWHEEL_ISA or the best this CPU runs)."""
     name = _clib.fw_isa_default()
     return name.decode() if name else None
+
+
+def auto_precision(dtype, isa=None):
+    """The products ("bf16" or "f32") that precision=None / "auto" gives inputs of `dtype`
+    on table `isa` (None: the default): bf16 products for bf16 inputs on a table with a
+    native bf16 dot product (avx512bf16), f32 products otherwise (the other tables emulate
+    the bf16 dot product with f32 FMAs, slower than f32 products and less accurate)."""
+    bf16 = str(dtype).rsplit(".", 1)[-1] == "bfloat16"
+    name = isa.encode() if isa else None
+    return "bf16" if bf16 and _clib.fw_isa_native_bf16(name) else "f32"

@@ -3,7 +3,7 @@
 flash_attn_func and flash_attn_varlen_func route torch inputs that require grad here: the
 forward runs as usual and saves out and lse, the backward is flash_attn_backward /
 flash_attn_varlen_backward (the library's fw_attn_bwd) with the forward's precision (bf16
-products for bf16 inputs by default). lse is returned non-differentiable.
+products for bf16 inputs by default, flywheel.auto_precision). lse is returned non-differentiable.
 Gradients come back in the dtypes of q, k and v. Double backward is not supported.
 """
 

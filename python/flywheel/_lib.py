@@ -310,6 +310,7 @@ _SIGNATURES = {
     "fw_isa_count": (ctypes.c_int, []),
     "fw_isa_name": (ctypes.c_char_p, [ctypes.c_int]),
     "fw_isa_supported": (ctypes.c_int, [ctypes.c_char_p]),
+    "fw_isa_native_bf16": (ctypes.c_int, [ctypes.c_char_p]),
     "fw_isa_default": (ctypes.c_char_p, []),
     "fw_attn_fwd": (ctypes.c_int, [_T, _T, _T, _T, _T, _P(AttnParams)]),
     "fw_attn_varlen_fwd": (ctypes.c_int, [_T, _T, _T, _vp, _vp, _i64, _T, _T, _P(AttnParams)]),

@@ -416,8 +416,9 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=No
     same softmax_scale, causal, window_size and softcap. dq, dk, dv: new arrays of q's, k's
     and v's dtypes, or existing ones (any float dtype) written in place. FlashAttention-2's
     algorithm (P recomputed from lse, no sq x sk memory), f32 accumulation, bit-identical for
-    any thread count. precision: None/"auto" (bf16 products for bfloat16 q: P and dS rounded
-    to bf16 before their products, as flash-attn does), "f32" or "bf16". plain=True runs the
+    any thread count. precision: None/"auto" (bf16 products for bfloat16 q where
+    flywheel.auto_precision says so: P and dS rounded to bf16 before their products, as
+    flash-attn does), "f32" or "bf16". plain=True runs the
     row-at-a-time f32 baseline. Inputs are read in place (torch tensors are detached).
     """
     dout, q, k, v, out, lse = (T.float_array(T.detach(x), n) for x, n in (

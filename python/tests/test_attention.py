@@ -327,7 +327,8 @@ def test_out_buffers_are_written_in_place(family):
 # Product precision (precision=): bf16 products round q, k, v and the probabilities P to bf16
 # and accumulate in f32. Bar against the exact float64 reference: at most twice the error of
 # the float64 reference that makes the same roundings (then rounds to the output dtype), plus
-# 1e-5. The default is bf16 products for bfloat16 inputs and f32 products otherwise.
+# 1e-5. The default is bf16 products for bfloat16 inputs on a table with a native bf16 dot
+# product (flywheel.auto_precision) and f32 products otherwise.
 
 PRODUCT_CASES = [  # (b, sq, sk, hq, hkv, d, dv), causal, window
     ((2, 17, 33, 8, 2, 64, 64), True, (-1, -1)),
@@ -337,7 +338,7 @@ PRODUCT_CASES = [  # (b, sq, sk, hq, hkv, d, dv), causal, window
 
 
 def bf16_products(dtype, precision):
-    return precision == "bf16" or (precision is None and dtype == "bfloat16")
+    return precision == "bf16" or (precision is None and flywheel.auto_precision(dtype) == "bf16")
 
 
 def refs(q, k, v, scale, causal, window, dtype, precision):

@@ -57,7 +57,7 @@ def test_prefill_matches_reference(family, dtype, Tn, heads, fn):
               use_qk_l2norm_in_kernel=True)
     if fn == "chunk":
         f = flywheel.chunk_gated_delta_rule
-        kw["precision"] = "f32"  # bf16 inputs default to bf16 products: checked below
+        kw["precision"] = "f32"  # bf16 inputs may default to bf16 products: checked below
     else:
         f = flywheel.fused_recurrent_gated_delta_rule
     o, ht = f(q, k, v, **kw)
@@ -104,8 +104,14 @@ def test_bf16_products_on_float32_inputs(family, Tn, l2norm):
         assert np.abs(as64(ht)[i] - rh).max() <= bar_h
 
 
-@pytest.mark.parametrize("dtype, same", [("float32", "f32"), ("bfloat16", "bf16")])
-def test_precision_auto_follows_the_dtype_of_q(dtype, same):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_precision_auto_follows_the_dtype_of_q(dtype):
+    """The default is bf16 products for bf16 inputs on a table with a native bf16 dot product,
+    f32 products otherwise: bit for bit what auto_precision names."""
+    same = flywheel.auto_precision(dtype)
+    assert same == ("bf16" if dtype == "bfloat16" and flywheel.default_isa() == "avx512bf16" else "f32")
+    assert flywheel.auto_precision(dtype, "avx2") == "f32"  # emulated pairs: f32 is faster
+    assert flywheel.auto_precision(dtype, "portable") == "f32"
     rng = np.random.default_rng(20)
     (q, k, v, g, beta), _ = inputs(rng, 1, 100, 2, 4, 32, 32, dtype, "numpy")
     state = (rng.standard_normal((1, 4, 32, 32)) * 0.1).astype(np.float32)
@@ -355,7 +361,7 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(accepted):
     assert np.array_equal(state[1], committed[1])  # the slot nobody uses
 
 
-@pytest.mark.parametrize("dtype, precision", [("float32", "bf16"), ("bfloat16", None)])
+@pytest.mark.parametrize("dtype, precision", [("float32", "bf16"), ("bfloat16", "bf16")])
 def test_verify_on_bf16_products(dtype, precision):
     """verify is one chunk per sequence, from the slot's state: its outputs, and the states
     committed with every token accepted, within the bars of the same-roundings reference."""

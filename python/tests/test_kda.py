@@ -49,7 +49,7 @@ def test_matches_reference(family, dtype, Tn, heads, fn):
     f = flywheel.chunk_kda if fn == "chunk" else flywheel.fused_recurrent_kda
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if fn == "chunk":
-        kw["precision"] = "f32"  # bf16 inputs default to bf16 products: checked below
+        kw["precision"] = "f32"  # bf16 inputs may default to bf16 products: checked below
     o, ht = f(q, k, v, g, beta, **kw)
     assert tuple(o.shape) == (2, Tn, HV, V) and o.dtype == v.dtype
     bf16_default = fn == "chunk" and dtype == "bfloat16"

@@ -41,8 +41,13 @@ typedef struct fw_attn_prob {
     int rot_q_fixed;                    /* every query at position sk - sq (KV cache, no mask) */
 } fw_attn_prob;
 
-/* Whether a call with q of dtype `q` and params->precision `precision` uses bf16 products. */
-int fw_attn_bf16_products(fw_dtype q, int32_t precision);
+/* Whether a call with q of dtype `q` and params->precision `precision` on the kernel table
+ * named `isa` (NULL: the default) uses bf16 products: when asked, or by default for bf16 q on
+ * a table with a native bf16 dot product. The other tables emulate the pair products with
+ * f32 FMAs plus the bit work to split the pairs, which is slower than f32 products on the
+ * same bf16 inputs (measured on a Zen 1, avx2: attention 0.74x, GDN prefill 0.77x) and less
+ * accurate, so their default is f32 products. The references resolve it the same way. */
+int fw_attn_bf16_products(const char *isa, fw_dtype q, int32_t precision);
 
 /* One sequence of the batch: where its rows start and how many there are. */
 typedef struct {

@@ -119,9 +119,11 @@ void fw_attn_rotate(const fw_attn_prob *p, const fw_kernels *kt, float *x, int64
     kt->rope(x, (int)p->rhalf, cf, sf, p->rinter);
 }
 
-int fw_attn_bf16_products(fw_dtype q, int32_t precision)
+int fw_attn_bf16_products(const char *isa, fw_dtype q, int32_t precision)
 {
-    return precision == FW_PREC_BF16 || (precision == FW_PREC_AUTO && q == FW_BF16);
+    if (precision != FW_PREC_AUTO || q != FW_BF16)
+        return precision == FW_PREC_BF16;
+    return fw_isa_native_bf16(isa);
 }
 
 /* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
@@ -139,7 +141,7 @@ static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_at
     p->causal = params->causal;
     p->wl = params->window_left < 0 ? -1 : params->window_left; /* any negative: unbounded */
     p->wr = params->causal ? 0 : params->window_right < 0 ? -1 : params->window_right;
-    p->bf16 = fw_attn_bf16_products(p->q->dtype, params->precision);
+    p->bf16 = fw_attn_bf16_products(params->isa, p->q->dtype, params->precision);
     /* the kernels fold the scale into one f32 multiplier of the scores, scale x log2(e), or
      * scale / softcap with a softcap (and the softcap into softcap x log2(e)): each must be a
      * finite float, else finite inputs would give inf - inf (found by the atheris harness) */

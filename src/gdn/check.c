@@ -98,7 +98,7 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     p->scale = params && params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)dk);
     p->l2 = params ? params->l2norm_qk : 0;
     p->eps = params && params->l2norm_eps > 0.0f ? (double)params->l2norm_eps : 1e-6;
-    p->bf16 = fw_attn_bf16_products(q->dtype, params ? params->precision : FW_PREC_AUTO);
+    p->bf16 = fw_attn_bf16_products(params ? params->isa : NULL, q->dtype, params ? params->precision : FW_PREC_AUTO);
     p->a_log = raw_g ? params->a_log : NULL;
     p->dt_bias = raw_g ? params->dt_bias : NULL;
     p->beta_sigmoid = raw_b;

@@ -1794,6 +1794,9 @@ static float stream_sum(const float *x, size_t n)
 const fw_kernels FW_TABLE = {
     .name = ISA_NAME,
     .vl = VL,
+#ifdef __AVX512BF16__
+    .native_bf16 = 1,
+#endif
     .to_f32 = to_f32,
     .from_f32 = from_f32,
     .qk = qk,
