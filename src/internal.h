@@ -188,9 +188,12 @@ typedef struct fw_kernels {
                        const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
                        fw_dtype ydt);
     /* R consecutive rows without a residual: ys[r] = conv1d_row over taps rows[r .. r + W - 1]
-     * (R + W - 1 tap rows), the same bits; width 4 slides its taps in registers. */
+     * (R + W - 1 tap rows), the same bits; width 4 slides its taps in registers. stream: the
+     * outputs may be stored non-temporally (bypassing the cache; the kernel falls back to
+     * plain stores for rows not aligned to its vectors, and orders what it streamed before
+     * it returns). */
     void (*conv1d_rows)(int W, int R, const void *const *rows, fw_dtype tdt, const float *wt, int64_t ldw,
-                        const float *bias, int n, int silu, void *const *ys, fw_dtype ydt);
+                        const float *bias, int n, int silu, void *const *ys, fw_dtype ydt, int stream);
     /* Attention backward's elementwise step (kern/attn_kern.h): P and dS of R query rows x
      * FW_DEC_KEYS keys from the raw scores S and dP = dO.v, per-row lse2 (log2 units), D and
      * visible keys [lo, hi). */

@@ -255,6 +255,65 @@ static void test_conv_threads(void)
     case_end();
 }
 
+/* Outputs of 8 MiB and more, stored non-temporally (rows aligned for every table's vectors),
+ * against the same calls through the cache (fw_conv1d_fwd_cached, which the reference sweep
+ * covers): the same bits, outputs and states, on 1 and 3 threads; bf16 rows that are whole
+ * vector pairs, f32 rows with a tail past them; two packed sequences on conv states. */
+static void test_conv_streamed(void)
+{
+    static const struct { fw_dtype dt; int64_t L, D; } cs[2] = {{FW_BF16, 520, 8224}, {FW_F32, 1030, 2064}};
+    for (int ci = 0; ci < 2; ci++) {
+        const fw_dtype dt = cs[ci].dt;
+        const int64_t L = cs[ci].L, D = cs[ci].D, W = 4, SL = 3;
+        const size_t es = fw_dtype_size(dt), nx = (size_t)(L * D), bytes = (nx * es + 63) / 64 * 64;
+        case_check(fw_conv_stream((int64_t)(nx * es)), "the case is meant to stream");
+        unsigned char *x = aligned_alloc(64, bytes), *o[2] = {aligned_alloc(64, bytes), aligned_alloc(64, bytes)};
+        float *w = malloc(sizeof(float) * (size_t)(D * W)), *st[2] = {malloc(sizeof(float) * (size_t)(2 * SL * D)),
+                                                                      malloc(sizeof(float) * (size_t)(2 * SL * D))};
+        if (!x || !o[0] || !o[1] || !w || !st[0] || !st[1]) {
+            fprintf(stderr, "test: out of memory\n");
+            exit(2);
+        }
+        rng_seed(31 + (uint64_t)ci);
+        for (size_t i = 0; i < nx; i++) {
+            const float v = (float)rng_normal();
+            fw_kernels_get(NULL)->from_f32(&v, 1, x + i * es, dt, 1);
+        }
+        for (int64_t i = 0; i < D * W; i++)
+            w[i] = (float)(0.5 * rng_normal());
+        int64_t xs[3] = {1, L, D}, ws[2] = {D, W}, ss[3] = {2, SL, D};
+        int32_t cu[3] = {0, 301, (int32_t)L};
+        fw_tensor tx = fw_tensor_contiguous(x, dt, 3, xs), tw = fw_tensor_contiguous(w, FW_F32, 2, ws);
+        for (int t = 0; t < fw_isa_count(); t++) {
+            if (!fw_isa_supported(fw_isa_name(t)))
+                continue;
+            for (int thr = 1; thr <= 3; thr += 2) {
+                case_begin("conv1d: %s outputs streamed, %lld x %lld, %d thread(s) [%s]", fw_dtype_name(dt),
+                           (long long)L, (long long)D, thr, fw_isa_name(t));
+                for (int r = 0; r < 2; r++) {
+                    memset(o[r], 0xA5, bytes);
+                    for (int64_t i = 0; i < 2 * SL * D; i++)
+                        st[r][i] = (float)(i % 13) * 0.25f;
+                    fw_tensor to = fw_tensor_contiguous(o[r], dt, 3, xs);
+                    fw_conv1d_state s = {fw_tensor_contiguous(st[r], FW_F32, 3, ss), NULL, NULL};
+                    fw_conv1d_params p;
+                    fw_conv1d_params_init(&p);
+                    p.threads = thr;
+                    p.isa = fw_isa_name(t);
+                    p.activation = FW_ACT_SILU;
+                    fw_status stt = r ? fw_conv1d_fwd_cached(&tx, &tw, NULL, cu, 2, &s, &s, &to, &p)
+                                      : fw_conv1d_fwd(&tx, &tw, NULL, cu, 2, &s, &s, NULL, &to, &p);
+                    case_check(stt == FW_OK, "status: %s", fw_last_error());
+                }
+                case_check(!memcmp(o[0], o[1], nx * es), "streamed outputs differ from cached ones");
+                case_check(!memcmp(st[0], st[1], sizeof(float) * (size_t)(2 * SL * D)), "states differ");
+                case_end();
+            }
+        }
+        free(x); free(o[0]); free(o[1]); free(w); free(st[0]); free(st[1]);
+    }
+}
+
 /* Every class of bad input: the status, a message, and nothing written. */
 static void test_conv_bad_input(void)
 {
@@ -331,17 +390,25 @@ static void test_conv_heuristics(void)
                (long long)fw_conv_channel_block(300, 1, 4));
     case_check(fw_conv_channel_block(100, 1, 8) == 100, "fewer channels than a block");
     case_end();
+    case_begin("conv1d streams outputs of 8 MiB and more");
+    case_check(!fw_conv_stream(0) && !fw_conv_stream(((int64_t)8 << 20) - 1), "streamed below 8 MiB");
+    case_check(fw_conv_stream((int64_t)8 << 20) && fw_conv_stream((int64_t)2048 * 8192 * 2),
+               "Qwen3-Next's 2K conv (32 MiB) not streamed");
+    case_end();
 }
 
 /* The rows kernel (conv1d_rows: width 4 slides its taps in registers) against the row
  * kernel, bit for bit, on every table: widths 4 and 3, channel counts past and short of the
- * vector pairs, every tap dtype, bf16 and f32 out, SiLU or not. */
+ * vector pairs, every tap dtype, bf16 and f32 out, SiLU or not, rows in one pass and past
+ * it, stores plain or streamed (output rows aligned for the table's vectors, or one element
+ * off them: plain stores then). */
 static void test_conv_rows_kernel(void)
 {
-    enum { R = 9, N = 83, WMAX = 4 };
+    enum { R = 9, N = 83, NP = 96, WMAX = 4 }; /* NP: output row stride, 64-byte multiples */
     static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
     static float wt[WMAX * N], bias[N];
-    static unsigned char x[(R + WMAX) * N * 4], ya[R * N * 4], yb[R * N * 4];
+    static unsigned char x[(R + WMAX) * N * 4];
+    static _Alignas(64) unsigned char ya[(R * NP + 1) * 4], yb[(R * NP + 1) * 4];
     rng_seed(71);
     for (int i = 0; i < WMAX * N; i++)
         wt[i] = (float)rng_normal();
@@ -356,7 +423,8 @@ static void test_conv_rows_kernel(void)
             for (int di = 0; di < 3; di++)
                 for (int oi = 0; oi < 2; oi++)
                     for (int silu = 0; silu < 2; silu++)
-                        for (int n = 1; n <= N; n += 41) {
+                        for (int n = 1; n <= N; n += 41)
+                        for (int st = 0; st < 3; st++) { /* plain; streamed, aligned; streamed, off */
                             const fw_dtype dt = dts[di], ydt = oi ? FW_BF16 : FW_F32;
                             const size_t es = fw_dtype_size(dt), ys = fw_dtype_size(ydt);
                             for (int i = 0; i < (R + WMAX) * N; i++) {
@@ -369,14 +437,16 @@ static void test_conv_rows_kernel(void)
                                 rows[r] = x + (size_t)r * N * es;
                             memset(ya, 0xA5, sizeof ya);
                             memset(yb, 0xA5, sizeof yb);
+                            const size_t off = (size_t)(st == 2) * ys;
                             for (int r = 0; r < R; r++) {
-                                yr[r] = ya + (size_t)r * N * ys;
+                                yr[r] = ya + (size_t)r * NP * ys + off;
                                 kt->conv1d_row(W, rows + r, dt, wt, N, bias, NULL, FW_F32, n, silu,
-                                               yb + (size_t)r * N * ys, ydt);
+                                               yb + (size_t)r * NP * ys + off, ydt);
                             }
-                            kt->conv1d_rows(W, R, rows, dt, wt, N, bias, n, silu, yr, ydt);
-                            case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels: "
-                                       "the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n);
+                            kt->conv1d_rows(W, R, rows, dt, wt, N, bias, n, silu, yr, ydt, st > 0);
+                            case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels, "
+                                       "%s: the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n,
+                                       st == 0 ? "plain stores" : st == 1 ? "streamed" : "streamed, rows unaligned");
                         }
         case_end();
     }
@@ -387,5 +457,6 @@ const test_suite conv_suites[] = {
     {"conv.heuristics", test_conv_heuristics},
     {"conv.bad_input", test_conv_bad_input},
     {"conv.threads_identical", test_conv_threads},
+    {"conv.streamed", test_conv_streamed},
     {"conv.sweep", test_conv_sweep},
     {NULL, NULL}};

@@ -25,6 +25,17 @@ fw_status fw_conv_check(conv_prob *p, const fw_tensor *x, const fw_tensor *weigh
  * sequences and `threads` threads (a pure function; conv/conv1d.c says why). */
 int64_t fw_conv_channel_block(int64_t D, int64_t chunks, int threads);
 
+/* Whether fw_conv1d_fwd stores an output of out_bytes non-temporally (a pure function;
+ * conv/conv1d.c says why and what was measured). */
+int fw_conv_stream(int64_t out_bytes);
+
+/* fw_conv1d_fwd without a residual for an output read back at once (the GDN layer's
+ * windows): its stores always go through the cache. */
+fw_status fw_conv1d_fwd_cached(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
+                               const int32_t *cu_seqlens, int64_t n_seqs, const fw_conv1d_state *init,
+                               const fw_conv1d_state *final, const fw_tensor *out,
+                               const fw_conv1d_params *params);
+
 /* Sequence i: batch row and first token along L, and its length. */
 static inline void conv_seq(const conv_prob *p, int64_t i, int64_t *b, int64_t *t0, int64_t *len)
 {

@@ -67,7 +67,7 @@ static fw_status window_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1, in
         cin.idx = rd_local;
     }
     const int last = !piece || u1 == len;
-    return fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, NULL, &y, &L->cp);
+    return fw_conv1d_fwd_cached(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, &y, &L->cp);
 }
 
 static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
@@ -183,7 +183,7 @@ static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
     fw_tensor x = gdn_conv_rows(qkv, R0, rn);
     fw_tensor y = fw_tensor_contiguous(L->cbuf, qkv->dtype, 3, (int64_t[]){1, rn, dim});
     fw_conv1d_state cin = {*conv, L->ridx + s0, NULL};
-    fw_status s = fw_conv1d_fwd(&x, L->w, L->bias, cu, n, &cin, NULL, NULL, &y, &L->cp);
+    fw_status s = fw_conv1d_fwd_cached(&x, L->w, L->bias, cu, n, &cin, NULL, &y, &L->cp);
     if (s)
         return s;
     /* scratch: the read slots' conv rows */

@@ -133,6 +133,26 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
     vstore_as(dst, dt, i, _mm256_loadu_ps(src + i));
 }
 
+/* vstore_as with a non-temporal store; dst + i aligned to the vector's bytes (32 for f32,
+ * 16 for bf16 and f16); ordered for other threads by vstream_fence. */
+static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
+{
+    if (dt == FW_F32) {
+        _mm256_stream_ps((float *)dst + i, x);
+        return;
+    }
+    __m128i h;
+    if (dt == FW_F16) {
+        h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+        __m256i r = _mm256_srli_epi32(vround_bf16_bits(x), 16);
+        h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    }
+    _mm_stream_si128((__m128i *)((uint16_t *)dst + i), h);
+}
+
+static inline void vstream_fence(void) { _mm_sfence(); }
+
 /* ---- bf16 pairs (see "bf16 products" in attn_kern.h), emulated with f32 FMAs. */
 static inline vf vbcast_word(const uint32_t *p) { return _mm256_castsi256_ps(_mm256_set1_epi32((int)*p)); }
 

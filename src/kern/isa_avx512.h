@@ -146,6 +146,29 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
     vstore_as(dst, dt, i, _mm512_loadu_ps(src + i));
 }
 
+/* vstore_as with a non-temporal store (the line goes to memory without being read first);
+ * dst + i must be aligned to the vector's bytes (64 for f32, 32 for bf16 and f16). Stores
+ * issued this way are ordered for other threads by vstream_fence. */
+static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
+{
+    if (dt == FW_F32) {
+        _mm512_stream_ps((float *)dst + i, x);
+        return;
+    }
+    __m256i h;
+    if (dt == FW_F16)
+        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    else
+#ifdef __AVX512BF16__
+        h = (__m256i)_mm512_cvtneps_pbh(x);
+#else
+        h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bf16_bits(x), 16));
+#endif
+    _mm256_stream_si256((__m256i *)((uint16_t *)dst + i), h);
+}
+
+static inline void vstream_fence(void) { _mm_sfence(); }
+
 /* ---- bf16 pairs (see "bf16 products" in attn_kern.h): a vf holding VL 32-bit words, each
  * two bf16 of adjacent reduction elements, the even one in the low half. */
 

@@ -106,6 +106,10 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
     vstore_as(dst, dt, i, src[i]);
 }
 
+/* The portable table has no non-temporal stores: plain ones, nothing to order. */
+static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x) { vstore_as(dst, dt, i, x); }
+static inline void vstream_fence(void) {}
+
 /* Pair words of two bf16 rows, 2 columns: lo for column 0, hi for column 1. */
 static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
 {
