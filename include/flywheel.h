@@ -691,8 +691,11 @@ typedef struct fw_conv1d_state {
  *   final: where each sequence's last S inputs go, the state entries before its first token
  *   taken from its initial state (zeros without one), or NULL. init and final may be the
  *   same cache (in place): then no sequence may read a slot another one writes.
- * Compute in f32; out is rounded once. Inputs are checked before anything is written: a
- * refused call writes nothing. out must not overlap x, residual or the caches.
+ * Compute in f32; out is rounded once. For a bf16 or f16 out without a residual, SiLU's
+ * exponential is taken to 2^-13.7 relative (below the output's rounding: 2^-9, 2^-11).
+ * Outputs of 8 MiB and more are stored non-temporally (bypassing the cache). Inputs are
+ * checked before anything is written: a refused call writes nothing. out must not overlap x,
+ * residual or the caches.
  */
 FW_API fw_status fw_conv1d_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
                                const int32_t *cu_seqlens, int64_t n_seqs,

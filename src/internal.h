@@ -62,6 +62,9 @@ typedef struct fw_softmax_args {
 #define FW_DEC_SWEEP_KEYS 8192
 #define FW_DEC_ROWS 16
 
+/* The conv kernels' SiLU for outputs rounded to bf16 or f16 (fw_kernels.conv1d_row). */
+#define FW_SILU_HALF 2
+
 typedef struct fw_kernels {
     const char *name;
     int vl; /* floats per vector; M must be a multiple of it */
@@ -183,7 +186,9 @@ typedef struct fw_kernels {
     void (*kda_gates)(int n, const float *a, const float *bias, float ea, float lb, float *g2);
     /* One output row of the causal conv1d over n contiguous channels:
      * y[c] = act(bias[c] + sum_{k<W} wt[k * ldw + c] taps[k][c]) (+ res[c] when res is given),
-     * act SiLU (x / (1 + e^-x)) when silu; taps of dtype tdt, res of rdt, y stored as ydt. */
+     * act SiLU (x / (1 + e^-x)) when silu (1, or FW_SILU_HALF: its exponential to 2^-13.7,
+     * for outputs rounded to bf16 or f16 without a residual); taps of dtype tdt, res of rdt,
+     * y stored as ydt. */
     void (*conv1d_row)(int W, const void *const *taps, fw_dtype tdt, const float *wt, int64_t ldw,
                        const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
                        fw_dtype ydt);

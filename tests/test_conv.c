@@ -255,10 +255,46 @@ static void test_conv_threads(void)
     case_end();
 }
 
+/* The kernels' SiLU for half-precision outputs (FW_SILU_HALF) against the f32 one, stored in
+ * f32 so that the difference is the polynomial's: within 7.5e-5 relative on [-40, 40]; NaN,
+ * infinities, -0 and underflow alike. */
+static void test_conv_silu_half(void)
+{
+    enum { N = 4107 };
+    static float x[N], ya[N], yb[N], one[1] = {1.0f}, zero[N];
+    for (int i = 0; i < 4096; i++)
+        x[i] = -40.0f + 80.0f * (float)i / 4095.0f;
+    const float sp[11] = {NAN, INFINITY, -INFINITY, -100.0f, 100.0f, 0.0f, -0.0f, 1e-30f, -1e-30f, -87.5f, 88.5f};
+    memcpy(x + 4096, sp, sizeof sp);
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        case_begin("conv1d: SiLU to half precision within 7.5e-5 of SiLU [%s]", kt->name);
+        const void *taps[1] = {x};
+        kt->conv1d_row(1, taps, FW_F32, one, 0, zero, NULL, FW_F32, N, 1, ya, FW_F32);
+        kt->conv1d_row(1, taps, FW_F32, one, 0, zero, NULL, FW_F32, N, FW_SILU_HALF, yb, FW_F32);
+        double worst = 0;
+        int same_specials = 1;
+        for (int i = 0; i < N; i++) {
+            if (isnan(ya[i]) || isinf(ya[i]) || ya[i] == 0) {
+                same_specials &= isnan(ya[i]) ? isnan(yb[i]) : yb[i] == ya[i] && signbit(yb[i]) == signbit(ya[i]);
+                continue;
+            }
+            worst = fmax(worst, fabs((double)yb[i] - ya[i]) / (fabs((double)ya[i]) + 0x1p-126));
+        }
+        case_check(worst <= 7.5e-5, "largest relative difference %.3g", worst);
+        case_check(same_specials, "NaN, an infinity, a zero or an underflow differs");
+        case_end();
+    }
+}
+
 /* Outputs of 8 MiB and more, stored non-temporally (rows aligned for every table's vectors),
  * against the same calls through the cache (fw_conv1d_fwd_cached, which the reference sweep
  * covers): the same bits, outputs and states, on 1 and 3 threads; bf16 rows that are whole
- * vector pairs, f32 rows with a tail past them; two packed sequences on conv states. */
+ * vector pairs, without an activation (with SiLU the two calls differ by design: the cached
+ * one keeps the f32 SiLU), f32 rows with a tail past them, with SiLU; two packed sequences on
+ * conv states. */
 static void test_conv_streamed(void)
 {
     static const struct { fw_dtype dt; int64_t L, D; } cs[2] = {{FW_BF16, 520, 8224}, {FW_F32, 1030, 2064}};
@@ -300,7 +336,7 @@ static void test_conv_streamed(void)
                     fw_conv1d_params_init(&p);
                     p.threads = thr;
                     p.isa = fw_isa_name(t);
-                    p.activation = FW_ACT_SILU;
+                    p.activation = dt == FW_F32 ? FW_ACT_SILU : FW_ACT_NONE;
                     fw_status stt = r ? fw_conv1d_fwd_cached(&tx, &tw, NULL, cu, 2, &s, &s, &to, &p)
                                       : fw_conv1d_fwd(&tx, &tw, NULL, cu, 2, &s, &s, NULL, &to, &p);
                     case_check(stt == FW_OK, "status: %s", fw_last_error());
@@ -399,7 +435,8 @@ static void test_conv_heuristics(void)
 
 /* The rows kernel (conv1d_rows: width 4 slides its taps in registers) against the row
  * kernel, bit for bit, on every table: widths 4 and 3, channel counts past and short of the
- * vector pairs, every tap dtype, bf16 and f32 out, SiLU or not, rows in one pass and past
+ * vector pairs, every tap dtype, bf16 and f32 out, no activation / SiLU / its half-precision
+ * form, rows in one pass and past
  * it, stores plain or streamed (output rows aligned for the table's vectors, or one element
  * off them: plain stores then). */
 static void test_conv_rows_kernel(void)
@@ -422,7 +459,7 @@ static void test_conv_rows_kernel(void)
         for (int W = 3; W <= 4; W++)
             for (int di = 0; di < 3; di++)
                 for (int oi = 0; oi < 2; oi++)
-                    for (int silu = 0; silu < 2; silu++)
+                    for (int silu = 0; silu <= FW_SILU_HALF; silu++)
                         for (int n = 1; n <= N; n += 41)
                         for (int st = 0; st < 3; st++) { /* plain; streamed, aligned; streamed, off */
                             const fw_dtype dt = dts[di], ydt = oi ? FW_BF16 : FW_F32;
@@ -458,5 +495,6 @@ const test_suite conv_suites[] = {
     {"conv.bad_input", test_conv_bad_input},
     {"conv.threads_identical", test_conv_threads},
     {"conv.streamed", test_conv_streamed},
+    {"conv.silu_half", test_conv_silu_half},
     {"conv.sweep", test_conv_sweep},
     {NULL, NULL}};

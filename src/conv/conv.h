@@ -29,8 +29,12 @@ int64_t fw_conv_channel_block(int64_t D, int64_t chunks, int threads);
  * conv/conv1d.c says why and what was measured). */
 int fw_conv_stream(int64_t out_bytes);
 
-/* fw_conv1d_fwd without a residual for an output read back at once (the GDN layer's
- * windows): its stores always go through the cache. */
+/* fw_conv1d_fwd without a residual for the GDN layer's windows: the stores always go through
+ * the cache (the core reads the window at once), and SiLU is the f32 one for every output
+ * dtype. The layer's reference rounds the window to qkv's dtype as the layer does; with the
+ * f32 SiLU both round nearly the same values, so the records, computed from the rounded
+ * window, agree to 1e-4 (test layer.replay). The half-precision SiLU would flip 1 bf16
+ * ulp in a few percent of the window and move the records by up to 6e-3. */
 fw_status fw_conv1d_fwd_cached(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
                                const int32_t *cu_seqlens, int64_t n_seqs, const fw_conv1d_state *init,
                                const fw_conv1d_state *final, const fw_tensor *out,

@@ -1143,10 +1143,11 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
 /* ------------------------------------------------------------ causal conv1d -- */
 
 /* x / (1 + e^-x), e^-x as 2^(-x log2 e): -inf gives NaN (-inf / inf), as the formula does in
- * the reference; a large negative x, -0. */
-FW_INLINE vf vsilu(vf x)
+ * the reference; a large negative x, -0. mode FW_SILU_HALF: the exponential to 2^-13.7, for
+ * outputs rounded to bf16 or f16 (vexp2_half_poly). */
+FW_INLINE vf vsilu(vf x, const int mode)
 {
-    return vdiv(x, vadd(vset1(1.0f), vexp2(vmul(x, vset1(-1.4426950408889634f)))));
+    return vdiv(x, vadd(vset1(1.0f), vexp2_to(vmul(x, vset1(-1.4426950408889634f)), mode == FW_SILU_HALF)));
 }
 
 
@@ -1172,7 +1173,7 @@ FW_INLINE void conv_vecs(const int nv, int W, const void *const *taps, const fw_
     }
     if (silu)
         for (int v = 0; v < nv; v++)
-            acc[v] = vsilu(acc[v]);
+            acc[v] = vsilu(acc[v], silu);
     if (res)
         for (int v = 0; v < nv; v++)
             acc[v] = vadd(acc[v], vload_in(res, rdt, c + v * VL));
@@ -1207,12 +1208,14 @@ static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float
                        fw_dtype ydt)
 {
 #define CONV_ROW(T, S) conv_row_as(W, taps, T, wt, ldw, bias, res, rdt, n, S, y, ydt)
+#define CONV_ROW_MODES(T) (silu == FW_SILU_HALF ? CONV_ROW(T, FW_SILU_HALF) : silu ? CONV_ROW(T, 1) : CONV_ROW(T, 0))
     if (tdt == FW_BF16)
-        silu ? CONV_ROW(FW_BF16, 1) : CONV_ROW(FW_BF16, 0);
+        CONV_ROW_MODES(FW_BF16);
     else if (tdt == FW_F16)
-        silu ? CONV_ROW(FW_F16, 1) : CONV_ROW(FW_F16, 0);
+        CONV_ROW_MODES(FW_F16);
     else
-        silu ? CONV_ROW(FW_F32, 1) : CONV_ROW(FW_F32, 0);
+        CONV_ROW_MODES(FW_F32);
+#undef CONV_ROW_MODES
 #undef CONV_ROW
 }
 
@@ -1250,9 +1253,9 @@ FW_INLINE void conv_rows4_block(int R, const void *const *rows, const fw_dtype t
                 acc = vfma(w[2][v], t[2][v], acc);
                 acc = vfma(w[3][v], t3, acc);
                 if (nt)
-                    vstream_as(ys[r], ydt, c + v * VL, silu ? vsilu(acc) : acc);
+                    vstream_as(ys[r], ydt, c + v * VL, silu ? vsilu(acc, silu) : acc);
                 else
-                    vstore_as(ys[r], ydt, c + v * VL, silu ? vsilu(acc) : acc);
+                    vstore_as(ys[r], ydt, c + v * VL, silu ? vsilu(acc, silu) : acc);
                 t[0][v] = t[1][v];
                 t[1][v] = t[2][v];
                 t[2][v] = t3;
@@ -1294,12 +1297,14 @@ static void conv1d_rows(int W, int R, const void *const *rows, fw_dtype tdt, con
     for (int r = 0; r < R && nt; r++)
         nt = (uintptr_t)ys[r] % vbytes == 0;
 #define CONV_ROWS(T, S) conv_rows4_as(R, rows, T, wt, ldw, bias, n, S, ys, ydt, nt)
+#define CONV_ROWS_MODES(T) (silu == FW_SILU_HALF ? CONV_ROWS(T, FW_SILU_HALF) : silu ? CONV_ROWS(T, 1) : CONV_ROWS(T, 0))
     if (tdt == FW_BF16)
-        silu ? CONV_ROWS(FW_BF16, 1) : CONV_ROWS(FW_BF16, 0);
+        CONV_ROWS_MODES(FW_BF16);
     else if (tdt == FW_F16)
-        silu ? CONV_ROWS(FW_F16, 1) : CONV_ROWS(FW_F16, 0);
+        CONV_ROWS_MODES(FW_F16);
     else
-        silu ? CONV_ROWS(FW_F32, 1) : CONV_ROWS(FW_F32, 0);
+        CONV_ROWS_MODES(FW_F32);
+#undef CONV_ROWS_MODES
 #undef CONV_ROWS
     if (nt)
         vstream_fence();

@@ -34,22 +34,31 @@ static inline int vall(vm m) { return _mm256_movemask_ps(m) == 0xff; }
 static inline vf vsel(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
 static inline vf vmaskz(vm m, vf a) { return _mm256_and_ps(m, a); }
 
+#include "isa_poly.h"
+
 /* 2^x to about 2 ulp: clamp to [-127, 128], x = n + f, degree-5 polynomial for 2^f, 2^n built
  * in the exponent field (n = -127 gives 0, n = 128 gives inf). NaN passes through the clamps
- * (the data is the second operand of max/min). */
-static inline vf vexp2(vf x)
+ * (the data is the second operand of max/min). half: vexp2_half_poly's degree 3. */
+static inline vf vexp2_to(vf x, const int half)
 {
     x = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
     vf n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf f = _mm256_sub_ps(x, n);
-    vf p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
-    p = vfma(p, f, vset1(5.550713464617729e-2f));
-    p = vfma(p, f, vset1(2.4022120237350464e-1f));
-    p = vfma(p, f, vset1(6.931469440460205e-1f));
-    p = vfma(p, f, vset1(1.0f));
+    vf p;
+    if (half) {
+        p = vexp2_half_poly(f);
+    } else {
+        p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
+        p = vfma(p, f, vset1(5.550713464617729e-2f));
+        p = vfma(p, f, vset1(2.4022120237350464e-1f));
+        p = vfma(p, f, vset1(6.931469440460205e-1f));
+        p = vfma(p, f, vset1(1.0f));
+    }
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+
+static inline vf vexp2(vf x) { return vexp2_to(x, 0); }
 
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
 {

@@ -41,12 +41,17 @@ static inline int vall(vm m) { return m == 0xffff; }
 static inline vf vsel(vm m, vf a, vf b) { return _mm512_mask_blend_ps(m, b, a); } /* m ? a : b */
 static inline vf vmaskz(vm m, vf a) { return _mm512_maskz_mov_ps(m, a); }
 
+#include "isa_poly.h"
+
 /* 2^x to about 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial, then scalef by n
- * (which also gives inf above 128 and 0 below -150 without a clamp). */
-static inline vf vexp2(vf x)
+ * (which also gives inf above 128 and 0 below -150 without a clamp). half: the degree-3
+ * polynomial of vexp2_half_poly, for results rounded to bf16 or f16. */
+static inline vf vexp2_to(vf x, const int half)
 {
     vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf f = _mm512_sub_ps(x, n);
+    if (half)
+        return _mm512_scalef_ps(vexp2_half_poly(f), n);
     vf p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
     p = vfma(p, f, vset1(5.550713464617729e-2f));
     p = vfma(p, f, vset1(2.4022120237350464e-1f));
@@ -54,6 +59,8 @@ static inline vf vexp2(vf x)
     p = vfma(p, f, vset1(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+static inline vf vexp2(vf x) { return vexp2_to(x, 0); }
 
 /* VL contiguous elements of src from element i, converted to f32. */
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)

@@ -36,24 +36,33 @@ static inline int vall(vm m) { return m != 0; }
 static inline vf vsel(vm m, vf a, vf b) { return m ? a : b; }
 static inline vf vmaskz(vm m, vf a) { return m ? a : 0.0f; }
 
-/* 2^x: the same reduction and polynomial as the SIMD tables. */
-static inline vf vexp2(vf x)
+#include "isa_poly.h"
+
+/* 2^x: the same reduction and polynomials as the SIMD tables (half: vexp2_half_poly). */
+static inline vf vexp2_to(vf x, const int half)
 {
     if (x != x)
         return x;
     x = x < -127.0f ? -127.0f : (x > 128.0f ? 128.0f : x);
     float n = rintf(x);
     float f = x - n;
-    float p = vfma(1.3276470126584172e-3f, f, 9.675540961325169e-3f);
-    p = vfma(p, f, 5.550713464617729e-2f);
-    p = vfma(p, f, 2.4022120237350464e-1f);
-    p = vfma(p, f, 6.931469440460205e-1f);
-    p = vfma(p, f, 1.0f);
+    float p;
+    if (half) {
+        p = vexp2_half_poly(f);
+    } else {
+        p = vfma(1.3276470126584172e-3f, f, 9.675540961325169e-3f);
+        p = vfma(p, f, 5.550713464617729e-2f);
+        p = vfma(p, f, 2.4022120237350464e-1f);
+        p = vfma(p, f, 6.931469440460205e-1f);
+        p = vfma(p, f, 1.0f);
+    }
     uint32_t e = (uint32_t)((int32_t)n + 127) << 23;
     float s;
     memcpy(&s, &e, 4);
     return p * s;
 }
+
+static inline vf vexp2(vf x) { return vexp2_to(x, 0); }
 
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
 {
