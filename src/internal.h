@@ -179,6 +179,10 @@ typedef struct fw_kernels {
      * the pairs inside each diagonal FW_KDA_BLOCK-row block of A and of the gated QK, from
      * the step decays E [L][dk] = 2^g. */
     void (*exp2_scale)(int n, const float *x, const float *g1, const float *g0, float *dst);
+    /* e = 2^(float)(g1 - g0), the difference in double (g0 NULL: 0); dx = x o e (x NULL: e),
+     * and dy = y o e when dy is given: two operands decayed by one exponential. */
+    void (*exp2d_scale2)(int n, const double *g1, const double *g0, const float *x, float *dx, const float *y,
+                         float *dy);
     void (*kda_diag)(int L, int dk, const float *Q, const float *K, const float *E, const float *beta,
                      float *A, int lda, float *G, int ldg);
     /* KDA's gates of a row computed in the kernels (fw_gdn_params.a_log), in log2 units:
@@ -222,7 +226,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(kda_diag) X(kda_gates) X(conv1d_row) X(conv1d_rows) X(bwd_ds) X(rope)
+    X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(exp2d_scale2) X(kda_diag) X(kda_gates) X(conv1d_row) X(conv1d_rows) X(bwd_ds) X(rope)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

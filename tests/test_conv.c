@@ -261,7 +261,9 @@ static void test_conv_threads(void)
 static void test_conv_silu_half(void)
 {
     enum { N = 4107 };
-    static float x[N], ya[N], yb[N], one[1] = {1.0f}, zero[N];
+    static float x[N], ya[N], yb[N], one[N], zero[N];
+    for (int i = 0; i < N; i++)
+        one[i] = 1.0f;
     for (int i = 0; i < 4096; i++)
         x[i] = -40.0f + 80.0f * (float)i / 4095.0f;
     const float sp[11] = {NAN, INFINITY, -INFINITY, -100.0f, 100.0f, 0.0f, -0.0f, 1e-30f, -1e-30f, -87.5f, 88.5f};
@@ -272,8 +274,8 @@ static void test_conv_silu_half(void)
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("conv1d: SiLU to half precision within 7.5e-5 of SiLU [%s]", kt->name);
         const void *taps[1] = {x};
-        kt->conv1d_row(1, taps, FW_F32, one, 0, zero, NULL, FW_F32, N, 1, ya, FW_F32);
-        kt->conv1d_row(1, taps, FW_F32, one, 0, zero, NULL, FW_F32, N, FW_SILU_HALF, yb, FW_F32);
+        kt->conv1d_row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, 1, ya, FW_F32);
+        kt->conv1d_row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, FW_SILU_HALF, yb, FW_F32);
         double worst = 0;
         int same_specials = 1;
         for (int i = 0; i < N; i++) {

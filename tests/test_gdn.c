@@ -715,6 +715,49 @@ static void test_kda_gate_kernel(void)
     }
 }
 
+/* KDA's decayed operands (exp2d_scale2): the same bits as exp2_scale on the exponents rounded
+ * from their double differences, on every table, for both operands, with and without g0
+ * and x, lengths past and short of the vectors; exponents across [-150, 10] and beyond. */
+static void test_kda_scale_kernel(void)
+{
+    enum { N = 133 };
+    static double g1[N], g0[N];
+    static float x[N], y[N], e[N], ax[N], ay[N], bx[N], by[N];
+    rng_seed(77);
+    for (int i = 0; i < N; i++) {
+        g0[i] = -1000.0 * rng_uniform();
+        g1[i] = g0[i] + (i == 5 ? -1e4 : -160.0 * rng_uniform() + 10.0);
+        x[i] = (float)rng_normal();
+        y[i] = (float)rng_normal();
+    }
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        case_begin("kda: one exponential for two decayed operands equals exp2_scale [%s]", kt->name);
+        for (int n = 1; n <= N; n += 22)
+            for (int form = 0; form < 3; form++) { /* g0 and both operands; no g0; x NULL, no dy */
+                const double *z = form == 1 ? NULL : g0;
+                for (int i = 0; i < n; i++)
+                    e[i] = (float)(g1[i] - (z ? z[i] : 0.0));
+                kt->exp2_scale(n, form == 2 ? NULL : x, e, NULL, ax);
+                kt->exp2_scale(n, y, e, NULL, ay);
+                memset(bx, 0xA5, sizeof bx);
+                memset(by, 0xA5, sizeof by);
+                kt->exp2d_scale2(n, g1, z, form == 2 ? NULL : x, bx, form == 2 ? NULL : y, form == 2 ? NULL : by);
+                case_check(!memcmp(ax, bx, sizeof(float) * (size_t)n), "n %d, form %d: first operand differs", n, form);
+                if (form < 2)
+                    case_check(!memcmp(ay, by, sizeof(float) * (size_t)n), "n %d, form %d: second operand differs", n,
+                               form);
+                else
+                    case_check(((unsigned char *)by)[0] == 0xA5, "n %d: wrote dy without one", n);
+                case_check(n == N || ((unsigned char *)bx)[sizeof(float) * (size_t)n] == 0xA5,
+                           "n %d, form %d: wrote past n", n, form);
+            }
+        case_end();
+    }
+}
+
 /* (f) verify + commit of every m equals sequential decode (GDN, and KDA with kda set); the
  * verify of bf16 products against the same-roundings reference (GDN) */
 static void verify_commit(int kda)
@@ -1094,6 +1137,7 @@ const test_suite gdn_suites[] = {
     {"gdn.kernel_gates", test_kernel_gates},
     {"gdn.kda_gates", test_kda_gates},
     {"gdn.kda_gate_kernel", test_kda_gate_kernel},
+    {"gdn.kda_scale_kernel", test_kda_scale_kernel},
     {"gdn.verify_commit", test_verify_commit},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},

@@ -38,7 +38,7 @@ typedef struct {
     /* KDA only: cumulative log2 decays G per channel (doubles) and step decays E, the
      * block-relative Q^ and K^, 2^G K^, decayed key rows of one block product, its two
      * results, 2^G_last, one row of exponents */
-    size_t gcs, gst, qb, kb, k2, kr, sq, sk, dl, gx, total;
+    size_t gcs, gst, qb, kb, k2, kr, sq, sk, dl, total;
 } gdn_ws;
 
 /* The per-thread layout in floats; the bf16 panels sized by the table (panel_bytes). */
@@ -89,7 +89,6 @@ static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt)
     TAKE(sq, kda * FW_KDA_BLOCK * C);
     TAKE(sk, kda * FW_KDA_BLOCK * C);
     TAKE(dl, kda * dk);
-    TAKE(gx, kda * dk);
 #undef PANEL
 #undef TAKE
     w.total = o;
@@ -276,9 +275,10 @@ static void chunk_delta(const gdn_ctx *c, float *D, const float *U, const float 
  * i's block) with 2^(G_b - G_j) o K^_j: both exponents <= 0 (G does not increase), so nothing
  * overflows, and a factor that underflows stands for a product below it. Pairs inside a
  * block come from kda_diag. G is summed in double and each exponent is a difference taken
- * in double, then rounded: with strong decays |G| reaches thousands within a chunk, where a
- * float's ulp (5e-4 at 4096) would be the error of every small difference, 3e-4 relative in
- * its exponential. */
+ * in double, then rounded (exp2d_scale2, which decays Q^ and K^ by one exponential where
+ * they share it): with strong decays |G| reaches thousands within a chunk, where a float's
+ * ulp (5e-4 at 4096) would be the error of every small difference, 3e-4 relative in its
+ * exponential. kda_exponent: the same rounded exponents, for the verify replay. */
 static void kda_exponent(int dk, const double *g1, const double *g0, float *dst)
 {
     for (int x = 0; x < dk; x++)
@@ -293,7 +293,7 @@ static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, 
     const int dk = (int)p->dk, lda = dk + GDN_C;
     const float *K = W + w->kc, *Q = W + w->qc;
     double *G = (double *)(W + w->gcs);
-    float *E = W + w->gst, *Qb = W + w->qb, *Kb = W + w->kb, *K2 = W + w->k2, *X = W + w->gx;
+    float *E = W + w->gst, *Qb = W + w->qb, *Kb = W + w->kb, *K2 = W + w->k2;
     float *Kr = W + w->kr, *Sq = W + w->sq, *Sk = W + w->sk, *Kpp = W + w->kpp, *gam = W + w->gam;
     float *ex = gam + GDN_C, *exl = ex + GDN_C, *bet = exl + GDN_C;
     for (int i = 0; i < L; i++) {
@@ -311,27 +311,21 @@ static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, 
         gam[i] = 0.0f;
     kt->exp2_inplace(E, (int64_t)L * dk);
     const double *Gl = G + (size_t)(L - 1) * dk;
-    for (int i = 0; i < L; i++) {
+    for (int i = 0; i < L; i++) { /* Q and K share each exponential */
         const size_t r = (size_t)i * dk;
-        kda_exponent(dk, G + r, G + (size_t)(i / FW_KDA_BLOCK * FW_KDA_BLOCK) * dk, X);
-        kt->exp2_scale(dk, Q + r, X, NULL, Qb + r);
-        kt->exp2_scale(dk, K + r, X, NULL, Kb + r);
-        kda_exponent(dk, G + r, NULL, X);
-        kt->exp2_scale(dk, Q + r, X, NULL, Ao + (size_t)i * lda);
-        kt->exp2_scale(dk, K + r, X, NULL, K2 + r);
-        kda_exponent(dk, Gl, G + r, X);
-        kt->exp2_scale(dk, K + r, X, NULL, Kpp + r);
+        kt->exp2d_scale2(dk, G + r, G + (size_t)(i / FW_KDA_BLOCK * FW_KDA_BLOCK) * dk, Q + r, Qb + r, K + r, Kb + r);
+        kt->exp2d_scale2(dk, G + r, NULL, Q + r, Ao + (size_t)i * lda, K + r, K2 + r);
+        kt->exp2d_scale2(dk, Gl, G + r, K + r, Kpp + r, NULL, NULL);
         memset(Am + (size_t)i * GDN_C, 0, GDN_C * sizeof(float));
         memset(Ao + (size_t)i * lda + dk, 0, GDN_C * sizeof(float));
     }
-    kda_exponent(dk, Gl, NULL, X);
-    kt->exp2_scale(dk, NULL, X, NULL, W + w->dl);
+    kt->exp2d_scale2(dk, Gl, NULL, NULL, W + w->dl, NULL, NULL);
     for (int b = FW_KDA_BLOCK; b < L; b += FW_KDA_BLOCK) {
         const int R = L - b < FW_KDA_BLOCK ? L - b : FW_KDA_BLOCK;
         const void *rows[GDN_C];
         for (int j = 0; j < b; j++) {
-            kda_exponent(dk, G + (size_t)b * dk, G + (size_t)j * dk, X);
-            kt->exp2_scale(dk, K + (size_t)j * dk, X, NULL, Kr + (size_t)j * dk);
+            kt->exp2d_scale2(dk, G + (size_t)b * dk, G + (size_t)j * dk, K + (size_t)j * dk, Kr + (size_t)j * dk, NULL,
+                             NULL);
             rows[j] = Kr + (size_t)j * dk;
         }
         kt->dec_qk_rows(R, b, dk, Qb + (size_t)b * dk, rows, FW_F32, Sq);

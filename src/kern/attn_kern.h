@@ -1488,6 +1488,27 @@ static void tri_inv_blocked(const float *A, int lda, int L, float *X, int ldx)
 
 /* KDA: dst = x o 2^(g1 - g0) over n elements (x NULL: ones; g0 NULL: zeros). The chunk's
  * per-channel decays enter its operands this way, every exponent a difference <= 0. */
+/* KDA's decayed operands: e = 2^(float)(g1 - g0) (the difference in double; g0 NULL: 0),
+ * dx = x o e (x NULL: e) and, with dy, dy = y o e: one exponential for two operands, the
+ * same bits as exp2_scale on the rounded differences. */
+static void exp2d_scale2(int n, const double *g1, const double *g0, const float *x, float *dx, const float *y,
+                         float *dy)
+{
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        const vf e = vexp2(vload_dsub(g1, g0, i));
+        vstore(dx + i, x ? vmul(vload(x + i), e) : e);
+        if (dy)
+            vstore(dy + i, vmul(vload(y + i), e));
+    }
+    for (; i < n; i++) {
+        const float e = exp2f((float)(g1[i] - (g0 ? g0[i] : 0.0)));
+        dx[i] = x ? x[i] * e : e;
+        if (dy)
+            dy[i] = y[i] * e;
+    }
+}
+
 static void exp2_scale(int n, const float *x, const float *g1, const float *g0, float *dst)
 {
     int i = 0;
@@ -1865,6 +1886,7 @@ const fw_kernels FW_TABLE = {
     .gdn_dec_reads = gdn_dec_reads,
     .gdn_step4 = gdn_step4,
     .exp2_scale = exp2_scale,
+    .exp2d_scale2 = exp2d_scale2,
     .kda_diag = kda_diag,
     .kda_gates = kda_gates,
     .conv1d_row = conv1d_row,

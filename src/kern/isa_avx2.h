@@ -60,6 +60,17 @@ static inline vf vexp2_to(vf x, const int half)
 
 static inline vf vexp2(vf x) { return vexp2_to(x, 0); }
 
+/* (float)(a[i + x] - b[i + x]) for x < VL, the differences in double (b NULL: zeros). */
+static inline vf vload_dsub(const double *a, const double *b, int64_t i)
+{
+    __m256d lo = _mm256_loadu_pd(a + i), hi = _mm256_loadu_pd(a + i + 4);
+    if (b) {
+        lo = _mm256_sub_pd(lo, _mm256_loadu_pd(b + i));
+        hi = _mm256_sub_pd(hi, _mm256_loadu_pd(b + i + 4));
+    }
+    return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+}
+
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
 {
     if (dt == FW_F32)

@@ -62,6 +62,17 @@ static inline vf vexp2_to(vf x, const int half)
 
 static inline vf vexp2(vf x) { return vexp2_to(x, 0); }
 
+/* (float)(a[i + x] - b[i + x]) for x < VL, the differences in double (b NULL: zeros). */
+static inline vf vload_dsub(const double *a, const double *b, int64_t i)
+{
+    __m512d lo = _mm512_loadu_pd(a + i), hi = _mm512_loadu_pd(a + i + 8);
+    if (b) {
+        lo = _mm512_sub_pd(lo, _mm512_loadu_pd(b + i));
+        hi = _mm512_sub_pd(hi, _mm512_loadu_pd(b + i + 8));
+    }
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
+}
+
 /* VL contiguous elements of src from element i, converted to f32. */
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
 {

@@ -64,6 +64,9 @@ static inline vf vexp2_to(vf x, const int half)
 
 static inline vf vexp2(vf x) { return vexp2_to(x, 0); }
 
+/* (float)(a[i] - b[i]), the difference in double (b NULL: zero). */
+static inline vf vload_dsub(const double *a, const double *b, int64_t i) { return (float)(a[i] - (b ? b[i] : 0.0)); }
+
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
 {
     if (dt == FW_F32)
