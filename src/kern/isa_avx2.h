@@ -134,18 +134,21 @@ static inline __m256i vround_bf16_bits(vf x)
 }
 
 /* VL floats stored as dtype dt at element i of dst (rounded to nearest even). */
+/* VL floats as VL f16 or bf16 (dt), rounded to nearest even. */
+static inline __m128i vhalf_bits(vf x, fw_dtype dt)
+{
+    if (dt == FW_F16)
+        return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i r = _mm256_srli_epi32(vround_bf16_bits(x), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 static inline void vstore_as(void *dst, fw_dtype dt, int64_t i, vf x)
 {
-    if (dt == FW_F32) {
+    if (dt == FW_F32)
         _mm256_storeu_ps((float *)dst + i, x);
-    } else if (dt == FW_F16) {
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
-                         _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        __m256i r = _mm256_srli_epi32(vround_bf16_bits(x), 16);
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), packed);
-    }
+    else
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), vhalf_bits(x, dt));
 }
 
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
@@ -157,18 +160,10 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
  * 16 for bf16 and f16); ordered for other threads by vstream_fence. */
 static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
 {
-    if (dt == FW_F32) {
+    if (dt == FW_F32)
         _mm256_stream_ps((float *)dst + i, x);
-        return;
-    }
-    __m128i h;
-    if (dt == FW_F16) {
-        h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    } else {
-        __m256i r = _mm256_srli_epi32(vround_bf16_bits(x), 16);
-        h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    }
-    _mm_stream_si128((__m128i *)((uint16_t *)dst + i), h);
+    else
+        _mm_stream_si128((__m128i *)((uint16_t *)dst + i), vhalf_bits(x, dt));
 }
 
 static inline void vstream_fence(void) { _mm_sfence(); }

@@ -140,23 +140,26 @@ static inline __m512i vround_bf16_bits(vf x)
 }
 
 /* VL floats stored as dtype dt at element i of dst (rounded to nearest even). */
+/* VL floats as VL f16 or bf16 (dt), rounded to nearest even. */
+static inline __m256i vhalf_bits(vf x, fw_dtype dt)
+{
+    if (dt == FW_F16)
+        return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#ifdef __AVX512BF16__
+    /* vcvtneps2bf16: the same nearest-even rounding in one instruction (NaN stays NaN); it
+     * reads denormal inputs as zero, the software form below keeps them */
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bf16_bits(x), 16));
+#endif
+}
+
 static inline void vstore_as(void *dst, fw_dtype dt, int64_t i, vf x)
 {
-    if (dt == FW_F32) {
+    if (dt == FW_F32)
         _mm512_storeu_ps((float *)dst + i, x);
-    } else if (dt == FW_F16) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
-                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-#ifdef __AVX512BF16__
-        /* vcvtneps2bf16: the same nearest-even rounding in one instruction (NaN stays NaN);
-         * it reads denormal inputs as zero, the software form below keeps them */
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), (__m256i)_mm512_cvtneps_pbh(x));
-#else
-        __m512i r = _mm512_srli_epi32(vround_bf16_bits(x), 16);
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
-#endif
-    }
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), vhalf_bits(x, dt));
 }
 
 static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype dt)
@@ -169,20 +172,10 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
  * issued this way are ordered for other threads by vstream_fence. */
 static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
 {
-    if (dt == FW_F32) {
+    if (dt == FW_F32)
         _mm512_stream_ps((float *)dst + i, x);
-        return;
-    }
-    __m256i h;
-    if (dt == FW_F16)
-        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     else
-#ifdef __AVX512BF16__
-        h = (__m256i)_mm512_cvtneps_pbh(x);
-#else
-        h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(vround_bf16_bits(x), 16));
-#endif
-    _mm256_stream_si256((__m256i *)((uint16_t *)dst + i), h);
+        _mm256_stream_si256((__m256i *)((uint16_t *)dst + i), vhalf_bits(x, dt));
 }
 
 static inline void vstream_fence(void) { _mm_sfence(); }
