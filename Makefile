@@ -6,6 +6,7 @@
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
+.DEFAULT_GOAL := all
 
 # Build options: `make build FW_OPENMP=1` runs the parallel loops on OpenMP (the compiler's
 # runtime, libgomp with gcc) instead of the built-in thread pool; without it the build is the
