@@ -1121,6 +1121,45 @@ static void sweep_kda(void)
     run_gcase(&mild, &len, 1, 162);
 }
 
+/* The gate scan runs in items of tokens on the call's threads: the first bad gate is the one
+ * reported whichever item finds one first, with bad rows in two later items, NaN and +inf
+ * and a positive value, a channel past the first (KDA), 1 and 3 threads; nothing written. */
+static void test_gate_scan(void)
+{
+    for (int kda = 0; kda < 2; kda++) {
+        const gcase c = {900, 1, 2, 8, 8, FW_F32, 0, 1.0, 0.0, 0.0f, kda};
+        case_begin("%s gate scan, T 900, bad rows at tokens 601 and 300", kda ? "kda" : "gdn");
+        ginputs in;
+        make_inputs(&in, &c, 400 + (uint64_t)kda);
+        float *g = in.g.data;
+        const int64_t n = kda ? c.dk : 1;
+        g[(601 * c.HV + 0) * n + (n - 1)] = NAN;      /* a later item's bad row */
+        g[(300 * c.HV + 1) * n + (n > 1 ? 3 : 0)] = 0.25f; /* the first bad row: token 300, head 1 */
+        g[(850 * c.HV + 1) * n] = INFINITY;
+        int64_t os[3] = {c.T, c.HV, c.dv};
+        gbuf ob = gbuf_new((size_t)(c.T * c.HV * c.dv) * 4);
+        fw_tensor to = fw_tensor_contiguous(ob.p, FW_F32, 3, os);
+        int32_t cu[2] = {0, (int32_t)c.T};
+        for (int th = 1; th <= 3; th += 2) {
+            fw_gdn_params p;
+            fw_gdn_params_init(&p);
+            p.threads = th;
+            memset(ob.p, 0x5A, ob.bytes);
+            const fw_status st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, 1, NULL, NULL, &to, &p);
+            const char *want = kda ? "g[300][1][3] = 0.25" : "g[300][1] = 0.25";
+            case_check(st == FW_ERR_ARG && strstr(fw_last_error(), want), "%d threads: status %d, %s (want %s)", th,
+                       (int)st, fw_last_error(), want);
+            int untouched = 1;
+            for (size_t i = 0; i < ob.bytes; i++)
+                untouched &= ((unsigned char *)ob.p)[i] == 0x5A;
+            case_check(untouched, "%d threads: out written", th);
+        }
+        gbuf_free(&ob);
+        free_inputs(&in);
+        case_end();
+    }
+}
+
 static void test_verify_commit(void)
 {
     verify_commit(0);
@@ -1139,6 +1178,7 @@ const test_suite gdn_suites[] = {
     {"gdn.kda_gate_kernel", test_kda_gate_kernel},
     {"gdn.kda_scale_kernel", test_kda_scale_kernel},
     {"gdn.verify_commit", test_verify_commit},
+    {"gdn.gate_scan", test_gate_scan},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},
     {"gdn.sweep_varlen", sweep_varlen},
