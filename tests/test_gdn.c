@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
+#include "gdn/gdn.h"
 #include "test_util.h"
 
 typedef struct {
@@ -1121,6 +1122,84 @@ static void sweep_kda(void)
     run_gcase(&mild, &len, 1, 162);
 }
 
+/* The chunked pass's q/k head groups (fw_gdn_head_group): the heuristic's sizes, and the same
+ * bits of out and final state on 1, 2, 4 and 7 threads, which group 4, 4, 2 and 1 heads here
+ * (6 q/k heads: a group of 4 leaves one of 2), GDN and KDA, both precisions, every table. */
+static void test_head_groups(void)
+{
+    case_begin("head group sizes");
+    case_check(fw_gdn_head_group(32, 1, 128, 128, 1, 2) == 8, "KDA's 32 heads on 2 threads: %d",
+               fw_gdn_head_group(32, 1, 128, 128, 1, 2));
+    case_check(fw_gdn_head_group(16, 2, 128, 128, 1, 2) == 4, "Qwen3-Next's 16 x 2 heads on 2 threads: %d",
+               fw_gdn_head_group(16, 2, 128, 128, 1, 2));
+    case_check(fw_gdn_head_group(16, 2, 128, 128, 1, 16) == 1, "16 threads: %d",
+               fw_gdn_head_group(16, 2, 128, 128, 1, 16));
+    case_check(fw_gdn_head_group(16, 2, 128, 128, 8, 16) == 4, "8 sequences on 16 threads: %d",
+               fw_gdn_head_group(16, 2, 128, 128, 8, 16));
+    case_check(fw_gdn_head_group(6, 1, 32, 32, 1, 1) == 4, "6 heads, one thread: %d", fw_gdn_head_group(6, 1, 32, 32, 1, 1));
+    case_check(fw_gdn_head_group(1, 64, 256, 256, 1, 1) == 1, "one head: %d", fw_gdn_head_group(1, 64, 256, 256, 1, 1));
+    for (int64_t H = 1; H <= 64; H++)
+        for (int th = 1; th <= 8; th++) { /* 3 sequences, states of 32 KiB: only H and the items bind */
+            const int hg = fw_gdn_head_group(H, 1, 64, 64, 3, th);
+            const int fits = hg == 1 || 3 * ((H + hg - 1) / hg) >= 2 * th;
+            const int larger = 2 * hg <= FW_GDN_GROUP_MAX && 2 * hg <= H && 3 * ((H + 2 * hg - 1) / (2 * hg)) >= 2 * th;
+            case_check(hg >= 1 && hg <= H && (hg & (hg - 1)) == 0 && fits && !larger,
+                       "H %lld threads %d: group %d", (long long)H, th, hg);
+        }
+    case_end();
+    static const int32_t lens[] = {70, 1, 129};
+    int32_t cu[4] = {0, 70, 71, 200};
+    for (int kda = 0; kda < 2; kda++)
+        for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
+            const gcase c = {cu[3], 6, 12, 32, 24, FW_BF16, 1, 1.0, 0.3, 0.0f, kda};
+            case_begin("%s %s products: 3 sequences (%d, %d, %d), H 6, HV 12, 1/2/4/7 threads", kda ? "kda" : "gdn",
+                       prec == FW_PREC_BF16 ? "bf16" : "f32", lens[0], lens[1], lens[2]);
+            ginputs in;
+            make_inputs(&in, &c, 300 + (uint64_t)(2 * kda + prec));
+            const int64_t no = c.T * c.HV * c.dv, ns = 3 * c.HV * c.dk * c.dv;
+            int64_t os[3] = {c.T, c.HV, c.dv};
+            float *init = malloc(sizeof(float) * (size_t)ns), *fin = malloc(sizeof(float) * (size_t)ns),
+                  *fin1 = malloc(sizeof(float) * (size_t)ns);
+            rng_seed(301);
+            for (int64_t i = 0; i < ns; i++)
+                init[i] = (float)(0.3 * rng_normal());
+            gbuf ob = gbuf_new((size_t)no * 2), o1 = gbuf_new((size_t)no * 2);
+            fw_tensor to = fw_tensor_contiguous(ob.p, c.dt, 3, os);
+            fw_gdn_params p;
+            fw_gdn_params_init(&p);
+            p.l2norm_qk = 1;
+            p.precision = prec;
+            for (int it = 0; it < fw_isa_count(); it++) {
+                if (!fw_isa_supported(fw_isa_name(it)))
+                    continue;
+                p.isa = fw_isa_name(it);
+                static const int threads[] = {1, 2, 4, 7};
+                for (int ti = 0; ti < 4; ti++) {
+                    p.threads = threads[ti];
+                    memset(ob.p, 0xA5, ob.bytes);
+                    const fw_status st = fw_gdn_prefill(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, 3, init, fin, &to, &p);
+                    case_check(st == FW_OK, "[%s] %d threads: %s", p.isa, p.threads, fw_last_error());
+                    if (ti == 0) {
+                        memcpy(o1.p, ob.p, ob.bytes);
+                        memcpy(fin1, fin, sizeof(float) * (size_t)ns);
+                        continue;
+                    }
+                    case_check(memcmp(o1.p, ob.p, ob.bytes) == 0, "[%s] out: 1 and %d threads (groups %d, %d) differ",
+                               p.isa, p.threads, fw_gdn_head_group(6, 2, 32, 24, 3, 1),
+                               fw_gdn_head_group(6, 2, 32, 24, 3, p.threads));
+                    case_check(fw_gdn_head_group(6, 2, 32, 24, 3, p.threads) == (int[]){4, 4, 2, 1}[ti],
+                               "%d threads: group %d", p.threads, fw_gdn_head_group(6, 2, 32, 24, 3, p.threads));
+                    case_check(memcmp(fin1, fin, sizeof(float) * (size_t)ns) == 0,
+                               "[%s] final state: 1 and %d threads differ", p.isa, p.threads);
+                }
+            }
+            free(init); free(fin); free(fin1);
+            gbuf_free(&ob); gbuf_free(&o1);
+            free_inputs(&in);
+            case_end();
+        }
+}
+
 /* The gate scan runs in items of tokens on the call's threads: the first bad gate is the one
  * reported whichever item finds one first, with bad rows in two later items, NaN and +inf
  * and a positive value, a channel past the first (KDA), 1 and 3 threads; nothing written. */
@@ -1178,6 +1257,7 @@ const test_suite gdn_suites[] = {
     {"gdn.kda_gate_kernel", test_kda_gate_kernel},
     {"gdn.kda_scale_kernel", test_kda_scale_kernel},
     {"gdn.verify_commit", test_verify_commit},
+    {"gdn.head_groups", test_head_groups},
     {"gdn.gate_scan", test_gate_scan},
     {"gdn.split_state", test_split_state},
     {"gdn.sweep_lengths", sweep_lengths},

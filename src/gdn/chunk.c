@@ -42,7 +42,7 @@ typedef struct {
 } gdn_ws;
 
 /* The per-thread layout in floats; the bf16 panels sized by the table (panel_bytes). */
-static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt)
+static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt, int64_t hg)
 {
     gdn_ws w;
     const size_t C = GDN_C, dk = (size_t)p->dk, P = GDN_P;
@@ -66,7 +66,7 @@ static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt)
     TAKE(kpp, C * dk);
     TAKE(zero, P);
     TAKE(gam, 4 * C);
-    TAKE(hd, (size_t)p->r * (size_t)w.pv * (dk + C) * P); /* per value head and dv panel: h rows, Delta rows */
+    TAKE(hd, (size_t)(hg * p->r * w.pv) * (dk + C) * P); /* per value head of the item and dv panel: h rows, Delta rows */
 #define PANEL(red, cols) (b * kt->panel_bytes((int)(red), (int)(cols)) / sizeof(float))
     TAKE(kw, PANEL(dk, C));
     TAKE(qw, PANEL(dk, C));
@@ -111,6 +111,7 @@ typedef struct {
     const int32_t *init_idx, *final_idx;
     int64_t init_stride, final_stride;
     int verify;
+    int64_t hg;         /* chunked items: q/k heads per item (fw_gdn_head_group) */
     float *replay;      /* verify: the replay buffer (gdn.h: replay_at), or NULL */
     replay_parts rp;
 } gdn_ctx;
@@ -156,13 +157,21 @@ static void prefetch_row(const fw_tensor *x, int64_t t, int64_t j, int64_t n, in
     }
 }
 
-/* Part `part` of `parts` of the next chunk's rows (nxt tokens from t0 + 64): q and k of head
- * h, v and out (and KDA's g) of its value heads, a part before each panel's products. */
-static void prefetch_next(const gdn_ctx *c, int64_t h, int64_t t0, int nxt, int part, int parts)
+/* The chunk an item works on after the current one: q/k head h, tokens [t, t + n) (n = 0:
+ * none). */
+typedef struct {
+    int64_t h, t;
+    int n;
+} chunk_next;
+
+/* Part `part` of `parts` of the next chunk's rows: q and k of its head, v and out (and KDA's
+ * g) of its value heads, a part before each panel's products. */
+static void prefetch_next(const gdn_ctx *c, chunk_next nx, int part, int parts)
 {
     const gdn_prob *p = c->p;
-    for (int i = nxt * part / parts; i < nxt * (part + 1) / parts; i++) {
-        const int64_t t = t0 + GDN_C + i;
+    const int64_t h = nx.h;
+    for (int i = nx.n * part / parts; i < nx.n * (part + 1) / parts; i++) {
+        const int64_t t = nx.t + i;
         prefetch_row(p->q, t, h, p->dk, 0);
         prefetch_row(p->k, t, h, p->dk, 0);
         for (int64_t e = 0; e < p->r; e++) {
@@ -359,9 +368,11 @@ static void chunk_inverse(const gdn_ctx *c, const float *Am, int L, float *Ti)
         c->kt->tri_inv_blocked(Am, GDN_C, L, Ti, GDN_C);
 }
 
-/* One chunk of tokens [t0, t0 + L) of q/k head h for its r value heads, f32 products; the
- * next chunk of the sequence has nxt tokens (prefetched meanwhile). */
-static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, int nxt, int update)
+/* One chunk of tokens [t0, t0 + L) of q/k head h for its r value heads (the item's value
+ * heads e0 .. e0 + r - 1 in the workspace), f32 products; nx, the item's next chunk, is
+ * prefetched meanwhile. */
+static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t e0, int64_t t0, int L, chunk_next nx,
+                       int update)
 {
     const gdn_prob *p = c->p;
     const fw_kernels *kt = c->kt;
@@ -405,8 +416,8 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
                 memcpy(Wr + (size_t)i * dk + q * P, WU + ((size_t)q * GDN_C + i) * P,
                        (size_t)panel_cols(dk, q) * sizeof(float));
         for (int q = 0; q < w->pv; q++) {
-            float *HD = hd_panel(c, W, e, q), *D = HD + (size_t)dk * P;
-            prefetch_next(c, h, t0, nxt, (int)e * (int)w->pv + q, (int)(p->r * w->pv));
+            float *HD = hd_panel(c, W, e0 + e, q), *D = HD + (size_t)dk * P;
+            prefetch_next(c, nx, (int)e * (int)w->pv + q, (int)(p->r * w->pv));
             kt->qk(L, dk, P, Wr, dk, HD, zero, Wh); /* W h */
             chunk_delta(c, D, WU + ((size_t)(w->pk + q) * GDN_C) * P, Wh, vh, t0, L, q);
             /* O = [2^g Q^ | QK o Gamma o M] [h ; Delta], this panel's columns */
@@ -424,7 +435,7 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
                 kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
         }
         for (int q = 0; q < w->pv; q++) {
-            float *HD = hd_panel(c, W, e, q);
+            float *HD = hd_panel(c, W, e0 + e, q);
             decay_state(c, W, HD, ex[L - 1]);
             kt->pv(L, dk, P, Kpp, dk, HD + (size_t)dk * P, HD);
         }
@@ -444,7 +455,8 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, 
  * the Gram matrices are not shared by the value heads), the keys of the RHS are 2^G o K^,
  * and the per-channel decays enter the rounded operands instead of scaling results:
  *   O = scale ((2^G o Q^)b hb + Gb Deltab),   h <- 2^G_last o h + (2^(G_last - G) o K^)b^T Deltab */
-static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, int L, int nxt, int update)
+static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t e0, int64_t t0, int L, chunk_next nx,
+                            int update)
 {
     const gdn_prob *p = c->p;
     const fw_kernels *kt = c->kt;
@@ -517,8 +529,8 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t t0, in
                                dk, KPw + (size_t)x * dk);
         }
         for (int q = 0; q < w->pv; q++) {
-            float *HD = hd_panel(c, W, e, q), *D = HD + (size_t)dk * P;
-            prefetch_next(c, h, t0, nxt, (int)e * (int)w->pv + q, (int)(p->r * w->pv));
+            float *HD = hd_panel(c, W, e0 + e, q), *D = HD + (size_t)dk * P;
+            prefetch_next(c, nx, (int)e * (int)w->pv + q, (int)(p->r * w->pv));
             for (int x = 0; x < dkw; x++) /* hb */
                 kt->pack_pairs(HD + (size_t)(2 * x) * P, 2 * x + 1 < dk ? HD + (size_t)(2 * x + 1) * P : NULL, P,
                                Hw + (size_t)x * P);
@@ -568,23 +580,41 @@ static void store_state(const gdn_ctx *c, float *W, int64_t e, float *dst)
     }
 }
 
-/* Prefill or verify item: (sequence, q/k head). */
+int fw_gdn_head_group(int64_t H, int64_t r, int64_t dk, int64_t dv, int64_t n_seqs, int threads)
+{
+    const int64_t state = ((dv + GDN_P - 1) / GDN_P) * (dk + GDN_C) * GDN_P * (int64_t)sizeof(float);
+    int hg = 1;
+    while (hg < FW_GDN_GROUP_MAX && 2 * hg <= H && 2 * hg * r * state <= FW_GDN_GROUP_BYTES &&
+           n_seqs * ((H + 2 * hg - 1) / (2 * hg)) >= 2 * (int64_t)threads)
+        hg *= 2;
+    return hg;
+}
+
+/* Prefill or verify item: (sequence, group of hg q/k heads), the group's heads chunk by chunk
+ * in lockstep: a token's rows of adjacent heads share their pages and lines, fetched once
+ * for the group where one head at a time touched a page per row (the rows lie a page or
+ * more apart). */
 static void chunked_item(void *vctx, int64_t idx, int tid)
 {
     const gdn_ctx *c = vctx;
     const gdn_prob *p = c->p;
     float *W = c->ws + (size_t)tid * c->w.total;
-    const int64_t seq = idx / p->H, h = idx % p->H;
-    const int64_t t0 = p->cu[seq], t1 = p->cu[seq + 1];
+    const int64_t groups = (p->H + c->hg - 1) / c->hg;
+    const int64_t seq = idx / groups, h0 = idx % groups * c->hg, h1 = fw_min64(p->H, h0 + c->hg);
+    const int64_t t0 = p->cu[seq], t1 = p->cu[seq + 1], nv = (h1 - h0) * p->r;
     const int verify = c->verify;
-    for (int64_t e = 0; e < p->r; e++)
-        load_state(c, W, e, init_of(c, seq, h * p->r + e));
+    for (int64_t e = 0; e < nv; e++)
+        load_state(c, W, e, init_of(c, seq, h0 * p->r + e));
     memset(W + c->w.zero, 0, GDN_P * sizeof(float));
-    for (int64_t t = t0; t < t1; t += GDN_C)
-        (p->bf16 ? gdn_chunk_bf16 : gdn_chunk)(c, W, h, t, (int)fw_min64(GDN_C, t1 - t),
-                                               (int)fw_min64(GDN_C, fw_max64(0, t1 - t - GDN_C)), !verify);
-    for (int64_t e = 0; e < p->r; e++) {
-        float *dst = final_of(c, seq, h * p->r + e);
+    for (int64_t t = t0; t < t1; t += GDN_C) {
+        const int L = (int)fw_min64(GDN_C, t1 - t), nxt = (int)fw_min64(GDN_C, fw_max64(0, t1 - t - GDN_C));
+        for (int64_t h = h0; h < h1; h++) {
+            const chunk_next nx = h + 1 < h1 ? (chunk_next){h + 1, t, L} : (chunk_next){h0, t + GDN_C, nxt};
+            (p->bf16 ? gdn_chunk_bf16 : gdn_chunk)(c, W, h, (h - h0) * p->r, t, L, nx, !verify);
+        }
+    }
+    for (int64_t e = 0; e < nv; e++) {
+        float *dst = final_of(c, seq, h0 * p->r + e);
         if (dst)
             store_state(c, W, e, dst);
     }
@@ -626,16 +656,21 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
         memcpy(dst, hst, (size_t)(p->dk * p->dv) * sizeof(float));
 }
 
-/* Allocate per-thread workspace and run `fn` over n items. */
-static fw_status gdn_run(gdn_ctx *c, const fw_gdn_params *params, int64_t n, fw_item_fn fn)
+/* Allocate per-thread workspace and run the chunked items (or the recurrent ones) over c's
+ * sequences. */
+static fw_status gdn_run(gdn_ctx *c, const fw_gdn_params *params, fw_item_fn fn)
 {
+    const gdn_prob *p = c->p;
     const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
     if (!kt)
         return FW_ERR_UNSUPPORTED;
     c->kt = kt;
     c->flags = params ? params->flags : 0;
-    c->w = gdn_plan(c->p, kt);
     const int threads = fw_threads(params ? params->threads : 0);
+    const int chunked = fn == chunked_item;
+    c->hg = chunked ? fw_gdn_head_group(p->H, p->r, p->dk, p->dv, p->n, threads) : 1;
+    c->w = gdn_plan(p, kt, c->hg);
+    const int64_t n = chunked ? p->n * ((p->H + c->hg - 1) / c->hg) : p->n * p->HV;
     if (n == 0)
         return FW_OK;
     c->ws = malloc((size_t)threads * c->w.total * sizeof(float));
@@ -657,9 +692,9 @@ static fw_status prefill_run(gdn_ctx *c, const fw_gdn_params *params)
     gdn_prob *p = (gdn_prob *)c->p;
     if (fl & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)) {
         p->bf16 = 0; /* the recurrent baselines run f32 products */
-        return gdn_run(c, params, p->n * p->HV, recurrent_item);
+        return gdn_run(c, params, recurrent_item);
     }
-    return gdn_run(c, params, p->n * p->H, chunked_item);
+    return gdn_run(c, params, chunked_item);
 }
 
 fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
@@ -749,7 +784,7 @@ fw_status fw_gdn_verify(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
     else
         fw_gdn_params_init(&vp);
     vp.flags &= FW_GDN_FWD_SUBST; /* verify is always the one-chunk WY pass */
-    return gdn_run(&c, &vp, n_seqs * p.H, chunked_item);
+    return gdn_run(&c, &vp, chunked_item);
 }
 
 /* Commit item (sequence i, value head vh): h = 2^g_{m-1} h_0 + sum_{j<m} 2^(g_{m-1} - g_j) k_j delta_j^T
