@@ -179,7 +179,7 @@ test-asan:
 test-asan-python: $(VENV)/.test-deps
 	@cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE=ON \
 	  $(PY_CMAKE) >/dev/null
-	@cmake --build $(BUILD)-asan -j $(JOBS) --target flywheel_shared fwext
+	@cmake --build $(BUILD)-asan -j $(JOBS) --target flywheel_shared fwext fwomp
 	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-asan/libflywheel.so PYTHONPATH=$(abspath python) \
 	  FLYWHEEL_EXPECT_BINDING=compiled ASAN_OPTIONS=detect_leaks=0 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
@@ -208,14 +208,16 @@ bench-threads: build
 	$(BUILD)/flywheel bench threads $(BENCH_THREADS_ARGS)
 
 # flywheel's decode calls inside a torch process, each right after a torch op (an engine
-# step), on each threading mode: the default pool, the pool with no spin window, and the
-# OpenMP build sharing torch's libgomp ($(BUILD)-omp); python/bench_engine_threads.py.
+# step), on each threading mode: the default pool, the pool with no spin window, the package's
+# OpenMP host loop (flywheel.use_openmp_threads) and the OpenMP build, both on torch's libgomp
+# threads ($(BUILD)-omp); python/bench_engine_threads.py.
 bench-engine-threads: build $(VENV)/.test-deps
 	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON \
 	  $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-omp -j $(JOBS) --target flywheel_shared fwext
 	$(TREE_ENV) $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
 	$(TREE_ENV) FLYWHEEL_SPIN_US=0 $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
+	$(TREE_ENV) $(VENV)/bin/python python/bench_engine_threads.py --openmp-loop $(BENCH_ENGINE_ARGS)
 	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-omp/libflywheel.so PYTHONPATH=$(abspath python) \
 	  $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
 

@@ -17,9 +17,11 @@ w [2048, 4096], bf16), with torch and flywheel both on --threads threads:
                quiet server sees): the first call and the median of the next 19, over 3 rounds
 The library (and so the threading mode) is FLYWHEEL_LIBRARY's: build/ (the default pool),
 or a build with FW_OPENMP=1 (OpenMP, sharing torch's libgomp); FLYWHEEL_SPIN_US sets the
-default pool's spin window. Each configuration runs in its own process:
+default pool's spin window; --openmp-loop runs the library's loops on the package's OpenMP
+host loop (flywheel.use_openmp_threads: torch's libgomp threads, any build). Each
+configuration runs in its own process:
   python python/bench_engine_threads.py [--threads 2] [--rounds 5] [--calls 200] [--idle 3]
-                                        [--json]
+                                        [--openmp-loop] [--json]
 """
 
 import argparse
@@ -70,10 +72,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--idle", type=float, default=3.0)
+    ap.add_argument("--openmp-loop", action="store_true",
+                    help="flywheel.use_openmp_threads: the loops on torch's OpenMP threads")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     flywheel.set_num_threads(a.threads)
+    if a.openmp_loop:
+        flywheel.use_openmp_threads(a.threads)
     x, w = torch.randn(8, 2048, dtype=torch.bfloat16), torch.randn(2048, 4096, dtype=torch.bfloat16)
     y = torch.empty(8, 4096, dtype=torch.bfloat16)
     op = lambda: torch.mm(x, w, out=y)
@@ -82,7 +88,8 @@ def main():
     config = {"library": os.environ.get("FLYWHEEL_LIBRARY", "(package)"),
               "binding": _lib.binding()[0], "threads": a.threads,
               "spin_us": os.environ.get("FLYWHEEL_SPIN_US", "default"),
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+              "loop": flywheel.threading_mode()[0]}
     rows = []
     with torch.inference_mode():
         for _ in range(50):

@@ -27,7 +27,8 @@ Errors, one rule for every call:
 """
 
 from ._lib import (FlywheelDtypeError, FlywheelError, get_num_threads, get_spin_us,
-                   set_num_threads, set_spin_us)
+                   set_num_threads, set_spin_us, threading_mode, use_openmp_threads,
+                   use_own_threads)
 from ._lib import lib as _clib
 from . import fla, tpu
 from .attention import (flash_attn_backward, flash_attn_func, flash_attn_varlen_backward,
@@ -54,7 +55,7 @@ __all__ = [
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
     "gated_delta_rule_verify",
     "get_num_threads", "get_spin_us", "isa_tables", "default_isa", "auto_precision", "set_num_threads",
-    "set_spin_us",
+    "set_spin_us", "threading_mode", "use_openmp_threads", "use_own_threads",
 ]
 
 

@@ -23,8 +23,10 @@ without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. W
 FLYWHEEL_VLLM_CALLS = "prefill" (the default: steps with at least one prefill), "decode"
 (decode-only steps) or "all". Measured inside the engine (python/bench_vllm.py, both kernels
 on every call): flywheel's prefill steps are faster than vLLM's (attention 1.6-2.1x, GDN
-1.2-2.0x at 1K and 4K prompts), its decode-only steps slower (attention 0.74-0.87x, GDN
-0.52-0.85x); so by default decodes stay vLLM's.
+1.2-2.0x at 1K and 4K prompts); its decode-only steps were slower on the library's own threads
+(attention 0.74-0.87x, GDN 0.52-0.85x) and are faster on torch's (share_threads: attention +
+GDN 1.03-1.27x at a 4K context, float32 states). Decodes stay vLLM's by default until bf16
+states are measured.
 
 The plugin also serves the Gated DeltaNet layers (Qwen3-Next, Qwen3.5): vLLM's CPU op
 `cpu_gdn_attention_core` (conv1d + SiLU, the gates, the gated delta rule of one layer's step)
@@ -39,6 +41,7 @@ step. Speculative decoding and prefix-caching checkpoints stay on vLLM's own op.
 """
 
 import os
+import weakref
 
 import flywheel
 
@@ -62,14 +65,14 @@ def kv_cache_views(kv_cache):
 
 
 def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, scale,
-              causal=True, sliding_window=-1, softcap=0.0, num_actual_tokens=None):
+              causal=True, sliding_window=-1, softcap=0.0, num_actual_tokens=None, views=None):
     """CPU_ATTN's forward on flywheel: query [T, hq, d] (the first num_actual_tokens rows, or
     all), sequence i's rows [query_start_loc[i], query_start_loc[i + 1]) of seq_lens[i] tokens
     in all, cached in the blocks block_table[i]; output [T, hq, d] written in place and
     returned. sliding_window > 0: each query sees its last sliding_window keys (vLLM's
     meaning; flash-attn's window_size = (sliding_window - 1, 0)). softcap: logits soft cap
-    (0: none)."""
-    k, v = kv_cache_views(kv_cache)
+    (0: none). views: kv_cache_views(kv_cache), where the caller keeps them."""
+    k, v = kv_cache_views(kv_cache) if views is None else views
     n = query.shape[0] if num_actual_tokens is None else num_actual_tokens
     nreq = seq_lens.shape[0]
     window = (sliding_window - 1, 0) if sliding_window and sliding_window > 0 else (-1, -1)
@@ -86,12 +89,11 @@ def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, s
     return output
 
 
-def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
-    """vLLM's non-speculative GDN step (its metadata md) on flywheel: decodes first, then
-    prefills, each sequence from its slot (a prefill without an initial state starts from zero
-    whatever the slot holds), both caches updated in place, core_attn_out [T, HV, V] written.
-    Returns False (nothing done) where flywheel does not take the step (the module docstring:
-    takes_step, float32 or bf16 states, no speculative decoding or checkpoints)."""
+def _layer_args(layer):
+    """The per-layer half of gdn_step's arguments, from the layer's caches and parameters
+    (built once per layer and cache; None where flywheel does not take the layer's steps):
+    (conv view, recurrent view [slots, HV, K, V], ssm, weight, bias, A_log, dt_bias, n_kq,
+    dims)."""
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     conv_cache, ssm = layer.kv_cache[0], layer.kv_cache[1]
@@ -101,41 +103,79 @@ def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
         weight = weight[:, 0] if weight.dim() == 3 else weight
     width = weight.shape[-1]
     conv = conv_cache.transpose(1, 2) if is_conv_state_dim_first() else conv_cache
-    if (not takes_step(md.num_prefills == 0) or
-            md.spec_sequence_masks is not None or md.num_accepted_tokens is not None or
-            getattr(md, "checkpoint", None) is not None or conv.shape[1] != width - 1 or
-            ssm.dtype not in (torch.float32, torch.bfloat16) or
-            mixed_qkv.dtype not in (torch.bfloat16, torch.float32)
-            or layer.activation != "silu" or ssm.dim() != 4 or
+    if (conv.shape[1] != width - 1 or ssm.dtype not in (torch.float32, torch.bfloat16) or
+            layer.activation != "silu" or ssm.dim() != 4 or
             ssm.stride()[1:] != (ssm.shape[2] * ssm.shape[3], ssm.shape[3], 1)):
-        return False
+        return None
     slots, hv, dv, dk = ssm.shape
-    n_kq = layer.num_k_heads // layer.tp_size
+    # the slot's memory as vLLM's CPU kernels read it: [slots, HV, K, V]
+    rec = torch.as_strided(ssm, (slots, hv, dk, dv), (ssm.stride(0), ssm.stride(1), dv, 1),
+                           ssm.storage_offset())
+    bias = layer.conv1d.bias
+    # the parameters detached: a tensor that requires grad goes the ctypes way (the compiled
+    # fast path leaves autograd questions to it), which costs ~0.1 ms a call
+    return (conv, rec, ssm, weight.detach(), None if bias is None else bias.detach(),
+            layer.A_log.detach(), layer.dt_bias.detach(), layer.num_k_heads // layer.tp_size,
+            (hv, dk, dv, width))
+
+
+def _step_args(md):
+    """The per-step half of gdn_step's arguments, from vLLM's metadata (the same for every
+    GDN layer of a step): (query_start_loc, state indices, distribution, seq_lens)."""
+    import torch
     nd, n = md.num_decodes, md.num_decodes + md.num_prefills
-    t = md.num_actual_tokens
     qsl = md.non_spec_query_start_loc[:n + 1]
     idx = md.non_spec_state_indices_tensor[:n]
     has_init = torch.ones(n, dtype=torch.int32)
     if md.has_initial_state is not None and n > nd:
         has_init[nd:] = md.has_initial_state[nd:n].to(torch.int32)
     seq_lens = (qsl[1:] - qsl[:-1]).to(torch.int32) + has_init
-    # the slot's memory as vLLM's CPU kernels read it: [slots, HV, K, V]
-    rec = torch.as_strided(ssm, (slots, hv, dk, dv), (ssm.stride(0), ssm.stride(1), dv, 1),
-                           ssm.storage_offset())
+    return qsl, idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens
+
+
+# gdn_step's caches: per layer (weakly keyed by the layer, checked against its cache tensors)
+# and for the last step's metadata (vLLM builds a new metadata object each step; the entry
+# holds it, so its id is not reused while cached). Without them a decode step's preparation
+# was ~15 torch operations a layer.
+_LAYER_ARGS = weakref.WeakKeyDictionary()
+_STEP_ARGS = [None, None]
+
+
+def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
+    """vLLM's non-speculative GDN step (its metadata md) on flywheel: decodes first, then
+    prefills, each sequence from its slot (a prefill without an initial state starts from zero
+    whatever the slot holds), both caches updated in place, core_attn_out [T, HV, V] written.
+    Returns False (nothing done) where flywheel does not take the step (the module docstring:
+    takes_step, float32 or bf16 states, no speculative decoding or checkpoints)."""
+    import torch
+    if (not takes_step(md.num_prefills == 0) or
+            md.spec_sequence_masks is not None or md.num_accepted_tokens is not None or
+            getattr(md, "checkpoint", None) is not None or
+            mixed_qkv.dtype not in (torch.bfloat16, torch.float32)):
+        return False
+    cache = layer.kv_cache
+    hit = _LAYER_ARGS.get(layer)
+    if hit is None or hit[0] is not cache[0] or hit[1] is not cache[1]:
+        hit = (cache[0], cache[1], _layer_args(layer))
+        _LAYER_ARGS[layer] = hit
+    la = hit[2]
+    if la is None:
+        return False
+    conv, rec, ssm, weight, bias, a_log, dt_bias, n_kq, (hv, dk, dv, width) = la
+    share_threads()
+    if _STEP_ARGS[0] is not md:
+        _STEP_ARGS[:] = [md, _step_args(md)]
+    qsl, idx, dist, seq_lens = _STEP_ARGS[1]
+    t = md.num_actual_tokens
     slot_idx = idx
     if ssm.dtype == torch.bfloat16:  # the step's slots in float32, rounded back after it
         rows = idx.long()
         bf16_rec, rec = rec, rec[rows].float()
-        slot_idx = torch.arange(n, dtype=torch.int32)
-    bias = layer.conv1d.bias
-    # the parameters detached: a tensor that requires grad goes the ctypes way (the compiled
-    # fast path leaves autograd questions to it), which costs ~0.1 ms a call
+        slot_idx = torch.arange(idx.shape[0], dtype=torch.int32)
     flywheel.fused_conv1d_gdn(
-        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight.detach(),
-        None if bias is None else bias.detach(), layer.A_log.detach(), layer.dt_bias.detach(),
-        qsl, slot_idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens, slot_idx,
-        n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width, l2norm_eps=1e-5,
-        out=core_attn_out[:t].view(t, hv * dv))
+        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight, bias, a_log, dt_bias, qsl, slot_idx,
+        dist, seq_lens, slot_idx, n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width,
+        l2norm_eps=1e-5, out=core_attn_out[:t].view(t, hv * dv))
     if ssm.dtype == torch.bfloat16:
         bf16_rec[rows] = rec.to(torch.bfloat16)
     return True
@@ -157,6 +197,30 @@ def gdn_core(mixed_qkv, b, a, core_attn_out, layer_name):
         return
     if not gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
         _GDN["vllm"](mixed_qkv, b, a, core_attn_out, layer_name)
+
+
+_THREADS = []
+
+
+def share_threads():
+    """Once per engine process, at the plugin's first call (vLLM has set torch's threads by
+    then): flywheel's parallel loops on torch's OpenMP threads (flywheel.use_openmp_threads),
+    unless FLYWHEEL_VLLM_THREADS=own keeps the library's pool. Measured inside the engine (1K
+    prompt, 32 decode steps, 2 runs each): GDN decode steps 47-56 ms against 66-71 ms on the
+    pool, GDN prefill 86-94 against 133-143 ms, attention decode 15-19 against 20-21 ms:
+    the pool's workers competed with torch's spinning OpenMP threads for the cores."""
+    if _THREADS:
+        return
+    mode = os.environ.get("FLYWHEEL_VLLM_THREADS", "openmp")
+    if mode not in ("openmp", "own"):
+        raise ValueError(f"FLYWHEEL_VLLM_THREADS must be openmp or own, got {mode!r}")
+    _THREADS.append(mode)
+    if mode == "openmp":
+        import torch
+        try:
+            flywheel.use_openmp_threads(torch.get_num_threads())
+        except NotImplementedError:  # a build without OpenMP: the pool, as before
+            _THREADS[0] = "own"
 
 
 def takes_step(decode_only):
@@ -203,11 +267,17 @@ def backend_class():
             return self._flywheel(kv_cache, query, output, md)
 
         def _flywheel(self, kv_cache, query, output, md):
+            share_threads()
             n, r = md.num_actual_tokens, md.seq_lens.shape[0]
+            # the cache's K and V views, kept with the layer's implementation (the engine
+            # passes the same cache tensor every step): 3.4 us a call otherwise
+            kept = getattr(self, "_flywheel_views", None)
+            if kept is None or kept[0] is not kv_cache:
+                kept = self._flywheel_views = (kv_cache, kv_cache_views(kv_cache))
             return attention(query, kv_cache, output, md.query_start_loc, md.seq_lens,
                              md.block_table[:r], self.scale, causal=True,
                              sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
-                             num_actual_tokens=n)
+                             num_actual_tokens=n, views=kept[1])
 
     class FlywheelCPUAttentionBackend(CPUAttentionBackend):
         """CPU_ATTN on flywheel (flywheel.integrations.vllm)."""
@@ -251,4 +321,4 @@ def register():
 
 
 __all__ = ["attention", "backend_class", "gdn_core", "gdn_step", "kv_cache_views", "register",
-           "takes_step"]
+           "share_threads", "takes_step"]
