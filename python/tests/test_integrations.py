@@ -105,6 +105,25 @@ def test_disable_restores_transformers_functions(torch_paths):
     assert all(getattr(mq, fn) is before[fn] for fn in GDN_FUNCS)
 
 
+def test_enable_shares_torchs_threads(torch_paths):
+    """enable(): flywheel's loops on torch's OpenMP threads (where the package has its OpenMP
+    loop), disable() back to its own; share_threads=False leaves them alone."""
+    fwt.disable()
+    assert flywheel.threading_mode() == ("own", 0)
+    try:
+        fwt.enable()
+        mode = flywheel.threading_mode()
+        if mode[0] == "own":
+            pytest.skip("no OpenMP loop in this build: enable() keeps the library's threads")
+        assert mode == ("openmp", torch.get_num_threads())
+        fwt.disable()
+        assert flywheel.threading_mode() == ("own", 0)
+        fwt.enable(share_threads=False)
+        assert flywheel.threading_mode() == ("own", 0)
+    finally:
+        fwt.disable()
+
+
 def test_training_takes_flywheels_backward(torch_paths, monkeypatch):
     """With gradients: attention runs flywheel's forward and backward, the Gated DeltaNet layer
     transformers' own functions; the loss and the parameters' gradients agree with sdpa's."""

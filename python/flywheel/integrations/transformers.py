@@ -201,11 +201,25 @@ _REPLACEMENTS = {
 }
 
 
-def enable(model=None, reuse_outputs=True):
+_threads = {}  # "shared": enable() put flywheel's loops on torch's threads
+
+
+def enable(model=None, reuse_outputs=True, share_threads=True):
     """Register flywheel's attention as attn_implementation "flywheel" and swap the Gated
     DeltaNet layers' kernel functions; with `model`, also switch it to "flywheel".
-    reuse_outputs: keep and reuse the kernels' output arrays (see the module docstring)."""
+    reuse_outputs: keep and reuse the kernels' output arrays (see the module docstring).
+    share_threads: run flywheel's parallel loops on torch's OpenMP threads
+    (flywheel.use_openmp_threads(torch.get_num_threads()), where the package has its OpenMP
+    loop; disable() puts the library's own threads back), so that no second pool competes
+    with torch's for the cores (README, "Threads inside an engine")."""
     _reuse["on"] = bool(reuse_outputs)
+    if share_threads:
+        import torch
+        try:
+            flywheel.use_openmp_threads(torch.get_num_threads())
+            _threads["shared"] = True
+        except NotImplementedError:  # a build without OpenMP: the library's pool
+            pass
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(_NAME, attention)
@@ -231,6 +245,8 @@ def disable(model=None, attn_implementation="sdpa"):
         mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         setattr(mod, fn, orig)
         del _saved[(name, fn)]
+    if _threads.pop("shared", False):
+        flywheel.use_own_threads()
     with _kept_lock:
         for box in list(_kept_all):
             box.arrays.clear()
