@@ -162,7 +162,8 @@ test-vllm-engine: $(VLLM_VENV)/.vllm-deps
 	  $(abspath python/tests/test_vllm_adapters.py) $(abspath python/tests/test_vllm_engine.py)
 
 # flywheel's attention against vLLM's own kernel inside the engine, call by call, on the model
-# of python/e2e.py (python/bench_vllm.py; BENCH_VLLM_ARGS: --prompt, --decode, --threads)
+# of python/e2e.py (python/bench_vllm.py; BENCH_VLLM_ARGS: --prompt, --decode, --threads,
+# --e2e-runs: also the end-to-end prefill with and without the plugin)
 bench-vllm: $(VLLM_VENV)/.vllm-deps
 	$(VLLM_VENV)/bin/pip install -q --no-deps .
 	cd /tmp && $(abspath $(VLLM_VENV))/bin/python $(abspath python/bench_vllm.py) $(BENCH_VLLM_ARGS)

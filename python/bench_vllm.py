@@ -6,11 +6,17 @@ The figures: attention and GDN kernel time inside the engine. Every attention ca
 takes is also run through vLLM's own CPU_ATTN kernel on the same inputs, and every GDN layer
 step through vLLM's cpu_gdn_attention_core on the same cache slots (float32 states), alternating
 which goes first, each timed, summed per phase, with the largest difference between the two
-outputs. (End to
-end timing is not measured here: generate() calls of 1 and of N tokens did not give a
-consistent difference on this VM.)
+outputs.
 
-Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2]
+--e2e-runs N adds end-to-end timing of the prefill: N engines without the plugin
+(FLYWHEEL_VLLM=0) and N with it (FLYWHEEL_VLLM_CALLS=all), alternating, each timing generate()
+of the prompt with 1 new token after one untimed such call (an engine's first long prompt took
+8-10 s more at 16K), nothing wrapped. The gain is printed next to its Amdahl bound,
+P / (P - Kv + Kf), with P the prefill without the plugin and Kv, Kf the two kernels' prefill
+sums of the kernel run above. Decode steps are not timed end to end: as the difference of two
+generate() calls they were within the prefill's run-to-run noise (+-1 s at 16K).
+
+Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2] [--e2e-runs 0]
 """
 
 import argparse
@@ -98,6 +104,8 @@ def both_gdn(layer, md, mixed_qkv, b, a, out):
     gworst[1] = max(gworst[1], want[:t].float().abs().max().item())
     return True
 fwv.gdn_step = both_gdn
+if args["e2e"]:  # nothing wrapped: the engine as it runs
+    fwv.gdn_step, impl.forward = fly_step, fly
 llm = LLM(model=args["dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
           max_model_len=args["prompt"] + args["decode"] + 16, enforce_eager=True, seed=0,
           enable_prefix_caching=False, mamba_ssm_cache_dtype="float32")
@@ -107,18 +115,26 @@ llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"][:64]}],
              SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))  # warm-up
 for v in list(timed.values()) + list(gdn.values()):
     v[:] = [0.0, 0.0, 0]
+if args["e2e"]:  # the second prefill of the whole prompt (the first long one costs more)
+    took = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+        took.append(time.perf_counter() - t0)
+    print("RESULT " + json.dumps({"prefill_s": took[1]}))
+    sys.exit(0)
 llm.generate([prompt], SamplingParams(max_tokens=args["decode"] + 1, ignore_eos=True,
                                       detokenize=False))
 print("RESULT " + json.dumps({"timed": timed, "worst": worst, "gdn": gdn, "gworst": gworst}))
 """
 
 
-def child(args):
+def child(args, e2e=False, plugin=True):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads),
-               FLYWHEEL_VLLM="1", FLYWHEEL_VLLM_CALLS="all",
+               FLYWHEEL_VLLM="1" if plugin else "0", FLYWHEEL_VLLM_CALLS="all",
                FW_E2E=os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e.py"))
-    a = dict(prompt=args.prompt, decode=args.decode,
+    a = dict(prompt=args.prompt, decode=args.decode, e2e=e2e,
              dir=tempfile.mkdtemp(prefix="fw-vllm-"))
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(a)], env=env, capture_output=True,
                        text=True)
@@ -133,10 +149,33 @@ def main():
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--e2e-runs", type=int, default=0)
     args = ap.parse_args()
     k = child(args)
     report("attention", "vLLM's kernel", k["timed"], k["worst"])
     report("GDN layer steps (conv + gates + delta rule)", "vLLM's op", k["gdn"], k["gworst"])
+    if args.e2e_runs > 0:
+        e2e(args, k)
+
+
+def e2e(args, k):
+    """End to end: args.e2e_runs engines each way, alternating, the prefill timed; its Amdahl
+    bound from the kernel sums of k."""
+    runs = {False: [], True: []}
+    for _ in range(args.e2e_runs):
+        for plugin in (False, True):
+            runs[plugin].append(child(args, e2e=True, plugin=plugin))
+    kf = k["timed"]["prefill"][0] + k["gdn"]["prefill"][0]
+    kv = k["timed"]["prefill"][1] + k["gdn"]["prefill"][1]
+    for plugin, name in ((False, "vLLM alone"), (True, "with flywheel")):
+        for r in runs[plugin]:
+            print(f"end to end, {name}: prefill of {args.prompt} tokens {r['prefill_s']:.2f} s")
+    pv = sorted(r["prefill_s"] for r in runs[False])
+    pf = sorted(r["prefill_s"] for r in runs[True])
+    bound = [p / (p - kv + kf) if p > kv - kf else float("inf") for p in pv]
+    print(f"end to end: prefill {pv[0] / pf[-1]:.2f}-{pv[-1] / pf[0]:.2f}x (medians "
+          f"{pv[len(pv) // 2] / pf[len(pf) // 2]:.2f}x); Amdahl bound from the kernels' share: "
+          f"{min(bound):.2f}-{max(bound):.2f}x")
 
 
 def report(what, theirs, sums, worst):
