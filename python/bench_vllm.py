@@ -22,6 +22,7 @@ Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2] [
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,9 +174,9 @@ def e2e(args, k):
     pv = sorted(r["prefill_s"] for r in runs[False])
     pf = sorted(r["prefill_s"] for r in runs[True])
     bound = [p / (p - kv + kf) if p > kv - kf else float("inf") for p in pv]
-    print(f"end to end: prefill {pv[0] / pf[-1]:.2f}-{pv[-1] / pf[0]:.2f}x (medians "
-          f"{pv[len(pv) // 2] / pf[len(pf) // 2]:.2f}x); Amdahl bound from the kernels' share: "
-          f"{min(bound):.2f}-{max(bound):.2f}x")
+    med = statistics.median(pv) / statistics.median(pf)
+    print(f"end to end: prefill {pv[0] / pf[-1]:.2f}-{pv[-1] / pf[0]:.2f}x (medians {med:.2f}x); "
+          f"Amdahl bound from the kernels' share: {min(bound):.2f}-{max(bound):.2f}x")
 
 
 def report(what, theirs, sums, worst):

@@ -206,9 +206,10 @@ def share_threads():
     """Once per engine process, at the plugin's first call (vLLM has set torch's threads by
     then): flywheel's parallel loops on torch's OpenMP threads (flywheel.use_openmp_threads),
     unless FLYWHEEL_VLLM_THREADS=own keeps the library's pool. Measured inside the engine (1K
-    prompt, 32 decode steps, 2 runs each): GDN decode steps 47-56 ms against 66-71 ms on the
-    pool, GDN prefill 86-94 against 133-143 ms, attention decode 15-19 against 20-21 ms:
-    the pool's workers competed with torch's spinning OpenMP threads for the cores."""
+    prompt, 32 decode steps, 2 runs each): GDN decode steps 41.9-52.4 ms against 66.3-71.4 ms on
+    the pool, GDN prefill 86.7-121.5 against 133-143 ms, attention decode 15.2-17.4 against
+    20.5-21.3 ms: the pool's workers competed with torch's spinning OpenMP threads for the
+    cores."""
     if _THREADS:
         return
     mode = os.environ.get("FLYWHEEL_VLLM_THREADS", "openmp")
