@@ -180,7 +180,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     b.n_seqs = n; b.query_start_loc = qsl; b.seq_lens = sl; b.state_indices = wr; b.read_state_indices = rd;
     b.decode_end = (int32_t)de; b.prefill_end = (int32_t)pe; b.mixed_end = (int32_t)me;
     b.num_spec_tokens = (int32_t)spec; b.read_offsets = spec ? off : NULL;
-    fw_gdn_caches c = {x.conv.t, x.state, sstride};
+    fw_gdn_caches c = {x.conv.t, x.state, sstride, FW_F32};
     fw_gdn_replay r = {x.shadow.t, x.rec.t, lens};
 
     fz_desc[0] = 0;
@@ -208,7 +208,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int64_t no = T * nv * dv;
     double *ro = malloc(sizeof(double) * (size_t)(no > 0 ? no : 1));
     fw_tensor tro = fw_tensor_contiguous(ro, FW_F64, 2, (int64_t[]){T, nv * dv});
-    fw_gdn_caches rc = {over(&x.conv, refc.conv), refc.state, sstride};
+    fw_gdn_caches rc = {over(&x.conv, refc.conv), refc.state, sstride, FW_F32};
     fw_gdn_replay rr = {over(&x.shadow, refc.shadow), over(&x.rec, refc.rec), lens};
     /* (a broken out is the layer's alone: the reference takes f64, which breaks it for the
      * layer and may not for the reference) */

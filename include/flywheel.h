@@ -48,7 +48,7 @@ extern "C" {
  * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
  * bindings check it at load time (the Python package refuses a library whose
  * fw_abi_version() differs from the number it was written for). */
-#define FW_ABI_VERSION 4
+#define FW_ABI_VERSION 5
 
 /* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
 FW_API const char *fw_version(void);
@@ -446,17 +446,22 @@ FW_API fw_status fw_gdn_decode(const fw_tensor *q, const fw_tensor *k, const fw_
                                const fw_tensor *out, const fw_gdn_params *params);
 
 /*
- * A state pool as a serving engine keeps it: slot s at data + s * slot_stride floats, each
- * [HV, dk, dv] f32 (slot_stride >= HV dk dv: engines pad slots to their page size). Sequence
+ * A state pool as a serving engine keeps it: slot s at data + s * slot_stride elements, each
+ * [HV, dk, dv] of dtype (slot_stride >= HV dk dv: engines pad slots to their page size). Sequence
  * i starts from slot read[i] (negative, or read NULL: a zero state) and its final state goes
  * to slot write[i] (negative: not written; write NULL: the read slot, in place). Read and
  * write slots differ under prefix caching. No two sequences may write one slot, and no
  * sequence may read a slot another one writes (FW_ERR_INDEX, nothing written).
+ * dtype FW_F32 (0, the default of a zeroed struct) or FW_BF16 (vLLM's default state cache for
+ * a bf16 model): a bf16 state is read into f32, the call runs on f32 states exactly as on an
+ * f32 pool holding the same values, and each state it writes is rounded to bf16 (nearest even)
+ * once, at the end of the call (a decode step: after the step).
  */
 typedef struct fw_gdn_pool {
-    float *data;
+    void *data;
     int64_t slots, slot_stride;
     const int32_t *read, *write;
+    fw_dtype dtype;
 } fw_gdn_pool;
 
 /* Prefill (as fw_gdn_prefill) with the states in a pool. */
@@ -498,11 +503,14 @@ typedef struct fw_gdn_batch {
 
 /* The two slot caches of a GDN layer, slots = conv.shape[0]: conv [slots, K-1, dim] (f32 |
  * bf16 | f16) the last K-1 raw qkv rows of a sequence; recurrent: slot s at recurrent + s *
- * recurrent_stride floats, [n_v, d_k, d_v] f32. */
+ * recurrent_stride elements, [n_v, d_k, d_v] of recurrent_dtype: FW_F32 (0), or FW_BF16 as
+ * in fw_gdn_pool (read into f32, each written state rounded once a call; a speculative
+ * window's checkpoints each rounded). */
 typedef struct fw_gdn_caches {
     fw_tensor conv;
-    float *recurrent;
+    void *recurrent;
     int64_t recurrent_stride;
+    fw_dtype recurrent_dtype;
 } fw_gdn_caches;
 
 typedef struct fw_gdn_layer_params {
@@ -551,7 +559,7 @@ FW_API fw_status fw_gdn_layer(const fw_tensor *qkv, const fw_tensor *b, const fw
  * keeps them; then the core in double from the recurrent read slot (fw_gdn_ref): decodes and
  * windows the exact recurrence (the layer's fused step rounds no products), prefills with the
  * chunked pass's product roundings under bf16 products (FW_PREC_F32: exact). out in its dtype,
- * both caches written as the layer writes them (the recurrent state rounded to f32).
+ * both caches written as the layer writes them (the recurrent state rounded to its dtype).
  */
 FW_API fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
                                   const fw_tensor *conv_weight, const fw_tensor *conv_bias,
@@ -583,7 +591,8 @@ FW_API fw_status fw_gdn_layer_ref(const fw_tensor *qkv, const fw_tensor *b, cons
  * Decodes (and speculative windows, whose conv still checkpoints per position, from
  * read_state_indices + read_offsets) read the checkpoint and records of read_state_indices
  * alone, and write records (and a flushed checkpoint) to state_indices; prefills and mixed
- * sequences run as in fw_gdn_layer and write the shadow with their state.
+ * sequences run as in fw_gdn_layer and write the shadow with their state. The recurrent
+ * cache must be f32 here (FW_ERR_DTYPE otherwise): the bf16 copy is the shadow.
  */
 typedef struct fw_gdn_replay {
     fw_tensor shadow;

@@ -158,7 +158,8 @@ typedef struct fw_kernels {
     float (*stream_sum)(const float *x, size_t n);
     /* Gated DeltaNet (kern/attn_kern.h): x = 2^x; X = (I + A)^-1 for a strictly lower
      * triangular L x L A (L <= 64), by forward substitution or in blocked matmul form; the
-     * fused decode step on a block of at most FW_MAX_HEAD_DIM state columns, and its two reads
+     * fused decode step on a block of at most FW_MAX_HEAD_DIM state columns (h f32, or bf16:
+     * read into f32, the step in f32, each element rounded back once), and its two reads
      * of the state alone (gdn_dec_reads: a = (decay k)^T h, b = (decay q)^T h, h f32 or bf16); the 4-pass
      * recurrent step of the baseline (tmp: dv floats). The steps decay state row r by
      * decay[r] (dk floats: alike for GDN, per key channel for KDA). */
@@ -168,7 +169,7 @@ typedef struct fw_kernels {
                       float *A, float *G, int ldg);
     void (*tri_inv_fwd)(const float *A, int lda, int L, float *X, int ldx);
     void (*tri_inv_blocked)(const float *A, int lda, int L, float *X, int ldx);
-    void (*gdn_dec_cols)(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+    void (*gdn_dec_cols)(void *h, fw_dtype hdt, int64_t ldh, int dk, int c0, int c1, const float *q,
                          const float *k, const float *v, const float *decay, float beta, float kq,
                          float *o);
     void (*gdn_dec_reads)(const void *h, fw_dtype hdt, int64_t ldh, int dk, int c0, int c1, const float *q,

@@ -342,7 +342,7 @@ static void test_decode_step(void)
         double kq = 0;
         for (int x = 0; x < DK; x++)
             kq += (double)k[x] * q[x];
-        kt->gdn_dec_cols(h, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, o);
+        kt->gdn_dec_cols(h, FW_F32, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, o);
         /* the two reads alone (ReplaySSM's), of the same h and of its bf16 copy */
         static float ra[LDH], rb[LDH], xa[LDH], xb[LDH];
         static uint16_t hb[DK * LDH];
@@ -383,7 +383,108 @@ static void test_decode_step(void)
         case_check(eo <= 1e-5 && eh <= 1e-5 && er <= 1e-5, "columns %d..%d: output error %.3g, state error %.3g, "
                    "reads alone %.3g", c0, c1, eo, eh, er);
         case_check(outside, "columns outside the range were written");
+        /* a bf16 state: the bits of the f32 step on the state widened, each element rounded */
+        static float hw[DK * LDH], ow[LDH], ob[LDH];
+        static uint16_t hs[DK * LDH];
+        for (int i = 0; i < DK * LDH; i++)
+            hw[i] = fw_bf16_to_f32(hs[i] = hb[i]);
+        for (int c = 0; c < LDH; c++)
+            ow[c] = ob[c] = 7.0f;
+        kt->gdn_dec_cols(hw, FW_F32, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, ow);
+        kt->gdn_dec_cols(hs, FW_BF16, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, ob);
+        int same_o = memcmp(ow, ob, sizeof ow) == 0, same_h = 1;
+        for (int i = 0; i < DK * LDH; i++)
+            same_h &= hs[i] == (i % LDH >= c0 && i % LDH < c1 ? fw_f32_to_bf16(hw[i]) : hb[i]);
+        case_check(same_o && same_h, "bf16 state: output %s, state %s the f32 step's on the widened state (rounded)",
+                   same_o ? "equals" : "differs from", same_h ? "equals" : "differs from");
         case_end();
+    }
+}
+
+/* (h2) a bf16 state pool (vLLM's default state cache for a bf16 model): prefill and decode,
+ * GDN and KDA, on every table, both precisions of the chunked pass, the chunked and the
+ * recurrent prefill, 1 and 3 threads: the outputs and the written states are the bits of the
+ * same call on an f32 pool holding the same values, each written state rounded once (the
+ * table's rounding, nearest even); slots no sequence writes and the padding keep their bits.
+ * An f16 pool is refused with nothing written. */
+static void test_state_pool_bf16(void)
+{
+    enum { H = 2, HV = 4, DK = 16, DV = 40, N = 3, SLOTS = 6, PAD = 5 };
+    const int64_t ss = HV * DK * DV, stride = ss + PAD, np = SLOTS * stride;
+    int32_t cu[N + 1] = {0, 150, 151, 190}, rd[N] = {4, -1, 2}, wr[N] = {1, 5, -1};
+    static float p32[SLOTS * (HV * DK * DV + PAD)], w32[SLOTS * (HV * DK * DV + PAD)];
+    static uint16_t p16[SLOTS * (HV * DK * DV + PAD)], b16[SLOTS * (HV * DK * DV + PAD)];
+    rng_seed(91);
+    for (int64_t i = 0; i < np; i++)
+        w32[i] = fw_bf16_to_f32(b16[i] = fw_f32_to_bf16((float)(0.3 * rng_normal())));
+    for (int kda = 0; kda < 2; kda++) {
+        gcase c = {cu[N], H, HV, DK, DV, FW_BF16, 1, 1.0, 0.3, 0.0f, kda};
+        ginputs in;
+        make_inputs(&in, &c, 92 + (uint64_t)kda);
+        const int64_t os[3] = {c.T, HV, DV};
+        gbuf o1 = gbuf_new((size_t)(c.T * HV * DV) * 2), o2 = gbuf_new((size_t)(c.T * HV * DV) * 2);
+        fw_tensor t1 = fw_tensor_contiguous(o1.p, FW_BF16, 3, os), t2 = fw_tensor_contiguous(o2.p, FW_BF16, 3, os);
+        fw_tensor dq = in.q, dk = in.k, dv = in.v, dg = in.g, db = in.beta, d1 = t1, d2 = t2;
+        dq.shape[0] = dk.shape[0] = dv.shape[0] = dg.shape[0] = db.shape[0] = d1.shape[0] = d2.shape[0] = N;
+        const fw_gdn_pool pf = {p32, SLOTS, stride, rd, wr, FW_F32}, pb = {p16, SLOTS, stride, rd, wr, FW_BF16};
+        for (int dec = 0; dec < 2; dec++) {
+            case_begin("gdn: %s %s on a bf16 state pool: the f32 pool's bits, each written state rounded once",
+                       kda ? "kda" : "gdn", dec ? "decode" : "prefill");
+            for (int t = 0; t < fw_isa_count(); t++) {
+                const char *isa = fw_isa_name(t);
+                if (!fw_isa_supported(isa))
+                    continue;
+                for (int mode = 0; mode < (dec ? 1 : 3); mode++)
+                    for (int threads = 1; threads <= 3; threads += 2) {
+                        fw_gdn_params p;
+                        fw_gdn_params_init(&p);
+                        p.l2norm_qk = 1;
+                        p.isa = isa;
+                        p.threads = threads;
+                        p.precision = mode == 1 ? FW_PREC_BF16 : FW_PREC_F32;
+                        p.flags = mode == 2 ? FW_GDN_RECURRENT : 0;
+                        memcpy(p32, w32, sizeof p32);
+                        memcpy(p16, b16, sizeof p16);
+                        fw_status st = dec ? fw_gdn_decode_pool(&dq, &dk, &dv, &dg, &db, &pf, &d1, &p) |
+                                                 fw_gdn_decode_pool(&dq, &dk, &dv, &dg, &db, &pb, &d2, &p)
+                                           : fw_gdn_prefill_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, &pf,
+                                                                 &t1, &p) |
+                                                 fw_gdn_prefill_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, &pb,
+                                                                     &t2, &p);
+                        int bits = 1, kept = 1;
+                        for (int64_t i = 0; i < np; i++) {
+                            const int64_t sl = i / stride;
+                            const int w = i % stride < ss && (sl == wr[0] || sl == wr[1] || sl == wr[2]);
+                            bits &= p16[i] == fw_f32_to_bf16(p32[i]);
+                            kept &= w || p16[i] == b16[i];
+                        }
+                        const size_t ob = (size_t)((dec ? N : c.T) * HV * DV) * 2;
+                        case_check(st == FW_OK && bits && kept && memcmp(o1.p, o2.p, ob) == 0,
+                                   "[%s mode %d, %d threads] status %d (%s): states %s, unwritten slots %s, outputs %s",
+                                   isa, mode, threads, (int)st, fw_last_error(), bits ? "same" : "differ",
+                                   kept ? "kept" : "changed", memcmp(o1.p, o2.p, ob) ? "differ" : "same");
+                    }
+            }
+            case_end();
+        }
+        case_begin("gdn: %s f16 state pools are refused with nothing written", kda ? "kda" : "gdn");
+        const fw_gdn_pool ph = {p16, SLOTS, stride, rd, wr, FW_F16};
+        fw_gdn_params p;
+        fw_gdn_params_init(&p);
+        p.l2norm_qk = 1;
+        memcpy(p16, b16, sizeof p16);
+        memset(o2.p, 0xA5, o2.bytes);
+        fw_status s1 = fw_gdn_decode_pool(&dq, &dk, &dv, &dg, &db, &ph, &d2, &p),
+                  s2 = fw_gdn_prefill_pool(&in.q, &in.k, &in.v, &in.g, &in.beta, cu, N, &ph, &t2, &p);
+        int untouched = memcmp(p16, b16, sizeof p16) == 0;
+        for (size_t x = 0; x < o2.bytes; x++)
+            untouched &= ((unsigned char *)o2.p)[x] == 0xA5;
+        case_check(s1 == FW_ERR_DTYPE && s2 == FW_ERR_DTYPE && untouched, "statuses %d, %d (%s)%s", (int)s1, (int)s2,
+                   fw_last_error(), untouched ? "" : ", and it wrote");
+        case_end();
+        gbuf_free(&o1);
+        gbuf_free(&o2);
+        free_inputs(&in);
     }
 }
 
@@ -416,7 +517,7 @@ static void test_state_pool(void)
     fw_gdn_params p;
     fw_gdn_params_init(&p);
     p.l2norm_qk = 1;
-    fw_gdn_pool pl = {pool, SLOTS, stride, rd, wr};
+    fw_gdn_pool pl = {pool, SLOTS, stride, rd, wr, FW_F32};
     /* decode: the first token of each sequence, one per sequence (rows 0 .. N-1) */
     fw_tensor dq = in.q, dk = in.k, dv = in.v, dg = in.g, db = in.beta, dout = t2, dref = t1;
     dq.shape[0] = dk.shape[0] = dv.shape[0] = dg.shape[0] = db.shape[0] = dout.shape[0] = dref.shape[0] = N;
@@ -456,13 +557,13 @@ static void test_state_pool(void)
     case_begin("gdn: bad state pools are refused with nothing written");
     int32_t dup[N] = {2, 2, -1}, cross_r[N] = {1, 4, -1}, cross_w[N] = {4, 7, -1}, past[N] = {0, 8, 1};
     struct { const char *what; fw_gdn_pool pool; fw_status want; } bad[] = {
-        {"slot stride under a state", {pool, SLOTS, ss - 1, rd, wr}, FW_ERR_STRIDE},
-        {"slot past the pool", {pool, SLOTS, stride, past, NULL}, FW_ERR_INDEX},
-        {"two sequences write one slot", {pool, SLOTS, stride, rd, dup}, FW_ERR_INDEX},
-        {"a slot read by one sequence and written by another", {pool, SLOTS, stride, cross_r, cross_w}, FW_ERR_INDEX},
-        {"NULL data", {NULL, SLOTS, stride, rd, wr}, FW_ERR_NULL},
-        {"no indices", {pool, SLOTS, stride, NULL, NULL}, FW_ERR_NULL},
-        {"overflowing extent", {pool, INT64_MAX / 8, stride, rd, wr}, FW_ERR_OVERFLOW},
+        {"slot stride under a state", {pool, SLOTS, ss - 1, rd, wr, FW_F32}, FW_ERR_STRIDE},
+        {"slot past the pool", {pool, SLOTS, stride, past, NULL, FW_F32}, FW_ERR_INDEX},
+        {"two sequences write one slot", {pool, SLOTS, stride, rd, dup, FW_F32}, FW_ERR_INDEX},
+        {"a slot read by one sequence and written by another", {pool, SLOTS, stride, cross_r, cross_w, FW_F32}, FW_ERR_INDEX},
+        {"NULL data", {NULL, SLOTS, stride, rd, wr, FW_F32}, FW_ERR_NULL},
+        {"no indices", {pool, SLOTS, stride, NULL, NULL, FW_F32}, FW_ERR_NULL},
+        {"overflowing extent", {pool, INT64_MAX / 8, stride, rd, wr, FW_F32}, FW_ERR_OVERFLOW},
     };
     for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
         memcpy(pool, pool0, sizeof pool);
@@ -1252,6 +1353,7 @@ const test_suite gdn_suites[] = {
     {"gdn.inverse_stability", test_inverse_stability},
     {"gdn.decode_step", test_decode_step},
     {"gdn.state_pool", test_state_pool},
+    {"gdn.state_pool_bf16", test_state_pool_bf16},
     {"gdn.kernel_gates", test_kernel_gates},
     {"gdn.kda_gates", test_kda_gates},
     {"gdn.kda_gate_kernel", test_kda_gate_kernel},

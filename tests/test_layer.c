@@ -117,6 +117,7 @@ static void caches_new(lcaches *k, const linputs *in, fw_dtype dt)
     k->c.conv = fw_tensor_contiguous(k->conv, dt, 3, (int64_t[]){SLOTS, KW - 1, DIM});
     k->c.recurrent = k->rec;
     k->c.recurrent_stride = RSTRIDE;
+    k->c.recurrent_dtype = FW_F32;
 }
 
 static void caches_free(lcaches *k)
@@ -287,6 +288,144 @@ static void test_layer_reference(void)
         {FW_F32, 0, 1}, {FW_BF16, 0, 1}, {FW_BF16, 1, 1}};
     for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++)
         layer_case(&cases[i], 300 + (uint64_t)i);
+}
+
+/* A bf16 recurrent cache (vLLM's default for a bf16 model). On the plain step (decodes, a
+ * prefill longer than the 256-row window, a skipped sequence) the layer and its reference
+ * give the bits of the same call on an f32 cache holding the same values, each written slot
+ * rounded once, on every table, both precisions and 1 or 3 threads; unwritten slots and the
+ * padding keep their bits. Speculative windows (a rounded checkpoint per token, which the next
+ * token reads) stay within a bf16 rounding of the reference's. An f16 cache is refused with
+ * nothing written, and so is a bf16 one under ReplaySSM (f32 checkpoints). */
+static void test_layer_bf16_states(void)
+{
+    for (int kda = 0; kda < 2; kda++)
+        for (int spec = 0; spec < 2; spec++) {
+            const lcase c = {FW_BF16, kda, spec};
+            const lbatch *s = spec ? &spec_step : &plain_step;
+            case_begin("layer %s, bf16 recurrent cache, %s", kda ? "kda" : "gdn",
+                       spec ? "speculative windows: within a rounding of the reference" :
+                              "plain step: the f32 cache's bits, rounded once");
+            linputs in;
+            make_layer_inputs(&in, &c, s->T, 340 + (uint64_t)(2 * kda + spec));
+            for (int i = 0; i < SLOTS * RSTRIDE; i++) /* values a bf16 cache holds exactly */
+                in.rec0[i] = fw_bf16_to_f32(fw_f32_to_bf16(in.rec0[i]));
+            uint16_t *rb0 = malloc(sizeof(uint16_t) * SLOTS * RSTRIDE), *rb = malloc(sizeof(uint16_t) * SLOTS * RSTRIDE);
+            for (int i = 0; i < SLOTS * RSTRIDE; i++)
+                rb0[i] = fw_f32_to_bf16(in.rec0[i]);
+            const int64_t no = (int64_t)s->T * NV * DV, os[2] = {s->T, NV * DV};
+            gbuf o32 = gbuf_new((size_t)no * 2), o16 = gbuf_new((size_t)no * 2);
+            fw_tensor t32 = fw_tensor_contiguous(o32.p, FW_BF16, 2, os), t16 = fw_tensor_contiguous(o16.p, FW_BF16, 2, os);
+            double *ro = malloc(sizeof(double) * (size_t)no), *go = malloc(sizeof(double) * (size_t)no);
+            fw_tensor tro = fw_tensor_contiguous(ro, FW_F64, 2, os), tgo = fw_tensor_contiguous(go, FW_F64, 2, os);
+            /* the references: f32 cache (spec: the exact reference) and bf16 cache */
+            lcaches r32, r16;
+            caches_new(&r32, &in, c.dt);
+            caches_new(&r16, &in, c.dt);
+            memcpy(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE);
+            r16.c.recurrent = rb;
+            r16.c.recurrent_dtype = FW_BF16;
+            fw_gdn_layer_params p = lparams(&c, FW_PREC_F32, NULL, 0);
+            fw_status st = run_layer(1, &in, s, &r32, &tro, &p);
+            case_check(st == FW_OK, "reference, f32 cache: %s", fw_last_error());
+            st = run_layer(1, &in, s, &r16, &tgo, &p);
+            case_check(st == FW_OK, "reference, bf16 cache: %s", fw_last_error());
+            int same = 1;
+            for (int i = 0; i < SLOTS * RSTRIDE; i++)
+                same &= rb[i] == fw_f32_to_bf16(r32.rec[i]);
+            if (!spec)
+                case_check(same && memcmp(ro, go, sizeof(double) * (size_t)no) == 0,
+                           "reference: bf16 cache differs from the f32 cache's rounded result");
+            int written[SLOTS] = {0};
+            for (int i = 0; i < s->me; i++)
+                for (int t = 0; t < (i < s->de && s->spec ? s->qsl[i + 1] - s->qsl[i] : 1); t++)
+                    written[s->wr[i] + t] = 1;
+            double big = 0, sbig = 0;
+            for (int64_t i = 0; i < no; i++)
+                big = fmax(big, fabs(ro[i]));
+            for (int i = 0; i < SLOTS * RSTRIDE; i++)
+                sbig = fmax(sbig, fabs(r32.rec[i]));
+            for (int it = 0; it < fw_isa_count(); it++) {
+                const char *isa = fw_isa_name(it);
+                if (!fw_isa_supported(isa))
+                    continue;
+                for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++)
+                    for (int threads = 1; threads <= 3; threads += 2) {
+                        lcaches k32, k16;
+                        caches_new(&k32, &in, c.dt);
+                        caches_new(&k16, &in, c.dt);
+                        memcpy(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE);
+                        k16.c.recurrent = rb;
+                        k16.c.recurrent_dtype = FW_BF16;
+                        p = lparams(&c, prec, isa, threads);
+                        st = run_layer(0, &in, s, &k32, &t32, &p);
+                        st |= run_layer(0, &in, s, &k16, &t16, &p);
+                        case_check(st == FW_OK, "[%s prec %d, %d threads] %s", isa, prec, threads, fw_last_error());
+                        int kept = 1, bits = 1;
+                        double es = 0, eo = 0;
+                        for (int i = 0; i < SLOTS * RSTRIDE; i++) {
+                            kept &= rb[i] == rb0[i] || (i % RSTRIDE < SS && written[i / RSTRIDE]);
+                            bits &= rb[i] == fw_f32_to_bf16(k32.rec[i]);
+                            es = fmax(es, fabs(fw_bf16_to_f32(rb[i]) - r32.rec[i]));
+                        }
+                        for (int64_t i = 0; i < no; i++) {
+                            const int64_t idx[2] = {i / (NV * DV), i % (NV * DV)};
+                            eo = fmax(eo, fabs(tget(&t16, idx) - ro[i]));
+                        }
+                        case_check(kept, "[%s prec %d, %d threads] a slot no sequence writes, or padding, changed", isa,
+                                   prec, threads);
+                        if (!spec)
+                            case_check(bits && memcmp(o32.p, o16.p, o32.bytes) == 0,
+                                       "[%s prec %d, %d threads] bf16 cache: %s differ from the f32 cache's", isa, prec,
+                                       threads, bits ? "outputs" : "states (rounded)");
+                        else if (prec == FW_PREC_F32)
+                            case_check(es <= 0x1p-7 * (1 + sbig) && eo <= 0x1p-6 * (1 + big),
+                                       "[%s, %d threads] windows: state error %.3g, out error %.3g against the exact "
+                                       "reference", isa, threads, es, eo);
+                        caches_free(&k32);
+                        caches_free(&k16);
+                    }
+            }
+            if (!spec) { /* an f16 cache; ReplaySSM on a bf16 one */
+                lcaches kb;
+                caches_new(&kb, &in, c.dt);
+                memcpy(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE);
+                kb.c.recurrent = rb;
+                kb.c.recurrent_dtype = FW_F16;
+                memset(o16.p, 0xA5, o16.bytes);
+                p = lparams(&c, FW_PREC_AUTO, NULL, 2);
+                for (int ref = 0; ref < 2; ref++) {
+                    st = run_layer(ref, &in, s, &kb, ref ? &tgo : &t16, &p);
+                    case_check(st == FW_ERR_DTYPE, "[%s] f16 recurrent cache: status %d (%s)",
+                               ref ? "reference" : "layer", (int)st, fw_last_error());
+                }
+                kb.c.recurrent_dtype = FW_BF16;
+                const int64_t rdim = fw_gdn_replay_record_dim(NKQ, NV, DK, DV, kda);
+                gbuf sh = gbuf_new((size_t)SLOTS * SS * 2), rec = gbuf_new((size_t)SLOTS * 4 * rdim * 4);
+                int32_t lens[8] = {0};
+                fw_gdn_replay r = {fw_tensor_contiguous(sh.p, FW_BF16, 4, (int64_t[]){SLOTS, NV, DK, DV}),
+                                   fw_tensor_contiguous(rec.p, FW_F32, 3, (int64_t[]){SLOTS, 4, rdim}), lens};
+                const fw_gdn_batch b = batch_of(s);
+                st = fw_gdn_layer_replay(&in.qkv, &in.b, &in.a, &in.w, &in.bias, &in.alog, &in.dt, &b, &kb.c, &r,
+                                         &t16, &p);
+                case_check(st == FW_ERR_DTYPE, "ReplaySSM on a bf16 cache: status %d (%s)", (int)st, fw_last_error());
+                int untouched = memcmp(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE) == 0 &&
+                                memcmp(kb.conv, in.conv0, in.conv_bytes) == 0;
+                for (size_t i = 0; i < o16.bytes; i++)
+                    untouched &= ((unsigned char *)o16.p)[i] == 0xA5;
+                case_check(untouched, "a refused call wrote");
+                gbuf_free(&sh);
+                gbuf_free(&rec);
+                caches_free(&kb);
+            }
+            free(rb0); free(rb); free(ro); free(go);
+            gbuf_free(&o32);
+            gbuf_free(&o16);
+            caches_free(&r32);
+            caches_free(&r16);
+            free_layer_inputs(&in);
+            case_end();
+        }
 }
 
 /* Two sequences writing one slot, and rows past qkv: both the layer and its reference refuse
@@ -614,5 +753,6 @@ const test_suite layer_suites[] = {
     {"layer.replay_bad_input", test_layer_replay_bad_input},
     {"layer.replay", test_layer_replay},
     {"layer.reference", test_layer_reference},
+    {"layer.bf16_states", test_layer_bf16_states},
     {"layer.reference_bad_input", test_layer_reference_bad_input},
     {NULL, NULL}};

@@ -13,8 +13,9 @@
  * --kda: KDA, one decay per key channel (g [T, HV, dk]), on the same FLOP formula (its extra
  * exponentials and decay products are not counted).
  * Decode: microseconds per step (one token for each of N sequences) and state bytes moved per
- * second (N x HV x dk x dv x 4 bytes, read and written: x 2) against the read bandwidth
- * measured in the same run.
+ * second (N x HV x dk x dv x 4 bytes, 2 with --state bf16, read and written: x 2) against the
+ * read bandwidth measured in the same run. --state bf16: the states in a bf16 pool
+ * (fw_gdn_decode_pool; vLLM's default state cache for a bf16 model).
  */
 #include <math.h>
 #include <stdio.h>
@@ -29,6 +30,7 @@ typedef struct {
     const char *isa;
     int prec; /* fw_precision of the chunked modes */
     int kda;  /* g [T, HV, dk] */
+    fw_dtype sdt; /* decode: the states' dtype */
 } gcfg;
 
 static double flop_per_token_head(int64_t dk, int64_t dv)
@@ -289,11 +291,14 @@ static int run_decode(const gcfg *c, int64_t N)
     for (int64_t i = 0; i < N; i++)
         idx[i] = (int32_t)(N - 1 - i);
     fw_gdn_params p = bench_params(c, 0, FW_PREC_AUTO);
+    /* a bf16 pool over the same buffer (half of it) */
+    const fw_gdn_pool pool = {B.st, N, c->HV * c->dk * c->dv, idx, idx, FW_BF16};
     double t[64];
     const int reps = c->reps * 4 > 64 ? 64 : c->reps * 4;
     for (int i = -1; i < reps; i++) {
         double t0 = bench_now();
-        if (fw_gdn_decode(&B.tq, &B.tk, &B.tv, &B.tg, &B.tb, B.st, N, idx, &B.to, &p) != FW_OK) {
+        if ((c->sdt == FW_BF16 ? fw_gdn_decode_pool(&B.tq, &B.tk, &B.tv, &B.tg, &B.tb, &pool, &B.to, &p)
+                               : fw_gdn_decode(&B.tq, &B.tk, &B.tv, &B.tg, &B.tb, B.st, N, idx, &B.to, &p)) != FW_OK) {
             fprintf(stderr, "bench gdn: %s\n", fw_last_error());
             free(idx);
             unmake(&B);
@@ -303,18 +308,18 @@ static int run_decode(const gcfg *c, int64_t N)
             t[i] = bench_now() - t0;
     }
     const double s = bench_median(t, reps);
-    const double bytes = 2.0 * (double)N * (double)c->HV * (double)c->dk * (double)c->dv * 4.0;
+    const double bytes = 2.0 * (double)N * (double)c->HV * (double)c->dk * (double)c->dv * (c->sdt == FW_BF16 ? 2.0 : 4.0);
     double bw = 0;
     fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw);
     if (c->json)
-        printf("{\"op\":\"%s_decode\",\"seqs\":%lld,\"HV\":%lld,\"dk\":%lld,\"dv\":%lld,\"threads\":%d,"
+        printf("{\"op\":\"%s_decode\",\"state\":\"%s\",\"seqs\":%lld,\"HV\":%lld,\"dk\":%lld,\"dv\":%lld,\"threads\":%d,"
                "\"seconds_median\":%.6g,\"us_per_step\":%.2f,\"state_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f}\n",
-               c->kda ? "kda" : "gdn", (long long)N, (long long)c->HV, (long long)c->dk, (long long)c->dv, c->threads,
-               s, s * 1e6, bytes / s * 1e-9, bw, 100 * bytes / s * 1e-9 / bw);
+               c->kda ? "kda" : "gdn", fw_dtype_name(c->sdt), (long long)N, (long long)c->HV, (long long)c->dk,
+               (long long)c->dv, c->threads, s, s * 1e6, bytes / s * 1e-9, bw, 100 * bytes / s * 1e-9 / bw);
     else
-        printf("%s decode  %lld seqs x %lld heads (%.0f MiB state) thr=%d  %9.1f us/step  %6.1f GB/s state moved  "
+        printf("%s decode  %lld seqs x %lld heads (%.0f MiB %s state) thr=%d  %9.1f us/step  %6.1f GB/s state moved  "
                "%5.1f%% of %.1f GB/s read bandwidth\n",
-               c->kda ? "kda" : "gdn", (long long)N, (long long)c->HV, bytes / 2 / 1048576.0, c->threads, s * 1e6, bytes / s * 1e-9,
+               c->kda ? "kda" : "gdn", (long long)N, (long long)c->HV, bytes / 2 / 1048576.0, fw_dtype_name(c->sdt), c->threads, s * 1e6, bytes / s * 1e-9,
                100 * bytes / s * 1e-9 / bw, bw);
     fflush(stdout);
     free(idx);
@@ -325,7 +330,7 @@ static int run_decode(const gcfg *c, int64_t N)
 
 static gcfg gdefaults(void)
 {
-    gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL, FW_PREC_AUTO, 0};
+    gcfg c = {4096, 16, 32, 128, 128, 1, FW_BF16, 0, 5, 0, 1, NULL, FW_PREC_AUTO, 0, FW_F32};
     c.threads = bench_cpus();
     return c;
 }
@@ -350,6 +355,8 @@ int bench_gdn_main(int argc, char **argv)
         else if (OPT("--isa")) c.isa = argv[i];
         else if (OPT("--dtype")) {
             if (!bench_dtype(argv[i], &c.dt)) { fprintf(stderr, "flywheel: unknown dtype %s\n", argv[i]); return 2; }
+        } else if (OPT("--state")) {
+            if (!bench_dtype(argv[i], &c.sdt) || c.sdt == FW_F16) { fprintf(stderr, "flywheel: --state f32|bf16, not %s\n", argv[i]); return 2; }
         } else if (OPT("--precision")) {
             if (!bench_precision(argv[i], &c.prec)) { fprintf(stderr, "flywheel: unknown precision %s\n", argv[i]); return 2; }
         }
@@ -363,10 +370,10 @@ int bench_gdn_main(int argc, char **argv)
                 fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench gdn [--prefill | --decode] [--t T --seqs N --h H --hv HV --dk D --dv D\n"
                    "       --dtype f32|bf16|f16 --precision auto|f32|bf16 --threads N --reps N --isa NAME\n"
-                   "       --no-baselines --kda --json]\n"
+                   "       --state f32|bf16 --no-baselines --kda --json]\n"
                    "  with neither: prefill at T = 1K, 4K, 16K (one sequence, then a 4-sequence varlen batch)\n"
                    "  with the recurrent baselines, then decode for 1 and 64 sequences\n"
-                   "  --kda: KDA (a decay per key channel)\n");
+                   "  --kda: KDA (a decay per key channel); --state: the decode's states (bf16: a bf16 pool)\n");
             return bench_is_help(a) ? 0 : 2;
         }
 #undef INT

@@ -809,9 +809,9 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
     /* GDN's a [T, n_v] (the library would read [T, n_v d_k] as KDA's) and K = kernel_size */
     if (ga.t.shape[1] != nv || w.t.shape[1] != ks)
         TRY(DECLINE);
-    /* the state pool as _pool_slots takes it: float32, each slot contiguous */
+    /* the state pool as _pool_slots takes it: float32 or bf16, each slot contiguous */
     const fw_tensor *R = &rec.t;
-    if (rec.dtype != FW_F32 || R->shape[1] != nv || R->shape[2] != dk || R->shape[3] != dv ||
+    if ((rec.dtype != FW_F32 && rec.dtype != FW_BF16) || R->shape[1] != nv || R->shape[2] != dk || R->shape[3] != dv ||
         R->stride[3] != 1 || R->stride[2] != dv || R->stride[1] != dk * dv ||
         (R->shape[0] > 1 && R->stride[0] < nv * dk * dv))
         TRY(DECLINE);
@@ -844,6 +844,7 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
     caches.conv = conv.t;
     caches.recurrent = R->data;
     caches.recurrent_stride = R->shape[0] > 1 ? R->stride[0] : nv * dk * dv;
+    caches.recurrent_dtype = (fw_dtype)rec.dtype;
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
     s = st.gdn_layer(&qkv.t, &b.t, &ga.t, &w.t, a[6] == Py_None ? NULL : &cb.t, &alog.t, &dtb.t,

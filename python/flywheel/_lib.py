@@ -13,7 +13,7 @@ import os
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _MAX_DIMS = 4
 
@@ -192,6 +192,7 @@ class GdnPool(ctypes.Structure):
         ("slot_stride", ctypes.c_int64),
         ("read", ctypes.c_void_p),
         ("write", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
     ]
 
 
@@ -215,6 +216,7 @@ class GdnCaches(ctypes.Structure):
         ("conv", Tensor),
         ("recurrent", ctypes.c_void_p),
         ("recurrent_stride", ctypes.c_int64),
+        ("recurrent_dtype", ctypes.c_int),
     ]
 
 

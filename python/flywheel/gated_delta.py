@@ -275,35 +275,44 @@ def _kernel_gates(p, HV, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in
 
 
 def _pool_slots(state, HV, K, V):
-    """A state pool the library reads and updates in place: float32 [slots, HV, K, V] whose
-    slots may lie further apart than HV K V floats (an engine's padded slots), each slot
-    contiguous. Returns (slots, slot stride in floats)."""
-    want = f"a float32 [slots, HV, K, V] = [slots, {HV}, {K}, {V}] array, each slot contiguous"
+    """A state pool the library reads and updates in place: float32 or bfloat16 [slots, HV,
+    K, V] whose slots may lie further apart than HV K V elements (an engine's padded slots),
+    each slot contiguous. A bf16 state is read into float32 and each state written is rounded
+    to bf16 once a call. Returns (slots, slot stride in elements, the library's dtype code)."""
+    want = (f"a float32 or bfloat16 [slots, HV, K, V] = [slots, {HV}, {K}, {V}] array, each "
+            "slot contiguous")
     if T.is_torch(state):
         torch = T._torch()
         if state.device.type != "cpu":
             raise NotImplementedError(f"state is on {state.device}: CPU tensors only")
-        f32, st = state.dtype == torch.float32, tuple(state.stride())
+        code, st = T._torch_code(state), tuple(state.stride())
     elif isinstance(state, np.ndarray):
-        f32, st = state.dtype == np.float32, tuple(s // 4 for s in state.strides)
+        code = T._NP_CODES.get(state.dtype)
+        st = tuple(s // state.itemsize for s in state.strides)
     else:
         raise TypeError(f"state must be {want} (numpy or torch), got {type(state).__name__}")
-    if not f32:
+    if code not in (_lib.F32, _lib.BF16):
         raise TypeError(f"state: dtype {state.dtype} is not supported: state must be {want}")
     if state.ndim != 4 or tuple(state.shape[1:]) != (HV, K, V):
         raise ValueError(f"state must be {want}, got shape {tuple(state.shape)}")
     if st[1:] != (K * V, V, 1) or (state.shape[0] > 1 and st[0] < HV * K * V):
         raise ValueError(f"state must be {want} (it is updated in place), got strides {st}")
     T.check_writable(state, "state")
-    return state.shape[0], st[0] if state.shape[0] > 1 else HV * K * V
+    return state.shape[0], st[0] if state.shape[0] > 1 else HV * K * V, code
 
 
-def _pool(state, slots, stride, read, write):
+def _pool(state, slots, stride, dtype, read, write):
     p = _lib.GdnPool()
     p.data = T.ptr(state)
-    p.slots, p.slot_stride = slots, stride
+    p.slots, p.slot_stride, p.dtype = slots, stride, dtype
     p.read, p.write = T.ptr(read), T.ptr(write)
     return p
+
+
+def _is_bf16(state):
+    if T.is_torch(state):
+        return T._torch_code(state) == _lib.BF16
+    return isinstance(state, np.ndarray) and T._NP_CODES.get(state.dtype) == _lib.BF16
 
 
 def _indices(state_indices, n):
@@ -323,8 +332,9 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     """One decode step for N sequences, updating their states in a slot array in place.
 
     q, k [N, H, K] (or [N, 1, H, K]); v [N, HV, V] (or [N, 1, HV, V]); g, beta [N, HV]
-    (or [N, 1, HV]); state [slots, HV, K, V] contiguous float32 (numpy or torch), sequence i
-    using slot state_indices[i] (default i; distinct). Returns o with v's shape and dtype;
+    (or [N, 1, HV]); state [slots, HV, K, V] contiguous float32 or bfloat16 (numpy or torch;
+    bf16: read into float32, each new state rounded to bf16 once), sequence i using slot
+    state_indices[i] (default i; distinct). Returns o with v's shape and dtype;
     l2norm_eps: as in chunk_gated_delta_rule. use_gate_in_kernel with A_log [HV] (and
     dt_bias [HV]): g is the raw a and the kernel computes g = -exp(A_log) softplus(a +
     dt_bias); use_beta_sigmoid_in_kernel: beta is the raw b, the kernel takes sigmoid(b)
@@ -368,13 +378,15 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
                          f"shape {g.shape}")
     g, beta = g.reshape((N, HV, K) if kda else (N, HV)), beta.reshape(N, HV)
     pool = None
-    if read_state_indices is not None:
-        slots, stride = _pool_slots(state, HV, q.shape[-1], V)
+    if read_state_indices is not None or _is_bf16(state):
+        slots, stride, sdt = _pool_slots(state, HV, q.shape[-1], V)
         idx = _indices(state_indices, N)
-        ridx = T.index_array(read_state_indices, "read_state_indices")
-        if ridx.shape != (N,):
-            raise ValueError(f"read_state_indices must have {N} entries, got {ridx.shape}")
-        pool = _pool(state, slots, stride, ridx, idx)
+        ridx = idx
+        if read_state_indices is not None:
+            ridx = T.index_array(read_state_indices, "read_state_indices")
+            if ridx.shape != (N,):
+                raise ValueError(f"read_state_indices must have {N} entries, got {ridx.shape}")
+        pool = _pool(state, slots, stride, sdt, ridx, idx)
     else:
         slots = _state_slots(state, HV, q.shape[-1], V, written=True)
         idx = _indices(state_indices, N)
@@ -410,8 +422,8 @@ def gated_delta_rule_prefill(q, k, v, g, beta, state, state_indices, cu_seqlens=
     """Chunked prefill with the states in a serving engine's pool, read and written in place.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
-    state [slots, HV, K, V] float32, each slot contiguous (slots may lie further apart:
-    padded); sequence i starts from slot read_state_indices[i] (default: state_indices[i];
+    state [slots, HV, K, V] float32 or bfloat16 (each final state rounded to bf16 once),
+    each slot contiguous (slots may lie further apart: padded); sequence i starts from slot read_state_indices[i] (default: state_indices[i];
     negative: a zero state) and its final state goes to slot state_indices[i] (negative: not
     kept). No two sequences may write one slot, nor read one another writes. Returns o
     [B, T, HV, V] (out: an existing array to write instead). precision, l2norm_eps: as in
@@ -422,7 +434,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, state, state_indices, cu_seqlens=
     q2, k2, v2, g2, b2, cu = _flatten(q, k, v, g, beta, cu_seqlens)
     n = cu.size - 1
     B, Tn, HV, V = v.shape
-    slots, stride = _pool_slots(state, HV, q.shape[-1], V)
+    slots, stride, sdt = _pool_slots(state, HV, q.shape[-1], V)
     widx = _indices(state_indices, n)
     ridx = widx
     if read_state_indices is not None:
@@ -433,7 +445,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, state, state_indices, cu_seqlens=
     p = _params(q, scale, use_qk_l2norm_in_kernel, 0, isa, precision, l2norm_eps)
     _lib.check(_lib.lib.fw_gdn_prefill_pool(T.describe(q2), T.describe(k2), T.describe(v2),
                                             T.describe(g2), T.describe(b2), T.ptr(cu), n,
-                                            _pool(state, slots, stride, ridx, widx),
+                                            _pool(state, slots, stride, sdt, ridx, widx),
                                             T.describe(T.merged_view(o, "out")), p))
     return o
 

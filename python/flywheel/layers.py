@@ -43,7 +43,8 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
 
     qkv [T, 2 n_kq d_k + n_v d_v] pre-conv rows; b, a [T, n_v]; conv_state [slots, K-1, dim]
     (the last K-1 raw rows of each sequence); recurrent_state [slots, n_v, d_k, d_v] float32
-    (slots may lie further apart, each contiguous); conv_weight [dim, 1, K] (or [dim, K]),
+    or bfloat16 (slots may lie further apart, each contiguous; bf16: read into float32, each
+    state written rounded to bf16 once a call, a speculative window's checkpoints each); conv_weight [dim, 1, K] (or [dim, K]),
     conv_bias [dim] or None; a_log, dt_bias [n_v]; query_start_loc [num_seqs + 1];
     state_indices, seq_lens, read_state_indices [num_seqs]; distribution [decode_end,
     prefill_end, mixed_end]. A sequence whose seq_len equals its query length starts from zero
@@ -216,8 +217,11 @@ def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
     al, dtb = T.float_array(a_log, "a_log"), T.float_array(dt_bias, "dt_bias")
     conv, conv_new = _cache(conv_state, "conv_state")
     rec_jax = _is_jax(recurrent_state)
-    rec = np.array(recurrent_state, dtype=np.float32) if rec_jax else recurrent_state
-    slots, stride = _pool_slots(rec, n_v, d_k, d_v)
+    rec = recurrent_state
+    if rec_jax:  # a copy the call updates, bf16 kept as bf16
+        rec = np.array(recurrent_state)
+        rec = rec if rec.dtype == T._NP_BF16 else rec.astype(np.float32)
+    slots, stride, rdt = _pool_slots(rec, n_v, d_k, d_v)
     qsl = T.index_array(query_start_loc, "query_start_loc")
     sidx = T.index_array(state_indices, "state_indices")
     slen = T.index_array(seq_lens, "seq_lens")
@@ -247,6 +251,7 @@ def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
     caches.conv = T.describe(conv)
     caches.recurrent = T.ptr(rec)
     caches.recurrent_stride = stride
+    caches.recurrent_dtype = rdt
     p = _lib.GdnLayerParams()
     p.n_kq, p.n_v, p.d_k, p.d_v = n_kq, n_v, d_k, d_v
     p.l2norm_eps = 0.0 if l2norm_eps is None else _lib.float32_param(l2norm_eps, "l2norm_eps",

@@ -2,6 +2,7 @@
 a float64 numpy recurrence, fla's torch reference, and bad input; bf16 products against the
 bar set by their same-roundings float64 reference (ref_gdn_bf16)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -280,6 +281,53 @@ def test_prefill_and_decode_on_a_padded_pool(family):
     assert np.array_equal(raw[3, :HV * K * V].reshape(HV, K, V), dense[1])
     for s_ in (1, 2, 4, 5):
         assert np.array_equal(raw[s_], before[s_])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_state_pools_follow_the_f32_pool(family):
+    """A bf16 pool (vLLM's default state cache for a bf16 model), padded, read and write slots
+    apart: prefill and decode give the bits of the same call on an f32 pool holding the same
+    values, each written state rounded to bf16 once (nearest even); other slots and the
+    padding untouched. An f16 pool is refused with nothing written."""
+    rng = np.random.default_rng(32)
+    H, HV, K, V, pad = 2, 4, 16, 16, 40
+    cu = np.array([0, 70, 71, 90], np.int32)
+    Tn = int(cu[-1])
+    q, k = (rng.standard_normal((1, Tn, H, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, Tn, HV, V)).astype(np.float32)
+    g = (-0.3 * rng.random((1, Tn, HV))).astype(np.float32)
+    beta = rng.random((1, Tn, HV)).astype(np.float32)
+    raw16 = (rng.standard_normal((6, HV * K * V + pad)) * 0.3).astype(ml_dtypes.bfloat16)
+    rd, wr = np.array([4, -1, 1], np.int32), np.array([0, 3, -1], np.int32)
+    for call in ("prefill", "decode"):
+        raw32, raw = raw16.astype(np.float32), raw16.copy()
+        if family == "torch":
+            raw_t = torch.from_numpy(raw.view(np.uint16).view(np.int16)).view(torch.bfloat16)
+            p16 = raw_t[:, :HV * K * V].view(6, HV, K, V)
+        else:
+            p16 = np.lib.stride_tricks.as_strided(raw, (6, HV, K, V),
+                                                  (raw.strides[0], K * V * 2, V * 2, 2))
+        p32 = np.lib.stride_tricks.as_strided(raw32, (6, HV, K, V),
+                                              (raw32.strides[0], K * V * 4, V * 4, 4))
+        if call == "prefill":
+            args = (q, k, v, g, beta)
+            fn = lambda p: flywheel.gated_delta_rule_prefill(  # noqa: E731
+                *args, p, wr, cu_seqlens=cu, read_state_indices=rd, use_qk_l2norm_in_kernel=True)
+        else:
+            args = (q[0, :3], k[0, :3], v[0, :3], g[0, :3], beta[0, :3])
+            fn = lambda p: flywheel.gated_delta_rule_decode(  # noqa: E731
+                *args, p, wr, read_state_indices=rd, use_qk_l2norm_in_kernel=True)
+        o32, o16 = fn(p32), fn(p16)
+        assert np.array_equal(as64(o16), as64(o32))
+        want = raw16.copy()
+        for s_ in (0, 3):
+            want[s_, :HV * K * V] = raw32[s_, :HV * K * V].astype(ml_dtypes.bfloat16)
+        assert np.array_equal(raw.view(np.uint16), want.view(np.uint16))
+    half = np.ones((6, HV, K, V), np.float16)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        flywheel.gated_delta_rule_decode(q[0, :3], k[0, :3], v[0, :3], g[0, :3], beta[0, :3],
+                                         half, wr, read_state_indices=rd)
+    assert (half == 1).all()
 
 
 def test_pool_refuses_a_slot_read_by_one_and_written_by_another():

@@ -130,6 +130,42 @@ def test_layer_on_bf16_torch_tensors_and_a_padded_pool():
     assert not raw[:, NV * DK * DV:].any()
 
 
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+@pytest.mark.parametrize("with_out", [False, True])
+def test_layer_on_a_bf16_recurrent_cache(with_out):
+    """A bf16 recurrent cache (vLLM's default for a bf16 model), padded slots: the bits of the
+    same call on an f32 cache holding the same values, each written slot rounded to bf16 once
+    (the 600-token prefill runs in the layer's windows of 256 rows on an f32 state), the
+    other slots and the padding untouched; with out= (the compiled fast path) and without."""
+    rng = np.random.default_rng(7)
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, a, w, bias, a_log, dt_bias, conv, rec = inputs(rng, T)
+    tq = torch.from_numpy(qkv).to(torch.bfloat16)
+    raw16 = torch.zeros(SLOTS, NV * DK * DV + 24, dtype=torch.bfloat16)
+    raw16[:, :NV * DK * DV] = torch.from_numpy(rec.reshape(SLOTS, -1)).to(torch.bfloat16)
+    raw16[:, NV * DK * DV:] = 3.0
+    before = raw16.clone()
+    raw32 = raw16.float()
+    outs, convs = [], []
+    for raw in (raw32, raw16):
+        pool = raw[:, :NV * DK * DV].view(SLOTS, NV, DK, DV)
+        tconv = torch.from_numpy(conv).to(torch.bfloat16)
+        out = torch.empty(T, NV * DV, dtype=torch.bfloat16) if with_out else None
+        (_, _), o = flywheel.fused_conv1d_gdn(tq, torch.from_numpy(b), torch.from_numpy(a), tconv,
+                                              pool, torch.from_numpy(w), torch.from_numpy(bias),
+                                              torch.from_numpy(a_log), torch.from_numpy(dt_bias),
+                                              qsl, sidx, dist, seq_lens, read, n_kq=NKQ, n_v=NV,
+                                              d_k=DK, d_v=DV, kernel_size=K, out=out)
+        outs.append(o)
+        convs.append(tconv)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(convs[0], convs[1])
+    want = before.clone()
+    for s in (1, 2, 3, 4, 5):
+        want[s, :NV * DK * DV] = raw32[s, :NV * DK * DV].to(torch.bfloat16)
+    assert torch.equal(raw16.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(want[4], before[4])  # the long prefill wrote its slot
+
+
 @pytest.mark.parametrize("case", ["duplicate write slot", "read slot another writes",
                                   "decode of two tokens", "bad distribution", "slot past the cache",
                                   "seq_len below its tokens"])

@@ -321,15 +321,17 @@ fw_status fw_gdn_check_pool(const fw_gdn_pool *pool, int64_t n, int64_t HV, int6
     if (!pool)
         return fw_fail(FW_ERR_NULL, "pool is NULL");
     const int64_t state = HV * dk * dv;
+    if (pool->dtype != FW_F32 && pool->dtype != FW_BF16)
+        return fw_fail(FW_ERR_DTYPE, "pool dtype is %d; the states are f32 (FW_F32) or bf16 (FW_BF16)", (int)pool->dtype);
     if (pool->slots < 0)
         return fw_fail(FW_ERR_ARG, "pool has %lld slots; it must be >= 0", (long long)pool->slots);
     if (pool->slots > 1 && pool->slot_stride < state)
-        return fw_fail(FW_ERR_STRIDE, "pool slot_stride is %lld floats; a state is HV x dk x dv = %lld",
+        return fw_fail(FW_ERR_STRIDE, "pool slot_stride is %lld elements; a state is HV x dk x dv = %lld",
                        (long long)pool->slot_stride, (long long)state);
     int64_t extent;
     if (pool->slots > 0 && (__builtin_mul_overflow(pool->slots - 1, pool->slot_stride, &extent) ||
                             __builtin_add_overflow(extent, state, &extent) ||
-                            __builtin_mul_overflow(extent, (int64_t)sizeof(float), &extent)))
+                            __builtin_mul_overflow(extent, (int64_t)fw_dtype_size(pool->dtype), &extent)))
         return fw_fail(FW_ERR_OVERFLOW, "pool: %lld slots of stride %lld overflow int64 bytes",
                        (long long)pool->slots, (long long)pool->slot_stride);
     if (pool->slots > 0 && !pool->data)

@@ -105,9 +105,11 @@ typedef struct {
     uint32_t flags;
     /* states: sequence i's at init + slot * init_stride (slot = init_idx[i], or i without
      * indices; negative: zeros), its final one at final + final_idx[i] * final_stride
-     * (negative: not written); init or final NULL: none */
-    const float *init;
-    float *final;
+     * (negative: not written); init or final NULL: none; idt / fdt their dtypes, f32 or bf16
+     * (read into f32, rounded once when stored) */
+    const void *init;
+    void *final;
+    fw_dtype idt, fdt;
     const int32_t *init_idx, *final_idx;
     int64_t init_stride, final_stride;
     int verify;
@@ -118,16 +120,20 @@ typedef struct {
 
 /* Sequence seq's value head vh in the initial state (NULL: zeros), or in the final one
  * (NULL: not written). */
-static const float *init_of(const gdn_ctx *c, int64_t seq, int64_t vh)
+static const void *init_of(const gdn_ctx *c, int64_t seq, int64_t vh)
 {
     const int64_t s = c->init_idx ? c->init_idx[seq] : seq;
-    return c->init && s >= 0 ? c->init + s * c->init_stride + vh * c->p->dk * c->p->dv : NULL;
+    return c->init && s >= 0 ? (const char *)c->init + (size_t)(s * c->init_stride + vh * c->p->dk * c->p->dv) *
+                                                         fw_dtype_size(c->idt)
+                             : NULL;
 }
 
-static float *final_of(const gdn_ctx *c, int64_t seq, int64_t vh)
+static void *final_of(const gdn_ctx *c, int64_t seq, int64_t vh)
 {
     const int64_t s = c->final_idx ? c->final_idx[seq] : seq;
-    return c->final && s >= 0 ? c->final + s * c->final_stride + vh * c->p->dk * c->p->dv : NULL;
+    return c->final && s >= 0 ? (char *)c->final + (size_t)(s * c->final_stride + vh * c->p->dk * c->p->dv) *
+                                                       fw_dtype_size(c->fdt)
+                              : NULL;
 }
 
 /* Panel q of value head e's [h ; Delta]: h rows [0, dk), Delta rows [dk, dk + 64), 64 wide. */
@@ -557,26 +563,37 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t e0, in
 }
 
 
-/* State [dk][dv] (src NULL: zeros) into the dv panels of value head e, or back out. */
-static void load_state(const gdn_ctx *c, float *W, int64_t e, const float *src)
+/* Element e of a state array of dtype dt. */
+static inline char *state_at(const void *base, fw_dtype dt, int64_t e)
+{
+    return (char *)base + (size_t)e * fw_dtype_size(dt);
+}
+
+/* State [dk][dv] of dtype c->idt (src NULL: zeros) into the f32 dv panels of value head e,
+ * or back out as c->fdt (rounded to bf16 for a bf16 state). */
+static void load_state(const gdn_ctx *c, float *W, int64_t e, const void *src)
 {
     const gdn_prob *p = c->p;
     for (int64_t q = 0; q < c->w.pv; q++) {
         float *HD = hd_panel(c, W, e, q);
-        for (int64_t x = 0; x < p->dk; x++)
-            for (int64_t y = 0; y < GDN_P; y++)
-                HD[x * GDN_P + y] = src && q * GDN_P + y < p->dv ? src[x * p->dv + q * GDN_P + y] : 0.0f;
+        const int64_t n = src ? fw_min64(GDN_P, p->dv - q * GDN_P) : 0;
+        for (int64_t x = 0; x < p->dk; x++) {
+            if (n)
+                c->kt->to_f32(state_at(src, c->idt, x * p->dv + q * GDN_P), c->idt, 1, n, 1.0f, HD + x * GDN_P);
+            for (int64_t y = n; y < GDN_P; y++)
+                HD[x * GDN_P + y] = 0.0f;
+        }
     }
 }
 
-static void store_state(const gdn_ctx *c, float *W, int64_t e, float *dst)
+static void store_state(const gdn_ctx *c, float *W, int64_t e, void *dst)
 {
     const gdn_prob *p = c->p;
     for (int64_t q = 0; q < c->w.pv; q++) {
         const float *HD = hd_panel(c, W, e, q);
         const int64_t n = fw_min64(GDN_P, p->dv - q * GDN_P);
         for (int64_t x = 0; x < p->dk; x++)
-            memcpy(dst + x * p->dv + q * GDN_P, HD + x * GDN_P, (size_t)n * sizeof(float));
+            c->kt->from_f32(HD + x * GDN_P, n, state_at(dst, c->fdt, x * p->dv + q * GDN_P), c->fdt, 1);
     }
 }
 
@@ -614,7 +631,7 @@ static void chunked_item(void *vctx, int64_t idx, int tid)
         }
     }
     for (int64_t e = 0; e < nv; e++) {
-        float *dst = final_of(c, seq, h0 * p->r + e);
+        void *dst = final_of(c, seq, h0 * p->r + e);
         if (dst)
             store_state(c, W, e, dst);
     }
@@ -631,9 +648,11 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
     const int dk = (int)p->dk, dv = (int)p->dv;
     float *hst = W + c->w.hd, *q = W + c->w.qc, *k = W + c->w.kc, *v = W + c->w.wh, *o = v + dv,
           *tmp = o + dv, *dec = W + c->w.kpp;
-    const float *h0 = init_of(c, seq, vh);
-    for (int64_t x = 0; x < p->dk * p->dv; x++)
-        hst[x] = h0 ? h0[x] : 0.0f;
+    const void *h0 = init_of(c, seq, vh);
+    if (h0)
+        kt->to_f32(h0, c->idt, 1, p->dk * p->dv, 1.0f, hst);
+    else
+        memset(hst, 0, sizeof(float) * (size_t)(p->dk * p->dv));
     for (int64_t t = p->cu[seq]; t < p->cu[seq + 1]; t++) {
         load_qk(kt, p, p->q, t, h, p->scale, q);
         load_qk(kt, p, p->k, t, h, 1.0, k);
@@ -647,13 +666,13 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
             for (int x = 0; x < dk; x++)
                 kq += k[x] * q[x];
             for (int c0 = 0; c0 < dv; c0 += 64)
-                kt->gdn_dec_cols(hst, dv, dk, c0, (int)fw_min64(dv, c0 + 64), q, k, v, dec, beta, kq, o);
+                kt->gdn_dec_cols(hst, FW_F32, dv, dk, c0, (int)fw_min64(dv, c0 + 64), q, k, v, dec, beta, kq, o);
         }
         kt->from_f32(o, dv, (void *)at(p->out, t, vh), p->out->dtype, p->out->stride[2]);
     }
-    float *dst = final_of(c, seq, vh);
+    void *dst = final_of(c, seq, vh);
     if (dst)
-        memcpy(dst, hst, (size_t)(p->dk * p->dv) * sizeof(float));
+        kt->from_f32(hst, p->dk * p->dv, dst, c->fdt, 1);
 }
 
 /* Allocate per-thread workspace and run the chunked items (or the recurrent ones) over c's
@@ -716,6 +735,24 @@ fw_status fw_gdn_prefill(const fw_tensor *q, const fw_tensor *k, const fw_tensor
     return prefill_run(&c, params);
 }
 
+/* The prefill of checked problem p from pool `from` to pool `to` (fw_gdn_prefill_pools). */
+static fw_status pools_run(const gdn_prob *p, const fw_gdn_pool *from, const fw_gdn_pool *to,
+                           const fw_gdn_params *params)
+{
+    gdn_ctx c;
+    memset(&c, 0, sizeof c);
+    c.p = p;
+    c.init = from->read ? from->data : NULL;
+    c.final = to->data;
+    c.init_idx = from->read;
+    c.final_idx = to->write ? to->write : to->read;
+    c.init_stride = from->slot_stride;
+    c.final_stride = to->slot_stride;
+    c.idt = from->dtype;
+    c.fdt = to->dtype;
+    return prefill_run(&c, params);
+}
+
 fw_status fw_gdn_prefill_pool(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
                               const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
                               const fw_gdn_pool *pool, const fw_tensor *out, const fw_gdn_params *params)
@@ -725,15 +762,17 @@ fw_status fw_gdn_prefill_pool(const fw_tensor *q, const fw_tensor *k, const fw_t
     fw_status s = fw_gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 0);
     if (s || (s = fw_gdn_check_pool(pool, n_seqs, p.HV, p.dk, p.dv)))
         return s;
-    gdn_ctx c;
-    memset(&c, 0, sizeof c);
-    c.p = &p;
-    c.init = pool->read ? pool->data : NULL;
-    c.final = pool->data;
-    c.init_idx = pool->read;
-    c.final_idx = pool->write ? pool->write : pool->read;
-    c.init_stride = c.final_stride = pool->slot_stride;
-    return prefill_run(&c, params);
+    return pools_run(&p, pool, pool, params);
+}
+
+fw_status fw_gdn_prefill_pools(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
+                               const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
+                               const fw_gdn_pool *from, const fw_gdn_pool *to, const fw_tensor *out,
+                               const fw_gdn_params *params)
+{
+    gdn_prob p;
+    fw_status s = fw_gdn_check(&p, q, k, v, g, beta, cu_seqlens, n_seqs, 1, out, params, 0);
+    return s ? s : pools_run(&p, from, to, params);
 }
 
 /* ------------------------------------------------------- verify and commit -- */

@@ -7,9 +7,10 @@
 typedef struct {
     const gdn_prob *p;
     const fw_kernels *kt;
-    float *state;
+    char *state;
+    fw_dtype sdt;                /* the states' dtype: f32 or bf16 */
     const int32_t *read, *write; /* slots (negative: zeros / not written); write NULL: read's */
-    int64_t stride;              /* floats between slots */
+    int64_t stride;              /* elements between slots */
     float *ws;
     size_t ws_stride;
     int64_t nblk;
@@ -31,14 +32,16 @@ static void decode_item(void *vctx, int64_t it, int tid)
     /* the state updated in place: the write slot's, after a copy of the read slot's columns
      * (or zeros) when they differ; a scratch copy when nothing is written */
     const int64_t rs = c->read ? c->read[i] : -1, wsl = c->write ? c->write[i] : rs, head = vh * dk * dv;
-    float *h = wsl >= 0 ? c->state + wsl * c->stride + head : dec + 2 * dk + 16;
+    const size_t es = fw_dtype_size(c->sdt), cb = es * (size_t)(c1 - c0);
+    char *h = wsl >= 0 ? c->state + (size_t)(wsl * c->stride + head) * es : (char *)(dec + 2 * dk + 16);
     if (rs != wsl || wsl < 0) {
-        const float *h0 = rs >= 0 ? c->state + rs * c->stride + head : NULL;
+        const char *h0 = rs >= 0 ? c->state + (size_t)(rs * c->stride + head) * es : NULL;
         for (int x = 0; x < dk; x++) {
+            const size_t e = ((size_t)x * (size_t)dv + (size_t)c0) * es;
             if (h0)
-                memcpy(h + (size_t)x * dv + c0, h0 + (size_t)x * dv + c0, sizeof(float) * (size_t)(c1 - c0));
+                memcpy(h + e, h0 + e, cb);
             else
-                memset(h + (size_t)x * dv + c0, 0, sizeof(float) * (size_t)(c1 - c0));
+                memset(h + e, 0, cb);
         }
     }
     load_qk(c->kt, p, p->q, i, vh / p->r, p->scale, q);
@@ -48,7 +51,7 @@ static void decode_item(void *vctx, int64_t it, int tid)
     for (int x = 0; x < dk; x++)
         kq += k[x] * q[x];
     gate_decays(c->kt, p, i, vh, dec, dec + dk);
-    c->kt->gdn_dec_cols(h, dv, dk, c0, c1, q, k, v, dec, gate_beta(p, i, vh), kq, o);
+    c->kt->gdn_dec_cols(h, c->sdt, dv, dk, c0, c1, q, k, v, dec, gate_beta(p, i, vh), kq, o);
     c->kt->from_f32(o + c0, c1 - c0,
                     (char *)at(p->out, i, vh) + (int64_t)c0 * p->out->stride[2] * (int64_t)fw_dtype_size(p->out->dtype),
                     p->out->dtype, p->out->stride[2]);
@@ -85,7 +88,8 @@ fw_status fw_gdn_decode(const fw_tensor *q, const fw_tensor *k, const fw_tensor 
         return s;
     dec_ctx c;
     memset(&c, 0, sizeof c);
-    c.state = state;
+    c.state = (char *)state;
+    c.sdt = FW_F32;
     c.read = state_indices;
     c.stride = p.HV * p.dk * p.dv;
     return decode_run(&p, &c, params, 0);
@@ -103,6 +107,7 @@ fw_status fw_gdn_decode_pool(const fw_tensor *q, const fw_tensor *k, const fw_te
     dec_ctx c;
     memset(&c, 0, sizeof c);
     c.state = pool->data;
+    c.sdt = pool->dtype;
     c.read = pool->read;
     c.write = pool->write;
     c.stride = pool->slot_stride;

@@ -44,6 +44,15 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
 fw_status fw_gdn_check_gates(const fw_tensor *g, const fw_tensor *beta, int64_t HV, int64_t dk,
                              const fw_gdn_params *params);
 
+/* fw_gdn_prefill_pool with sequence i's initial state read from pool `from` (slot
+ * from->read[i]) and its final state written to pool `to` (slot to->write[i], or
+ * to->read[i]): each with its own dtype, as the layer's pieces of a long sequence carry an f32
+ * state between the slots of a bf16 cache. Both pools already checked by the caller. */
+fw_status fw_gdn_prefill_pools(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v, const fw_tensor *g,
+                               const fw_tensor *beta, const int32_t *cu_seqlens, int64_t n_seqs,
+                               const fw_gdn_pool *from, const fw_gdn_pool *to, const fw_tensor *out,
+                               const fw_gdn_params *params);
+
 /* A pool (fw_gdn_pool) for n sequences of HV x dk x dv states: every index a slot or
  * negative, the stride and extent representable, writes distinct, no cross read/write. */
 fw_status fw_gdn_check_pool(const fw_gdn_pool *pool, int64_t n, int64_t HV, int64_t dk, int64_t dv);
@@ -94,7 +103,8 @@ typedef struct {
     const fw_tensor *qkv, *w, *bias, *out, *a, *b;
     const int32_t *qsl, *ridx, *wr; /* ridx: the slot each sequence reads (negative: none), owned */
     const fw_gdn_caches *caches;
-    void *cbuf; /* the layer's conv rows (NULL in the reference) */
+    void *cbuf;  /* the layer's conv rows (NULL in the reference) */
+    float *carry; /* a bf16 recurrent cache: the f32 state a long sequence's pieces pass on */
     fw_conv1d_params cp;
     fw_gdn_params gp;
     int64_t nkq, nv, dk, dv, dim, slots, T, used, de, me, spec;

@@ -91,11 +91,20 @@ static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, i
     /* the raw gates of these rows: the kernels compute g and beta from them */
     fw_tensor tg = L->kda ? gdn_rows_view(L->a, R0, rn, 0, L->nv, L->dk) : gdn_rows2(L->a, R0, rn);
     fw_tensor tb = gdn_rows2(L->b, R0, rn);
+    const fw_dtype rdt = L->caches->recurrent_dtype;
+    if (piece && L->carry) { /* a bf16 cache: the pieces pass on an f32 state, rounded once */
+        static const int32_t zero = 0;
+        const int64_t len = L->qsl[s0 + 1] - L->qsl[s0];
+        const fw_gdn_pool slot = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rd, wr, rdt},
+                          carry = {L->carry, 1, L->nv * L->dk * L->dv, &zero, &zero, FW_F32};
+        return fw_gdn_prefill_pools(&q, &k, &v, &tg, &tb, cu, n, u0 > 0 ? &carry : &slot, u1 == len ? &slot : &carry,
+                                    &o, &L->gp);
+    }
     if (piece && u0 > 0) { /* a later piece continues from the write slot */
         wr_local[0] = wr[0];
         rd = wr_local;
     }
-    fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rd, wr};
+    fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rd, wr, rdt};
     return decode ? fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, &L->gp)
                   : fw_gdn_prefill_pool(&q, &k, &v, &tg, &tb, cu, n, &pool, &o, &L->gp);
 }
@@ -272,7 +281,8 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
                               : fw_tensor_contiguous(ar, FW_F32, 2, (int64_t[]){na, L->nv});
         fw_tensor tb = fw_tensor_contiguous(br, FW_F32, 2, (int64_t[]){na, L->nv});
         fw_tensor o = fw_tensor_contiguous(orow, L->out->dtype, 3, (int64_t[]){na, L->nv, L->dv});
-        fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rdv, wrv};
+        fw_gdn_pool pool = {L->caches->recurrent, L->slots, L->caches->recurrent_stride, rdv, wrv,
+                            L->caches->recurrent_dtype};
         s = fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, &L->gp);
         for (int64_t j = 0; j < na && !s; j++) { /* the out rows (out may be strided) */
             kt->to_f32(orow + j * nvdv * oes, L->out->dtype, 1, (int)nvdv, 1.0f, otmp);
@@ -368,7 +378,7 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
     for (int64_t i = 0; i < me; i++)
         ridx[i] = sl[i] > qsl[i + 1] - qsl[i] ? rd[i] + (spec && i < de && batch->read_offsets ? batch->read_offsets[i] : 0)
                                                : -1;
-    fw_gdn_pool pool = {caches->recurrent, slots, caches->recurrent_stride, ridx, wr};
+    fw_gdn_pool pool = {caches->recurrent, slots, caches->recurrent_stride, ridx, wr, caches->recurrent_dtype};
     s = fw_gdn_check_pool(&pool, spec ? 0 : me, nv, dk, dv);
     for (int64_t i = 0; i < me && !s; i++)
         if (wr[i] < 0)
@@ -430,7 +440,7 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
         free(ridx);
         return s;
     }
-    *L = (gdn_layer_prob){qkv, conv_weight, conv_bias, out, a, b, qsl, ridx, wr, caches, NULL, cp, gp,
+    *L = (gdn_layer_prob){qkv, conv_weight, conv_bias, out, a, b, qsl, ridx, wr, caches, NULL, NULL, cp, gp,
                           nkq, nv, dk, dv, dim, slots, T, used, de, me, spec, kda, params->zero_tail};
     return FW_OK;
 }
@@ -446,6 +456,14 @@ static fw_status layer_run(gdn_layer_prob *L, const gdn_replay_plan *P)
     if (!L->cbuf)
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's %lld x %lld conv rows", (long long)used,
                        (long long)dim);
+    int64_t longest = 0;
+    for (int64_t i = de; i < me; i++)
+        longest = fw_max64(longest, qsl[i + 1] - qsl[i]);
+    if (L->caches->recurrent_dtype != FW_F32 && longest > LAYER_ROWS &&
+        !(L->carry = malloc(sizeof(float) * (size_t)(L->nv * L->dk * L->dv)))) {
+        free(L->cbuf);
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's f32 state for a long sequence");
+    }
     fw_status s = FW_OK;
     if (spec || P) { /* windows (or ReplaySSM decodes), in groups of at most LAYER_ROWS rows */
         for (int64_t i = 0; i < de && !s;) {
@@ -484,6 +502,7 @@ static fw_status layer_run(gdn_layer_prob *L, const gdn_replay_plan *P)
     if (!s && L->zero_tail)
         fw_gdn_layer_zero_tail(L);
     free(L->cbuf);
+    free(L->carry);
     return s;
 }
 

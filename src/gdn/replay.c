@@ -33,6 +33,9 @@ fw_status gdn_replay_check(const gdn_layer_prob *L, const fw_gdn_batch *batch, c
         return fw_fail(FW_ERR_NULL, "replay is NULL");
     fw_status s;
     const fw_tensor *sh = &R->shadow, *rec = &R->records;
+    if (L->caches->recurrent_dtype != FW_F32)
+        return fw_fail(FW_ERR_DTYPE, "the recurrent cache is %s; ReplaySSM keeps f32 checkpoints (its bf16 copy is "
+                       "recurrent_shadow)", fw_dtype_name(L->caches->recurrent_dtype));
     if ((s = fw_check_tensor(sh, "recurrent_shadow", 4, 1u << FW_BF16)) ||
         (s = fw_check_tensor(rec, "replay_state", 3, (1u << FW_F32) | (1u << FW_BF16))))
         return s;
@@ -110,7 +113,7 @@ void gdn_replay_shadow(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_
 {
     const fw_kernels *kt = fw_kernels_get(L->gp.isa);
     const fw_tensor *sh = &P->R->shadow;
-    const float *st = L->caches->recurrent + slot * L->caches->recurrent_stride;
+    const float *st = (const float *)L->caches->recurrent + slot * L->caches->recurrent_stride;
     for (int64_t h = 0; h < L->nv; h++)
         for (int64_t x = 0; x < L->dk; x++)
             kt->from_f32(st + (h * L->dk + x) * L->dv, L->dv,
@@ -234,8 +237,8 @@ static void replay_item(void *vctx, int64_t it, int tid)
         for (int64_t j0 = 0; j0 < Lc; j0 += KS)
             kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, krow + j0, rdt, S + (j0 / KS) * R * KS);
     }
-    const float *ckpt = rd >= 0 ? L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
-    float *out_state = L->caches->recurrent + wr * L->caches->recurrent_stride;
+    const float *ckpt = rd >= 0 ? (const float *)L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
+    float *out_state = (float *)L->caches->recurrent + wr * L->caches->recurrent_stride;
     for (int64_t vh = hk * r; vh < (hk + 1) * r; vh++) {
         /* the committed records of this head: u rows, and the cumulative log2 decays */
         for (int64_t j = 0; j < Lc; j++) {

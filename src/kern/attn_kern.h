@@ -1642,19 +1642,26 @@ FW_INLINE void gdn_dec_ab(const int cv, const float *h, int64_t ldh, int dk, con
     gdn_dec_ab_in(cv, h, FW_F32, ldh, dk, q, k, d, a, b);
 }
 
-/* h = diag(decay) h + k dl^T for cv column vectors of h from column 0. */
-FW_INLINE void gdn_dec_update(const int cv, float *h, int64_t ldh, int dk, const float *k,
-                              const float *dl, const float *decay)
+/* h = diag(decay) h + k dl^T for cv column vectors of h (f32, or bf16: read into f32 and
+ * rounded back) from column 0. */
+FW_INLINE void gdn_dec_update_in(const int cv, void *h, const fw_dtype dt, int64_t ldh, int dk, const float *k,
+                                 const float *dl, const float *decay)
 {
     vf d[GDN_CV];
     for (int c = 0; c < cv; c++)
         d[c] = vload(dl + c * VL);
     for (int r = 0; r < dk; r++) {
-        float *hr = h + (size_t)r * ldh;
+        char *hr = (char *)h + (size_t)r * (size_t)ldh * (dt == FW_F32 ? 4 : 2);
         const vf kr = vset1(k[r]), al = vset1(decay[r]);
         for (int c = 0; c < cv; c++)
-            vstore(hr + c * VL, vfma(kr, d[c], vmul(al, vload(hr + c * VL))));
+            vstore_as(hr, dt, c * VL, vfma(kr, d[c], vmul(al, vload_in(hr, dt, c * VL))));
     }
+}
+
+FW_INLINE void gdn_dec_update(const int cv, float *h, int64_t ldh, int dk, const float *k,
+                              const float *dl, const float *decay)
+{
+    gdn_dec_update_in(cv, h, FW_F32, ldh, dk, k, dl, decay);
 }
 
 static __attribute__((noinline)) void gdn_dec_ab_tail(int cv, const float *h, int64_t ldh, int dk,
@@ -1676,6 +1683,13 @@ static __attribute__((noinline)) void gdn_dec_update_tail(int cv, float *h, int6
                                                           const float *decay)
 {
     gdn_dec_update(cv, h, ldh, dk, k, dl, decay);
+}
+
+static __attribute__((noinline)) void gdn_dec_update_bf16(int cv, void *h, int64_t ldh, int dk,
+                                                          const float *k, const float *dl,
+                                                          const float *decay)
+{
+    gdn_dec_update_in(cv, h, FW_BF16, ldh, dk, k, dl, decay);
 }
 
 /* One fused decode step on columns [c0, c1) of a state h [dk][ldh] (GDN_COLS at most), with
@@ -1720,28 +1734,38 @@ static void gdn_dec_reads(const void *hv, fw_dtype hdt, int64_t ldh, int dk, int
     }
 }
 
-static void gdn_dec_cols(float *h, int64_t ldh, int dk, int c0, int c1, const float *q,
+static void gdn_dec_cols(void *hv, fw_dtype hdt, int64_t ldh, int dk, int c0, int c1, const float *q,
                          const float *k, const float *v, const float *decay, float beta, float kq,
                          float *o)
 {
     float a[GDN_COLS], b[GDN_COLS], dl[GDN_COLS];
-    const int n = c1 - c0, nv = n / VL * VL;
-    h += c0;
-    gdn_dec_reads(h, FW_F32, ldh, dk, 0, n, q, k, decay, a, b);
+    const int n = c1 - c0, nv = n / VL * VL, es = hdt == FW_F32 ? 4 : 2;
+    char *h = (char *)hv + (size_t)c0 * (size_t)es;
+    gdn_dec_reads(h, hdt, ldh, dk, 0, n, q, k, decay, a, b);
     for (int c = 0; c < n; c++) {
         dl[c] = beta * (v[c0 + c] - a[c]);
         o[c0 + c] = b[c] + dl[c] * kq;
     }
     for (int c = 0; c < nv; c += GDN_CV * VL) {
         const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
-        if (cv == GDN_CV)
-            gdn_dec_update(GDN_CV, h + c, ldh, dk, k, dl + c, decay);
+        char *hc = h + (size_t)c * (size_t)es;
+        if (hdt != FW_F32)
+            gdn_dec_update_bf16(cv, hc, ldh, dk, k, dl + c, decay);
+        else if (cv == GDN_CV)
+            gdn_dec_update(GDN_CV, (float *)hc, ldh, dk, k, dl + c, decay);
         else
-            gdn_dec_update_tail(cv, h + c, ldh, dk, k, dl + c, decay);
+            gdn_dec_update_tail(cv, (float *)hc, ldh, dk, k, dl + c, decay);
     }
     for (int r = 0; r < dk; r++)
-        for (int c = nv; c < n; c++)
-            h[(size_t)r * ldh + c] = k[r] * dl[c] + decay[r] * h[(size_t)r * ldh + c];
+        for (int c = nv; c < n; c++) {
+            char *e = h + ((size_t)r * (size_t)ldh + (size_t)c) * (size_t)es;
+            if (hdt == FW_F32) {
+                *(float *)e = k[r] * dl[c] + decay[r] * *(float *)e;
+            } else {
+                const float x = k[r] * dl[c] + decay[r] * fw_cvt_bf16_f32(*(uint16_t *)e);
+                *(uint16_t *)e = fw_cvt_f32_bf16(x);
+            }
+        }
 }
 
 /* The plain recurrent step the baseline times: four separate passes over h, as ggml does:

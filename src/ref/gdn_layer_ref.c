@@ -81,17 +81,28 @@ static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32
     fw_tensor o = gdn_rows_view(L->out, r0, n, 0, L->nv, L->dv);
     fw_tensor tg = L->kda ? gdn_rows_view(L->a, r0, n, 0, L->nv, L->dk) : gdn_rows2(L->a, r0, n);
     fw_tensor tb = gdn_rows2(L->b, r0, n);
-    float *rec = L->caches->recurrent;
+    /* the recurrent slots in their dtype (bf16: read exactly, written rounded from f32, as the
+     * layer rounds its f32 state) */
+    char *rec = L->caches->recurrent;
+    const fw_dtype rdt = L->caches->recurrent_dtype;
     const int64_t st = L->caches->recurrent_stride;
-    if (rd >= 0)
-        memcpy(B->state, rec + rd * st, sizeof(float) * (size_t)ss);
+    const size_t es = fw_dtype_size(rdt);
+    for (int64_t i = 0; i < ss && rd >= 0; i++) {
+        const char *e = rec + (size_t)(rd * st + i) * es;
+        B->state[i] = rdt == FW_F32 ? *(const float *)e : fw_cvt_bf16_f32(*(const uint16_t *)e);
+    }
     fw_gdn_params gp = L->gp;
     gp.threads = 1;
     if (decode)
         gp.flags |= FW_GDN_RECURRENT;
     s = fw_gdn_ref(&q, &k, &v, &tg, &tb, cu, 1, rd >= 0 ? B->state : NULL, B->fin, &o, &gp);
-    for (int64_t i = 0; i < ss && !s; i++)
-        rec[wr * st + i] = (float)B->fin[i];
+    for (int64_t i = 0; i < ss && !s; i++) {
+        char *e = rec + (size_t)(wr * st + i) * es;
+        if (rdt == FW_F32)
+            *(float *)e = (float)B->fin[i];
+        else
+            *(uint16_t *)e = fw_cvt_f32_bf16((float)B->fin[i]);
+    }
     return s;
 }
 
@@ -106,7 +117,7 @@ static void ref_fold(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t 
     const int64_t nv = L->nv, dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, rr = nv / L->nkq;
     const int64_t Lc = P->len[i], rd = P->rd[i];
     const fw_tensor *rec = &P->R->records, *sh = &P->R->shadow;
-    const float *ck = rd >= 0 ? L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
+    const float *ck = rd >= 0 ? (const float *)L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
     for (int64_t h = 0; h < nv; h++)
         for (int64_t x = 0; x < dk; x++)
             for (int64_t y = 0; y < dv; y++)
@@ -150,7 +161,7 @@ static fw_status ref_replay(const gdn_layer_prob *L, const gdn_replay_plan *P, i
      * read: the same, from the bf16 shadow under bf16 products */
     ref_fold(L, P, i, 0, S);
     if (P->flush[i]) {
-        float *cw = L->caches->recurrent + wr * L->caches->recurrent_stride;
+        float *cw = (float *)L->caches->recurrent + wr * L->caches->recurrent_stride;
         for (int64_t e = 0; e < nv * dk * dv; e++)
             cw[e] = (float)S[e];
     }

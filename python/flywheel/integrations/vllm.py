@@ -34,10 +34,9 @@ becomes one flywheel.fused_conv1d_gdn call on vLLM's own caches in place (gdn_co
 CPU kernels use its state slots [slots, HV, V, K] as [slots, HV, K, V] (the same memory viewed
 with K and V swapped), flywheel's layout; the conv cache is read as [slots, K - 1, dim] in
 either of vLLM's layouts (SD, or DS through a transposed view); the unpacked conv weights are
-the ones vLLM stashes when it packs them. States in float32 (`mamba_ssm_cache_dtype=
-"float32"`) are updated in place; in bf16 (vLLM's default "auto" for a bf16 model) the step's
-slots are read into float32, stepped, and rounded back, as vLLM's kernels round them once a
-step. Speculative decoding and prefix-caching checkpoints stay on vLLM's own op.
+the ones vLLM stashes when it packs them. States are updated in place, float32
+(`mamba_ssm_cache_dtype="float32"`) or bf16 (vLLM's default "auto" for a bf16 model: read into
+float32 by the kernels and rounded back once a step, as vLLM's kernels round them). Speculative decoding and prefix-caching checkpoints stay on vLLM's own op.
 """
 
 import os
@@ -167,17 +166,10 @@ def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
         _STEP_ARGS[:] = [md, _step_args(md)]
     qsl, idx, dist, seq_lens = _STEP_ARGS[1]
     t = md.num_actual_tokens
-    slot_idx = idx
-    if ssm.dtype == torch.bfloat16:  # the step's slots in float32, rounded back after it
-        rows = idx.long()
-        bf16_rec, rec = rec, rec[rows].float()
-        slot_idx = torch.arange(idx.shape[0], dtype=torch.int32)
     flywheel.fused_conv1d_gdn(
-        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight, bias, a_log, dt_bias, qsl, slot_idx,
-        dist, seq_lens, slot_idx, n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width,
+        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight, bias, a_log, dt_bias, qsl, idx,
+        dist, seq_lens, idx, n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width,
         l2norm_eps=1e-5, out=core_attn_out[:t].view(t, hv * dv))
-    if ssm.dtype == torch.bfloat16:
-        bf16_rec[rows] = rec.to(torch.bfloat16)
     return True
 
 
