@@ -116,7 +116,7 @@ def test_bad_cache_shapes_raise():
 
 
 @pytest.mark.parametrize("calls, decode_only, prefill", [
-    (None, False, True), ("prefill", False, True), ("decode", True, False), ("all", True, True)])
+    (None, True, True), ("prefill", False, True), ("decode", True, False), ("all", True, True)])
 def test_which_steps_the_plugin_takes(monkeypatch, calls, decode_only, prefill):
     if calls is None:
         monkeypatch.delenv("FLYWHEEL_VLLM_CALLS", raising=False)

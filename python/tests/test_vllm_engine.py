@@ -97,7 +97,10 @@ print("RESULT " + json.dumps({"calls": calls[0], "diffs": diffs, "gdn_calls": gc
 def run_engine(tmp_path, plugin, calls="all", ssm_dtype="float32"):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", FLYWHEEL_VLLM="1" if plugin else "0",
-               FLYWHEEL_VLLM_CALLS=calls, FW_TEST_SSM_DTYPE=ssm_dtype)
+               FW_TEST_SSM_DTYPE=ssm_dtype)
+    env.pop("FLYWHEEL_VLLM_CALLS", None)
+    if calls is not None:  # None: the plugin's default
+        env["FLYWHEEL_VLLM_CALLS"] = calls
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / ("on" if plugin else "off"))],
                        env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -141,18 +144,23 @@ def test_plugin_agrees_with_vllms_kernels(tmp_path):
 
 
 def test_plugin_defaults(tmp_path):
-    """vLLM's and the plugin's defaults: bf16 GDN states (stepped in float32, rounded back) and
-    FLYWHEEL_VLLM_CALLS=prefill, so flywheel takes the steps with a prefill and the decode-only
-    steps stay vLLM's (faster inside the engine: README, "vLLM's CPU build"); the steps it
-    takes agree with vLLM's op (states within a bf16 rounding or two of the largest)."""
+    """vLLM's and the plugin's defaults: bf16 GDN states (updated in place, rounded once a
+    step) and every step on flywheel (FLYWHEEL_VLLM_CALLS unset: all), prefills and decodes,
+    each call agreeing with vLLM's own kernels (states within a bf16 rounding or two of the
+    largest, conv states the same bits); then FLYWHEEL_VLLM_CALLS=prefill leaves the
+    decode-only steps to vLLM."""
     need_engine()
-    on = run_engine(tmp_path, True, "prefill", "auto")
-    assert on["calls"] >= 1 and all(p for *_, p in on["diffs"]), on["diffs"]
+    on = run_engine(tmp_path, True, None, "auto")
+    assert on["calls"] >= 2 and any(p for *_, p in on["diffs"]), on["diffs"]
+    assert not all(p for *_, p in on["diffs"]), on["diffs"]
     for err, big, _ in on["diffs"]:
         assert err <= 2 ** -6 * big + 1e-6, (err, big)
-    assert on["gdn_calls"][0] >= 3 and all(p for *_, p in on["gdn_diffs"])
-    assert on["gdn_calls"][1] >= 3 * 11 and not any(on["declined"]), on["declined"]
+    assert on["gdn_calls"][0] >= 3 * 12 and on["gdn_calls"][1] == 0, on["gdn_calls"]
+    assert not any(on["declined"]), on["declined"]
     for out_err, conv_err, state_err, out_big, state_big, _ in on["gdn_diffs"]:
         assert out_err <= 2 ** -6 * out_big + 1e-30, (out_err, out_big)
         assert state_err <= 2 ** -6 * state_big + 1e-30, (state_err, state_big)
         assert conv_err == 0, conv_err
+    pre = run_engine(tmp_path, True, "prefill", "auto")
+    assert pre["calls"] >= 1 and all(p for *_, p in pre["diffs"]), pre["diffs"]
+    assert pre["gdn_calls"][0] >= 3 and pre["gdn_calls"][1] >= 3 * 11, pre["gdn_calls"]

@@ -20,13 +20,12 @@ register() is vLLM's general-plugin entry point (the package declares it in the 
 registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
 as vLLM would (the "vec" cache layout, a bf16 or f32 cache, causal decoder self-attention
 without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. Which steps:
-FLYWHEEL_VLLM_CALLS = "prefill" (the default: steps with at least one prefill), "decode"
-(decode-only steps) or "all". Measured inside the engine (python/bench_vllm.py, both kernels
-on every call): flywheel's prefill steps are faster than vLLM's (attention 1.6-2.1x, GDN
-1.2-2.0x at 1K and 4K prompts); its decode-only steps were slower on the library's own threads
-(attention 0.74-0.87x, GDN 0.52-0.85x) and are faster on torch's (share_threads: attention +
-GDN 1.03-1.27x at a 4K context, float32 states). Decodes stay vLLM's by default until bf16
-states are measured.
+FLYWHEEL_VLLM_CALLS = "all" (the default), "prefill" (steps with at least one prefill) or
+"decode" (decode-only steps). Measured inside the engine (python/bench_vllm.py, both kernels
+on every call, 2026-12-02): prefill steps at a 4K prompt, attention 1.38-1.56x vLLM's, GDN
+6.6-13.8x; decode steps at a 4K context, attention + GDN, 1.19-1.35x with bf16 states and
+1.40-1.42x with float32 ones (on torch's threads, share_threads; on the library's own pool the
+decodes were slower than vLLM's).
 
 The plugin also serves the Gated DeltaNet layers (Qwen3-Next, Qwen3.5): vLLM's CPU op
 `cpu_gdn_attention_core` (conv1d + SiLU, the gates, the gated delta rule of one layer's step)
@@ -120,24 +119,37 @@ def _layer_args(layer):
 
 def _step_args(md):
     """The per-step half of gdn_step's arguments, from vLLM's metadata (the same for every
-    GDN layer of a step): (query_start_loc, state indices, distribution, seq_lens)."""
+    GDN layer of a step): (query_start_loc, state indices, distribution, seq_lens). A
+    decode-only step takes its distribution and seq_lens (any length above its one token: no
+    sequence is new) from tensors kept per batch size, and slices only what it must."""
     import torch
     nd, n = md.num_decodes, md.num_decodes + md.num_prefills
-    qsl = md.non_spec_query_start_loc[:n + 1]
-    idx = md.non_spec_state_indices_tensor[:n]
+    qsl, idx = md.non_spec_query_start_loc, md.non_spec_state_indices_tensor
+    qsl = qsl if qsl.shape[0] == n + 1 else qsl[:n + 1]
+    idx = idx if idx.shape[0] == n else idx[:n]
+    if n == nd:
+        const = _DECODE_ARGS.get(n)
+        if const is None:
+            const = _DECODE_ARGS[n] = (torch.tensor([n, n, n], dtype=torch.int32),
+                                       torch.full((n,), 2, dtype=torch.int32))
+        return qsl, idx, const[0], const[1]
     has_init = torch.ones(n, dtype=torch.int32)
-    if md.has_initial_state is not None and n > nd:
+    if md.has_initial_state is not None:
         has_init[nd:] = md.has_initial_state[nd:n].to(torch.int32)
     seq_lens = (qsl[1:] - qsl[:-1]).to(torch.int32) + has_init
     return qsl, idx, torch.tensor([nd, n, n], dtype=torch.int32), seq_lens
 
 
-# gdn_step's caches: per layer (weakly keyed by the layer, checked against its cache tensors)
-# and for the last step's metadata (vLLM builds a new metadata object each step; the entry
-# holds it, so its id is not reused while cached). Without them a decode step's preparation
-# was ~15 torch operations a layer.
+# gdn_step's caches: per layer (weakly keyed by the layer, checked against its cache tensors),
+# per metadata object of the current step (vLLM builds one per group of layers each step; the
+# entries hold them, so an id is not reused while cached; cleared past _STEP_CAP), and a
+# decode-only step's constant arguments per batch size. Measured inside the engine (1K prompt,
+# bf16 states): _step_args ran for every layer's call (the layers' metadata objects differ),
+# about 100 us each, and the whole plugin step took ~350 us against the layer call's ~160.
 _LAYER_ARGS = weakref.WeakKeyDictionary()
-_STEP_ARGS = [None, None]
+_STEP_ARGS = {}
+_STEP_CAP = 16
+_DECODE_ARGS = {}
 
 
 def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
@@ -162,14 +174,19 @@ def gdn_step(layer, md, mixed_qkv, b, a, core_attn_out):
         return False
     conv, rec, ssm, weight, bias, a_log, dt_bias, n_kq, (hv, dk, dv, width) = la
     share_threads()
-    if _STEP_ARGS[0] is not md:
-        _STEP_ARGS[:] = [md, _step_args(md)]
-    qsl, idx, dist, seq_lens = _STEP_ARGS[1]
+    hit = _STEP_ARGS.get(id(md))
+    if hit is None or hit[0] is not md:
+        if len(_STEP_ARGS) >= _STEP_CAP:
+            _STEP_ARGS.clear()
+        hit = _STEP_ARGS[id(md)] = (md, _step_args(md))
+    qsl, idx, dist, seq_lens = hit[1]
     t = md.num_actual_tokens
+    if mixed_qkv.shape[0] != t:
+        mixed_qkv, b, a, core_attn_out = mixed_qkv[:t], b[:t], a[:t], core_attn_out[:t]
     flywheel.fused_conv1d_gdn(
-        mixed_qkv[:t], b[:t], a[:t], conv, rec, weight, bias, a_log, dt_bias, qsl, idx,
+        mixed_qkv, b, a, conv, rec, weight, bias, a_log, dt_bias, qsl, idx,
         dist, seq_lens, idx, n_kq=n_kq, n_v=hv, d_k=dk, d_v=dv, kernel_size=width,
-        l2norm_eps=1e-5, out=core_attn_out[:t].view(t, hv * dv))
+        l2norm_eps=1e-5, out=core_attn_out.view(t, hv * dv))
     return True
 
 
@@ -217,9 +234,9 @@ def share_threads():
 
 
 def takes_step(decode_only):
-    """Whether the plugin takes a step (FLYWHEEL_VLLM_CALLS: "prefill", the default, takes steps
-    with a prefill; "decode" decode-only steps; "all" both)."""
-    calls = os.environ.get("FLYWHEEL_VLLM_CALLS", "prefill")
+    """Whether the plugin takes a step (FLYWHEEL_VLLM_CALLS: "all", the default, takes every
+    step; "prefill" steps with a prefill; "decode" decode-only steps)."""
+    calls = os.environ.get("FLYWHEEL_VLLM_CALLS", "all")
     if calls not in ("prefill", "decode", "all"):
         raise ValueError(f"FLYWHEEL_VLLM_CALLS must be prefill, decode or all, got {calls!r}")
     return calls == "all" or calls == ("decode" if decode_only else "prefill")
