@@ -339,6 +339,34 @@ static int conv_silu_mode(const conv_prob *p, int standalone)
     return standalone && p->out->dtype != FW_F32 && !p->res ? FW_SILU_HALF : 1;
 }
 
+/* The weights [D, W] as f32 [W][D] (wb), one row of taps per channel. Rows packed ([D, W]
+ * contiguous, as every caller passes them): blocks of CONV_WBLK channels converted with the
+ * vector path, then transposed; otherwise strided, element by element. Measured, Qwen3-Next's
+ * 12288 channels x 4 bf16 taps (a decode's layer call, 2 threads): 25 us of a 56-67 us call
+ * strided. */
+#define CONV_WBLK 64
+static void conv_weights(const fw_kernels *kt, const fw_tensor *w, int64_t D, int64_t W, float *wb)
+{
+    if (w->stride[1] != 1 || w->stride[0] != W) {
+        for (int64_t k = 0; k < W; k++)
+            kt->to_f32(fw_elem(w, k * w->stride[1]), w->dtype, w->stride[0], D, 1.0f, wb + k * D);
+        return;
+    }
+    float tmp[CONV_WBLK * FW_MAX_CONV_WIDTH];
+    for (int64_t d0 = 0; d0 < D; d0 += CONV_WBLK) {
+        const int64_t n = fw_min64(CONV_WBLK, D - d0);
+        kt->to_f32(fw_elem(w, d0 * W), w->dtype, 1, n * W, 1.0f, tmp);
+        if (W == 4) /* Qwen3-Next's and Kimi's width, with a constant stride the compiler unrolls */
+            for (int64_t j = 0; j < n; j++)
+                for (int k = 0; k < 4; k++)
+                    wb[k * D + d0 + j] = tmp[j * 4 + k];
+        else
+            for (int64_t k = 0; k < W; k++)
+                for (int64_t j = 0; j < n; j++)
+                    wb[k * D + d0 + j] = tmp[j * W + k];
+    }
+}
+
 static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
                           const int32_t *cu_seqlens, int64_t n_seqs, const fw_conv1d_state *init,
                           const fw_conv1d_state *final, const fw_tensor *residual, const fw_tensor *out,
@@ -385,8 +413,7 @@ static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_
         free(c.ws);
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the conv1d workspace");
     }
-    for (int64_t k = 0; k < p.W; k++)
-        kt->to_f32(fw_elem(p.w, k * p.w->stride[1]), p.w->dtype, p.w->stride[0], p.D, 1.0f, wb + k * p.D);
+    conv_weights(kt, p.w, p.D, p.W, wb);
     if (p.b)
         kt->to_f32(p.b->data, p.b->dtype, p.b->stride[0], p.D, 1.0f, wb + p.W * p.D);
     else

@@ -1716,7 +1716,9 @@ static void gdn_dec_reads(const void *hv, fw_dtype hdt, int64_t ldh, int dk, int
     for (int c = 0; c < nv; c += GDN_CV * VL) {
         const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
         const char *hc = h + (size_t)c * (size_t)es;
-        if (hdt != FW_F32)
+        if (hdt != FW_F32 && cv == GDN_CV)
+            gdn_dec_ab_in(GDN_CV, hc, FW_BF16, ldh, dk, q, k, decay, a + c, b + c);
+        else if (hdt != FW_F32)
             gdn_dec_ab_bf16(cv, hc, ldh, dk, q, k, decay, a + c, b + c);
         else if (cv == GDN_CV)
             gdn_dec_ab(GDN_CV, (const float *)hc, ldh, dk, q, k, decay, a + c, b + c);
@@ -1749,7 +1751,9 @@ static void gdn_dec_cols(void *hv, fw_dtype hdt, int64_t ldh, int dk, int c0, in
     for (int c = 0; c < nv; c += GDN_CV * VL) {
         const int cv = (nv - c) / VL < GDN_CV ? (nv - c) / VL : GDN_CV;
         char *hc = h + (size_t)c * (size_t)es;
-        if (hdt != FW_F32)
+        if (hdt != FW_F32 && cv == GDN_CV)
+            gdn_dec_update_in(GDN_CV, hc, FW_BF16, ldh, dk, k, dl + c, decay);
+        else if (hdt != FW_F32)
             gdn_dec_update_bf16(cv, hc, ldh, dk, k, dl + c, decay);
         else if (cv == GDN_CV)
             gdn_dec_update(GDN_CV, (float *)hc, ldh, dk, k, dl + c, decay);
