@@ -255,6 +255,48 @@ static void test_conv_threads(void)
     case_end();
 }
 
+/* The weights' layouts: packed [D, W] rows (converted in blocks and transposed, a constant
+ * stride for W = 4), padded rows and a transposed view (element by element) give the same
+ * bits, for f32 and bf16 weights, widths 3, 4 and 5 and a channel count off the block. */
+static void test_conv_weight_layouts(void)
+{
+    case_begin("conv1d: packed, padded and transposed weights give the same bits");
+    enum { L = 7, D = 150, WM = 5 };
+    static float x[L * D], o[3][L * D], wf[D * (WM + 3)];
+    static uint16_t wh[D * (WM + 3)];
+    rng_seed(19);
+    for (int i = 0; i < L * D; i++)
+        x[i] = (float)rng_normal();
+    int64_t xs[3] = {1, L, D};
+    int32_t cu[2] = {0, L};
+    fw_tensor tx = fw_tensor_contiguous(x, FW_F32, 3, xs);
+    for (int bf = 0; bf < 2; bf++)
+        for (int W = 3; W <= WM; W++)
+            for (int lay = 0; lay < 3; lay++) {
+                /* the same values in each layout: element (d, k) at d * s0 + k * s1 */
+                const int64_t s0 = lay == 0 ? W : lay == 1 ? W + 3 : 1, s1 = lay == 2 ? D : 1;
+                for (int d = 0; d < D; d++)
+                    for (int k = 0; k < W; k++) {
+                        const float v = (float)(0.25 * ((d * 7 + k * 3) % 11) - 1.0);
+                        wf[d * s0 + k * s1] = v;
+                        wh[d * s0 + k * s1] = fw_f32_to_bf16(v);
+                    }
+                fw_tensor tw = fw_tensor_contiguous(bf ? (void *)wh : (void *)wf, bf ? FW_BF16 : FW_F32, 2,
+                                                    (int64_t[]){D, W});
+                tw.stride[0] = s0;
+                tw.stride[1] = s1;
+                fw_tensor to = fw_tensor_contiguous(o[lay], FW_F32, 3, xs);
+                fw_conv1d_params p;
+                fw_conv1d_params_init(&p);
+                fw_status st = fw_conv1d_fwd(&tx, &tw, NULL, cu, 1, NULL, NULL, NULL, &to, &p);
+                case_check(st == FW_OK, "%s W %d layout %d: %s", bf ? "bf16" : "f32", W, lay, fw_last_error());
+                if (lay)
+                    case_check(!memcmp(o[0], o[lay], sizeof o[0]), "%s W %d: layout %d differs from packed",
+                               bf ? "bf16" : "f32", W, lay);
+            }
+    case_end();
+}
+
 /* The kernels' SiLU for half-precision outputs (FW_SILU_HALF) against the f32 one, stored in
  * f32 so that the difference is the polynomial's: within 7.5e-5 relative on [-40, 40]; NaN,
  * infinities, -0 and underflow alike. */
@@ -496,6 +538,7 @@ const test_suite conv_suites[] = {
     {"conv.heuristics", test_conv_heuristics},
     {"conv.bad_input", test_conv_bad_input},
     {"conv.threads_identical", test_conv_threads},
+    {"conv.weight_layouts", test_conv_weight_layouts},
     {"conv.streamed", test_conv_streamed},
     {"conv.silu_half", test_conv_silu_half},
     {"conv.sweep", test_conv_sweep},
