@@ -82,6 +82,31 @@ def test_tiny_qwen3_next_logits_match(torch_paths, monkeypatch, dtype):
         assert top >= 0.95, top
 
 
+def test_decode_step_updates_a_bf16_state_in_place(torch_paths):
+    """The decode replacement on a bf16 cache state: updated in place (the tensor returned is
+    the cache's), the bits of the same step on its float32 copy rounded once."""
+    g_ = torch.Generator().manual_seed(4)
+    B, H, HV, K, V = 2, 2, 4, 16, 16
+    q, k = (torch.randn(B, 1, H, K, generator=g_, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, 1, HV, V, generator=g_, dtype=torch.bfloat16)
+    g = -torch.rand(B, 1, HV, generator=g_)
+    beta = torch.rand(B, 1, HV, generator=g_)
+    s16 = (torch.randn(B, HV, K, V, generator=g_) * 0.3).to(torch.bfloat16)
+    s32 = s16.float()
+    fwt.enable()
+    try:
+        step = mq.torch_recurrent_gated_delta_rule
+        o32, f32 = step(q, k, v, g, beta, initial_state=s32, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)
+        o16, f16 = step(q, k, v, g, beta, initial_state=s16, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)
+    finally:
+        fwt.disable()
+    assert f16 is s16 and f32 is s32
+    assert torch.equal(o16, o32)
+    assert torch.equal(s16.view(torch.int16), s32.to(torch.bfloat16).view(torch.int16))
+
+
 def test_padding_masks_take_sdpa_and_agree(torch_paths, monkeypatch):
     """A left-padded batch: attention with a mask goes to transformers' sdpa, the rest to
     flywheel; the logits of the real tokens agree."""

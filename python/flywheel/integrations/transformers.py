@@ -14,8 +14,8 @@
 - Gated DeltaNet layers (Qwen3-Next, Qwen3.5 and their MoE variants, which look these names up
   in their module at call time): causal_conv1d_fn / causal_conv1d_update become flywheel's,
   torch_chunk_gated_delta_rule flywheel.chunk_gated_delta_rule, and
-  torch_recurrent_gated_delta_rule the decode step, which updates the cache's float32 state in
-  place (gated_delta_rule_decode) and returns it as the final state. These are forward-only:
+  torch_recurrent_gated_delta_rule the decode step, which updates the cache's float32 (or
+  bf16) state in place (gated_delta_rule_decode) and returns it as the final state. These are forward-only:
   with tensors that need gradients they call transformers' own functions (training a hybrid
   model runs flywheel's attention, forward and backward, and torch's Gated DeltaNet).
 
@@ -168,8 +168,9 @@ def _recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None,
     B, S, _, K = query.shape
     HV, V = value.shape[2], value.shape[3]
     if (S == 1 and cu_seqlens is None and isinstance(initial_state, torch.Tensor) and
-            initial_state.dtype == torch.float32 and initial_state.is_contiguous() and
-            tuple(initial_state.shape) == (B, HV, K, V) and not initial_state.requires_grad):
+            initial_state.dtype in (torch.float32, torch.bfloat16) and
+            initial_state.is_contiguous() and tuple(initial_state.shape) == (B, HV, K, V) and
+            not initial_state.requires_grad):
         o = flywheel.gated_delta_rule_decode(query, key, value, g, beta, initial_state,
                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return o, (initial_state if output_final_state else None)
