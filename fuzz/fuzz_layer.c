@@ -5,9 +5,11 @@
  * prefills, a skipped tail, padding rows), new sequences and prefix-cache reads, padded
  * recurrent slots, any q/k : value head ratio, small head dims, conv widths 1..5, qkv and
  * conv cache in any dtype and layout (fuzz_util.h), KDA's per-channel gates a third of the
- * time, f32 or bf16 records and any window; broken on purpose now and then: a slot out of
+ * time, f32 or bf16 records and any window, an f32 or (a quarter of the time) bf16 recurrent
+ * cache; broken on purpose now and then: a slot out of
  * range or written twice, a read slot another sequence writes, committed records past the
- * window, a shadow or records of the wrong dtype or width, a window shorter than a
+ * window, a shadow or records of the wrong dtype or width, an f16 recurrent cache (a bf16 one
+ * under ReplaySSM), a window shorter than a
  * speculative window, a distribution out of order, and the tensors fuzz_util.h breaks.
  * Checks (beyond fuzz_util.h's): the layer and its reference agree on the status; on an
  * error nothing is written (out, both caches, shadow, records); on FW_OK with moderate
@@ -25,14 +27,26 @@ static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
 
 typedef struct {
     fz_tensor qkv, b, a, w, bias, alog, dt, out, conv, shadow, rec;
-    float *state;
-    size_t state_floats;
+    unsigned char *state; /* the recurrent slots, of dtype sdt */
+    size_t state_elems;
+    fw_dtype sdt;
 } lin;
+
+static size_t state_bytes(const lin *x)
+{
+    return x->state_elems * fw_dtype_size(x->sdt);
+}
+
+/* Element i of recurrent slots `st` (x's dtype). */
+static double state_at(const lin *x, const unsigned char *st, size_t i)
+{
+    return x->sdt == FW_F32 ? ((const float *)st)[i] : fw_bf16_to_f32(((const uint16_t *)st)[i]);
+}
 
 /* The caches of the reference's run: copies of the kernel's before the call. */
 typedef struct {
     unsigned char *conv, *shadow, *rec, *out;
-    float *state;
+    unsigned char *state;
 } lcopy;
 
 static void copy_of(const lin *x, lcopy *c)
@@ -41,8 +55,8 @@ static void copy_of(const lin *x, lcopy *c)
     c->shadow = fz_snapshot(&x->shadow);
     c->rec = fz_snapshot(&x->rec);
     c->out = fz_snapshot(&x->out);
-    c->state = malloc(x->state_floats * 4 + 4);
-    memcpy(c->state, x->state, x->state_floats * 4);
+    c->state = malloc(state_bytes(x) + 4);
+    memcpy(c->state, x->state, state_bytes(x));
 }
 
 static void free_copy(lcopy *c)
@@ -162,10 +176,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     tset(&x.rec.t, idx, -fabs(tget(&x.rec.t, idx)));
                 }
     const int64_t sstride = nv * dk * dv + fz_range(&in, 0, 3);
-    x.state_floats = (size_t)(slots * sstride);
-    x.state = malloc(x.state_floats * 4 + 4);
-    for (size_t i = 0; i < x.state_floats; i++)
-        x.state[i] = (float)(0.2 * (rng_uniform() - 0.5));
+    x.sdt = fz_chance(&in, 64) ? FW_F16 : fz_chance(&in, 4) ? FW_BF16 : FW_F32;
+    bad |= x.sdt == FW_F16 || (replay && x.sdt != FW_F32);
+    x.state_elems = (size_t)(slots * sstride);
+    x.state = malloc(state_bytes(&x) + 4);
+    for (size_t i = 0; i < x.state_elems; i++) {
+        const float v = (float)(0.2 * (rng_uniform() - 0.5));
+        if (x.sdt == FW_F32)
+            ((float *)x.state)[i] = v;
+        else
+            ((uint16_t *)x.state)[i] = x.sdt == FW_BF16 ? fw_f32_to_bf16(v) : 0x3c00;
+    }
 
     fw_gdn_layer_params p;
     fw_gdn_layer_params_init(&p);
@@ -180,15 +201,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     b.n_seqs = n; b.query_start_loc = qsl; b.seq_lens = sl; b.state_indices = wr; b.read_state_indices = rd;
     b.decode_end = (int32_t)de; b.prefill_end = (int32_t)pe; b.mixed_end = (int32_t)me;
     b.num_spec_tokens = (int32_t)spec; b.read_offsets = spec ? off : NULL;
-    fw_gdn_caches c = {x.conv.t, x.state, sstride, FW_F32};
+    fw_gdn_caches c = {x.conv.t, x.state, sstride, x.sdt};
     fw_gdn_replay r = {x.shadow.t, x.rec.t, lens};
 
     fz_desc[0] = 0;
     fz_describe("%s %s n %lld (de %lld pe %lld me %lld) spec %lld T %lld nkq %lld nv %lld dk %lld dv %lld K %lld "
-                "slots %lld W %lld threads %d isa %s precision %d", replay ? "replay" : "plain", kda ? "kda" : "gdn",
+                "slots %lld W %lld threads %d isa %s precision %d recurrent %s", replay ? "replay" : "plain", kda ? "kda" : "gdn",
                 (long long)n, (long long)de, (long long)pe, (long long)me, (long long)spec, (long long)T,
                 (long long)nkq, (long long)nv, (long long)dk, (long long)dv, (long long)K, (long long)slots,
-                (long long)W, (int)p.threads, p.isa ? p.isa : "default", (int)p.precision);
+                (long long)W, (int)p.threads, p.isa ? p.isa : "default", (int)p.precision, fw_dtype_name(x.sdt));
     for (int64_t i = 0; i < n; i++)
         fz_describe("\n  seq %lld: %d tokens, seq_len %d, write %d, read %d, records %d", (long long)i,
                     (int)(qsl[i + 1] - qsl[i]), (int)sl[i], (int)wr[i], (int)rd[i], (int)lens[i]);
@@ -208,7 +229,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int64_t no = T * nv * dv;
     double *ro = malloc(sizeof(double) * (size_t)(no > 0 ? no : 1));
     fw_tensor tro = fw_tensor_contiguous(ro, FW_F64, 2, (int64_t[]){T, nv * dv});
-    fw_gdn_caches rc = {over(&x.conv, refc.conv), refc.state, sstride, FW_F32};
+    fw_gdn_caches rc = {over(&x.conv, refc.conv), refc.state, sstride, x.sdt};
     fw_gdn_replay rr = {over(&x.shadow, refc.shadow), over(&x.rec, refc.rec), lens};
     /* (a broken out is the layer's alone: the reference takes f64, which breaks it for the
      * layer and may not for the reference) */
@@ -228,7 +249,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (st != FW_OK) {
         FZ_CHECK(fz_unchanged(&x.out, before.out) && fz_unchanged(&x.conv, before.conv) &&
                      fz_unchanged(&x.shadow, before.shadow) && fz_unchanged(&x.rec, before.rec) &&
-                     !memcmp(x.state, before.state, x.state_floats * 4),
+                     !memcmp(x.state, before.state, state_bytes(&x)),
                  "failed (%s) but wrote something", fw_last_error());
     } else {
         /* f32 rows: rounding only; half-precision rows and bf16 products: a rounding of the
@@ -248,12 +269,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 FZ_CHECK(!memcmp(elem_ptr(&x.out.t, o), before.out + (elem_ptr(&x.out.t, o) - x.out.buf),
                                  fw_dtype_size(x.out.t.dtype)), "padding row %lld is written", (long long)t);
             }
+        /* bf16 slots: the layer rounds f32 states, the reference float64 ones rounded to f32
+         * first, so a value near a rounding boundary may land an ulp (<= 2^-7 of it) apart */
         double es = 0, bs = 0;
-        for (size_t i = 0; i < x.state_floats; i++) {
-            es = fmax(es, isnan(x.state[i] - refc.state[i]) ? INFINITY : fabs(x.state[i] - refc.state[i]));
-            bs = fmax(bs, fabs(refc.state[i]));
+        for (size_t i = 0; i < x.state_elems; i++) {
+            const double d = state_at(&x, x.state, i) - state_at(&x, refc.state, i);
+            es = fmax(es, isnan(d) ? INFINITY : fabs(d));
+            bs = fmax(bs, fabs(state_at(&x, refc.state, i)));
         }
-        FZ_CHECK(es <= tol * (1 + bs), "a recurrent slot differs from the reference's by %.3g", es);
+        const double stol = tol + (x.sdt == FW_BF16 ? 0x1p-7 : 0.0);
+        FZ_CHECK(es <= stol * (1 + bs), "a recurrent slot differs from the reference's by %.3g", es);
         fw_tensor rconv = over(&x.conv, refc.conv);
         e = maxabs_diff(&x.conv.t, &rconv, &big, -1);
         FZ_CHECK(e == 0, "a conv slot differs from the reference's by %.3g", e);
@@ -278,7 +303,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     for (int64_t a = 0; a < dk; a++)
                         for (int64_t v = 0; v < dv; v++) {
                             idx[1] = h; idx[2] = a; idx[3] = v;
-                            const float want = x.state[s * sstride + (h * dk + a) * dv + v];
+                            const float want = ((const float *)x.state)[s * sstride + (h * dk + a) * dv + v];
                             FZ_CHECK(tget(&x.shadow.t, idx) == round_to(FW_BF16, want) || (isnan(want) && isnan(tget(&x.shadow.t, idx))),
                                      "slot %lld's shadow is not its checkpoint's bf16", (long long)s);
                         }
