@@ -86,7 +86,9 @@ decode: one attention decode step, GQA 32:8, d=128, bf16 and f32, batch x contex
   attention of the same values.
 
 gdn-decode: one Gated DeltaNet decode step of N sequences (1 and 64; --gdn-n), Qwen3-Next heads
-  (H=16, HV=32, dk=dv=128), bf16 q/k/v, q/k l2-normalised in the kernel; float32 states
+  (H=16, HV=32, dk=dv=128), bf16 q/k/v, q/k l2-normalised in the kernel; float32 states (and
+  with --gdn-states bf16 rows on bf16 states, vLLM's default for a bf16 model: the same calls
+  on bf16 pools, every system rounding the new states once; fla's API has no bf16 states)
   [N + 1, HV, dk, dv] in a slot pool (slot 0 unused: zentorch treats index 0 as padding),
   sequence i in slot i + 1, updated in place; the gates from Qwen3-Next's parameters:
   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), with a, b [N, HV] bf16,
@@ -111,7 +113,7 @@ gdn-decode: one Gated DeltaNet decode step of N sequences (1 and 64; --gdn-n), Q
   Every state pool is restored before each call, outside the timed region. This section runs
   under torch.no_grad() (the others under torch.inference_mode()): under inference_mode,
   zentorch's op fails for N > 1 ("Inplace update to inference tensor outside InferenceMode").
-  Bytes: the states read and written, 2 * N * HV * dk * dv * 4; reported as GB/s.
+  Bytes: the states read and written, 2 * N * HV * dk * dv * 4 (2 for bf16 states); GB/s.
   Error: max |o - ref| and max |state - ref| against a float64 step for sequences 0 and N-1,
   every value head.
 
@@ -150,7 +152,7 @@ Threads: --threads sets OMP_NUM_THREADS before torch is imported, torch.set_num_
 OpenVINO's INFERENCE_NUM_THREADS and ONNX Runtime's intra_op_num_threads.
 
 Usage: python python/compare_cpu.py [--reps 5] [--small-reps 30] [--threads 2] [--t 4096]
-           [--decode 1x1024,1x32768,16x4096] [--gdn-n 1,64]
+           [--decode 1x1024,1x32768,16x4096] [--gdn-n 1,64] [--gdn-states f32,bf16]
            [--conv-l 2048] [--only attn,gdn,decode,gdn-decode,conv,small] [--json]
 """
 
@@ -1002,7 +1004,7 @@ def gdn_decode_ref(q, k, v, g, beta, h0):
     return o, h
 
 
-def bench_gdn_decode(sys_, N, reps, burst=1):
+def bench_gdn_decode(sys_, N, reps, burst=1, states="f32"):
     rng = np.random.default_rng(3)
     q = bf16_values(rng, (N, GH, GD))
     k = bf16_values(rng, (N, GH, GD))
@@ -1012,6 +1014,8 @@ def bench_gdn_decode(sys_, N, reps, burst=1):
     A_log = np.log(rng.uniform(1.0, 16.0, GHV)).astype(np.float32)
     dt_bias = bf16_values(rng, (GHV,), 0.5)
     h0 = (rng.standard_normal((N, GHV, GD, GD)) * 0.05).astype(np.float32)
+    if states == "bf16":  # values a bf16 pool holds exactly, for every system and the reference
+        h0 = round_bf16(h0)
     g64, beta64 = gdn_gates(a, b, A_log, dt_bias)
     seqs = sorted({0, N - 1})
     ref_o, ref_h = gdn_decode_ref(*(x[seqs].astype(np.float64) for x in (q, k, v)),
@@ -1040,7 +1044,7 @@ def bench_gdn_decode(sys_, N, reps, burst=1):
         fw = sys_.flywheel
         fq, fk, fv = (bf16_tensor(sys_, x) for x in (q, k, v))
         fg, fb = f32_tensor(sys_, g64), f32_tensor(sys_, beta64)
-        state = f32_tensor(sys_, pool0)
+        state = tensor_of(sys_, pool0, states)
         idx = np.arange(1, N + 1, dtype=np.int32)
         fo = bf16_tensor(sys_, np.zeros((N, GHV, GD), np.float32))
 
@@ -1055,6 +1059,8 @@ def bench_gdn_decode(sys_, N, reps, burst=1):
     def flywheel_fr_case():
         if sys_.flywheel is None:
             raise Unavailable(sys_.why("flywheel"))
+        if states != "f32":
+            raise Unavailable("fla's API returns float32 final states")
         fw = sys_.flywheel
         fq, fk = (bf16_tensor(sys_, x.reshape(N, 1, GH, GD)) for x in (q, k))
         fv = bf16_tensor(sys_, v.reshape(N, 1, GHV, GD))
@@ -1077,7 +1083,7 @@ def bench_gdn_decode(sys_, N, reps, burst=1):
         vv = bf16_tensor(sys_, v[None])
         va, vb, vdt = bf16_tensor(sys_, a), bf16_tensor(sys_, b), bf16_tensor(sys_, dt_bias)
         vA = torch.from_numpy(A_log.copy())
-        pool = torch.from_numpy(pool0.copy())
+        pool = tensor_of(sys_, pool0, states)
         idx = torch.arange(1, N + 1, dtype=torch.int32)
         cu = torch.arange(N + 1, dtype=torch.int32)
 
@@ -1096,7 +1102,7 @@ def bench_gdn_decode(sys_, N, reps, burst=1):
         zdt = bf16_tensor(sys_, dt_bias)
         zA = torch.from_numpy(A_log.copy())
         pool0t = np.ascontiguousarray(pool0.transpose(0, 1, 3, 2))   # its [slots, HV, V, K]
-        pool = torch.from_numpy(pool0t.copy())
+        pool = tensor_of(sys_, pool0t, states)
         idx = torch.arange(1, N + 1, dtype=torch.int32)
         cu = torch.arange(N + 1, dtype=torch.int32)
         scale = float(1.0 / np.sqrt(GD))
@@ -1118,8 +1124,9 @@ def bench_gdn_decode(sys_, N, reps, burst=1):
     # threads); the same mode for every system
     with inference_mode(sys_, plain_no_grad=True):
         run_interleaved(cases, reps, burst)
-    nbytes = 2.0 * N * GHV * GD * GD * 4
-    shape = f"GDN decode bf16 N={N} H={GH} HV={GHV} dk=dv={GD}"
+    nbytes = 2.0 * N * GHV * GD * GD * (2 if states == "bf16" else 4)
+    shape = f"GDN decode bf16 N={N} H={GH} HV={GHV} dk=dv={GD}" + (
+        ", bf16 states" if states == "bf16" else "")
     return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
                    {"section": "gdn-decode",
                     "error_heads": f"every value head of {seqs_text(seqs)}"},
@@ -1303,6 +1310,13 @@ def parse_only(text):
     return [s for s in SECTIONS if s in chosen]
 
 
+def parse_states(text):
+    values = text.split(",")
+    if not values or any(v not in ("f32", "bf16") for v in values):
+        raise argparse.ArgumentTypeError("--gdn-states takes f32 and/or bf16, comma-separated")
+    return values
+
+
 def positive_ints(text):
     values = parse_list(text, "--gdn-n", int)
     if min(values) < 1:
@@ -1333,6 +1347,9 @@ def main(argv=None):
                          "(default 1x1024,1x32768,16x4096)")
     ap.add_argument("--gdn-n", type=positive_ints, default=[1, 64],
                     help="GDN decode sequence counts (default 1,64)")
+    ap.add_argument("--gdn-states", type=parse_states, default=["f32"],
+                    help="GDN decode state pools, comma-separated: f32, bf16 (vLLM's default "
+                         "for a bf16 model) (default f32)")
     ap.add_argument("--conv-l", type=int, default=2048,
                     help="conv section: tokens of the prefill (default 2048)")
     ap.add_argument("--only", type=parse_only, default=list(SECTIONS),
@@ -1375,7 +1392,8 @@ def main(argv=None):
         for n in args.gdn_n:
             log(f"gated deltanet decode, N={n} ...")
             try:
-                rows += bench_gdn_decode(sys_, n, args.small_reps, args.burst)
+                for st in args.gdn_states:
+                    rows += bench_gdn_decode(sys_, n, args.small_reps, args.burst, st)
             except Exception as e:
                 rows += section_failed(f"GDN decode N={n}", e)
     if "conv" in args.only:

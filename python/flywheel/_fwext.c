@@ -89,6 +89,9 @@ typedef fw_status (*gdn_layer_fn)(const fw_tensor *, const fw_tensor *, const fw
                                   const fw_tensor *, const fw_gdn_batch *, const fw_gdn_caches *,
                                   const fw_tensor *, const fw_gdn_layer_params *);
 typedef void (*layer_init_fn)(fw_gdn_layer_params *);
+typedef fw_status (*gdn_decode_pool_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                        const fw_tensor *, const fw_tensor *, const fw_gdn_pool *,
+                                        const fw_tensor *, const fw_gdn_params *);
 
 static struct {
     attn_fwd_fn attn_fwd;
@@ -99,6 +102,7 @@ static struct {
     gdn_init_fn gdn_params_init;
     gdn_layer_fn gdn_layer;
     layer_init_fn layer_params_init;
+    gdn_decode_pool_fn gdn_decode_pool;
     PyObject *torch_tensor; /* torch.Tensor, once torch is imported */
     PyObject *to_dlpack;    /* torch._C._to_dlpack */
     PyObject *torch_empty;  /* torch.empty */
@@ -659,7 +663,7 @@ done:
 
 /* gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, l2norm, threads,
  *   out) -> out (v's shape); q/k [N, H, K] or [N, 1, H, K], v [N, HV, V] or [N, 1, HV, V],
- *   g/beta [N, HV] or [N, 1, HV] float32, state [slots, HV, K, V] contiguous float32 */
+ *   g/beta [N, HV] or [N, 1, HV] float32, state [slots, HV, K, V] contiguous float32 or bf16 */
 static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
@@ -704,10 +708,11 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
         if (t->ndim == 3)
             drop1(t);
     }
-    /* the state: a contiguous float32 slot array, used in place */
+    /* the state: a contiguous float32 or bf16 slot array, used in place (bf16: as a pool) */
     TRY(get_float(a[5], &state, 4));
     const fw_tensor *S = &state.t;
-    if (state.dtype != FW_F32 || S->shape[1] != HV || S->shape[2] != K || S->shape[3] != V ||
+    if ((state.dtype != FW_F32 && state.dtype != FW_BF16) || S->shape[1] != HV || S->shape[2] != K ||
+        S->shape[3] != V ||
         S->stride[3] != 1 || S->stride[2] != V || S->stride[1] != K * V ||
         S->stride[0] != HV * K * V)
         TRY(DECLINE);
@@ -741,7 +746,12 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
     }
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = st.gdn_decode(&q.t, &k.t, &v.t, &g.t, &beta.t, state.t.data, S->shape[0], slots, &o.t, &p);
+    if (state.dtype == FW_BF16) {
+        const fw_gdn_pool pool = {state.t.data, S->shape[0], HV * K * V, slots, slots, FW_BF16};
+        s = st.gdn_decode_pool(&q.t, &k.t, &v.t, &g.t, &beta.t, &pool, &o.t, &p);
+    } else {
+        s = st.gdn_decode(&q.t, &k.t, &v.t, &g.t, &beta.t, state.t.data, S->shape[0], slots, &o.t, &p);
+    }
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
         TRY(DECLINE);
@@ -859,13 +869,14 @@ done:
 /* -------------------------------------------------------------------- module -- */
 
 /* init(abi, fw_attn_fwd, fw_attn_varlen_fwd, fw_attn_kvcache_fwd, fw_gdn_decode,
- *   fw_attn_params_init, fw_gdn_params_init, fw_gdn_layer, fw_gdn_layer_params_init): the
+ *   fw_attn_params_init, fw_gdn_params_init, fw_gdn_layer, fw_gdn_layer_params_init,
+ *   fw_gdn_decode_pool): the
  * library's ABI version and the addresses of its functions, from the ctypes binding.
  * ImportError when the ABI differs from the header this was compiled with. */
 static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 9, "init"))
+    if (!nargs(n, 10, "init"))
         return NULL;
     const long abi = PyLong_AsLong(a[0]);
     if (abi == -1 && PyErr_Occurred())
@@ -877,8 +888,8 @@ static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
                      FW_ABI_VERSION, abi);
         return NULL;
     }
-    void *f[8];
-    for (int i = 0; i < 8; i++) {
+    void *f[9];
+    for (int i = 0; i < 9; i++) {
         f[i] = PyLong_AsVoidPtr(a[i + 1]);
         if (!f[i]) {
             if (!PyErr_Occurred())
@@ -895,6 +906,7 @@ static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
     memcpy(&st.gdn_params_init, &f[5], sizeof f[5]);
     memcpy(&st.gdn_layer, &f[6], sizeof f[6]);
     memcpy(&st.layer_params_init, &f[7], sizeof f[7]);
+    memcpy(&st.gdn_decode_pool, &f[8], sizeof f[8]);
     Py_RETURN_NONE;
 }
 

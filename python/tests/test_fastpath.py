@@ -189,7 +189,8 @@ def test_kvcache_same_bits(family, dtype, paged, append):
                       taken=_exportable(family, dtype))
 
 
-def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16", kda=False):
+def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16", kda=False,
+              state_dtype="float32"):
     rng = np.random.default_rng(5)
     N, H, HV, K, V, slots = 3, 2, 4, 16, 24, 5
     lead = (N, 1) if squeeze else (N,)
@@ -199,10 +200,13 @@ def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16", kda
     g = -np.abs(rng.standard_normal(lead + ((HV, K) if kda else (HV,)))).astype(np.float32)
     beta = rng.uniform(0, 1, lead + (HV,)).astype(np.float32)
     state = rng.standard_normal((slots, HV, K, V)).astype(np.float32)
+    if state_dtype == "bfloat16":
+        state, _ = make(rng, (slots, HV, K, V), "bfloat16", family)
     idx = np.array([4, 0, 2], np.int32) if with_idx else None
     out = np.zeros(lead + (HV, V), v.dtype) if family == "numpy" and with_out else None
     if family == "torch":
-        g, beta, state = torch.from_numpy(g), torch.from_numpy(beta), torch.from_numpy(state)
+        g, beta = torch.from_numpy(g), torch.from_numpy(beta)
+        state = state if state_dtype == "bfloat16" else torch.from_numpy(state)
         idx = None if idx is None else torch.from_numpy(idx)
         if with_out:
             out = torch.zeros(lead + (HV, V), dtype=v.dtype)
@@ -225,6 +229,10 @@ def test_gdn_decode_same_bits(family, squeeze, with_idx):
             # KDA's g [N, HV, K]; [N, 1, HV, K] goes the ctypes way
             check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm, "float16", True),
                   taken=not squeeze)
+            # bf16 states (a bf16 pool, updated in place)
+            check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm, "float16",
+                                    state_dtype="bfloat16"),
+                  taken=_exportable(family, "bfloat16"))
 
 
 def _layer_call(family, dtype="bfloat16", with_read=True, zero_tail=True, padded=False,
