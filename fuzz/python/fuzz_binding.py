@@ -1523,11 +1523,12 @@ def fuzz_prefill(c):
                     1.0 + float(np.abs(rh).max(initial=0.0)))
 
 
-def state_model(c, state, HV, K, V, written):
+def state_model(c, state, HV, K, V, written, bf16_ok=False):
+    """A slot array the call may use (bf16_ok: bf16 states too, gated_delta_rule_decode's)."""
     if not isinstance(state, np.ndarray):
         c.why.append("state not an array")
         return None
-    if state.dtype != F32:
+    if state.dtype != F32 and not (bf16_ok and BF16 is not None and state.dtype == BF16):
         c.why.append("state dtype")
         return None
     if not state.flags.c_contiguous or state.ndim != 4 or state.shape[1:] != (HV, K, V):
@@ -1639,7 +1640,7 @@ def fuzz_decode(c):
                     why.append(f"g/beta shapes {g64.shape} {b64.shape}")
                 else:
                     Kq = qq.shape[-1]
-                    slots = state_model(c, state, HVv, Kq, Vv, True)
+                    slots = state_model(c, state, HVv, Kq, Vv, True, bf16_ok=True)
                     if slots is not None:
                         ix = slots_model(c, kw.get("state_indices"), Nn, slots)
                         Hq = qq.shape[1]
@@ -1664,7 +1665,7 @@ def fuzz_decode(c):
     if not moderate(c, qq, kk, vv) or not gdn_stable(as64(kk), b64.reshape(Nn, HVv), l2) or \
             abs(scale) > 4:
         return
-    tol = (3e-2 if qq.dtype == BF16 else 2e-3) + out_tol(res.dtype)
+    tol = (3e-2 if qq.dtype == BF16 or state.dtype == BF16 else 2e-3) + out_tol(res.dtype)
     o = as64(res).reshape(Nn, HVv, Vv)
     q64, k64, v64 = as64(qq), as64(kk), as64(vv)
     gg, bb = g64.reshape(Nn, HVv), b64.reshape(Nn, HVv)

@@ -744,6 +744,9 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
             TRY(DECLINE);
         drop1(&o.t);
     }
+    for (int64_t i = 0; i < N && state.dtype == FW_BF16; i++)
+        if (slots[i] < 0) /* a pool's negative index is no slot: the Python path refuses it */
+            TRY(DECLINE);
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
     if (state.dtype == FW_BF16) {

@@ -213,18 +213,19 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                          allow_neg_eigval), out, None, l2norm_eps)
 
 
-def _state_slots(state, HV, K, V, written):
+def _state_slots(state, HV, K, V, written, bf16=False):
     """The slot count of a state array the library reads (and, if `written`, updates) in
-    place: TypeError for another type or dtype than float32, ValueError for the shape, the
-    layout or (written) a read-only numpy array."""
-    want = f"a contiguous float32 [slots, HV, K, V] = [slots, {HV}, {K}, {V}] array"
+    place: TypeError for another type or dtype than float32 (or, with bf16, bfloat16),
+    ValueError for the shape, the layout or (written) a read-only numpy array."""
+    kind = "float32 or bfloat16" if bf16 else "float32"
+    want = f"a contiguous {kind} [slots, HV, K, V] = [slots, {HV}, {K}, {V}] array"
+    ok = (_lib.F32, _lib.BF16) if bf16 else (_lib.F32,)
     if T.is_torch(state):
-        torch = T._torch()
         if state.device.type != "cpu":
             raise NotImplementedError(f"state is on {state.device}: CPU tensors only")
-        f32, contiguous = state.dtype == torch.float32, state.is_contiguous()
+        f32, contiguous = T._torch_code(state) in ok, state.is_contiguous()
     elif isinstance(state, np.ndarray):
-        f32, contiguous = state.dtype == np.float32, state.flags.c_contiguous
+        f32, contiguous = T._NP_CODES.get(state.dtype) in ok, state.flags.c_contiguous
     else:
         raise TypeError(f"state must be {want} (numpy or torch), got {type(state).__name__}")
     if not f32:
@@ -282,7 +283,6 @@ def _pool_slots(state, HV, K, V):
     want = (f"a float32 or bfloat16 [slots, HV, K, V] = [slots, {HV}, {K}, {V}] array, each "
             "slot contiguous")
     if T.is_torch(state):
-        torch = T._torch()
         if state.device.type != "cpu":
             raise NotImplementedError(f"state is on {state.device}: CPU tensors only")
         code, st = T._torch_code(state), tuple(state.stride())
@@ -295,7 +295,9 @@ def _pool_slots(state, HV, K, V):
         raise TypeError(f"state: dtype {state.dtype} is not supported: state must be {want}")
     if state.ndim != 4 or tuple(state.shape[1:]) != (HV, K, V):
         raise ValueError(f"state must be {want}, got shape {tuple(state.shape)}")
-    if st[1:] != (K * V, V, 1) or (state.shape[0] > 1 and st[0] < HV * K * V):
+    # (a one-element dimension's stride reaches no other element: numpy's contiguity rule)
+    inner = all(n == 1 or s == w for n, s, w in zip(state.shape[1:], st[1:], (K * V, V, 1)))
+    if not inner or (state.shape[0] > 1 and st[0] < HV * K * V):
         raise ValueError(f"state must be {want} (it is updated in place), got strides {st}")
     T.check_writable(state, "state")
     return state.shape[0], st[0] if state.shape[0] > 1 else HV * K * V, code
@@ -379,6 +381,8 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     g, beta = g.reshape((N, HV, K) if kda else (N, HV)), beta.reshape(N, HV)
     pool = None
     if read_state_indices is not None or _is_bf16(state):
+        if read_state_indices is None:  # a slot array: as contiguous as a float32 one
+            _state_slots(state, HV, q.shape[-1], V, written=True, bf16=True)
         slots, stride, sdt = _pool_slots(state, HV, q.shape[-1], V)
         idx = _indices(state_indices, N)
         ridx = idx
@@ -386,6 +390,10 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
             ridx = T.index_array(read_state_indices, "read_state_indices")
             if ridx.shape != (N,):
                 raise ValueError(f"read_state_indices must have {N} entries, got {ridx.shape}")
+        elif idx.size and idx.min() < 0:  # a slot array's indices are slots (a pool's may not be)
+            i = int(np.argmax(idx < 0))
+            raise _lib.FlywheelError("FW_ERR_INDEX", f"state_indices[{i}] = {int(idx[i])} is not "
+                                                     f"a slot (0..{slots - 1})")
         pool = _pool(state, slots, stride, sdt, ridx, idx)
     else:
         slots = _state_slots(state, HV, q.shape[-1], V, written=True)

@@ -349,6 +349,10 @@ def _declined_cases():
         "gdn float64 state": lambda: flywheel.gated_delta_rule_decode(
             q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
             np.zeros((2, 2, 8, 8), np.float64)),
+        "gdn bf16 state, negative slot": lambda: flywheel.gated_delta_rule_decode(
+            q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
+            torch.zeros(3, 2, 8, 8, dtype=torch.bfloat16) if torch is not None
+            else np.zeros((3, 2, 8, 8), np.float32), np.array([1, -1], np.int32)),
         "gdn duplicate slots": lambda: flywheel.gated_delta_rule_decode(
             q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
             np.zeros((2, 2, 8, 8), np.float32), np.array([1, 1], np.int32)),
