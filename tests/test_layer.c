@@ -184,6 +184,15 @@ static void state_to_double(const float *rec, double *dst)
         dst[i] = rec[i];
 }
 
+/* The slots step s writes (a window of n tokens writes n from its slot). */
+static void written_slots(const lbatch *s, int written[SLOTS])
+{
+    memset(written, 0, sizeof(int) * SLOTS);
+    for (int i = 0; i < s->me; i++)
+        for (int t = 0; t < (i < s->de && s->spec ? s->qsl[i + 1] - s->qsl[i] : 1); t++)
+            written[s->wr[i] + t] = 1;
+}
+
 static void layer_case(const lcase *c, uint64_t seed)
 {
     const lbatch *s = c->spec ? &spec_step : &plain_step;
@@ -217,10 +226,8 @@ static void layer_case(const lcase *c, uint64_t seed)
         big = fmax(big, fabs(ro[i]));
     const double bar = (c->dt == FW_F32 ? 1e-4 : 2 * 0x1p-8) * (1 + big);
     /* slots the step writes: the rest must keep their bits */
-    int written[SLOTS] = {0};
-    for (int i = 0; i < s->me; i++)
-        for (int t = 0; t < (i < s->de && s->spec ? s->qsl[i + 1] - s->qsl[i] : 1); t++)
-            written[s->wr[i] + t] = 1;
+    int written[SLOTS];
+    written_slots(s, written);
     gbuf ob = gbuf_new((size_t)no * fw_dtype_size(c->dt));
     fw_tensor to = fw_tensor_contiguous(ob.p, c->dt, 2, os);
     unsigned char *first = malloc(ob.bytes);
@@ -290,6 +297,16 @@ static void test_layer_reference(void)
         layer_case(&cases[i], 300 + (uint64_t)i);
 }
 
+/* Caches of one run whose recurrent cache is the bf16 slots rb, reset to rb0 (the conv cache
+ * and the unused f32 slots as caches_new makes them). */
+static void caches_bf16(lcaches *k, const linputs *in, fw_dtype dt, uint16_t *rb, const uint16_t *rb0)
+{
+    caches_new(k, in, dt);
+    memcpy(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE);
+    k->c.recurrent = rb;
+    k->c.recurrent_dtype = FW_BF16;
+}
+
 /* A bf16 recurrent cache (vLLM's default for a bf16 model). On the plain step (decodes, a
  * prefill longer than the 256-row window, a skipped sequence) the layer and its reference
  * give the bits of the same call on an f32 cache holding the same values, each written slot
@@ -321,10 +338,7 @@ static void test_layer_bf16_states(void)
             /* the references: f32 cache (spec: the exact reference) and bf16 cache */
             lcaches r32, r16;
             caches_new(&r32, &in, c.dt);
-            caches_new(&r16, &in, c.dt);
-            memcpy(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE);
-            r16.c.recurrent = rb;
-            r16.c.recurrent_dtype = FW_BF16;
+            caches_bf16(&r16, &in, c.dt, rb, rb0);
             fw_gdn_layer_params p = lparams(&c, FW_PREC_F32, NULL, 0);
             fw_status st = run_layer(1, &in, s, &r32, &tro, &p);
             case_check(st == FW_OK, "reference, f32 cache: %s", fw_last_error());
@@ -336,10 +350,8 @@ static void test_layer_bf16_states(void)
             if (!spec)
                 case_check(same && memcmp(ro, go, sizeof(double) * (size_t)no) == 0,
                            "reference: bf16 cache differs from the f32 cache's rounded result");
-            int written[SLOTS] = {0};
-            for (int i = 0; i < s->me; i++)
-                for (int t = 0; t < (i < s->de && s->spec ? s->qsl[i + 1] - s->qsl[i] : 1); t++)
-                    written[s->wr[i] + t] = 1;
+            int written[SLOTS];
+            written_slots(s, written);
             double big = 0, sbig = 0;
             for (int64_t i = 0; i < no; i++)
                 big = fmax(big, fabs(ro[i]));
@@ -353,10 +365,7 @@ static void test_layer_bf16_states(void)
                     for (int threads = 1; threads <= 3; threads += 2) {
                         lcaches k32, k16;
                         caches_new(&k32, &in, c.dt);
-                        caches_new(&k16, &in, c.dt);
-                        memcpy(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE);
-                        k16.c.recurrent = rb;
-                        k16.c.recurrent_dtype = FW_BF16;
+                        caches_bf16(&k16, &in, c.dt, rb, rb0);
                         p = lparams(&c, prec, isa, threads);
                         st = run_layer(0, &in, s, &k32, &t32, &p);
                         st |= run_layer(0, &in, s, &k16, &t16, &p);
@@ -388,9 +397,7 @@ static void test_layer_bf16_states(void)
             }
             if (!spec) { /* an f16 cache; ReplaySSM on a bf16 one */
                 lcaches kb;
-                caches_new(&kb, &in, c.dt);
-                memcpy(rb, rb0, sizeof(uint16_t) * SLOTS * RSTRIDE);
-                kb.c.recurrent = rb;
+                caches_bf16(&kb, &in, c.dt, rb, rb0);
                 kb.c.recurrent_dtype = FW_F16;
                 memset(o16.p, 0xA5, o16.bytes);
                 p = lparams(&c, FW_PREC_AUTO, NULL, 2);

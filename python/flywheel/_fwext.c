@@ -712,8 +712,7 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
     TRY(get_float(a[5], &state, 4));
     const fw_tensor *S = &state.t;
     if ((state.dtype != FW_F32 && state.dtype != FW_BF16) || S->shape[1] != HV || S->shape[2] != K ||
-        S->shape[3] != V ||
-        S->stride[3] != 1 || S->stride[2] != V || S->stride[1] != K * V ||
+        S->shape[3] != V || S->stride[3] != 1 || S->stride[2] != V || S->stride[1] != K * V ||
         S->stride[0] != HV * K * V)
         TRY(DECLINE);
     const int32_t *slots = order;
@@ -824,8 +823,8 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
         TRY(DECLINE);
     /* the state pool as _pool_slots takes it: float32 or bf16, each slot contiguous */
     const fw_tensor *R = &rec.t;
-    if ((rec.dtype != FW_F32 && rec.dtype != FW_BF16) || R->shape[1] != nv || R->shape[2] != dk || R->shape[3] != dv ||
-        R->stride[3] != 1 || R->stride[2] != dv || R->stride[1] != dk * dv ||
+    if ((rec.dtype != FW_F32 && rec.dtype != FW_BF16) || R->shape[1] != nv || R->shape[2] != dk ||
+        R->shape[3] != dv || R->stride[3] != 1 || R->stride[2] != dv || R->stride[1] != dk * dv ||
         (R->shape[0] > 1 && R->stride[0] < nv * dk * dv))
         TRY(DECLINE);
     memset(&batch, 0, sizeof batch);

@@ -380,24 +380,22 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
                          f"shape {g.shape}")
     g, beta = g.reshape((N, HV, K) if kda else (N, HV)), beta.reshape(N, HV)
     pool = None
-    if read_state_indices is not None or _is_bf16(state):
-        if read_state_indices is None:  # a slot array: as contiguous as a float32 one
-            _state_slots(state, HV, q.shape[-1], V, written=True, bf16=True)
+    if read_state_indices is not None:
         slots, stride, sdt = _pool_slots(state, HV, q.shape[-1], V)
         idx = _indices(state_indices, N)
-        ridx = idx
-        if read_state_indices is not None:
-            ridx = T.index_array(read_state_indices, "read_state_indices")
-            if ridx.shape != (N,):
-                raise ValueError(f"read_state_indices must have {N} entries, got {ridx.shape}")
-        elif idx.size and idx.min() < 0:  # a slot array's indices are slots (a pool's may not be)
-            i = int(np.argmax(idx < 0))
-            raise _lib.FlywheelError("FW_ERR_INDEX", f"state_indices[{i}] = {int(idx[i])} is not "
-                                                     f"a slot (0..{slots - 1})")
+        ridx = T.index_array(read_state_indices, "read_state_indices")
+        if ridx.shape != (N,):
+            raise ValueError(f"read_state_indices must have {N} entries, got {ridx.shape}")
         pool = _pool(state, slots, stride, sdt, ridx, idx)
     else:
-        slots = _state_slots(state, HV, q.shape[-1], V, written=True)
+        slots = _state_slots(state, HV, q.shape[-1], V, written=True, bf16=True)
         idx = _indices(state_indices, N)
+        if _is_bf16(state):  # the library takes bf16 states as a pool, in place on its slots
+            if idx.size and idx.min() < 0:  # a slot array's indices are slots (a pool's may not be)
+                i = int(np.argmax(idx < 0))
+                raise _lib.FlywheelError("FW_ERR_INDEX", f"state_indices[{i}] = {int(idx[i])} is "
+                                                         f"not a slot (0..{slots - 1})")
+            pool = _pool(state, slots, HV * q.shape[-1] * V, _lib.BF16, idx, idx)
     if out is None:
         o = T.empty_like_family(v, (N, HV, V))
     else:
@@ -431,11 +429,11 @@ def gated_delta_rule_prefill(q, k, v, g, beta, state, state_indices, cu_seqlens=
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (B = 1 with cu_seqlens [N + 1]);
     state [slots, HV, K, V] float32 or bfloat16 (each final state rounded to bf16 once),
-    each slot contiguous (slots may lie further apart: padded); sequence i starts from slot read_state_indices[i] (default: state_indices[i];
-    negative: a zero state) and its final state goes to slot state_indices[i] (negative: not
-    kept). No two sequences may write one slot, nor read one another writes. Returns o
-    [B, T, HV, V] (out: an existing array to write instead). precision, l2norm_eps: as in
-    chunk_gated_delta_rule.
+    each slot contiguous (slots may lie further apart: padded); sequence i starts from slot
+    read_state_indices[i] (default: state_indices[i]; negative: a zero state) and its final
+    state goes to slot state_indices[i] (negative: not kept). No two sequences may write one
+    slot, nor read one another writes. Returns o [B, T, HV, V] (out: an existing array to
+    write instead). precision, l2norm_eps: as in chunk_gated_delta_rule.
     """
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     g, beta = _gates(g, beta, False, None, None, False, False)

@@ -81,28 +81,20 @@ static fw_status ref_piece(const gdn_layer_prob *L, int64_t r0, int64_t n, int32
     fw_tensor o = gdn_rows_view(L->out, r0, n, 0, L->nv, L->dv);
     fw_tensor tg = L->kda ? gdn_rows_view(L->a, r0, n, 0, L->nv, L->dk) : gdn_rows2(L->a, r0, n);
     fw_tensor tb = gdn_rows2(L->b, r0, n);
-    /* the recurrent slots in their dtype (bf16: read exactly, written rounded from f32, as the
-     * layer rounds its f32 state) */
-    char *rec = L->caches->recurrent;
-    const fw_dtype rdt = L->caches->recurrent_dtype;
+    /* the recurrent slots as a flat tensor of their dtype (bf16: read exactly, written rounded
+     * from f32, as the layer rounds its f32 state) */
     const int64_t st = L->caches->recurrent_stride;
-    const size_t es = fw_dtype_size(rdt);
-    for (int64_t i = 0; i < ss && rd >= 0; i++) {
-        const char *e = rec + (size_t)(rd * st + i) * es;
-        B->state[i] = rdt == FW_F32 ? *(const float *)e : fw_cvt_bf16_f32(*(const uint16_t *)e);
-    }
+    const fw_tensor rec = fw_tensor_contiguous(L->caches->recurrent, L->caches->recurrent_dtype, 1,
+                                               (int64_t[]){(L->slots > 0 ? (L->slots - 1) * st : 0) + ss});
+    for (int64_t i = 0; i < ss && rd >= 0; i++)
+        B->state[i] = (float)fw_load_f64(&rec, rd * st + i);
     fw_gdn_params gp = L->gp;
     gp.threads = 1;
     if (decode)
         gp.flags |= FW_GDN_RECURRENT;
     s = fw_gdn_ref(&q, &k, &v, &tg, &tb, cu, 1, rd >= 0 ? B->state : NULL, B->fin, &o, &gp);
-    for (int64_t i = 0; i < ss && !s; i++) {
-        char *e = rec + (size_t)(wr * st + i) * es;
-        if (rdt == FW_F32)
-            *(float *)e = (float)B->fin[i];
-        else
-            *(uint16_t *)e = fw_cvt_f32_bf16((float)B->fin[i]);
-    }
+    for (int64_t i = 0; i < ss && !s; i++)
+        fw_store_f64(&rec, wr * st + i, B->fin[i]);
     return s;
 }
 

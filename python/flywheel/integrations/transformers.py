@@ -15,9 +15,10 @@
   in their module at call time): causal_conv1d_fn / causal_conv1d_update become flywheel's,
   torch_chunk_gated_delta_rule flywheel.chunk_gated_delta_rule, and
   torch_recurrent_gated_delta_rule the decode step, which updates the cache's float32 (or
-  bf16) state in place (gated_delta_rule_decode) and returns it as the final state. These are forward-only:
-  with tensors that need gradients they call transformers' own functions (training a hybrid
-  model runs flywheel's attention, forward and backward, and torch's Gated DeltaNet).
+  bf16) state in place (gated_delta_rule_decode) and returns it as the final state. These are
+  forward-only: with tensors that need gradients they call transformers' own functions
+  (training a hybrid model runs flywheel's attention, forward and backward, and torch's Gated
+  DeltaNet).
 
 - Outputs are reused: a call's output array is kept (one per shape, dtype and layout, per
   thread) and written again by a later call with the same shape once nothing else refers to

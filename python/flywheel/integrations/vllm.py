@@ -35,7 +35,8 @@ with K and V swapped), flywheel's layout; the conv cache is read as [slots, K - 
 either of vLLM's layouts (SD, or DS through a transposed view); the unpacked conv weights are
 the ones vLLM stashes when it packs them. States are updated in place, float32
 (`mamba_ssm_cache_dtype="float32"`) or bf16 (vLLM's default "auto" for a bf16 model: read into
-float32 by the kernels and rounded back once a step, as vLLM's kernels round them). Speculative decoding and prefix-caching checkpoints stay on vLLM's own op.
+float32 by the kernels and rounded back once a step, as vLLM's kernels round them).
+Speculative decoding and prefix-caching checkpoints stay on vLLM's own op.
 """
 
 import os
