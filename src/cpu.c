@@ -1,5 +1,6 @@
 /* cpu.c: the kernel-table registry. The CPU is detected once; FLYWHEEL_ISA, read once, names
  * the default table. */
+#define _GNU_SOURCE 1 /* syscall() */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,6 +10,7 @@
 typedef struct {
     const fw_kernels *k;
     int (*supported)(void);
+    const fw_kernels *base; /* fills the table's NULL entries before the portable table */
 } entry;
 
 static int always(void) { return 1; }
@@ -54,15 +56,50 @@ static int has_avx512bf16(void)
         return 0;
     return (a >> 5) & 1u; /* CPUID.(EAX=7,ECX=1):EAX bit 5: AVX512_BF16 */
 }
+
+/* AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22), the tile state enabled in
+ * XCR0 (bits 17, 18), and Linux's grant of the tile data to this process (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, Linux 5.16): until it is granted, the first tile instruction of
+ * any thread faults. Asked once; a refusal (an older kernel, a seccomp filter, a signal
+ * stack too small for the larger frame) leaves the table unsupported. */
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+static int amx_granted;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_request(void)
+{
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    amx_granted = syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
+}
+#endif
+
+static int has_amx(void)
+{
+    unsigned a, b, c, d;
+    if (!has_avx512bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return 0;
+    const unsigned tile = 1u << 24, bf16 = 1u << 22, state = 3u << 17;
+    if ((d & (tile | bf16)) != (tile | bf16) || (xcr0() & state) != state)
+        return 0;
+#if defined(__linux__)
+    pthread_once(&amx_once, amx_request);
+    return amx_granted;
+#else
+    return 0;
+#endif
+}
 #endif
 
 /* Best last: the default is the last supported entry. */
 static const entry tables[] = {
-    {&fw_kernels_portable, always},
+    {&fw_kernels_portable, always, NULL},
 #if defined(__x86_64__) || defined(_M_X64)
-    {&fw_kernels_avx2, has_avx2},
-    {&fw_kernels_avx512, has_avx512},
-    {&fw_kernels_avx512bf16, has_avx512bf16},
+    {&fw_kernels_avx2, has_avx2, NULL},
+    {&fw_kernels_avx512, has_avx512, NULL},
+    {&fw_kernels_avx512bf16, has_avx512bf16, NULL},
+    {&fw_kernels_amx, has_amx, &fw_kernels_avx512bf16},
 #endif
 };
 #define NTABLES ((int)(sizeof tables / sizeof tables[0]))
@@ -140,6 +177,8 @@ static void resolve_run(void)
 {
     for (int i = 0; i < NTABLES; i++) {
         resolved[i] = *tables[i].k;
+        if (tables[i].base)
+            fw_kernels_fill(&resolved[i], tables[i].base);
         fw_kernels_fill(&resolved[i], &fw_kernels_portable);
     }
 }
@@ -157,14 +196,14 @@ const fw_kernels *fw_kernels_get(const char *name)
         if (d < 0) {
             fw_fail(FW_ERR_UNSUPPORTED,
                     "FLYWHEEL_ISA=%s names no kernel table this CPU runs (tables: portable, avx2, "
-                    "avx512, avx512bf16)", env_name);
+                    "avx512, avx512bf16, amx)", env_name);
             return NULL;
         }
         return table(d);
     }
     const entry *e = find(name);
     if (!e) {
-        fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: portable, avx2, avx512, avx512bf16)", name);
+        fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: portable, avx2, avx512, avx512bf16, amx)", name);
         return NULL;
     }
     if (!e->supported()) {
@@ -204,7 +243,7 @@ static fw_status peak_run(const char *isa, int32_t threads, double seconds, int 
     } else {
         for (int i = 0; i < NTABLES; i++)
             if (tables[i].supported())
-                k = tables[i].k;
+                k = table(i);
     }
     if (!k)
         return FW_ERR_UNSUPPORTED;

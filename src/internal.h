@@ -90,11 +90,16 @@ typedef struct fw_kernels {
      * 32-bit word; panels described in attn_kern.h): the tables own this packing.
      * pack_pairs: dst[i] = (even[i], odd[i]) rounded to bf16, i < n (odd NULL: zeros).
      * qk_bf16: ST[j][m] = bias[m] + scale * (K row j . q row m) over dw words, K rows ldkw
-     * words apart, QW [dw][M]. pv_bf16: OT[c][m] += sum_w VW[w][c] . PW[w][m], VW [nw][dv],
-     * PW [nw][M]. */
+     * words apart, QW [dw][M]. pv_bf16: OT[c][m] += sum_w VW[w][c] . PW[w][m], VW from
+     * pack_vw (nw = ceil(n/2) word rows, dv = cols), PW [nw][M]. */
     void (*pack_pairs)(const float *even, const float *odd, int n, uint32_t *dst);
     /* dst[w] = (x[2w], x[2w+1]) rounded to bf16, w < ceil(n/2), zero past n. */
     void (*pack_row_pairs)(const float *x, int n, uint32_t *dst);
+    /* pv_bf16's first operand from f32 rows X [n][cols] (a tile's value rows, or whatever
+     * rows a product sums over), rounded to bf16 in this table's layout: the pair layout
+     * VW [ceil(n/2)][cols] here; AMX its transpose, padded to whole tiles (amx.c). Sized by
+     * panel_bytes(n, cols). */
+    void (*pack_vw)(const float *X, int n, int cols, uint32_t *VW);
     void (*qk_bf16)(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
                     float scale, const float *bias, float *ST);
     void (*pv_bf16)(int nw, int dv, int M, const uint32_t *VW, const uint32_t *PW, float *OT);
@@ -222,7 +227,7 @@ typedef struct fw_kernels {
  * contract depends on the vector length of another (the portable entries take any M, and
  * packers write every column they hand on). The assertion keeps the list whole. */
 #define FW_KERNEL_ENTRIES(X)                                                                     \
-    X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs)      \
+    X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs) X(pack_vw) \
     X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16) X(pack_kt_cols) X(pack_kt_cols_bf16) X(cols_to_rows)          \
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
@@ -245,6 +250,7 @@ extern const fw_kernels fw_kernels_portable;
 extern const fw_kernels fw_kernels_avx2;
 extern const fw_kernels fw_kernels_avx512;
 extern const fw_kernels fw_kernels_avx512bf16;
+extern const fw_kernels fw_kernels_amx;
 #endif
 
 /* ---------------------------------------------------------------- threads -- */

@@ -513,6 +513,8 @@ static void test_auto_precision(void)
                "a table without vdpbf16ps, or no table, reports a native bf16 dot product");
     case_check(fw_isa_native_bf16("avx512bf16") == fw_isa_supported("avx512bf16"),
                "avx512bf16: %d, supported %d", fw_isa_native_bf16("avx512bf16"), fw_isa_supported("avx512bf16"));
+    case_check(fw_isa_native_bf16("amx") == fw_isa_supported("amx"), "amx: %d, supported %d",
+               fw_isa_native_bf16("amx"), fw_isa_supported("amx"));
     case_check(fw_isa_native_bf16(NULL) == fw_isa_native_bf16(fw_isa_default()), "the default table");
     case_end();
     const fw_dtype dts[2] = {FW_BF16, FW_F32};
@@ -961,6 +963,110 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
         }
     case_check(worst <= 1, "dec_pv_bf16 bf16 rows R %d nk %d dv %d: residual %.3g of bound", R, nk, dv, worst);
     free(Q); free(S); free(Kf); free(O); free(O0); free(QW); free(V);
+}
+
+/* The tiled bf16 products of every table (vdpbf16ps, its emulation, AMX tiles) against sums in
+ * double of the same bf16 operands: qk_bf16 on key rows with unread words past dw (NaN), and
+ * pv_bf16 on the table's own pack_vw panel, allocated at exactly panel_bytes (the packer
+ * writes its padding: the panel starts as NaN). Ends of nk, dw, dv and M that are not whole
+ * tiles included. A row's (qk) or a value column's (pv) result is the same bits when it is
+ * computed alone, so nothing depends on which block of the tile it falls in. */
+static double bf(uint32_t w, int odd) { return fw_bf16_to_f32((uint16_t)(odd ? w >> 16 : w)); }
+
+/* max(worst, e) where a NaN e counts as infinitely wrong (fmax would drop it) */
+static double worse(double worst, double e) { return e <= worst ? worst : e == e ? e : INFINITY; }
+
+static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int dv)
+{
+    const int dw = (d + 1) / 2, ldkw = dw + 3, nw = (nk + 1) / 2;
+    const float scale = 0.7f;
+    uint32_t *K = malloc(sizeof(uint32_t) * (size_t)nk * ldkw), *QW = malloc(sizeof(uint32_t) * (size_t)dw * M);
+    uint32_t *PW = malloc(sizeof(uint32_t) * (size_t)nw * M), *VT = malloc(kt->panel_bytes(nk, dv));
+    uint32_t *VT1 = malloc(kt->panel_bytes(nk, 1));
+    float *ST = malloc(sizeof(float) * (size_t)nk * M), *ST1 = malloc(sizeof(float) * (size_t)M);
+    float *bias = malloc(sizeof(float) * (size_t)M), *X = malloc(sizeof(float) * (size_t)nk * dv);
+    float *P = malloc(sizeof(float) * (size_t)nk * M), *X1 = malloc(sizeof(float) * (size_t)nk);
+    float *OT = malloc(sizeof(float) * (size_t)dv * M), *O0 = malloc(sizeof(float) * (size_t)dv * M);
+    float *OT1 = malloc(sizeof(float) * (size_t)M);
+    for (int j = 0; j < nk; j++)
+        for (int w = 0; w < ldkw; w++)
+            K[j * ldkw + w] = w < dw ? (uint32_t)fw_f32_to_bf16((float)rng_normal()) |
+                                           (uint32_t)(2 * w + 1 < d ? fw_f32_to_bf16((float)rng_normal()) : 0) << 16
+                                     : 0x7fc07fc0u;
+    for (int i = 0; i < dw * M; i++)
+        QW[i] = (uint32_t)fw_f32_to_bf16((float)rng_normal()) | (uint32_t)fw_f32_to_bf16((float)rng_normal()) << 16;
+    for (int m = 0; m < M; m++)
+        bias[m] = (float)rng_normal();
+    for (int i = 0; i < nk * dv; i++)
+        X[i] = (float)rng_normal();
+    for (int i = 0; i < nk * M; i++)
+        P[i] = (float)rng_uniform();
+    for (int i = 0; i < dv * M; i++)
+        O0[i] = OT[i] = (float)rng_normal();
+    for (int w = 0; w < nw; w++)
+        kt->pack_pairs(P + (size_t)2 * w * M, 2 * w + 1 < nk ? P + (size_t)(2 * w + 1) * M : NULL, M, PW + (size_t)w * M);
+    memset(VT, 0xff, kt->panel_bytes(nk, dv));
+    kt->pack_vw(X, nk, dv, VT);
+    kt->qk_bf16(nk, dw, M, K, ldkw, QW, scale, bias, ST);
+    kt->pv_bf16(nw, dv, M, VT, PW, OT);
+    const double u = 1.0 / (1 << 23);
+    double worst = 0;
+    int same = 1;
+    for (int j = 0; j < nk; j++) {
+        kt->qk_bf16(1, dw, M, K + (size_t)j * ldkw, ldkw, QW, scale, bias, ST1);
+        for (int m = 0; m < M; m++) {
+            double s = 0, a = 0;
+            for (int w = 0; w < dw; w++)
+                for (int h = 0; h < 2; h++) {
+                    const double x = bf(K[j * ldkw + w], h) * bf(QW[w * M + m], h);
+                    s += x;
+                    a += fabs(x);
+                }
+            const double want = bias[m] + scale * s, bound = u * ((2 * dw + 4) * scale * a + 2 * fabs(bias[m])) + 1e-30;
+            worst = worse(worst, fabs(ST[j * M + m] - want) / bound);
+            same &= memcmp(&ST[j * M + m], &ST1[m], sizeof(float)) == 0;
+        }
+    }
+    case_check(worst <= 1, "qk_bf16 nk %d d %d M %d: residual %.3g of bound", nk, d, M, worst);
+    case_check(same, "qk_bf16 nk %d d %d M %d: a key row alone gives other bits", nk, d, M);
+    worst = 0;
+    for (int c = 0; c < dv; c++) {
+        for (int j = 0; j < nk; j++)
+            X1[j] = X[j * dv + c];
+        kt->pack_vw(X1, nk, 1, VT1);
+        memcpy(OT1, O0 + (size_t)c * M, sizeof(float) * (size_t)M);
+        kt->pv_bf16(nw, 1, M, VT1, PW, OT1);
+        for (int m = 0; m < M; m++) {
+            double s = O0[c * M + m], a = fabs(s);
+            for (int j = 0; j < nk; j++) {
+                const double x = round_to(FW_BF16, X[j * dv + c]) * round_to(FW_BF16, P[j * M + m]);
+                s += x;
+                a += fabs(x);
+            }
+            worst = worse(worst, fabs(OT[c * M + m] - s) / (u * (nk + 4) * a + 1e-30));
+            same &= memcmp(&OT[c * M + m], &OT1[m], sizeof(float)) == 0;
+        }
+    }
+    case_check(worst <= 1, "pv_bf16 nk %d dv %d M %d: residual %.3g of bound", nk, dv, M, worst);
+    case_check(same, "pv_bf16 nk %d dv %d M %d: a value column alone gives other bits", nk, dv, M);
+    free(K); free(QW); free(PW); free(VT); free(VT1); free(ST); free(ST1); free(bias); free(X); free(P);
+    free(X1); free(OT); free(O0); free(OT1);
+}
+
+static void test_bf16_products(void)
+{
+    static const int nks[] = {1, 2, 15, 17, 33, 64}, ds[] = {1, 2, 31, 64, 80, 128}, dvs[] = {1, 17, 40, 128};
+    for (int t = 0; t < ntables(); t++) {
+        if (!table(t))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(table(t));
+        case_begin("bf16 products qk_bf16 / pack_vw / pv_bf16 [%s]", kt->name);
+        rng_seed(4321);
+        for (int a = 0; a < 6; a++)
+            for (int M = kt->vl; M <= 80; M += kt->vl * (M < 32 ? 1 : 3))
+                bf16_products_case(kt, nks[a], ds[(a + M / kt->vl) % 6], M, dvs[(a + 2 * M / kt->vl) % 4]);
+        case_end();
+    }
 }
 
 static void test_micro_kernels(void)
@@ -1413,6 +1519,7 @@ const test_suite attn_suites[] = {
     {"attn.heuristics", test_heuristics},
     {"attn.partial_tables", test_partial_tables},
     {"attn.micro_kernels", test_micro_kernels},
+    {"attn.bf16_products", test_bf16_products},
     {"attn.bad_input", test_bad_input},
     {"attn.workspace", test_workspace},
     {"attn.threads_identical", test_threads_identical},

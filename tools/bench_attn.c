@@ -225,8 +225,8 @@ static result measure(const cfg *c, bufs *B, uint32_t flags, int with_baseline, 
         return r;
     r.gflops = flop_per_pair * P / r.sec * 1e-9;
     r.bf16 = !(flags & FW_ATTN_PLAIN) && bench_bf16_products(c->isa, c->dt, c->prec);
-    r.peak_f32 = bench_peak(c->threads);
-    r.peak_bf16 = bench_peak_bf16(c->threads);
+    r.peak_f32 = bench_peak(c->isa, c->threads);
+    r.peak_bf16 = bench_peak_bf16(c->isa, c->threads);
     r.peak = r.bf16 ? r.peak_bf16 : r.peak_f32;
     double *mine = check ? rows_of(c, B, c->sq - nchk) : NULL;
     int ok = 1;
@@ -502,8 +502,8 @@ static int run_bwd_cfg(const cfg *c)
     if (ok) {
         r.ok = 1;
         r.gflops = flop_per_pair * pairs(c, 0) * (double)(c->b * c->hq) / r.sec * 1e-9;
-        r.peak_f32 = bench_peak(c->threads);
-        r.peak_bf16 = bench_peak_bf16(c->threads);
+        r.peak_f32 = bench_peak(c->isa, c->threads);
+        r.peak_bf16 = bench_peak_bf16(c->isa, c->threads);
         r.bf16 = bf16;
         r.peak = bf16 ? r.peak_bf16 : r.peak_f32;
         if (c->baseline) {
@@ -610,8 +610,8 @@ static void attn_usage(void)
     printf("usage: flywheel bench attn [options]\n"
            "  --b N --t T (sq = sk = T) --sq N --sk N --hq N --hkv N --d N --dv N\n"
            "  --dtype f32|bf16|f16   --causal 0|1   --window L,R   --softcap C\n"
-           "  --threads N (0 = all)  --reps N (median)   --isa portable|avx2|avx512|avx512bf16\n"
-           "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs on avx512bf16)\n"
+           "  --threads N (0 = all)  --reps N (median)   --isa portable|avx2|avx512|avx512bf16|amx\n"
+           "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs on avx512bf16, amx)\n"
            "  --online --no-gqa-pack --no-skip --plain   technique switches\n"
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"

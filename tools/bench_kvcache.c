@@ -168,7 +168,7 @@ static int kv_run(const kcfg *c, int decode)
             }
             const double dsec = bench_median(td, reps), dgf = 2.0 * 2.0 * (double)c->d * pairs / dsec * 1e-9;
             const int bf16 = bench_bf16_products(c->isa, c->dt, FW_PREC_AUTO);
-            const double pf = bench_peak(c->threads), pb = bench_peak_bf16(c->threads), pk = bf16 ? pb : pf;
+            const double pf = bench_peak(c->isa, c->threads), pb = bench_peak_bf16(c->isa, c->threads), pk = bf16 ? pb : pf;
             if (c->json)
                 printf("{\"op\":\"kvcache_prefill\",\"batch\":%lld,\"ctx\":%lld,\"new\":%lld,\"hq\":%lld,\"hkv\":%lld,"
                        "\"d\":%lld,\"dtype\":\"%s\",\"products\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,"

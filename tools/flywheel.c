@@ -116,23 +116,28 @@ void *bench_alloc(size_t bytes)
     return p;
 }
 
-/* Median of 3 runs of one peak microbenchmark on `threads` threads, cached per thread count. */
-static double peak_of(int threads, int bf16)
+/* Median of 3 runs of one peak microbenchmark of table isa (NULL: the default) on `threads`
+ * threads, cached per table and thread count: a benchmark's % of peak is its own table's. */
+static double peak_of(const char *isa, int threads, int bf16)
 {
-    static double cache[2][257];
-    if (threads < 1 || threads > 256)
+    static double cache[2][8][257];
+    int t = fw_isa_count();
+    for (int i = 0; i < fw_isa_count(); i++)
+        if (strcmp(isa ? isa : fw_isa_default() ? fw_isa_default() : "", fw_isa_name(i)) == 0)
+            t = i;
+    if (threads < 1 || threads > 256 || t >= 8)
         return 0;
-    if (cache[bf16][threads] > 0)
-        return cache[bf16][threads];
+    if (cache[bf16][t][threads] > 0)
+        return cache[bf16][t][threads];
     double g[3];
     for (int i = 0; i < 3; i++)
-        if ((bf16 ? fw_peak_bf16_gflops : fw_peak_gflops)(NULL, threads, 0.25, &g[i]) != FW_OK)
+        if ((bf16 ? fw_peak_bf16_gflops : fw_peak_gflops)(fw_isa_name(t), threads, 0.25, &g[i]) != FW_OK)
             return 0;
-    return cache[bf16][threads] = bench_median(g, 3);
+    return cache[bf16][t][threads] = bench_median(g, 3);
 }
 
-double bench_peak(int threads) { return peak_of(threads, 0); }
-double bench_peak_bf16(int threads) { return peak_of(threads, 1); }
+double bench_peak(const char *isa, int threads) { return peak_of(isa, threads, 0); }
+double bench_peak_bf16(const char *isa, int threads) { return peak_of(isa, threads, 1); }
 
 int bench_opt(int argc, char **argv, int *i, const char *name)
 {
@@ -235,14 +240,17 @@ int main(int argc, char **argv)
             return argc == 3 ? 0 : 2;
         }
         const int t = argc == 3 ? (int)bench_int("peak", argv[2], 1, 256) : 1;
-        double g = bench_peak(t), gb = bench_peak_bf16(t);
+        double g = bench_peak(NULL, t), gb = bench_peak_bf16(NULL, t);
         if (g <= 0 || gb <= 0) {
             fprintf(stderr, "flywheel: peak: %s\n", fw_last_error());
             return 1;
         }
-        printf("FMA peak on %d thread(s): %.1f GFLOP/s (f32, widest table)\n", t, g);
-        printf("bf16 dot-product peak on %d thread(s): %.1f GFLOP/s (widest table%s)\n", t, gb,
-               fw_isa_supported("avx512bf16") ? ", vdpbf16ps" : ": no bf16 dot product, f32 emulation");
+        const char *isa = fw_isa_default() ? fw_isa_default() : "";
+        printf("FMA peak on %d thread(s): %.1f GFLOP/s (f32, table %s)\n", t, g, isa);
+        printf("bf16 product peak on %d thread(s): %.1f GFLOP/s (table %s: %s)\n", t, gb, isa,
+               strcmp(isa, "amx") == 0          ? "AMX tiles, tdpbf16ps"
+               : strcmp(isa, "avx512bf16") == 0 ? "vdpbf16ps"
+                                                : "no bf16 dot product, f32 emulation");
         return 0;
     }
     if (strcmp(cmd, "info") == 0) {

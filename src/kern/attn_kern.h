@@ -188,7 +188,8 @@ static void pv(int nk, int dv, int M, const float *V, int64_t ldv, const float *
  *   QW [dw][M]           the q tile, unscaled: QW[w][m] = (q_m[2w], q_m[2w+1]), dw = ceil(d/2)
  *   K  [nk][2 ldkw]      bf16 key rows as they lie, zero past d: word w = (K[j][2w], K[j][2w+1])
  *   PW [ceil(nk/2)][M]   probabilities: PW[w][m] = (P[2w][m], P[2w+1][m])
- *   VW [ceil(nk/2)][dv]  value rows in pairs of keys: VW[w][c] = (V[2w][c], V[2w+1][c])
+ *   VW [ceil(nk/2)][dv]  value rows in pairs of keys: VW[w][c] = (V[2w][c], V[2w+1][c]);
+ *                        pack_vw packs it, and a table may choose its own form (AMX: VW^T)
  * Products are exact in f32 and accumulate in f32, so the error is the f32 kernel's plus
  * the rounding of the operands to bf16. The scale is applied in f32 after the reduction,
  * never folded into a bf16 operand. Each accumulator chain runs over the words in order, as
@@ -216,6 +217,14 @@ static void pack_row_pairs(const float *x, int n, uint32_t *dst)
         vstore((float *)dst + w, vbf16_row(vload(x + 2 * w), vload(x + 2 * w + VL)));
     for (; w < (n + 1) / 2; w++)
         dst[w] = (uint32_t)fw_cvt_f32_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_cvt_f32_bf16(x[2 * w + 1]) : 0) << 16;
+}
+
+/* VW[w][c] = (X[2w][c], X[2w+1][c]) rounded to bf16: row pairs in the pair layout. */
+static void pack_vw(const float *X, int n, int cols, uint32_t *VW)
+{
+    for (int w = 0; 2 * w < n; w++)
+        pack_pairs(X + (size_t)2 * w * cols, 2 * w + 1 < n ? X + (size_t)(2 * w + 1) * cols : NULL, cols,
+                   VW + (size_t)w * cols);
 }
 
 /* ceil(red / 2) x cols words: the pair layout pads only an odd reduction length. */
@@ -1886,6 +1895,7 @@ const fw_kernels FW_TABLE = {
     .pv = pv,
     .pack_pairs = pack_pairs,
     .pack_row_pairs = pack_row_pairs,
+    .pack_vw = pack_vw,
     .qk_bf16 = qk_bf16,
     .pv_bf16 = pv_bf16,
     .pack_kt = pack_kt,

@@ -1,0 +1,286 @@
+/*
+ * amx.c: the amx kernel table: the bf16 products of the tiled attention (prefill, varlen,
+ * the backward) on AMX-BF16 tiles; every other entry is avx512bf16's (cpu.c fills them from
+ * it). Compiled with only this ISA's flags (AVX-512 + AMX-TILE + AMX-BF16).
+ *
+ * A tile holds 16 rows of 64 bytes: 16 x 32 bf16 (16 words of the pair layout) or 16 x 16
+ * f32. tdpbf16ps C += A B takes A [16][16 words] row-major and B [16 words][16] with each
+ * row's 16 lanes one word (the pair layout's panels, attn_kern.h), and sums the 32 exact
+ * bf16 products of an element in f32 with round-to-nearest-even, bf16 denormal inputs read
+ * as zero (as vdpbf16ps does). So:
+ *   qk_bf16: ST[j][m]  (C)  = K rows [j][w] (A, as the driver keeps them) x QW [w][m] (B)
+ *   pv_bf16: OT[c][m]  (C) += VW^T [c][w] (A, transposed once per value tile by pack_vw)
+ *                             x PW [w][m] (B)
+ * Each C element's sum runs over the words in order, 16 at a time, whatever tile it sits in:
+ * results do not depend on M, nk or the block a row falls in. Partial blocks (the ends of
+ * nk, M, dv, the words) are copied into zeroed 1 KiB tiles, so every element takes the same
+ * path. Register plan: C 0-3 (a 2 x 2 block of 32 x 32 outputs), A 4-5, B 6-7; per 16
+ * words, 4 tile loads feed 4 tdpbf16ps of 16 cycles each.
+ *
+ * Tile state is a thread's: each call loads the configuration (another library may have
+ * changed it since) and releases it on return, so no AMX state outlives a call. The kernel
+ * must have granted the process the tile data (arch_prctl, cpu.c) before the table is used.
+ */
+#include <string.h>
+#include <time.h>
+#include "../internal.h"
+#include "isa_avx512.h"
+
+#define FW_INLINE static inline __attribute__((always_inline))
+#define TW 16 /* words (or floats) per tile row, rows per tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void tiles_on(void)
+{
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = TW;
+    }
+    _tile_loadconfig(&c);
+}
+
+static int round16(int n) { return (n + TW - 1) / TW * TW; }
+
+/* The 16 x 16-word block at src (rows ld words apart) of which rows x cols are valid: src
+ * itself when whole (*stride = its row stride in bytes), else those words copied into buf
+ * with zeros around them. rows or cols <= 0 gives a zero tile; src is then not read. */
+static const void *block(const uint32_t *src, int64_t ld, int rows, int cols, uint32_t *buf,
+                         int64_t *stride)
+{
+    if (rows >= TW && cols >= TW) {
+        *stride = ld * (int64_t)sizeof(uint32_t);
+        return src;
+    }
+    memset(buf, 0, TW * TW * sizeof(uint32_t));
+    for (int r = 0; r < rows && cols > 0; r++)
+        memcpy(buf + r * TW, src + r * ld, (size_t)(cols < TW ? cols : TW) * sizeof(uint32_t));
+    *stride = TW * sizeof(uint32_t);
+    return buf;
+}
+
+/* ST[j][m] = bias[m] + scale * sum_w dot(K[j] word w, QW[w][m]), j < nk, m < M. */
+static void qk_bf16(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
+                    float scale, const float *bias, float *ST)
+{
+    _Alignas(64) uint32_t buf[4][TW * TW];
+    _Alignas(64) float cb[TW * TW];
+    const vf sc = vset1(scale);
+    tiles_on();
+    for (int m0 = 0; m0 < M; m0 += 2 * TW)
+        for (int j0 = 0; j0 < nk; j0 += 2 * TW) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int w0 = 0; w0 < dw; w0 += TW) {
+                int64_t s0, s1, s2, s3;
+                const int j1 = j0 + TW, m1 = m0 + TW;
+                const void *a0 = block(K + j0 * ldkw + w0, ldkw, nk - j0, dw - w0, buf[0], &s0);
+                const void *a1 = block(j1 < nk ? K + j1 * ldkw + w0 : K, ldkw, nk - j1, dw - w0, buf[1], &s1);
+                const void *b0 = block(QW + (int64_t)w0 * M + m0, M, dw - w0, M - m0, buf[2], &s2);
+                const void *b1 = block(m1 < M ? QW + (int64_t)w0 * M + m1 : QW, M, dw - w0, M - m1, buf[3], &s3);
+                _tile_loadd(4, a0, s0);
+                _tile_loadd(5, a1, s1);
+                _tile_loadd(6, b0, s2);
+                _tile_loadd(7, b1, s3);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            /* ST rows of each 16 x 16 block = bias + scale C, the valid part only */
+            for (int t = 0; t < 4; t++) {
+                const int jb = j0 + (t >> 1) * TW, mb = m0 + (t & 1) * TW;
+                if (jb >= nk || mb >= M)
+                    continue;
+                switch (t) {
+                case 0: _tile_stored(0, cb, TW * sizeof(float)); break;
+                case 1: _tile_stored(1, cb, TW * sizeof(float)); break;
+                case 2: _tile_stored(2, cb, TW * sizeof(float)); break;
+                default: _tile_stored(3, cb, TW * sizeof(float)); break;
+                }
+                const int rows = nk - jb < TW ? nk - jb : TW, cols = M - mb < TW ? M - mb : TW;
+                const __mmask16 k = (__mmask16)((1u << cols) - 1);
+                const vf b = _mm512_maskz_loadu_ps(k, bias + mb);
+                for (int r = 0; r < rows; r++)
+                    _mm512_mask_storeu_ps(ST + (int64_t)(jb + r) * M + mb, k, vfma(vload(cb + r * TW), sc, b));
+            }
+        }
+    _tile_release();
+}
+
+/* OT[c][m] += sum_w dot(VT[c][w], PW[w][m]), c < dv, m < M, over nw word rows; VT from
+ * pack_vw (rows round16(nw) words apart, zero past nw). */
+static void pv_bf16(int nw, int dv, int M, const uint32_t *VT, const uint32_t *PW, float *OT)
+{
+    _Alignas(64) uint32_t buf[4][TW * TW];
+    _Alignas(64) float cb[4][TW * TW];
+    const int ld = round16(nw);
+    tiles_on();
+    for (int c0 = 0; c0 < dv; c0 += 2 * TW)
+        for (int m0 = 0; m0 < M; m0 += 2 * TW) {
+            const float *o[4];
+            int64_t os[4];
+            for (int t = 0; t < 4; t++) {
+                const int cb0 = c0 + (t >> 1) * TW, mb = m0 + (t & 1) * TW;
+                o[t] = cb0 < dv && mb < M ? OT + (int64_t)cb0 * M + mb : OT;
+                o[t] = block((const uint32_t *)o[t], M, dv - cb0, M - mb, (uint32_t *)cb[t], &os[t]);
+            }
+            _tile_loadd(0, o[0], os[0]);
+            _tile_loadd(1, o[1], os[1]);
+            _tile_loadd(2, o[2], os[2]);
+            _tile_loadd(3, o[3], os[3]);
+            for (int w0 = 0; w0 < nw; w0 += TW) {
+                int64_t s0, s1, s2, s3;
+                const int c1 = c0 + TW, m1 = m0 + TW;
+                const void *a0 = block(VT + (int64_t)c0 * ld + w0, ld, dv - c0, TW, buf[0], &s0);
+                const void *a1 = block(c1 < dv ? VT + (int64_t)c1 * ld + w0 : VT, ld, dv - c1, TW, buf[1], &s1);
+                const void *b0 = block(PW + (int64_t)w0 * M + m0, M, nw - w0, M - m0, buf[2], &s2);
+                const void *b1 = block(m1 < M ? PW + (int64_t)w0 * M + m1 : PW, M, nw - w0, M - m1, buf[3], &s3);
+                _tile_loadd(4, a0, s0);
+                _tile_loadd(5, a1, s1);
+                _tile_loadd(6, b0, s2);
+                _tile_loadd(7, b1, s3);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            /* whole blocks go straight back to OT; partial ones through their copy */
+            float *dst[4];
+            int64_t ds[4];
+            for (int t = 0; t < 4; t++) {
+                const int cb0 = c0 + (t >> 1) * TW, mb = m0 + (t & 1) * TW;
+                const int whole = dv - cb0 >= TW && M - mb >= TW;
+                dst[t] = whole ? OT + (int64_t)cb0 * M + mb : cb[t];
+                ds[t] = whole ? (int64_t)M * (int64_t)sizeof(float) : TW * (int64_t)sizeof(float);
+            }
+            _tile_stored(0, dst[0], ds[0]);
+            _tile_stored(1, dst[1], ds[1]);
+            _tile_stored(2, dst[2], ds[2]);
+            _tile_stored(3, dst[3], ds[3]);
+            for (int t = 0; t < 4; t++) {
+                const int cb0 = c0 + (t >> 1) * TW, mb = m0 + (t & 1) * TW;
+                if (dst[t] != cb[t] || cb0 >= dv || mb >= M)
+                    continue;
+                const int rows = dv - cb0 < TW ? dv - cb0 : TW, cols = M - mb < TW ? M - mb : TW;
+                for (int r = 0; r < rows; r++)
+                    memcpy(OT + (int64_t)(cb0 + r) * M + mb, cb[t] + r * TW, (size_t)cols * sizeof(float));
+            }
+        }
+    _tile_release();
+}
+
+/* The 16 x 16 transpose of 32-bit lanes: out[i] lane j = r[j] lane i. */
+FW_INLINE void transpose16(const __m512i r[16], __m512i out[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4g + k], lane L: rows 4g .. 4g + 3 of column 4L + k */
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i v = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), w = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+        const __m512i x = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88),
+                      y = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+        out[k] = _mm512_shuffle_i32x4(v, x, 0x88);
+        out[8 + k] = _mm512_shuffle_i32x4(v, x, 0xdd);
+        out[4 + k] = _mm512_shuffle_i32x4(w, y, 0x88);
+        out[12 + k] = _mm512_shuffle_i32x4(w, y, 0xdd);
+    }
+}
+
+/* VT[c][w] = (X[2w][c], X[2w+1][c]) rounded to bf16 for c < cols, w < round16(ceil(n/2)),
+ * zero past n: the pair layout's VW transposed, 16 x 16 words at a time. */
+static void pack_vw(const float *X, int n, int cols, uint32_t *VT)
+{
+    const int nw = (n + 1) / 2, ld = round16(nw);
+    for (int w0 = 0; w0 < ld; w0 += TW)
+        for (int c0 = 0; c0 < cols; c0 += TW) {
+            const int cn = cols - c0 < TW ? cols - c0 : TW;
+            const __mmask16 k = (__mmask16)((1u << cn) - 1);
+            __m512i r[16], out[16];
+            for (int i = 0; i < TW; i++) {
+                const int e = 2 * (w0 + i), o = e + 1;
+                vf ev = vzero(), od = vzero();
+                if (e < n)
+                    ev = _mm512_maskz_loadu_ps(k, X + (int64_t)e * cols + c0);
+                if (o < n)
+                    od = _mm512_maskz_loadu_ps(k, X + (int64_t)o * cols + c0);
+                r[i] = _mm512_castps_si512(vbf16_pair(ev, od));
+            }
+            transpose16(r, out);
+            for (int c = 0; c < cn; c++)
+                _mm512_storeu_si512(VT + (int64_t)(c0 + c) * ld + w0, out[c]);
+        }
+}
+
+/* round16(ceil(red / 2)) x cols words: pack_vw pads its word rows to whole tiles; the
+ * other panels keep the pair layout's size (partial tiles are copied). */
+static size_t panel_bytes(int red, int cols)
+{
+    return (size_t)round16((red + 1) / 2) * (size_t)cols * sizeof(uint32_t);
+}
+
+/* tdpbf16ps throughput of one thread in GFLOP/s over about `seconds`: four independent
+ * accumulator tiles (each product 16 x 16 x 32 bf16 multiply-adds, 2 flops each). */
+static double peak_bf16(double seconds)
+{
+    _Alignas(64) uint32_t ones[TW * TW];
+    for (int i = 0; i < TW * TW; i++)
+        ones[i] = 0x3f803f80u; /* the bf16 pair (1, 1) */
+    tiles_on();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(5, ones, 64);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t;
+    int64_t iters = 0;
+    do {
+        for (int r = 0; r < 1024; r++) {
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        iters += 1024;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    } while (t < seconds);
+    _Alignas(64) float c[TW * TW];
+    _tile_stored(0, c, 64);
+    volatile float sink = c[0];
+    (void)sink;
+    _tile_release();
+    return (double)iters * 4 * (TW * TW * 2 * TW) * 2.0 / t * 1e-9;
+}
+
+const fw_kernels fw_kernels_amx = {
+    .name = "amx",
+    .vl = VL,
+    .native_bf16 = 1,
+    .pack_vw = pack_vw,
+    .qk_bf16 = qk_bf16,
+    .pv_bf16 = pv_bf16,
+    .panel_bytes = panel_bytes,
+    .peak_bf16 = peak_bf16,
+};
