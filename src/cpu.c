@@ -309,7 +309,7 @@ fw_status fw_read_bandwidth(int32_t threads, size_t bytes, double *gbps)
     const fw_kernels *k = NULL;
     for (int i = 0; i < NTABLES; i++)
         if (tables[i].supported())
-            k = tables[i].k;
+            k = table(i);
     bw_ctx *b = calloc(1, sizeof *b);
     const size_t per = bytes / sizeof(float) / (size_t)n / 64 * 64;
     float *buf = malloc(per * (size_t)n * sizeof(float));
