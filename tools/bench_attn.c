@@ -683,7 +683,7 @@ int bench_attn_headline(void)
     printf("FlyWheel-C main job: softmax attention forward, causal prefill (bottom-right), "
            "kernel table %s, %d thread(s)\n", fw_isa_default(), all);
     printf("GFLOP/s = 2*(d+dv)*unmasked_pairs/s; xbf16 = bf16 products (the default for bf16 "
-           "inputs on avx512bf16), %% of the measured bf16 dot-product peak; xf32 = f32 products, %% of the measured "
+           "inputs on avx512bf16 and amx), %% of the measured bf16-product peak of the table; xf32 = f32 products, %% of the measured "
            "FMA peak (same run); plain = row-at-a-time online softmax, f32 (same run); err = "
            "max|out-ref| on the last 32 rows vs float64 (bf16 products: bar = 2 x the same-roundings "
            "reference's error)\n");

@@ -88,7 +88,7 @@ BAD_DTYPES = [F64, np.dtype(np.int32), np.dtype(np.int64), np.dtype(bool), np.dt
 HUGE = [2**31 - 1, 2**31, 2**32 + 1, 2**40, 2**55]
 NAN, INF = float("nan"), float("inf")
 SUPPORTED_ISA = flywheel.isa_tables()
-ISAS = [None, "", "portable", "avx2", "avx512", "avx512bf16", "sve", "Portable", 7, b"avx2",
+ISAS = [None, "", "portable", "avx2", "avx512", "avx512bf16", "amx", "sve", "Portable", 7, b"avx2",
         "\udc80"]
 PRECISIONS = [None, "auto", "f32", "bf16", "F32", "", 1, b"f32"]
 SCALE_SPECIALS = [0.0, -0.0, NAN, INF, -INF, 1e-50, -1e-50, 1e39, 2**2000, 1e-40, "0.5",
