@@ -71,6 +71,9 @@ typedef struct fw_kernels {
     /* 1 when bf16 pair products are one instruction (vdpbf16ps); the other tables emulate
      * them with f32 FMAs, slower than f32 products (fw_attn_bf16_products) */
     int native_bf16;
+    /* keys per K/V tile of the tiled attention forward: 64 (FW_ATTN_BK), or more where the
+     * products gain from a longer reduction (amx: 128, pv_bf16's sum over a tile's keys) */
+    int bk;
     /* dst[i] = scale * src[i*stride] for i < n; src is f32, bf16 or f16. */
     void (*to_f32)(const void *src, fw_dtype dt, int64_t stride, int64_t n, float scale, float *dst);
     /* dst[i*stride] = src[i] rounded to dt (f32, bf16, f16) for i < n. */

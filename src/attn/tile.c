@@ -136,9 +136,10 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
     const int64_t es = (int64_t)fw_dtype_size(p->k->dtype);
     const int64_t kline = ((d - 1) * p->ks[2] + 1) * es, vline = ((dv - 1) * p->vs[2] + 1) * es;
     /* keys stored transposed, each channel's keys contiguous, every tile inside one page */
-    const int kcols = p->ks[0] == 1 && d > 1 && (!p->bt || p->page % FW_ATTN_BK == 0);
-    for (int64_t t0 = klo < khi ? klo / FW_ATTN_BK * FW_ATTN_BK : khi; t0 < khi; t0 += FW_ATTN_BK) {
-        const int64_t t1 = fw_min64(sq->sk, t0 + FW_ATTN_BK);
+    const int BK = kt->bk;
+    const int kcols = p->ks[0] == 1 && d > 1 && (!p->bt || p->page % BK == 0);
+    for (int64_t t0 = klo < khi ? klo / BK * BK : khi; t0 < khi; t0 += BK) {
+        const int64_t t1 = fw_min64(sq->sk, t0 + BK);
         const int nk = (int)(t1 - t0);
         /* K and V rows of this tile, converted to f32 once for every q tile and head here;
          * keys stored transposed (vLLM's CPU cache) are transposed back a block at a time */
@@ -165,7 +166,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
         /* Ask for the next tile's K and V rows now: they arrive while this tile's products run.
          * Without it the conversion above waited on memory for 10% of the time of a 4K causal
          * bf16 prefill (1 thread; rows 2 KiB apart defeat the hardware prefetcher). */
-        const int64_t tn = fw_min64(khi, t1 + FW_ATTN_BK);
+        const int64_t tn = fw_min64(khi, t1 + BK);
         if (kcols && tn > t1) /* transposed keys: each channel's row of the next tile's keys */
             for (int64_t x = 0; x < d; x++) {
                 const char *kr = fw_elem(p->k, fw_attn_key(p, sq, t1, 0) + kvh * p->ks[1] + x * p->ks[2]);

@@ -11,7 +11,7 @@ static size_t up64(size_t x) { return (x + 63) & ~(size_t)63; }
 static ws_layout ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int M, int64_t units, int bf16)
 {
     ws_layout w;
-    size_t f = sizeof(float), C = FW_ATTN_CHUNK_MAX, BK = FW_ATTN_BK;
+    size_t f = sizeof(float), C = FW_ATTN_CHUNK_MAX, BK = (size_t)kt->bk;
     w.qt = 0;
     w.ot = w.qt + up64(C * (size_t)d * M * f);
     w.al = w.ot + up64(C * (size_t)dv * M * f);   /* a, l: 2 x C x M floats */

@@ -1884,6 +1884,7 @@ static float stream_sum(const float *x, size_t n)
 const fw_kernels FW_TABLE = {
     .name = ISA_NAME,
     .vl = VL,
+    .bk = 64,
 #ifdef __AVX512BF16__
     .native_bf16 = 1,
 #endif
