@@ -108,6 +108,25 @@ int fw_isa_count(void) { return NTABLES; }
 
 const char *fw_isa_name(int i) { return i >= 0 && i < NTABLES ? tables[i].k->name : NULL; }
 
+/* Whether this CPU runs each table, asked once: CPUID traps to the hypervisor in a virtual
+ * machine (13.8 us an instruction on this project's Intel VM, 2026-12-02), and every bf16
+ * attention call asked again for its table (fw_attn_bf16_products): five CPUIDs, 31% of a
+ * 1K-context decode call's time. */
+static int support[NTABLES];
+static pthread_once_t support_once = PTHREAD_ONCE_INIT;
+
+static void support_run(void)
+{
+    for (int i = 0; i < NTABLES; i++)
+        support[i] = tables[i].supported();
+}
+
+static int supported(const entry *e)
+{
+    pthread_once(&support_once, support_run);
+    return support[e - tables];
+}
+
 static const entry *find(const char *name)
 {
     for (int i = 0; i < NTABLES; i++)
@@ -119,7 +138,7 @@ static const entry *find(const char *name)
 int fw_isa_supported(const char *name)
 {
     const entry *e = find(name);
-    return e && e->supported();
+    return e && supported(e);
 }
 
 int fw_isa_native_bf16(const char *name)
@@ -141,12 +160,12 @@ static void detect_run(void)
     if (env && *env) {
         const entry *e = find(env);
         strncpy(env_name, env, sizeof env_name - 1);
-        default_index = e && e->supported() ? (int)(e - tables) : -1;
+        default_index = e && supported(e) ? (int)(e - tables) : -1;
         return;
     }
     default_index = 0;
     for (int i = 0; i < NTABLES; i++)
-        if (tables[i].supported())
+        if (supported(&tables[i]))
             default_index = i;
 }
 
@@ -206,7 +225,7 @@ const fw_kernels *fw_kernels_get(const char *name)
         fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: portable, avx2, avx512, avx512bf16, amx)", name);
         return NULL;
     }
-    if (!e->supported()) {
+    if (!supported(e)) {
         fw_fail(FW_ERR_UNSUPPORTED, "kernel table \"%s\" needs instructions this CPU lacks", name);
         return NULL;
     }
@@ -242,7 +261,7 @@ static fw_status peak_run(const char *isa, int32_t threads, double seconds, int 
         k = fw_kernels_get(isa);
     } else {
         for (int i = 0; i < NTABLES; i++)
-            if (tables[i].supported())
+            if (supported(&tables[i]))
                 k = table(i);
     }
     if (!k)
@@ -308,7 +327,7 @@ fw_status fw_read_bandwidth(int32_t threads, size_t bytes, double *gbps)
                        bytes);
     const fw_kernels *k = NULL;
     for (int i = 0; i < NTABLES; i++)
-        if (tables[i].supported())
+        if (supported(&tables[i]))
             k = table(i);
     bw_ctx *b = calloc(1, sizeof *b);
     const size_t per = bytes / sizeof(float) / (size_t)n / 64 * 64;

@@ -266,7 +266,7 @@ extern const fw_kernels fw_kernels_amx;
  * work runs on the threads that did. */
 typedef void (*fw_item_fn)(void *ctx, int64_t item, int tid);
 void fw_parallel(int threads, int64_t n, fw_item_fn fn, void *ctx);
-/* Online CPUs, 1 .. FW_MAX_THREADS. */
+/* Online CPUs, 1 .. FW_MAX_THREADS, as counted at the first call. */
 int fw_cpu_count(void);
 
 /* The threads a call runs on: `requested` (params->threads, validated), or for 0 the default
