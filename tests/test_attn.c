@@ -1053,6 +1053,94 @@ static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int d
     free(X1); free(OT); free(O0); free(OT1);
 }
 
+/* The decode's bf16 kernels on key and value rows read in place, each followed by an inf
+ * that must not be read (an odd d ends in half a word), at one stride or at irregular
+ * places (a paged cache's rows: AMX loads rows at one stride directly, others through a
+ * copy): S against double sums, zero past nk; P V against double sums. */
+static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv, int irregular)
+{
+    const int dw = (d + 1) / 2, kst = d + 3, vst = dv + 1;
+    uint16_t *K = malloc(sizeof(uint16_t) * (size_t)(2 * FW_DEC_KEYS * kst)),
+             *V = malloc(sizeof(uint16_t) * (size_t)(2 * FW_DEC_KEYS * vst));
+    float *Q = malloc(sizeof(float) * (size_t)(R * d)), *S = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+    float *O = malloc(sizeof(float) * (size_t)(R * dv)), *O0 = malloc(sizeof(float) * (size_t)(R * dv));
+    uint32_t *QW = malloc(sizeof(uint32_t) * (size_t)(R * dw)), PW[FW_DEC_ROWS * FW_DEC_KEYS / 2];
+    const void *rows[FW_DEC_KEYS], *vrows[FW_DEC_KEYS];
+    for (int i = 0; i < 2 * FW_DEC_KEYS * kst; i++)
+        K[i] = 0x7f80; /* inf wherever no key element is */
+    for (int i = 0; i < 2 * FW_DEC_KEYS * vst; i++)
+        V[i] = 0x7f80;
+    for (int j = 0; j < nk; j++) {
+        const int at = irregular ? 2 * j - j % 3 : j; /* 0, 1, 2, 6, 7, 8, 12, ... */
+        rows[j] = K + (size_t)at * kst;
+        vrows[j] = V + (size_t)at * vst;
+        for (int x = 0; x < d; x++)
+            ((uint16_t *)rows[j])[x] = fw_f32_to_bf16((float)rng_normal());
+        for (int c = 0; c < dv; c++)
+            ((uint16_t *)vrows[j])[c] = fw_f32_to_bf16((float)rng_normal());
+    }
+    for (int i = 0; i < R * d; i++)
+        Q[i] = (float)rng_normal();
+    for (int r = 0; r < R; r++)
+        kt->pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
+    for (int i = 0; i < R * FW_DEC_KEYS; i++)
+        S[i] = NAN;
+    kt->dec_qk_rows_bf16(R, nk, d, QW, rows, 0.5f, S);
+    const double u = 1.0 / (1 << 23);
+    double worst = 0;
+    int zero = 1;
+    for (int r = 0; r < R; r++) {
+        for (int j = 0; j < nk; j++) {
+            double x = 0, a = 0;
+            for (int k = 0; k < d; k++) {
+                const double t = round_to(FW_BF16, Q[r * d + k]) * fw_bf16_to_f32(((const uint16_t *)rows[j])[k]);
+                x += t;
+                a += fabs(t);
+            }
+            worst = worse(worst, fabs(S[r * FW_DEC_KEYS + j] - 0.5 * x) / (0.5 * a * u * (d + 4) + 1e-30));
+        }
+        for (int j = nk; j < FW_DEC_KEYS; j++)
+            zero &= S[r * FW_DEC_KEYS + j] == 0.0f;
+    }
+    case_check(worst <= 1 && zero, "dec_qk_rows_bf16 R %d nk %d d %d %s rows: residual %.3g of bound, tail %s", R, nk,
+               d, irregular ? "irregular" : "regular", worst, zero ? "zero" : "not zero");
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < FW_DEC_KEYS; j++)
+            S[r * FW_DEC_KEYS + j] = j < nk ? (float)rng_uniform() : 0.0f;
+    for (int i = 0; i < R * dv; i++)
+        O[i] = O0[i] = (float)rng_normal();
+    kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, PW, O);
+    worst = 0;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < dv; c++) {
+            double x = O0[r * dv + c], a = fabs(x);
+            for (int j = 0; j < nk; j++) {
+                const double t = round_to(FW_BF16, S[r * FW_DEC_KEYS + j]) * fw_bf16_to_f32(((const uint16_t *)vrows[j])[c]);
+                x += t;
+                a += fabs(t);
+            }
+            worst = worse(worst, fabs(O[r * dv + c] - x) / (a * u * (nk + 4) + 1e-30));
+        }
+    case_check(worst <= 1, "dec_pv_bf16 R %d nk %d dv %d %s rows: residual %.3g of bound", R, nk, dv,
+               irregular ? "irregular" : "regular", worst);
+    /* the same values as f32 rows (each followed by an inf): the same sums */
+    float *V32 = malloc(sizeof(float) * (size_t)(nk * (dv + 1)));
+    const void *v32[FW_DEC_KEYS];
+    for (int j = 0; j < nk; j++) {
+        v32[j] = V32 + (size_t)j * (dv + 1);
+        for (int c = 0; c < dv; c++)
+            V32[(size_t)j * (dv + 1) + c] = fw_bf16_to_f32(((const uint16_t *)vrows[j])[c]);
+        V32[(size_t)j * (dv + 1) + dv] = INFINITY;
+    }
+    float *O32 = malloc(sizeof(float) * (size_t)(R * dv));
+    memcpy(O32, O0, sizeof(float) * (size_t)(R * dv));
+    kt->dec_pv_bf16(R, nk, dv, S, v32, FW_F32, PW, O32);
+    case_check(memcmp(O32, O, sizeof(float) * (size_t)(R * dv)) == 0, "dec_pv_bf16 R %d nk %d dv %d: f32 rows of the "
+               "same values give other bits than bf16 rows", R, nk, dv);
+    free(V32); free(O32);
+    free(K); free(V); free(Q); free(S); free(O); free(O0); free(QW);
+}
+
 static void test_bf16_products(void)
 {
     static const int nks[] = {1, 2, 15, 17, 33, 64}, ds[] = {1, 2, 31, 64, 80, 128}, dvs[] = {1, 17, 40, 128};
@@ -1060,11 +1148,16 @@ static void test_bf16_products(void)
         if (!table(t))
             continue;
         const fw_kernels *kt = fw_kernels_get(table(t));
-        case_begin("bf16 products qk_bf16 / pack_vw / pv_bf16 [%s]", kt->name);
+        case_begin("bf16 products qk_bf16 / pack_vw / pv_bf16, decode rows [%s]", kt->name);
         rng_seed(4321);
         for (int a = 0; a < 6; a++)
             for (int M = kt->vl; M <= 80; M += kt->vl * (M < 32 ? 1 : 3))
                 bf16_products_case(kt, nks[a], ds[(a + M / kt->vl) % 6], M, dvs[(a + 2 * M / kt->vl) % 4]);
+        static const int dks[] = {31, 33, 64, 127, 128}, dnk[] = {1, 16, 17, 40, 64}, dR[] = {1, 4, 16};
+        for (int a = 0; a < 5; a++)
+            for (int b = 0; b < 3; b++)
+                for (int irr = 0; irr < 2; irr++)
+                    bf16_decode_case(kt, dR[b], dnk[(a + b) % 5], dks[a], dvs[(a + b + irr) % 4] + 16 * irr, irr);
         case_end();
     }
 }
