@@ -138,6 +138,8 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
     /* keys stored transposed, each channel's keys contiguous, every tile inside one page */
     const int BK = kt->bk;
     const int kcols = p->ks[0] == 1 && d > 1 && (!p->bt || p->page % BK == 0);
+    /* bf16 products on contiguous bf16 key rows, not rotated: the rows are the K words */
+    const int kraw = bf16 && !kcols && !p->rot_k && p->k->dtype == FW_BF16 && p->ks[2] == 1;
     for (int64_t t0 = klo < khi ? klo / BK * BK : khi; t0 < khi; t0 += BK) {
         const int64_t t1 = fw_min64(sq->sk, t0 + BK);
         const int nk = (int)(t1 - t0);
@@ -149,17 +151,18 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
         for (int j = 0; j < nk; j++) {
             int64_t kr = fw_attn_key(p, sq, t0 + j, 0) + kvh * p->ks[1];
             int64_t vr = fw_attn_key(p, sq, t0 + j, 1) + kvh * p->vs[1];
-            if (!kcols)
+            uint16_t *kw = (uint16_t *)(KW + (size_t)j * dw);
+            if (kraw) /* bf16 rows already are their words: copied, not converted twice */
+                memcpy(kw, fw_elem(p->k, kr), (size_t)d * sizeof(uint16_t));
+            else if (!kcols)
                 kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
             kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
             if (p->rot_k)
                 fw_attn_rotate(p, kt, Kf + (size_t)j * d, t0 + j);
-            if (bf16) {
-                uint16_t *kw = (uint16_t *)(KW + (size_t)j * dw);
+            if (bf16 && !kraw)
                 kt->from_f32(Kf + (size_t)j * d, d, kw, FW_BF16, 1);
-                if (d & 1)
-                    kw[d] = 0;
-            }
+            if (bf16 && (d & 1))
+                kw[d] = 0;
         }
         if (bf16)
             kt->pack_vw(Vf, nk, dv, VW);
