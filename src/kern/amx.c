@@ -74,6 +74,21 @@ static const void *block(const uint32_t *src, int64_t ld, int rows, int cols, ui
     return buf;
 }
 
+/* One step of 16 words of the 2 x 2 register plan: C tile 2a + b += A tile a x B tile b, the
+ * A tiles (a0, a1) and B tiles (b0, b1) loaded from their blocks (row strides in bytes). */
+FW_INLINE void step_2x2(const void *a0, int64_t s0, const void *a1, int64_t s1, const void *b0, int64_t s2,
+                        const void *b1, int64_t s3)
+{
+    _tile_loadd(4, a0, s0);
+    _tile_loadd(5, a1, s1);
+    _tile_loadd(6, b0, s2);
+    _tile_loadd(7, b1, s3);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
 /* ST[j][m] = bias[m] + scale * sum_w dot(K[j] word w, QW[w][m]), j < nk, m < M. */
 static void qk_bf16(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
                     float scale, const float *bias, float *ST)
@@ -96,14 +111,7 @@ static void qk_bf16(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, cons
                 const void *a1 = block(j1 < nk ? K + j1 * ldkw + w0 : K, ldkw, nk - j1, dw - w0, ta1, &s1);
                 const void *b0 = block(QW + (int64_t)w0 * M + m0, M, dw - w0, M - m0, tb0, &s2);
                 const void *b1 = block(m1 < M ? QW + (int64_t)w0 * M + m1 : QW, M, dw - w0, M - m1, tb1, &s3);
-                _tile_loadd(4, a0, s0);
-                _tile_loadd(5, a1, s1);
-                _tile_loadd(6, b0, s2);
-                _tile_loadd(7, b1, s3);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                step_2x2(a0, s0, a1, s1, b0, s2, b1, s3);
             }
             /* ST rows of each 16 x 16 block = bias + scale C, the valid part only */
             for (int t = 0; t < 4; t++) {
@@ -154,14 +162,7 @@ static void pv_bf16(int nw, int dv, int M, const uint32_t *VT, const uint32_t *P
                 const void *a1 = block(c1 < dv ? VT + (int64_t)c1 * ld + w0 : VT, ld, dv - c1, TW, ta1, &s1);
                 const void *b0 = block(PW + (int64_t)w0 * M + m0, M, nw - w0, M - m0, tb0, &s2);
                 const void *b1 = block(m1 < M ? PW + (int64_t)w0 * M + m1 : PW, M, nw - w0, M - m1, tb1, &s3);
-                _tile_loadd(4, a0, s0);
-                _tile_loadd(5, a1, s1);
-                _tile_loadd(6, b0, s2);
-                _tile_loadd(7, b1, s3);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                step_2x2(a0, s0, a1, s1, b0, s2, b1, s3);
             }
             /* whole blocks go straight back to OT; partial ones through their copy */
             float *dst[4];
