@@ -60,19 +60,11 @@ static int has_avx512bf16(void)
 /* AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22), the tile state enabled in
  * XCR0 (bits 17, 18), and Linux's grant of the tile data to this process (arch_prctl
  * ARCH_REQ_XCOMP_PERM, Linux 5.16): until it is granted, the first tile instruction of
- * any thread faults. Asked once; a refusal (an older kernel, a seccomp filter, a signal
- * stack too small for the larger frame) leaves the table unsupported. */
+ * any thread faults. Asked once (support_run); a refusal (an older kernel, a seccomp filter,
+ * a signal stack too small for the larger frame) leaves the table unsupported. */
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
-static int amx_granted;
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-
-static void amx_request(void)
-{
-    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
-    amx_granted = syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
-}
 #endif
 
 static int has_amx(void)
@@ -84,8 +76,8 @@ static int has_amx(void)
     if ((d & (tile | bf16)) != (tile | bf16) || (xcr0() & state) != state)
         return 0;
 #if defined(__linux__)
-    pthread_once(&amx_once, amx_request);
-    return amx_granted;
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    return syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
 #else
     return 0;
 #endif
