@@ -1,7 +1,8 @@
 /*
  * amx.c: the amx kernel table: the bf16 products of the tiled attention (prefill, varlen,
- * the backward) on AMX-BF16 tiles; every other entry is avx512bf16's (cpu.c fills them from
- * it). Compiled with only this ISA's flags (AVX-512 + AMX-TILE + AMX-BF16).
+ * the backward), of the GDN/KDA chunked prefill (which runs on qk_bf16 and pv_bf16) and of the
+ * decode on bf16 key rows, on AMX-BF16 tiles; every other entry is avx512bf16's (cpu.c fills
+ * them from it). Compiled with only this ISA's flags (AVX-512 + AMX-TILE + AMX-BF16).
  *
  * A tile holds 16 rows of 64 bytes: 16 x 32 bf16 (16 words of the pair layout) or 16 x 16
  * f32. tdpbf16ps C += A B takes A [16][16 words] row-major and B [16 words][16] with each
