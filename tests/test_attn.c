@@ -928,7 +928,7 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
                     x += qv * Kf[j * d + k];
                     a += fabs(qv * Kf[j * d + k]);
                 }
-                worst = fmax(worst, fabs(S[r * FW_DEC_KEYS + j] - scale * x) / (scale * a * 1e-6 * (d + 1) + 1e-30));
+                worst = worse(worst, fabs(S[r * FW_DEC_KEYS + j] - scale * x) / (scale * a * 1e-6 * (d + 1) + 1e-30));
             }
             for (int j = nk; j < FW_DEC_KEYS; j++)
                 zero &= S[r * FW_DEC_KEYS + j] == 0.0f;
@@ -959,7 +959,7 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
                 x += t;
                 a += fabs(t);
             }
-            worst = fmax(worst, fabs(O[r * dv + c] - x) / (a * 1e-6 * (nk + 1) + 1e-30));
+            worst = worse(worst, fabs(O[r * dv + c] - x) / (a * 1e-6 * (nk + 1) + 1e-30));
         }
     case_check(worst <= 1, "dec_pv_bf16 bf16 rows R %d nk %d dv %d: residual %.3g of bound", R, nk, dv, worst);
     free(Q); free(S); free(Kf); free(O); free(O0); free(QW); free(V);
@@ -972,9 +972,6 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
  * tiles included. A row's (qk) or a value column's (pv) result is the same bits when it is
  * computed alone, so nothing depends on which block of the tile it falls in. */
 static double bf(uint32_t w, int odd) { return fw_bf16_to_f32((uint16_t)(odd ? w >> 16 : w)); }
-
-/* max(worst, e) where a NaN e counts as infinitely wrong (fmax would drop it) */
-static double worse(double worst, double e) { return e <= worst ? worst : e == e ? e : INFINITY; }
 
 static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int dv)
 {
@@ -1190,7 +1187,7 @@ static void test_micro_kernels(void)
                             s += (double)K[j * d + k] * QT[k * M + m];
                             a += fabs((double)K[j * d + k] * QT[k * M + m]);
                         }
-                        worst = fmax(worst, fabs(ST[j * M + m] - s) / (a * 1e-6 * (d + 1)));
+                        worst = worse(worst, fabs(ST[j * M + m] - s) / (a * 1e-6 * (d + 1)));
                     }
                 case_check(worst <= 1, "qk M %d nk %d d %d: residual %.3g of bound", M, nk, d, worst);
                 double *want = malloc(sizeof(double) * dv * M);
@@ -1204,7 +1201,7 @@ static void test_micro_kernels(void)
                 kt->pv(nk, dv, M, V, dv, ST, OT);
                 worst = 0;
                 for (int i = 0; i < dv * M; i++)
-                    worst = fmax(worst, fabs(OT[i] - want[i]) / (1e-5 * (1 + fabs(want[i])) * (nk + 1)));
+                    worst = worse(worst, fabs(OT[i] - want[i]) / (1e-5 * (1 + fabs(want[i])) * (nk + 1)));
                 case_check(worst <= 1, "pv M %d nk %d dv %d: residual %.3g of bound", M, nk, dv, worst);
                 free(want);
                 free(K); free(QT); free(bias); free(ST); free(V); free(OT);
@@ -1227,7 +1224,7 @@ static void test_micro_kernels(void)
                 for (int i = 0; i < nk * M; i++) {
                     double want = exp2((double)S0[i]);
                     if (want >= 0x1p-126)
-                        worst = fmax(worst, fabs(ST[i] - want) / (want * 0x1p-23));
+                        worst = worse(worst, fabs(ST[i] - want) / (want * 0x1p-23));
                 }
                 free(S0);
             }
@@ -1313,7 +1310,7 @@ static void test_micro_kernels(void)
                             x += (double)Q[r * d + k] * Kt[k * FW_DEC_KEYS + j];
                             a += fabs((double)Q[r * d + k] * Kt[k * FW_DEC_KEYS + j]);
                         }
-                        worst = fmax(worst, fabs(S[r * FW_DEC_KEYS + j] - x) / (a * 1e-6 * (d + 1)));
+                        worst = worse(worst, fabs(S[r * FW_DEC_KEYS + j] - x) / (a * 1e-6 * (d + 1)));
                     }
                 case_check(worst <= 1, "dec_qk R %d nk %d d %d: residual %.3g of bound", R, nk, d, worst);
                 for (int j = 0; j < nk; j++)
@@ -1325,7 +1322,7 @@ static void test_micro_kernels(void)
                         double x = 0;
                         for (int j = 0; j < nk; j++)
                             x += (double)S[r * FW_DEC_KEYS + j] * V[j * dv + c];
-                        worst = fmax(worst, fabs(O[r * dv + c] - x) / (1e-5 * (1 + fabs(x)) * (nk + 1)));
+                        worst = worse(worst, fabs(O[r * dv + c] - x) / (1e-5 * (1 + fabs(x)) * (nk + 1)));
                     }
                 case_check(worst <= 1, "dec_pv R %d nk %d dv %d: residual %.3g of bound", R, nk, dv, worst);
                 check_dec_rows(kt, (fw_dtype)dt, rows, kdim, nk, d, R);
@@ -1563,7 +1560,7 @@ static void test_decode_strided_extent(void)
         case_check(st == FW_OK, "%s: %s", p.isa, fw_last_error());
         double e = 0;
         for (int i = 0; i < HQ * D; i++)
-            e = fmax(e, fabs(o[i] - ro[i]));
+            e = worse(e, fabs(o[i] - ro[i]));
         case_check(e < 1e-5, "%s: error %g", p.isa, e);
     }
     free(k);

@@ -179,7 +179,7 @@ static void run_ccase(const ccase *cc, const fw_kernels *kt, uint64_t seed)
                 continue;
             }
             const double rr = cc->res ? fabs(tget(&res, idx)) : 0.0;
-            worst = fmax(worst, fabs(o - r) / (2 * unit_of(cc->dt) * fabs(r) + 0x1p-20 * (m + rr) + tiny_of(cc->dt)));
+            worst = worse(worst, fabs(o - r) / (2 * unit_of(cc->dt) * fabs(r) + 0x1p-20 * (m + rr) + tiny_of(cc->dt)));
         } while (tnext(&out, idx));
     case_check(worst <= 1, "out: error %.3g of the bound", worst);
     case_check(specials_ok, "NaN or inf differs from the reference");
@@ -325,7 +325,7 @@ static void test_conv_silu_half(void)
                 same_specials &= isnan(ya[i]) ? isnan(yb[i]) : yb[i] == ya[i] && signbit(yb[i]) == signbit(ya[i]);
                 continue;
             }
-            worst = fmax(worst, fabs((double)yb[i] - ya[i]) / (fabs((double)ya[i]) + 0x1p-126));
+            worst = worse(worst, fabs((double)yb[i] - ya[i]) / (fabs((double)ya[i]) + 0x1p-126));
         }
         case_check(worst <= 7.5e-5, "largest relative difference %.3g", worst);
         case_check(same_specials, "NaN, an infinity, a zero or an underflow differs");

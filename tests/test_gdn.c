@@ -170,7 +170,7 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
                 esplain = es;
                 double big = 0;
                 for (int64_t i = 0; i < no; i++)
-                    big = fmax(big, fabs(ro[i]));
+                    big = worse(big, fabs(ro[i]));
                 const double bar = (c->dt == FW_F32 ? 1e-4 : 2 * (c->dt == FW_BF16 ? 0x1p-8 : 0x1p-10)) * (1 + big);
                 case_check(eo <= bar, "[%s] fused recurrent out error %.3g > %.3g", p.isa, eo, bar);
             } else {
@@ -249,9 +249,9 @@ static void test_split_state(void)
     case_check(st == FW_OK, "status %s", fw_last_error());
     double e = 0;
     for (int i = 0; i < 150 * 4 * 24; i++)
-        e = fmax(e, fabs(o1[i] - o2[i]));
+        e = worse(e, fabs(o1[i] - o2[i]));
     for (int i = 0; i < 4 * 32 * 24; i++)
-        e = fmax(e, fabs(s1[i] - s2[i]));
+        e = worse(e, fabs(s1[i] - s2[i]));
     case_check(e <= 2e-5, "split vs one run differ by %.3g", e);
     free(o1); free(o2);
     free_inputs(&in);
@@ -305,7 +305,7 @@ static void test_inverse_stability(void)
             double e = 0;
             for (int i = 0; i < L; i++)
                 for (int j = 0; j <= i; j++)
-                    e = fmax(e, fabs(X[i * 64 + j] - Xd[i][j]));
+                    e = worse(e, fabs(X[i * 64 + j] - Xd[i][j]));
             case_check(e <= 1e-6, "%s inverse error %.3g", method ? "blocked" : "forward", e);
         }
         case_end();
@@ -372,12 +372,12 @@ static void test_decode_step(void)
                 ab += (double)al[r] * k[r] * fw_bf16_to_f32(hb[r * LDH + c]);
                 bb += (double)al[r] * q[r] * fw_bf16_to_f32(hb[r * LDH + c]);
             }
-            er = fmax(er, fmax(fmax(fabs(ra[c] - a), fabs(rb[c] - b)), fmax(fabs(xa[c] - ab), fabs(xb[c] - bb))) /
-                              (1 + sa));
+            er = worse(worse(worse(worse(er, fabs(ra[c] - a) / (1 + sa)), fabs(rb[c] - b) / (1 + sa)),
+                             fabs(xa[c] - ab) / (1 + sa)), fabs(xb[c] - bb) / (1 + sa));
             const double dl = beta * (v[c] - a), want = b + dl * kq;
-            eo = fmax(eo, fabs(o[c] - want) / (1 + sa + fabs(want)));
+            eo = worse(eo, fabs(o[c] - want) / (1 + sa + fabs(want)));
             for (int r = 0; r < DK; r++)
-                eh = fmax(eh, fabs(h[r * LDH + c] - ((double)al[r] * h0[r * LDH + c] + k[r] * dl)) /
+                eh = worse(eh, fabs(h[r * LDH + c] - ((double)al[r] * h0[r * LDH + c] + k[r] * dl)) /
                                   (1 + fabs(h0[r * LDH + c]) + sa));
         }
         case_check(eo <= 1e-5 && eh <= 1e-5 && er <= 1e-5, "columns %d..%d: output error %.3g, state error %.3g, "
@@ -737,9 +737,9 @@ static void test_kda_gates(void)
             case_check(st == FW_OK, "status: %s", fw_last_error());
             double eo = 0, es = 0;
             for (size_t i = 0; i < sizeof o1 / sizeof o1[0]; i++)
-                eo = fmax(eo, fabs((double)o1[i] - o2[i]));
+                eo = worse(eo, fabs((double)o1[i] - o2[i]));
             for (size_t i = 0; i < sizeof s1 / sizeof s1[0]; i++)
-                es = fmax(es, fabs((double)s1[i] - s2[i]));
+                es = worse(es, fabs((double)s1[i] - s2[i]));
             case_check(eo <= 1e-5 && es <= 1e-5, "outputs differ by %.3g, states by %.3g", eo, es);
             case_end();
         }
@@ -809,7 +809,7 @@ static void test_kda_gate_kernel(void)
                 const double y = yf, u = uf, sp = y > 20 ? y : log1p(exp(y));
                 const double want = (form ? lb / (1 + exp(-u)) : -(double)ea * sp) / log(2.0);
                 const double x = form ? fabs(u) : fabs(y);
-                worst = fmax(worst, fabs(g2[i] - want) / ((fabs(want) * 0x1p-23 + 1e-37) * (8 + 2 * x)));
+                worst = worse(worst, fabs(g2[i] - want) / ((fabs(want) * 0x1p-23 + 1e-37) * (8 + 2 * x)));
             }
             case_check(worst <= 1, "worst error %.3g of the bar", worst);
             case_end();
@@ -906,7 +906,7 @@ static void verify_commit(int kda)
             case_check(st == FW_OK, "decode: %s", fw_last_error());
             for (int i = 0; i < N; i++)
                 for (int64_t x = 0; x < HV * dv; x++)
-                    worst_o = fmax(worst_o, fabs(dob[i * HV * dv + x] - vo[(i * n + t) * HV * dv + x]));
+                    worst_o = worse(worst_o, fabs(dob[i * HV * dv + x] - vo[(i * n + t) * HV * dv + x]));
         }
         float *com = malloc(sizeof(float) * (size_t)(slots * ss));
         memcpy(com, state, sizeof(float) * (size_t)(slots * ss));
@@ -914,7 +914,7 @@ static void verify_commit(int kda)
         st = fw_gdn_commit(cu, N, acc, H, HV, dk, dv, com, slots, idx, replay, rf, &p);
         case_check(st == FW_OK, "commit: %s", fw_last_error());
         for (int64_t i = 0; i < slots * ss; i++)
-            worst_s = fmax(worst_s, fabs(com[i] - work[i]));
+            worst_s = worse(worst_s, fabs(com[i] - work[i]));
         free(com);
     }
     case_check(worst_o <= 2e-5, "verify outputs differ from sequential decode by %.3g", worst_o);
@@ -959,13 +959,13 @@ static void verify_commit(int kda)
     case_check(st == FW_OK, "status: %s", fw_last_error());
     double eo = 0, eosr = 0, es = 0, essr = 0;
     for (int64_t x = 0; x < 2 * n * HV * dv; x++) {
-        eo = fmax(eo, fabs(vo[x] - ro[x]));
-        eosr = fmax(eosr, fabs(sro[x] - ro[x]));
+        eo = worse(eo, fabs(vo[x] - ro[x]));
+        eosr = worse(eosr, fabs(sro[x] - ro[x]));
     }
     for (int i = 0; i < N; i++)
         for (int64_t x = 0; x < ss; x++) {
-            es = fmax(es, fabs(com[idx[i] * ss + x] - rs[i * ss + x]));
-            essr = fmax(essr, fabs(srs[i * ss + x] - rs[i * ss + x]));
+            es = worse(es, fabs(com[idx[i] * ss + x] - rs[i * ss + x]));
+            essr = worse(essr, fabs(srs[i * ss + x] - rs[i * ss + x]));
         }
     case_check(eosr > 0 && eo <= 2 * eosr + 1e-5, "verify outputs: error %.3g, same-roundings %.3g", eo, eosr);
     case_check(es <= 2 * essr + 1e-5, "committed state: error %.3g, same-roundings %.3g", es, essr);

@@ -223,7 +223,7 @@ static void layer_case(const lcase *c, uint64_t seed)
     const double eosr = max_diff(so, ro, no), essr = max_diff(ss, rs, ns);
     double big = 0;
     for (int64_t i = 0; i < no; i++)
-        big = fmax(big, fabs(ro[i]));
+        big = worse(big, fabs(ro[i]));
     const double bar = (c->dt == FW_F32 ? 1e-4 : 2 * 0x1p-8) * (1 + big);
     /* slots the step writes: the rest must keep their bits */
     int written[SLOTS];
@@ -354,9 +354,9 @@ static void test_layer_bf16_states(void)
             written_slots(s, written);
             double big = 0, sbig = 0;
             for (int64_t i = 0; i < no; i++)
-                big = fmax(big, fabs(ro[i]));
+                big = worse(big, fabs(ro[i]));
             for (int i = 0; i < SLOTS * RSTRIDE; i++)
-                sbig = fmax(sbig, fabs(r32.rec[i]));
+                sbig = worse(sbig, fabs(r32.rec[i]));
             for (int it = 0; it < fw_isa_count(); it++) {
                 const char *isa = fw_isa_name(it);
                 if (!fw_isa_supported(isa))
@@ -375,11 +375,11 @@ static void test_layer_bf16_states(void)
                         for (int i = 0; i < SLOTS * RSTRIDE; i++) {
                             kept &= rb[i] == rb0[i] || (i % RSTRIDE < SS && written[i / RSTRIDE]);
                             bits &= rb[i] == fw_f32_to_bf16(k32.rec[i]);
-                            es = fmax(es, fabs(fw_bf16_to_f32(rb[i]) - r32.rec[i]));
+                            es = worse(es, fabs(fw_bf16_to_f32(rb[i]) - r32.rec[i]));
                         }
                         for (int64_t i = 0; i < no; i++) {
                             const int64_t idx[2] = {i / (NV * DV), i % (NV * DV)};
-                            eo = fmax(eo, fabs(tget(&t16, idx) - ro[i]));
+                            eo = worse(eo, fabs(tget(&t16, idx) - ro[i]));
                         }
                         case_check(kept, "[%s prec %d, %d threads] a slot no sequence writes, or padding, changed", isa,
                                    prec, threads);
@@ -593,7 +593,7 @@ static void replay_case(const rcase *c, uint64_t seed)
             case_check(st == FW_OK, "[step %d %s] reference: %s", step, isa, fw_last_error());
             big = 0;
             for (int64_t i = 0; i < no; i++)
-                big = fmax(big, fabs(ro[i]));
+                big = worse(big, fabs(ro[i]));
             bar = (bf ? 2 * 0x1p-8 : 1e-4) * (1 + big);
             rstate k;
             rstate_new(&k, &in, c, rdim);
@@ -604,9 +604,9 @@ static void replay_case(const rcase *c, uint64_t seed)
             case_check(st == FW_OK, "[step %d %s] %s", step, isa, fw_last_error());
             double eo = 0, es = 0, er = 0;
             for (int64_t i = 0; i < no; i++)
-                eo = fmax(eo, fabs(tget(&to, (int64_t[]){i / (NV * DV), i % (NV * DV)}) - ro[i]));
+                eo = worse(eo, fabs(tget(&to, (int64_t[]){i / (NV * DV), i % (NV * DV)}) - ro[i]));
             for (int64_t i = 0; i < SLOTS * RSTRIDE; i++)
-                es = fmax(es, fabs((double)k.k.rec[i] - ref.k.rec[i]));
+                es = worse(es, fabs((double)k.k.rec[i] - ref.k.rec[i]));
             for (int64_t i = 0; i < nrec; i++) {
                 const double want = fw_load_f64(&ref.r.records, i), d = fabs(fw_load_f64(&k.r.records, i) - want);
                 er = fmax(er, rbf ? d / (0x1p-7 * (1 + fabs(want))) * 1e-4 : d);
@@ -653,7 +653,7 @@ static void replay_case(const rcase *c, uint64_t seed)
             st = fw_gdn_layer_ref(&in.qkv, &in.b, &in.a, &in.w, &in.bias, &in.alog, &in.dt, &b, &plain.k.c, &tpo, &p);
             double ep = 0;
             for (int64_t e = 0; e < NV * DV; e++)
-                ep = fmax(ep, fabs(po[e] - ro[e]));
+                ep = worse(ep, fabs(po[e] - ro[e]));
             case_check(st == FW_OK && ep <= bar, "[step %d] the decode in place is %.3g from the plain layer's",
                        step, ep);
         }

@@ -213,3 +213,4 @@ int tuntouched(const gbuf *b, const fw_tensor *t)
     return ok;
 }
 
+double worse(double worst, double e) { return e <= worst ? worst : e == e ? e : INFINITY; }

@@ -38,6 +38,10 @@ gbuf gbuf_new(size_t bytes);
 void gbuf_free(gbuf *b);
 int gbuf_guards_ok(const gbuf *b);
 
+/* max(worst, e) where a NaN e counts as infinitely wrong: fmax(worst, NaN) is worst, so a
+ * check on fmax's result passed a NaN output. */
+double worse(double worst, double e);
+
 /* Deterministic random numbers. */
 void rng_seed(uint64_t s);
 double rng_uniform(void);  /* [0, 1) */
