@@ -98,11 +98,11 @@ typedef struct fw_kernels {
     void (*pack_pairs)(const float *even, const float *odd, int n, uint32_t *dst);
     /* dst[w] = (x[2w], x[2w+1]) rounded to bf16, w < ceil(n/2), zero past n. */
     void (*pack_row_pairs)(const float *x, int n, uint32_t *dst);
-    /* pv_bf16's first operand from f32 rows X [n][cols] (a tile's value rows, or whatever
-     * rows a product sums over), rounded to bf16 in this table's layout: the pair layout
-     * VW [ceil(n/2)][cols] here; AMX its transpose, padded to whole tiles (amx.c). Sized by
-     * panel_bytes(n, cols). */
-    void (*pack_vw)(const float *X, int n, int cols, uint32_t *VW);
+    /* pv_bf16's first operand from rows X [n][cols] of dtype dt (f32 or bf16, contiguous: a
+     * tile's value rows, or whatever rows a product sums over), rounded to bf16 in this
+     * table's layout: the pair layout VW [ceil(n/2)][cols] here; AMX its transpose, padded to
+     * whole tiles (amx.c). Sized by panel_bytes(n, cols); cols <= FW_MAX_HEAD_DIM. */
+    void (*pack_vw)(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW);
     void (*qk_bf16)(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
                     float scale, const float *bias, float *ST);
     void (*pv_bf16)(int nw, int dv, int M, const uint32_t *VW, const uint32_t *PW, float *OT);

@@ -1003,7 +1003,23 @@ static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int d
     for (int w = 0; w < nw; w++)
         kt->pack_pairs(P + (size_t)2 * w * M, 2 * w + 1 < nk ? P + (size_t)(2 * w + 1) * M : NULL, M, PW + (size_t)w * M);
     memset(VT, 0xff, kt->panel_bytes(nk, dv));
-    kt->pack_vw(X, nk, dv, VT);
+    /* bf16 rows pack to the bits of f32 rows of the same values */
+    uint16_t *X16 = malloc(sizeof(uint16_t) * (size_t)nk * dv);
+    float *Xr = malloc(sizeof(float) * (size_t)nk * dv);
+    for (int i = 0; i < nk * dv; i++) {
+        X16[i] = fw_f32_to_bf16(X[i]);
+        Xr[i] = fw_bf16_to_f32(X16[i]);
+    }
+    kt->pack_vw(X16, FW_BF16, nk, dv, VT);
+    uint32_t *VT16 = malloc(kt->panel_bytes(nk, dv));
+    memcpy(VT16, VT, kt->panel_bytes(nk, dv));
+    memset(VT, 0xff, kt->panel_bytes(nk, dv));
+    kt->pack_vw(Xr, FW_F32, nk, dv, VT);
+    case_check(memcmp(VT16, VT, kt->panel_bytes(nk, dv)) == 0, "pack_vw nk %d dv %d: bf16 rows pack to other bits "
+               "than f32 rows of the same values", nk, dv);
+    free(X16); free(Xr); free(VT16);
+    memset(VT, 0xff, kt->panel_bytes(nk, dv));
+    kt->pack_vw(X, FW_F32, nk, dv, VT);
     kt->qk_bf16(nk, dw, M, K, ldkw, QW, scale, bias, ST);
     kt->pv_bf16(nw, dv, M, VT, PW, OT);
     const double u = 1.0 / (1 << 23);
@@ -1030,7 +1046,7 @@ static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int d
     for (int c = 0; c < dv; c++) {
         for (int j = 0; j < nk; j++)
             X1[j] = X[j * dv + c];
-        kt->pack_vw(X1, nk, 1, VT1);
+        kt->pack_vw(X1, FW_F32, nk, 1, VT1);
         memcpy(OT1, O0 + (size_t)c * M, sizeof(float) * (size_t)M);
         kt->pv_bf16(nw, 1, M, VT1, PW, OT1);
         for (int m = 0; m < M; m++) {

@@ -428,8 +428,8 @@ static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int
                         }
                     }
                 if (bf16) {
-                    kt->pack_vw(Qr, R, d, bp.qp);
-                    kt->pack_vw(dOr, R, dv, bp.dop);
+                    kt->pack_vw(Qr, FW_F32, R, d, bp.qp);
+                    kt->pack_vw(dOr, FW_F32, R, dv, bp.dop);
                 }
                 for (int t = 0; t < ntile; t++) {
                     const int64_t t0 = b0 + (int64_t)t * BK, t1 = fw_min64(b1, t0 + BK);

@@ -140,6 +140,8 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
     const int kcols = p->ks[0] == 1 && d > 1 && (!p->bt || p->page % BK == 0);
     /* bf16 products on contiguous bf16 key rows, not rotated: the rows are the K words */
     const int kraw = bf16 && !kcols && !p->rot_k && p->k->dtype == FW_BF16 && p->ks[2] == 1;
+    /* and contiguous bf16 value rows go to pack_vw as they are (Vf holds them as bf16) */
+    const int vraw = bf16 && p->v->dtype == FW_BF16 && p->vs[2] == 1;
     for (int64_t t0 = klo < khi ? klo / BK * BK : khi; t0 < khi; t0 += BK) {
         const int64_t t1 = fw_min64(sq->sk, t0 + BK);
         const int nk = (int)(t1 - t0);
@@ -156,7 +158,10 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
                 memcpy(kw, fw_elem(p->k, kr), (size_t)d * sizeof(uint16_t));
             else if (!kcols)
                 kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
-            kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
+            if (vraw)
+                memcpy((uint16_t *)Vf + (size_t)j * dv, fw_elem(p->v, vr), (size_t)dv * sizeof(uint16_t));
+            else
+                kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
             if (p->rot_k)
                 fw_attn_rotate(p, kt, Kf + (size_t)j * d, t0 + j);
             if (bf16 && !kraw)
@@ -165,7 +170,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
                 kw[d] = 0;
         }
         if (bf16)
-            kt->pack_vw(Vf, nk, dv, VW);
+            kt->pack_vw(Vf, vraw ? FW_BF16 : FW_F32, nk, dv, VW);
         /* Ask for the next tile's K and V rows now: they arrive while this tile's products run.
          * Without it the conversion above waited on memory for 10% of the time of a 4K causal
          * bf16 prefill (1 thread; rows 2 KiB apart defeat the hardware prefetcher). */

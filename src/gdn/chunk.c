@@ -530,7 +530,7 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t e0, in
                 memcpy(Kpp + (size_t)i * dk, K + (size_t)i * dk, (size_t)dk * sizeof(float));
                 kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
             }
-            kt->pack_vw(Kpp, L, dk, KPw);
+            kt->pack_vw(Kpp, FW_F32, L, dk, KPw);
         }
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e0 + e, q), *D = HD + (size_t)dk * P;

@@ -215,40 +215,6 @@ FW_INLINE void transpose16(const __m512i r[16], __m512i out[16])
     }
 }
 
-/* VT[c][w] = (X[2w][c], X[2w+1][c]) rounded to bf16 for c < cols, w < round16(ceil(n/2)),
- * zero past n: the pair layout's VW transposed, 16 x 16 words at a time. */
-static void pack_vw(const float *X, int n, int cols, uint32_t *VT)
-{
-    const int nw = (n + 1) / 2, ld = round16(nw);
-    for (int w0 = 0; w0 < ld; w0 += TW)
-        for (int c0 = 0; c0 < cols; c0 += TW) {
-            const int cn = cols - c0 < TW ? cols - c0 : TW;
-            const __mmask16 k = (__mmask16)((1u << cn) - 1);
-            __m512i r[16], out[16];
-            for (int i = 0; i < TW; i++) {
-                const int e = 2 * (w0 + i), o = e + 1;
-                vf ev = vzero(), od = vzero();
-                if (e < n)
-                    ev = _mm512_maskz_loadu_ps(k, X + (int64_t)e * cols + c0);
-                if (o < n)
-                    od = _mm512_maskz_loadu_ps(k, X + (int64_t)o * cols + c0);
-                r[i] = _mm512_castps_si512(vbf16_pair(ev, od));
-            }
-            transpose16(r, out);
-            for (int c = 0; c < cn; c++)
-                _mm512_storeu_si512(VT + (int64_t)(c0 + c) * ld + w0, out[c]);
-        }
-}
-
-/* ------------------------------------------------------------------ decode --
- *
- * Decode (R <= FW_DEC_ROWS = 16 query rows of a K/V head against a tile of 64 keys) on tiles:
- *   dec_qk_rows_bf16: S^T [key][row] (C) = bf16 key rows (A, read in place when 16 rows lie
- *                     at one stride, else copied) x QW^T [w][row] (B, transposed per call)
- *   dec_pv_bf16:      P V [row][c]  (C) = P rounded to pairs [row][w] (A) x the value rows
- *                     paired two keys at a time [w][c] (B, interleaved per call)
- * Rows past R are zero and dropped; S^T is transposed into S's rows on the way out. */
-
 /* 16 words of the pair layout from value rows `even`, `odd` (NULL: zeros) of dtype dt,
  * columns c0 .. c0 + cn - 1 (cn <= 16, zero past): word c = (even[c], odd[c]) in bf16. */
 FW_INLINE __m512i pair_words(const void *even, const void *odd, fw_dtype dt, int c0, int cn)
@@ -275,6 +241,36 @@ FW_INLINE __m512i pair_words(const void *even, const void *odd, fw_dtype dt, int
     }
     return _mm512_castps_si512(vbf16_pair(e, o));
 }
+
+/* VT[c][w] = (X[2w][c], X[2w+1][c]) rounded to bf16 for c < cols, w < round16(ceil(n/2)),
+ * zero past n: the pair layout's VW transposed, 16 x 16 words at a time; X f32 or bf16. */
+static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VT)
+{
+    const int nw = (n + 1) / 2, ld = round16(nw);
+    const size_t row = (size_t)cols * (dt == FW_F32 ? sizeof(float) : sizeof(uint16_t));
+    for (int w0 = 0; w0 < ld; w0 += TW)
+        for (int c0 = 0; c0 < cols; c0 += TW) {
+            const int cn = cols - c0 < TW ? cols - c0 : TW;
+            __m512i r[16], out[16];
+            for (int i = 0; i < TW; i++) {
+                const int e = 2 * (w0 + i), o = e + 1;
+                const char *xe = (const char *)X + (size_t)e * row;
+                r[i] = e < n ? pair_words(xe, o < n ? xe + row : NULL, dt, c0, cn) : _mm512_setzero_si512();
+            }
+            transpose16(r, out);
+            for (int c = 0; c < cn; c++)
+                _mm512_storeu_si512(VT + (int64_t)(c0 + c) * ld + w0, out[c]);
+        }
+}
+
+/* ------------------------------------------------------------------ decode --
+ *
+ * Decode (R <= FW_DEC_ROWS = 16 query rows of a K/V head against a tile of 64 keys) on tiles:
+ *   dec_qk_rows_bf16: S^T [key][row] (C) = bf16 key rows (A, read in place when 16 rows lie
+ *                     at one stride, else copied) x QW^T [w][row] (B, transposed per call)
+ *   dec_pv_bf16:      P V [row][c]  (C) = P rounded to pairs [row][w] (A) x the value rows
+ *                     paired two keys at a time [w][c] (B, interleaved per call)
+ * Rows past R are zero and dropped; S^T is transposed into S's rows on the way out. */
 
 /* S[r][j] = scale * QW[r] . K[j] over ceil(d/2) words for r < R, j < nk; 0 for j in
  * [nk, FW_DEC_KEYS). K rows are bf16, contiguous. */

@@ -219,12 +219,24 @@ static void pack_row_pairs(const float *x, int n, uint32_t *dst)
         dst[w] = (uint32_t)fw_cvt_f32_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_cvt_f32_bf16(x[2 * w + 1]) : 0) << 16;
 }
 
-/* VW[w][c] = (X[2w][c], X[2w+1][c]) rounded to bf16: row pairs in the pair layout. */
-static void pack_vw(const float *X, int n, int cols, uint32_t *VW)
+/* VW[w][c] = (X[2w][c], X[2w+1][c]) rounded to bf16: row pairs in the pair layout; bf16 rows
+ * (already their values) through f32, a pair of rows at a time. */
+static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW)
 {
-    for (int w = 0; 2 * w < n; w++)
-        pack_pairs(X + (size_t)2 * w * cols, 2 * w + 1 < n ? X + (size_t)(2 * w + 1) * cols : NULL, cols,
-                   VW + (size_t)w * cols);
+    float row[2][FW_MAX_HEAD_DIM];
+    const size_t es = dt == FW_F32 ? sizeof(float) : sizeof(uint16_t);
+    for (int w = 0; 2 * w < n; w++) {
+        const char *e = (const char *)X + (size_t)2 * w * cols * es, *o = e + (size_t)cols * es;
+        const int odd = 2 * w + 1 < n;
+        if (dt != FW_F32) {
+            to_f32(e, dt, 1, cols, 1.0f, row[0]);
+            if (odd)
+                to_f32(o, dt, 1, cols, 1.0f, row[1]);
+            e = (const char *)row[0];
+            o = (const char *)row[1];
+        }
+        pack_pairs((const float *)e, odd ? (const float *)o : NULL, cols, VW + (size_t)w * cols);
+    }
 }
 
 /* ceil(red / 2) x cols words: the pair layout pads only an odd reduction length. */
