@@ -121,9 +121,10 @@ void *bench_alloc(size_t bytes)
 static double peak_of(const char *isa, int threads, int bf16)
 {
     static double cache[2][8][257];
+    const char *name = isa ? isa : fw_isa_default();
     int t = fw_isa_count();
-    for (int i = 0; i < fw_isa_count(); i++)
-        if (strcmp(isa ? isa : fw_isa_default() ? fw_isa_default() : "", fw_isa_name(i)) == 0)
+    for (int i = 0; name && i < fw_isa_count(); i++)
+        if (strcmp(name, fw_isa_name(i)) == 0)
             t = i;
     if (threads < 1 || threads > 256 || t >= 8)
         return 0;
