@@ -254,8 +254,11 @@ static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VT)
             __m512i r[16], out[16];
             for (int i = 0; i < TW; i++) {
                 const int e = 2 * (w0 + i), o = e + 1;
-                const char *xe = (const char *)X + (size_t)e * row;
-                r[i] = e < n ? pair_words(xe, o < n ? xe + row : NULL, dt, c0, cn) : _mm512_setzero_si512();
+                r[i] = _mm512_setzero_si512();
+                if (e < n) {
+                    const char *xe = (const char *)X + (size_t)e * row;
+                    r[i] = pair_words(xe, o < n ? xe + row : NULL, dt, c0, cn);
+                }
             }
             transpose16(r, out);
             for (int c = 0; c < cn; c++)
