@@ -127,8 +127,11 @@ FW_API uint16_t fw_f32_to_f16(float f);
 FW_API int fw_isa_count(void);
 FW_API const char *fw_isa_name(int i);            /* NULL past the end */
 FW_API int fw_isa_supported(const char *name);    /* 1 if this CPU runs the table */
-/* 1 if the table (NULL: the default) has a native bf16 dot product, so that FW_PREC_AUTO
- * gives bf16 inputs bf16 products there; 0 otherwise, or for a table this CPU cannot run. */
+/* 1 if the table (NULL: the default) has a native bf16 dot product on this CPU, so that
+ * FW_PREC_AUTO gives bf16 inputs bf16 products there: amx (tiles) wherever it runs, and
+ * avx512bf16 (vdpbf16ps) on AMD CPUs only, where it runs at twice the f32 FMA rate (Intel's
+ * runs at half). 0 otherwise, or for a table this CPU cannot run. Decided by the CPU's vendor,
+ * never by timing, so results do not depend on a measurement. */
 FW_API int fw_isa_native_bf16(const char *name);
 /* The table used when params->isa is NULL; NULL if FLYWHEEL_ISA names a table this CPU cannot
  * run (then calls that use the default fail with FW_ERR_UNSUPPORTED and say why). */

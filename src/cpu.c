@@ -133,10 +133,38 @@ int fw_isa_supported(const char *name)
     return e && supported(e);
 }
 
+static char vendor[13];
+static pthread_once_t vendor_once = PTHREAD_ONCE_INIT;
+
+static void vendor_run(void)
+{
+#if defined(__x86_64__) || defined(_M_X64)
+    unsigned a, b, c, d;
+    if (__get_cpuid(0, &a, &b, &c, &d)) {
+        memcpy(vendor, &b, 4);
+        memcpy(vendor + 4, &d, 4);
+        memcpy(vendor + 8, &c, 4);
+    }
+#endif
+}
+
+const char *fw_cpu_vendor(void)
+{
+    pthread_once(&vendor_once, vendor_run);
+    return vendor;
+}
+
+int fw_bf16_dot_native(const char *vendor_id)
+{
+    return vendor_id && strcmp(vendor_id, "AuthenticAMD") == 0;
+}
+
 int fw_isa_native_bf16(const char *name)
 {
     const fw_kernels *k = fw_kernels_get(name);
-    return k && k->native_bf16;
+    if (!k)
+        return 0;
+    return k->native_bf16 == FW_BF16_TILES || (k->native_bf16 == FW_BF16_DOT && fw_bf16_dot_native(fw_cpu_vendor()));
 }
 
 /* Detection result: an index into tables, or -1 if FLYWHEEL_ISA named a table this CPU cannot

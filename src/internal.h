@@ -65,11 +65,14 @@ typedef struct fw_softmax_args {
 /* The conv kernels' SiLU for outputs rounded to bf16 or f16 (fw_kernels.conv1d_row). */
 #define FW_SILU_HALF 2
 
+enum { FW_BF16_EMULATED = 0, FW_BF16_DOT = 1, FW_BF16_TILES = 2 };
+
 typedef struct fw_kernels {
     const char *name;
     int vl; /* floats per vector; M must be a multiple of it */
-    /* 1 when bf16 pair products are one instruction (vdpbf16ps); the other tables emulate
-     * them with f32 FMAs, slower than f32 products (fw_attn_bf16_products) */
+    /* how bf16 pair products run (fw_isa_native_bf16): FW_BF16_EMULATED (two f32 FMAs a
+     * pair, slower than f32 products), FW_BF16_DOT (vdpbf16ps, whose rate depends on the CPU)
+     * or FW_BF16_TILES (AMX) */
     int native_bf16;
     /* keys per K/V tile of the tiled attention forward: 64 (FW_ATTN_BK), or more where the
      * products gain from a longer reduction (amx: 128, pv_bf16's sum over a tile's keys) */
@@ -259,8 +262,9 @@ extern const fw_kernels fw_kernels_amx;
 /* ---------------------------------------------------------------- threads -- */
 
 /* fn(ctx, item, tid) for every item in [0, n) on up to `threads` workers, tid 0 ..
- * min(threads, n) - 1, never two at once with one tid. Items are taken in order by whichever
- * worker is free; callers make each item's result independent of the worker that runs it.
+ * min(threads, n) - 1, never two at once with one tid. Item i belongs to worker i % threads,
+ * which takes its items in order; a worker without items left takes the others' (threads.c).
+ * Callers make each item's result independent of the worker that runs it.
  * The workers run on the host's loop (fw_set_parallel), OpenMP (FW_OPENMP) or the built-in
  * pool (the caller is worker 0). Never fails: if threads cannot be started, the remaining
  * work runs on the threads that did. */
@@ -268,6 +272,17 @@ typedef void (*fw_item_fn)(void *ctx, int64_t item, int tid);
 void fw_parallel(int threads, int64_t n, fw_item_fn fn, void *ctx);
 /* Online CPUs, 1 .. FW_MAX_THREADS, as counted at the first call. */
 int fw_cpu_count(void);
+/* The CPU's vendor string from CPUID leaf 0 ("AuthenticAMD", "GenuineIntel", ...), asked once;
+ * "" where there is none (not x86). */
+const char *fw_cpu_vendor(void);
+/* FW_PREC_AUTO's rule for vdpbf16ps (FW_BF16_DOT tables), by vendor, never by timing (results
+ * must not depend on a measurement): 1 where it runs at twice the f32 FMA rate per element
+ * pair, so that bf16 products beat f32 ones: AMD's Zen 4 and Zen 5 (measured on Zen 5: 536
+ * GFLOP/s against 264 with FMAs, one core). 0 for Intel's Cooper Lake to Granite Rapids,
+ * where it runs at half its FMA rate (measured on a Sapphire Rapids-class Xeon: 106 against
+ * 200 GFLOP/s, and bf16-product prefill 1.5x slower than f32 products), and for any other or
+ * unknown vendor. */
+int fw_bf16_dot_native(const char *vendor);
 
 /* The threads a call runs on: `requested` (params->threads, validated), or for 0 the default
  * of fw_set_parallel (all online CPUs unless set; OpenMP's in an FW_OPENMP build). */

@@ -511,11 +511,26 @@ static void test_auto_precision(void)
     case_check(!fw_isa_native_bf16("portable") && !fw_isa_native_bf16("avx2") &&
                    !fw_isa_native_bf16("avx512") && !fw_isa_native_bf16("no-such-table"),
                "a table without vdpbf16ps, or no table, reports a native bf16 dot product");
-    case_check(fw_isa_native_bf16("avx512bf16") == fw_isa_supported("avx512bf16"),
-               "avx512bf16: %d, supported %d", fw_isa_native_bf16("avx512bf16"), fw_isa_supported("avx512bf16"));
+    const int dot = fw_bf16_dot_native(fw_cpu_vendor());
+    case_check(fw_isa_native_bf16("avx512bf16") == (fw_isa_supported("avx512bf16") && dot),
+               "avx512bf16: %d, supported %d, vendor %s", fw_isa_native_bf16("avx512bf16"),
+               fw_isa_supported("avx512bf16"), fw_cpu_vendor());
     case_check(fw_isa_native_bf16("amx") == fw_isa_supported("amx"), "amx: %d, supported %d",
                fw_isa_native_bf16("amx"), fw_isa_supported("amx"));
     case_check(fw_isa_native_bf16(NULL) == fw_isa_native_bf16(fw_isa_default()), "the default table");
+    case_end();
+    /* vdpbf16ps counts as native by vendor: twice the FMA rate on AMD, half on Intel */
+    case_begin("fw_bf16_dot_native");
+    case_check(fw_bf16_dot_native("AuthenticAMD"), "AMD");
+    case_check(!fw_bf16_dot_native("GenuineIntel"), "Intel");
+    case_check(!fw_bf16_dot_native("") && !fw_bf16_dot_native(NULL) && !fw_bf16_dot_native("AuthenticAMDx") &&
+                   !fw_bf16_dot_native("HygonGenuine"),
+               "no vendor, a longer string, another vendor");
+#if defined(__x86_64__)
+    case_check(strlen(fw_cpu_vendor()) == 12, "x86 vendor \"%s\" is not 12 characters", fw_cpu_vendor());
+#else
+    case_check(fw_cpu_vendor()[0] == 0, "vendor \"%s\" off x86", fw_cpu_vendor());
+#endif
     case_end();
     const fw_dtype dts[2] = {FW_BF16, FW_F32};
     for (int it = 0; it < fw_isa_count(); it++) {

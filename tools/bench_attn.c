@@ -611,7 +611,7 @@ static void attn_usage(void)
            "  --b N --t T (sq = sk = T) --sq N --sk N --hq N --hkv N --d N --dv N\n"
            "  --dtype f32|bf16|f16   --causal 0|1   --window L,R   --softcap C\n"
            "  --threads N (0 = all)  --reps N (median)   --isa portable|avx2|avx512|avx512bf16|amx\n"
-           "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs on avx512bf16, amx)\n"
+           "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs on amx, and on avx512bf16 on AMD)\n"
            "  --online --no-gqa-pack --no-skip --plain   technique switches\n"
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"
@@ -683,7 +683,7 @@ int bench_attn_headline(void)
     printf("FlyWheel-C main job: softmax attention forward, causal prefill (bottom-right), "
            "kernel table %s, %d thread(s)\n", fw_isa_default(), all);
     printf("GFLOP/s = 2*(d+dv)*unmasked_pairs/s; xbf16 = bf16 products (the default for bf16 "
-           "inputs on avx512bf16 and amx), %% of the measured bf16-product peak of the table; xf32 = f32 products, %% of the measured "
+           "inputs on amx, and on avx512bf16 on AMD), %% of the measured bf16-product peak of the table; xf32 = f32 products, %% of the measured "
            "FMA peak (same run); plain = row-at-a-time online softmax, f32 (same run); err = "
            "max|out-ref| on the last 32 rows vs float64 (bf16 products: bar = 2 x the same-roundings "
            "reference's error)\n");

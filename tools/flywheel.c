@@ -259,6 +259,12 @@ int main(int argc, char **argv)
         for (int i = 0; i < fw_isa_count(); i++)
             printf(" %s%s", fw_isa_name(i), fw_isa_supported(fw_isa_name(i)) ? "" : "(unsupported)");
         printf("\ndefault: %s\n", fw_isa_default() ? fw_isa_default() : fw_last_error());
+        printf("bf16 products for bf16 inputs by default (FW_PREC_AUTO) on:");
+        int any = 0;
+        for (int i = 0; i < fw_isa_count(); i++)
+            if (fw_isa_supported(fw_isa_name(i)) && fw_isa_native_bf16(fw_isa_name(i)))
+                any = printf(" %s", fw_isa_name(i));
+        printf("%s\n", any ? "" : " none (f32 products)");
         return 0;
     }
     usage(stderr);

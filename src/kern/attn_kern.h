@@ -1898,7 +1898,7 @@ const fw_kernels FW_TABLE = {
     .vl = VL,
     .bk = 64,
 #ifdef __AVX512BF16__
-    .native_bf16 = 1,
+    .native_bf16 = FW_BF16_DOT,
 #endif
     .to_f32 = to_f32,
     .from_f32 = from_f32,
