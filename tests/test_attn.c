@@ -845,6 +845,16 @@ static void test_bad_input(void)
     BAD("precision 3", FW_ERR_ARG, p.precision = 3);
     BAD("precision -1", FW_ERR_ARG, p.precision = -1);
     BAD("unknown table", FW_ERR_UNSUPPORTED, p.isa = "sve9");
+    /* a known table this CPU cannot run (under tests/run_baseline.sh's qemu64: all but portable) */
+    for (int i = 0; i < fw_isa_count(); i++) {
+        const char *name = fw_isa_name(i);
+        if (fw_isa_supported(name))
+            continue;
+        BAD("a table this CPU lacks", FW_ERR_UNSUPPORTED, p.isa = name);
+        case_check(strstr(fw_last_error(), "needs instructions this CPU lacks") != NULL, "%s: \"%s\"", name,
+                   fw_last_error());
+        case_check(!fw_isa_native_bf16(name), "%s: a table this CPU lacks reports a native bf16 dot product", name);
+    }
     /* varlen: lengths */
     {
         int64_t qs[3] = {10, 4, 16}, ks[3] = {12, 2, 16}, vs[3] = {12, 2, 8}, os[3] = {10, 4, 8};
