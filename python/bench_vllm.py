@@ -18,7 +18,12 @@ sums of the kernel run above. Decode steps are not timed end to end: as the diff
 generate() calls they were within the prefill's run-to-run noise (+-1 s at 16K).
 
 Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2] [--e2e-runs 0]
-                                   [--states float32|auto]
+                                   [--states float32|auto] [--amx-layout vec|amx]
+
+--amx-layout amx (on a CPU with AMX): vLLM keeps its bf16 cache in its AMX layout, which
+flywheel does not read; every attention call then runs vLLM's AMX kernel alone, timed, to set
+against flywheel's sums of a --amx-layout vec run. The plugin's default is the AMX layout
+(flywheel.integrations.vllm.amx_layout); this benchmark's is vec, so that both kernels run.
 """
 
 import argparse
@@ -48,9 +53,15 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 impl = fwv.backend_class().get_impl_cls()
 fly = impl.forward
 flip = {}  # per kind and phase, so each sum has as many calls of each order
+alone = {"prefill": [0.0, 0], "decode": [0.0, 0]}  # calls flywheel declines: vLLM's, timed
 def both(self, layer, query, key, value, kv_cache, md, output, *a, **k):
     if not self._flywheel_takes(layer, kv_cache, md, None, None):
-        return fly(self, layer, query, key, value, kv_cache, md, output, *a, **k)
+        phase = "prefill" if md.max_query_len > 1 else "decode"
+        t0 = time.perf_counter()
+        r = fly(self, layer, query, key, value, kv_cache, md, output, *a, **k)
+        alone[phase][0] += time.perf_counter() - t0
+        alone[phase][1] += 1
+        return r
     want = output.clone()
     runs = [(FLY, lambda: self._flywheel(kv_cache, query, output, md)),
             (VLLM, lambda: CPUAttentionBackendImpl.forward(self, layer, query, key, value,
@@ -118,6 +129,8 @@ llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"][:64]}],
              SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))  # warm-up
 for v in list(timed.values()) + list(gdn.values()):
     v[:] = [0.0, 0.0, 0]
+for v in alone.values():
+    v[:] = [0.0, 0]
 if args["e2e"]:  # the second prefill of the whole prompt (the first long one costs more)
     took = []
     for _ in range(2):
@@ -128,7 +141,8 @@ if args["e2e"]:  # the second prefill of the whole prompt (the first long one co
     sys.exit(0)
 llm.generate([prompt], SamplingParams(max_tokens=args["decode"] + 1, ignore_eos=True,
                                       detokenize=False))
-print("RESULT " + json.dumps({"timed": timed, "worst": worst, "gdn": gdn, "gworst": gworst}))
+print("RESULT " + json.dumps({"timed": timed, "worst": worst, "gdn": gdn, "gworst": gworst,
+                              "alone": alone}))
 """
 
 
@@ -136,6 +150,7 @@ def child(args, e2e=False, plugin=True):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads),
                FLYWHEEL_VLLM="1" if plugin else "0", FLYWHEEL_VLLM_CALLS="all",
+               FLYWHEEL_VLLM_AMX_LAYOUT=args.amx_layout,
                FW_E2E=os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e.py"))
     a = dict(prompt=args.prompt, decode=args.decode, e2e=e2e, states=args.states,
              dir=tempfile.mkdtemp(prefix="fw-vllm-"))
@@ -155,9 +170,17 @@ def main():
     ap.add_argument("--e2e-runs", type=int, default=0)
     ap.add_argument("--states", choices=["float32", "auto"], default="float32",
                     help="the GDN state cache: float32, or vLLM's default (bf16 for this model)")
+    ap.add_argument("--amx-layout", choices=["vec", "amx"], default="vec",
+                    help="on an AMX CPU: vLLM's cache in its vec layout, flywheel's attention "
+                         "against vLLM's vec kernels, or in its AMX layout (the plugin's "
+                         "default there), vLLM's AMX kernels alone")
     args = ap.parse_args()
     k = child(args)
     report("attention", "vLLM's kernel", k["timed"], k["worst"])
+    for phase, (s, n) in k["alone"].items():
+        if n:
+            print(f"attention inside the engine, {phase}: {n} calls flywheel declined, vLLM's "
+                  f"kernel alone {s * 1e3:.1f} ms")
     report("GDN layer steps (conv + gates + delta rule)", "vLLM's op", k["gdn"], k["gworst"])
     if args.e2e_runs > 0:
         e2e(args, k)

@@ -28,8 +28,6 @@ def vllm_ops():
     path = os.path.join(spec.submodule_search_locations[0], name)
     if not os.path.exists(path):
         pytest.skip(f"{path} not found")
-    if cpu._is_amx_tile_supported():
-        pytest.skip("this CPU has AMX: vLLM's bf16 cache then has another key layout")
     torch.ops.load_library(path)
     return torch.ops._C
 
@@ -124,6 +122,21 @@ def test_which_steps_the_plugin_takes(monkeypatch, calls, decode_only, prefill):
         monkeypatch.setenv("FLYWHEEL_VLLM_CALLS", calls)
     assert fwv.takes_step(True) is decode_only
     assert fwv.takes_step(False) is prefill
+
+
+@pytest.mark.parametrize("value, want", [(None, "amx"), ("vec", "vec"), ("amx", "amx")])
+def test_amx_layout_setting(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("FLYWHEEL_VLLM_AMX_LAYOUT", raising=False)
+    else:
+        monkeypatch.setenv("FLYWHEEL_VLLM_AMX_LAYOUT", value)
+    assert fwv.amx_layout() == want
+
+
+def test_bad_amx_layout_setting_raises(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_VLLM_AMX_LAYOUT", "tiles")
+    with pytest.raises(ValueError, match="vec or amx"):
+        fwv.amx_layout()
 
 
 def test_bad_steps_setting_raises(monkeypatch):

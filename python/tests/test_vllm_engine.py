@@ -4,7 +4,9 @@ the plugin and without it (FLYWHEEL_VLLM=0), each in its own process (the engine
 With the plugin every attention decode call and every GDN step is also run through vLLM's own
 kernels on the same inputs inside the engine (the GDN op on copies of the layer's caches), and
 flywheel's outputs and updated caches must agree with them; the calls are counted; the
-generated tokens and their logprobs agree with the run without the plugin."""
+generated tokens and their logprobs agree with the run without the plugin. On a CPU with AMX
+the runs that check flywheel's attention set FLYWHEEL_VLLM_AMX_LAYOUT=vec (vLLM's bf16 cache
+otherwise takes its AMX layout, and its AMX kernels keep those calls: the plugin's default)."""
 
 import json
 import os
@@ -29,7 +31,9 @@ def counted(*a, **k):
 flywheel.flash_attn_with_kvcache = counted
 impl = fwv.backend_class().get_impl_cls()
 fly_forward = impl.forward
+isas = set()  # the cache layouts vLLM chose for its attention layers (layer.isa)
 def checked(self, layer, query, key, value, kv_cache, md, output, *a, **k):
+    isas.add(getattr(layer, "isa", None))
     if not self._flywheel_takes(layer, kv_cache, md, None, None):
         return fly_forward(self, layer, query, key, value, kv_cache, md, output, *a, **k)
     n = md.num_actual_tokens
@@ -89,18 +93,23 @@ outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, deto
                                             temperature=0.0, logprobs=0))
 res = [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
        for o in outs]
-print("RESULT " + json.dumps({"calls": calls[0], "diffs": diffs, "gdn_calls": gcalls,
-                             "gdn_diffs": gdiffs, "declined": declined, "tokens": res}))
+print("RESULT " + json.dumps({"calls": calls[0], "isas": sorted(map(str, isas)), "diffs": diffs,
+                             "gdn_calls": gcalls, "gdn_diffs": gdiffs, "declined": declined,
+                             "tokens": res}))
 """
 
 
-def run_engine(tmp_path, plugin, calls="all", ssm_dtype="float32"):
+def run_engine(tmp_path, plugin, calls="all", ssm_dtype="float32", amx_layout="vec"):
+    """One engine run. amx_layout: FLYWHEEL_VLLM_AMX_LAYOUT ("vec": on a CPU with AMX vLLM
+    keeps the cache layout flywheel reads, so that flywheel's attention runs there too; None:
+    the plugin's default, vLLM's AMX layout and kernels there)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", FLYWHEEL_VLLM="1" if plugin else "0",
                FW_TEST_SSM_DTYPE=ssm_dtype)
-    env.pop("FLYWHEEL_VLLM_CALLS", None)
-    if calls is not None:  # None: the plugin's default
-        env["FLYWHEEL_VLLM_CALLS"] = calls
+    for name, value in (("FLYWHEEL_VLLM_CALLS", calls), ("FLYWHEEL_VLLM_AMX_LAYOUT", amx_layout)):
+        env.pop(name, None)
+        if value is not None:  # None: the plugin's default
+            env[name] = value
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / ("on" if plugin else "off"))],
                        env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -122,6 +131,7 @@ def test_plugin_agrees_with_vllms_kernels(tmp_path):
     need_engine()
     on, off = run_engine(tmp_path, True), run_engine(tmp_path, False)
     assert on["calls"] > 0 and off["calls"] == 0, (on["calls"], off["calls"])
+    assert "amx" not in on["isas"], on["isas"]  # FLYWHEEL_VLLM_AMX_LAYOUT=vec
     assert len(on["diffs"]) == on["calls"]
     assert any(p for *_, p in on["diffs"]) and not all(p for *_, p in on["diffs"])
     for err, big, _ in on["diffs"]:  # bf16 outputs: a few roundings of the largest
@@ -150,9 +160,12 @@ def test_plugin_defaults(tmp_path):
     largest, conv states the same bits); then FLYWHEEL_VLLM_CALLS=prefill leaves the
     decode-only steps to vLLM."""
     need_engine()
-    on = run_engine(tmp_path, True, None, "auto")
-    assert on["calls"] >= 2 and any(p for *_, p in on["diffs"]), on["diffs"]
-    assert not all(p for *_, p in on["diffs"]), on["diffs"]
+    on = run_engine(tmp_path, True, None, "auto", None)
+    if on["isas"] == ["amx"]:  # vLLM's AMX cache layout and kernels: the attention is vLLM's
+        assert on["calls"] == 0 and not on["diffs"], on["diffs"]
+    else:
+        assert on["calls"] >= 2 and any(p for *_, p in on["diffs"]), on["diffs"]
+        assert not all(p for *_, p in on["diffs"]), on["diffs"]
     for err, big, _ in on["diffs"]:
         assert err <= 2 ** -6 * big + 1e-6, (err, big)
     assert on["gdn_calls"][0] >= 3 * 12 and on["gdn_calls"][1] == 0, on["gdn_calls"]

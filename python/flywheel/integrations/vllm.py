@@ -19,7 +19,9 @@ register() is vLLM's general-plugin entry point (the package declares it in the 
 `vllm.general_plugins`, so every engine process loads it; FLYWHEEL_VLLM=0 turns it off): it
 registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
 as vLLM would (the "vec" cache layout, a bf16 or f32 cache, causal decoder self-attention
-without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. Which steps:
+without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. On a CPU with
+AMX, vLLM packs a bf16 cache for its tile kernels, which flywheel does not read: attention
+stays vLLM's there unless FLYWHEEL_VLLM_AMX_LAYOUT=vec (amx_layout()). Which steps:
 FLYWHEEL_VLLM_CALLS = "all" (the default), "prefill" (steps with at least one prefill) or
 "decode" (decode-only steps). Measured inside the engine (python/bench_vllm.py, both kernels
 on every call, 2026-12-02): prefill steps at a 4K prompt, attention 1.38-1.56x vLLM's, GDN
@@ -243,6 +245,22 @@ def takes_step(decode_only):
     return calls == "all" or calls == ("decode" if decode_only else "prefill")
 
 
+def amx_layout():
+    """What the plugin does where vLLM stores a bf16 cache in its AMX layout (keys and values
+    packed in the order its tile kernels read them, which flywheel does not read):
+    FLYWHEEL_VLLM_AMX_LAYOUT = "amx" (the default) leaves that layout and vLLM's AMX kernels on
+    every attention call; "vec" has vLLM keep its "vec" layout, which flywheel reads, so that
+    flywheel serves the attention calls too. The GDN layers are flywheel's either way.
+    Measured inside the engine (python/bench_vllm.py --amx-layout, 4K prompt + 32 decode
+    steps, 2 threads, 2026-12-02, an Intel Xeon with AMX): vLLM's AMX attention took 160-188
+    ms for the prefill and 24-38 ms for the decodes; flywheel on the vec layout 383-591 and
+    56-61 ms (vLLM's own vec kernels: 930-968 and 85-89 ms). Hence the default."""
+    mode = os.environ.get("FLYWHEEL_VLLM_AMX_LAYOUT", "amx")
+    if mode not in ("vec", "amx"):
+        raise ValueError(f"FLYWHEEL_VLLM_AMX_LAYOUT must be vec or amx, got {mode!r}")
+    return mode
+
+
 _BACKEND = {}
 
 
@@ -253,7 +271,18 @@ def backend_class():
         return _BACKEND["cls"]
     import torch
     from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                     CPUAttentionMetadataBuilder)
+
+    class FlywheelCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+        """CPU_ATTN's metadata builder; where vLLM would pack its bf16 cache for its AMX
+        kernels, it keeps the "vec" layout instead when amx_layout() says "vec"."""
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            if self.isa == "amx" and amx_layout() == "vec":
+                self.isa = "vec"
+                self._set_isa_to_layers(layer_names)
 
     class FlywheelCPUAttentionImpl(CPUAttentionBackendImpl):
         """CPU_ATTN's implementation, on flywheel where it serves the batch (the module
@@ -297,7 +326,12 @@ def backend_class():
         def get_impl_cls():
             return FlywheelCPUAttentionImpl
 
-    for cls in (FlywheelCPUAttentionBackend, FlywheelCPUAttentionImpl):
+        @staticmethod
+        def get_builder_cls():
+            return FlywheelCPUAttentionMetadataBuilder
+
+    for cls in (FlywheelCPUAttentionBackend, FlywheelCPUAttentionImpl,
+                FlywheelCPUAttentionMetadataBuilder):
         cls.__module__, cls.__qualname__ = __name__, cls.__name__
     _BACKEND["cls"] = FlywheelCPUAttentionBackend
     return FlywheelCPUAttentionBackend
@@ -331,5 +365,5 @@ def register():
         gdn.cpu_gdn_attention_core = gdn_core
 
 
-__all__ = ["attention", "backend_class", "gdn_core", "gdn_step", "kv_cache_views", "register",
-           "share_threads", "takes_step"]
+__all__ = ["amx_layout", "attention", "backend_class", "gdn_core", "gdn_step", "kv_cache_views",
+           "register", "share_threads", "takes_step"]
