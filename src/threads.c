@@ -8,7 +8,8 @@
  * underneath give it. Owning items keeps the same data on the same core from call to call
  * when the host repeats a call: measured, a GDN decode of 1 sequence x 32 heads (2 MiB of f32
  * state, 2 threads, each core's half fits its L2) 68-70 us a step with one shared counter
- * (any worker takes the next item, so states moved between cores), 49-50 us owned. The workers come from one of three places, read once per loop:
+ * (any worker takes the next item, so states moved between cores), 49-50 us owned.
+ * The workers come from one of three places, read once per loop:
  *   - the host's loop (fw_set_parallel): task t of `threads` tasks is worker t;
  *   - OpenMP (built with FW_OPENMP): an omp parallel region, worker omp_get_thread_num();
  *   - the built-in pool (below).
