@@ -730,7 +730,8 @@ FW_API fw_status fw_conv1d_ref(const fw_tensor *x, const fw_tensor *weight, cons
  * params->threads workers (0: the default below), each with its own scratch; item i belongs
  * to worker i % threads, and a worker with none of its own left takes the others', so the
  * results are bit-identical for any thread count and any assignment of items to workers,
- * and a worker that starts late, or never, leaves its items to the others. The workers run on one of:
+ * and a worker that starts late, or never, leaves its items to the others. The workers run
+ * on one of:
  *   - the built-in pool (the default): threads that live between calls. After a job they
  *     spin for the spin window (below) so that calls in a loop find them awake, then sleep
  *     until the next call wakes them. A call that finds the pool in use by another call
