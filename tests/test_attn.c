@@ -912,6 +912,30 @@ static void test_bad_input(void)
 
 /* --------------------------------------------------- kernel table entries -- */
 
+/* Decode scores S [R][FW_DEC_KEYS] against scale * sum_k q[r][k] K[j][k] in double, q rounded
+ * to qdt and K given as f32 rows of d: the largest residual in units of its bound, scale x the
+ * sum of |terms| x tol; *tail_zero: S is zero past nk. */
+static double dec_scores_residual(const float *S, int R, int nk, int d, const float *Q, fw_dtype qdt,
+                                  const float *Kf, double scale, double tol, int *tail_zero)
+{
+    double worst = 0;
+    *tail_zero = 1;
+    for (int r = 0; r < R; r++) {
+        for (int j = 0; j < nk; j++) {
+            double x = 0, a = 0;
+            for (int k = 0; k < d; k++) {
+                const double t = round_to(qdt, Q[r * d + k]) * Kf[j * d + k];
+                x += t;
+                a += fabs(t);
+            }
+            worst = worse(worst, fabs(S[r * FW_DEC_KEYS + j] - scale * x) / (scale * a * tol + 1e-30));
+        }
+        for (int j = nk; j < FW_DEC_KEYS; j++)
+            *tail_zero &= S[r * FW_DEC_KEYS + j] == 0.0f;
+    }
+    return worst;
+}
+
 /* The decode kernels that read key and value rows in place, against float64 sums: dec_qk_rows
  * (f32 products, contiguous rows of any dtype), dec_qk_rows_bf16 (bf16 rows), dec_pv_bf16 on
  * bf16 value rows (whose pairs come by unpacking, with O's columns permuted while in
@@ -943,21 +967,9 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
         } else {
             kt->dec_qk_rows(R, nk, d, Q, rows, dt, S);
         }
-        double worst = 0;
-        int zero = 1;
-        for (int r = 0; r < R; r++) {
-            for (int j = 0; j < nk; j++) {
-                double x = 0, a = 0;
-                for (int k = 0; k < d; k++) {
-                    const double qv = pass ? fw_bf16_to_f32(fw_f32_to_bf16(Q[r * d + k])) : Q[r * d + k];
-                    x += qv * Kf[j * d + k];
-                    a += fabs(qv * Kf[j * d + k]);
-                }
-                worst = worse(worst, fabs(S[r * FW_DEC_KEYS + j] - scale * x) / (scale * a * 1e-6 * (d + 1) + 1e-30));
-            }
-            for (int j = nk; j < FW_DEC_KEYS; j++)
-                zero &= S[r * FW_DEC_KEYS + j] == 0.0f;
-        }
+        int zero;
+        const double worst = dec_scores_residual(S, R, nk, d, Q, pass ? FW_BF16 : FW_F32, Kf, scale,
+                                                 1e-6 * (d + 1), &zero);
         case_check(worst <= 1 && zero, "%s %s R %d nk %d d %d: residual %.3g of bound, tail %s",
                    pass ? "dec_qk_rows_bf16" : "dec_qk_rows", dtn(dt), R, nk, d, worst, zero ? "zero" : "not zero");
     }
@@ -1102,6 +1114,7 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
              *V = malloc(sizeof(uint16_t) * (size_t)(2 * FW_DEC_KEYS * vst));
     float *Q = malloc(sizeof(float) * (size_t)(R * d)), *S = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
     float *O = malloc(sizeof(float) * (size_t)(R * dv)), *O0 = malloc(sizeof(float) * (size_t)(R * dv));
+    float *Kf = malloc(sizeof(float) * (size_t)(nk * d));
     uint32_t *QW = malloc(sizeof(uint32_t) * (size_t)(R * dw)), PW[FW_DEC_ROWS * FW_DEC_KEYS / 2];
     const void *rows[FW_DEC_KEYS], *vrows[FW_DEC_KEYS];
     for (int i = 0; i < 2 * FW_DEC_KEYS * kst; i++)
@@ -1125,21 +1138,11 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
         S[i] = NAN;
     kt->dec_qk_rows_bf16(R, nk, d, QW, rows, 0.5f, S);
     const double u = 1.0 / (1 << 23);
-    double worst = 0;
-    int zero = 1;
-    for (int r = 0; r < R; r++) {
-        for (int j = 0; j < nk; j++) {
-            double x = 0, a = 0;
-            for (int k = 0; k < d; k++) {
-                const double t = round_to(FW_BF16, Q[r * d + k]) * fw_bf16_to_f32(((const uint16_t *)rows[j])[k]);
-                x += t;
-                a += fabs(t);
-            }
-            worst = worse(worst, fabs(S[r * FW_DEC_KEYS + j] - 0.5 * x) / (0.5 * a * u * (d + 4) + 1e-30));
-        }
-        for (int j = nk; j < FW_DEC_KEYS; j++)
-            zero &= S[r * FW_DEC_KEYS + j] == 0.0f;
-    }
+    for (int j = 0; j < nk; j++)
+        for (int k = 0; k < d; k++)
+            Kf[j * d + k] = fw_bf16_to_f32(((const uint16_t *)rows[j])[k]);
+    int zero;
+    double worst = dec_scores_residual(S, R, nk, d, Q, FW_BF16, Kf, 0.5, u * (d + 4), &zero);
     case_check(worst <= 1 && zero, "dec_qk_rows_bf16 R %d nk %d d %d %s rows: residual %.3g of bound, tail %s", R, nk,
                d, irregular ? "irregular" : "regular", worst, zero ? "zero" : "not zero");
     for (int r = 0; r < R; r++)
@@ -1176,7 +1179,7 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
     case_check(memcmp(O32, O, sizeof(float) * (size_t)(R * dv)) == 0, "dec_pv_bf16 R %d nk %d dv %d: f32 rows of the "
                "same values give other bits than bf16 rows", R, nk, dv);
     free(V32); free(O32);
-    free(K); free(V); free(Q); free(S); free(O); free(O0); free(QW);
+    free(K); free(V); free(Q); free(S); free(O); free(O0); free(QW); free(Kf);
 }
 
 static void test_bf16_products(void)
