@@ -144,7 +144,13 @@ enum {
     FW_ATTN_ONLINE_SOFTMAX = 1 << 0, /* online softmax with lazy rescale instead of the static anchor */
     FW_ATTN_NO_GQA_PACK = 1 << 1,    /* pack K/V per query head instead of once per GQA group */
     FW_ATTN_NO_TILE_SKIP = 1 << 2,   /* visit every K/V tile and mask it, instead of index skipping */
-    FW_ATTN_PLAIN = 1 << 3           /* the plain row-at-a-time online-softmax kernel (the baseline) */
+    FW_ATTN_PLAIN = 1 << 3,          /* the plain row-at-a-time online-softmax kernel (the baseline) */
+    /* The decode kernel's software prefetch of the next key tile and its address-order sweep of
+     * contexts over FW_DEC_SWEEP_KEYS keys: forced on, or off. Neither (the default): on where
+     * they were measured faster (AMD, and CPUs of unknown vendor), off on Intel, whose L2
+     * streamer outpaces software prefetches. Both set is an error. Results are the same. */
+    FW_ATTN_DEC_PREFETCH = 1 << 4,
+    FW_ATTN_NO_DEC_PREFETCH = 1 << 5
 };
 
 /* Precision of the matrix products (QK^T and PV). */

@@ -532,6 +532,13 @@ static void test_auto_precision(void)
     case_check(fw_cpu_vendor()[0] == 0, "vendor \"%s\" off x86", fw_cpu_vendor());
 #endif
     case_end();
+    /* the decode's prefetch default: off on Intel only */
+    case_begin("fw_dec_prefetch");
+    case_check(!fw_dec_prefetch("GenuineIntel"), "Intel");
+    case_check(fw_dec_prefetch("AuthenticAMD") && fw_dec_prefetch("HygonGenuine") && fw_dec_prefetch("") &&
+                   fw_dec_prefetch(NULL) && fw_dec_prefetch("GenuineIntelx"),
+               "AMD, another vendor, none, a longer string");
+    case_end();
     const fw_dtype dts[2] = {FW_BF16, FW_F32};
     for (int it = 0; it < fw_isa_count(); it++) {
         const char *isa = table(it);
@@ -842,6 +849,7 @@ static void test_bad_input(void)
     BAD("threads 1000", FW_ERR_ARG, p.threads = 1000);
     BAD("causal 2", FW_ERR_ARG, p.causal = 2);
     BAD("unknown flag", FW_ERR_ARG, p.flags = 1u << 20);
+    BAD("prefetch on and off", FW_ERR_ARG, p.flags = FW_ATTN_DEC_PREFETCH | FW_ATTN_NO_DEC_PREFETCH);
     BAD("precision 3", FW_ERR_ARG, p.precision = 3);
     BAD("precision -1", FW_ERR_ARG, p.precision = -1);
     BAD("unknown table", FW_ERR_UNSUPPORTED, p.isa = "sve9");
@@ -1593,12 +1601,14 @@ static void test_decode_strided_extent(void)
     tfill_normal(&tq, 1.0);
     tfill_normal(&tk, 1.0);
     tfill_normal(&tv, 1.0);
-    for (int it = 0; it < fw_isa_count(); it++) {
-        if (!fw_isa_supported(fw_isa_name(it)))
+    /* with the prefetch and sweep forced on and off (the default depends on the CPU's vendor) */
+    for (int it = 0; it < 2 * fw_isa_count(); it++) {
+        if (!fw_isa_supported(fw_isa_name(it / 2)))
             continue;
         fw_attn_params p;
         fw_attn_params_init(&p);
-        p.isa = fw_isa_name(it);
+        p.isa = fw_isa_name(it / 2);
+        p.flags = it % 2 ? FW_ATTN_NO_DEC_PREFETCH : FW_ATTN_DEC_PREFETCH;
         fw_status st = fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p);
         st |= fw_attn_ref(&tq, &tk, &tv, &tr, NULL, &p, 0, INT64_MAX);
         case_check(st == FW_OK, "%s: %s", p.isa, fw_last_error());
@@ -1609,6 +1619,54 @@ static void test_decode_strided_extent(void)
     }
     free(k);
     free(v);
+    case_end();
+}
+
+/* The decode kernel's prefetch and sweep (FW_ATTN_DEC_PREFETCH / FW_ATTN_NO_DEC_PREFETCH) move
+ * no result: the same bits with them on, off and by default, on every table the host runs, for
+ * a context past FW_DEC_SWEEP_KEYS in a token-major cache (heads together: the sweep's case),
+ * bf16 and f32. */
+static void test_decode_prefetch_bits(void)
+{
+    case_begin("attention: decode prefetch on, off and by default give the same bits");
+    enum { B = 2, SK = FW_DEC_SWEEP_KEYS + 77, HKV = 2, HQ = 8, D = 64 };
+    int64_t qs[4] = {B, 1, HQ, D}, ks[4] = {B, SK, HKV, D};
+    for (int dt = 0; dt < 2; dt++) {
+        const fw_dtype t = dt ? FW_F32 : FW_BF16;
+        const size_t es = fw_dtype_size(t), nkv = (size_t)B * SK * HKV * D;
+        void *q = malloc(es * B * HQ * D), *k = malloc(es * nkv), *v = malloc(es * nkv);
+        float *o[3];
+        fw_tensor tq = fw_tensor_contiguous(q, t, 4, qs), tk = fw_tensor_contiguous(k, t, 4, ks),
+                  tv = fw_tensor_contiguous(v, t, 4, ks);
+        rng_seed(37);
+        tfill_normal(&tq, 1.0);
+        tfill_normal(&tk, 1.0);
+        tfill_normal(&tv, 1.0);
+        static const uint32_t flags[3] = {0, FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
+        for (int it = 0; it < fw_isa_count(); it++) {
+            if (!fw_isa_supported(fw_isa_name(it)))
+                continue;
+            for (int f = 0; f < 3; f++) {
+                o[f] = calloc(B * HQ * D, sizeof(float));
+                fw_tensor to = fw_tensor_contiguous(o[f], FW_F32, 4, qs);
+                fw_attn_params p;
+                fw_attn_params_init(&p);
+                p.isa = fw_isa_name(it);
+                p.causal = 1;
+                p.flags = flags[f];
+                const fw_status st = fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p);
+                case_check(st == FW_OK, "%s flags %u: %s", p.isa, flags[f], fw_last_error());
+            }
+            case_check(!memcmp(o[0], o[1], sizeof(float) * B * HQ * D) &&
+                           !memcmp(o[0], o[2], sizeof(float) * B * HQ * D) && isfinite(o[0][0]),
+                       "%s %s: outputs differ", fw_isa_name(it), dt ? "f32" : "bf16");
+            for (int f = 0; f < 3; f++)
+                free(o[f]);
+        }
+        free(q);
+        free(k);
+        free(v);
+    }
     case_end();
 }
 
@@ -1648,6 +1706,7 @@ static void test_scale_overflow(void)
 const test_suite attn_suites[] = {
     {"attn.scale_overflow", test_scale_overflow},
     {"attn.decode_strided_extent", test_decode_strided_extent},
+    {"attn.decode_prefetch_bits", test_decode_prefetch_bits},
     {"attn.negative_windows", test_negative_windows},
     {"attn.contiguous_descriptors", test_contiguous_descriptors},
     {"attn.heuristics", test_heuristics},

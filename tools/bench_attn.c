@@ -612,7 +612,8 @@ static void attn_usage(void)
            "  --dtype f32|bf16|f16   --causal 0|1   --window L,R   --softcap C\n"
            "  --threads N (0 = all)  --reps N (median)   --isa portable|avx2|avx512|avx512bf16|amx\n"
            "  --precision auto|f32|bf16   products (auto: bf16 for bf16 inputs on amx, and on avx512bf16 on AMD)\n"
-           "  --online --no-gqa-pack --no-skip --plain   technique switches\n"
+           "  --online --no-gqa-pack --no-skip --plain --dec-prefetch --no-dec-prefetch\n"
+           "                 technique switches\n"
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"
            "  --json         one JSON object per line\n"
@@ -657,6 +658,8 @@ int bench_attn_main(int argc, char **argv)
         else if (!strcmp(a, "--online")) c.flags |= FW_ATTN_ONLINE_SOFTMAX;
         else if (!strcmp(a, "--no-gqa-pack")) c.flags |= FW_ATTN_NO_GQA_PACK;
         else if (!strcmp(a, "--no-skip")) c.flags |= FW_ATTN_NO_TILE_SKIP;
+        else if (!strcmp(a, "--dec-prefetch")) c.flags |= FW_ATTN_DEC_PREFETCH;
+        else if (!strcmp(a, "--no-dec-prefetch")) c.flags |= FW_ATTN_NO_DEC_PREFETCH;
         else if (!strcmp(a, "--plain")) { c.flags |= FW_ATTN_PLAIN; c.baseline = 0; }
         else if (!strcmp(a, "--techniques")) c.techniques = 1;
         else if (!strcmp(a, "--no-baseline")) c.baseline = 0;

@@ -47,10 +47,11 @@ static unsigned sweep_rows(const fw_attn_prob *p, const int64_t *koff, const int
 /* Decode path: every K/V group ("unit": a K/V head, or a q head without GQA packing) of one
  * sequence over the item's key range, with keys along the vector lanes. Each 64-key tile is
  * taken for all units before the next, so every token row of the cache (all heads) is read
- * once, front to back, while it is in cache; the next tile is prefetched meanwhile. A unit
- * holds R = G x n rows, row r = g * n + i (as in a q tile with bq = n).
- * Measured (bf16, GQA 32:8, d 128, 32K keys, K/V GB/s on 1 / 2 threads): one head per item
- * 3.8 / 7.5; all heads per item 7.2 / 16.0; + V read in place and a steady next-tile
+ * once, front to back, while it is in cache; the next tile is prefetched meanwhile, except on
+ * Intel (fw_dec_prefetch: there the L2 streamer does better alone). A unit holds R = G x n
+ * rows, row r = g * n + i (as in a q tile with bq = n).
+ * Measured on Zen 5 (bf16, GQA 32:8, d 128, 32K keys, K/V GB/s on 1 / 2 threads): one head
+ * per item 3.8 / 7.5; all heads per item 7.2 / 16.0; + V read in place and a steady next-tile
  * prefetch 12.3 / 22.2; + the address-order sweep of each tile 14.1 / 25.7 (sweeping the
  * next tile's slices between heads instead: 12.6 / 23.4; sweep without prefetch: 12.2 / 23.0).
  * The rest is compute: G = 4 rows give 4 FMAs per element, and the K transpose is a third of
@@ -123,7 +124,9 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * without; 8K and 16K equal within the noise; 32K (an earlier, quiet measurement) 14.1
      * GB/s with it, 12.3 without. The next-tile prefetch below stays at every length: without
      * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). */
-    const int sweep = span && sq->sk > FW_DEC_SWEEP_KEYS;
+    const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) ||
+                      (!(c->flags & FW_ATTN_NO_DEC_PREFETCH) && fw_dec_prefetch(fw_cpu_vendor()));
+    const int sweep = fetch && span && sq->sk > FW_DEC_SWEEP_KEYS;
     /* keys stored transposed, each channel's keys contiguous (vLLM's CPU cache blocks), with
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's
      * prefetch is per channel row */
@@ -137,7 +140,8 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
         key_offsets(p, sq, tfirst, fw_min64(sq->sk, tfirst + FW_DEC_KEYS), koff[0], voff[0]);
     for (int64_t t0 = tfirst, cur = 0; t0 < khi; t0 += FW_DEC_KEYS, cur ^= 1) {
         const int64_t t1 = fw_min64(sq->sk, t0 + FW_DEC_KEYS), tn = fw_min64(khi, t1 + FW_DEC_KEYS);
-        const int nk = (int)(t1 - t0), nn = (int)fw_max64(0, tn - t1);
+        /* nn keys in the next tile, nf of them prefetched now */
+        const int nk = (int)(t1 - t0), nn = (int)fw_max64(0, tn - t1), nf = fetch ? nn : 0;
         if (nn > 0)
             key_offsets(p, sq, t1, tn, koff[cur ^ 1], voff[cur ^ 1]);
         for (int r = 0; r < R; r++) {
@@ -158,7 +162,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                  * of a token lie together, else this head's row j. Measured (one thread,
                  * 32K keys): 10.9 GB/s prefetching per head, 12.0 GB/s with the whole next
                  * tile in one burst. */
-                if (j < nn && span) {
+                if (j < nf && span) {
                     if (tt < nn) {
                         const int64_t b0 = part * slice, b1 = fw_min64(span, b0 + slice);
                         const char *kr = (const char *)p->k->data + koff[cur ^ 1][tt] * (int64_t)es;
@@ -172,7 +176,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                         part = 0;
                         tt++;
                     }
-                } else if (j < nn && pf) {
+                } else if (j < nf && pf) {
                     if (kcols) /* channel rows j, j + nn, ...: the next tile's keys of each */
                         for (int64_t x = j; x < p->d; x += nn)
                             for (int64_t b = 0; b < nn * (int64_t)es; b += 64)

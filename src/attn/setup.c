@@ -46,8 +46,12 @@ fw_status fw_attn_check_params(const fw_attn_params *params)
         return fw_fail(FW_ERR_ARG, "precision is %d; it must be FW_PREC_AUTO (0), FW_PREC_F32 (1) "
                        "or FW_PREC_BF16 (2)", (int)params->precision);
     if (params->flags & ~(uint32_t)(FW_ATTN_ONLINE_SOFTMAX | FW_ATTN_NO_GQA_PACK |
-                                    FW_ATTN_NO_TILE_SKIP | FW_ATTN_PLAIN))
+                                    FW_ATTN_NO_TILE_SKIP | FW_ATTN_PLAIN | FW_ATTN_DEC_PREFETCH |
+                                    FW_ATTN_NO_DEC_PREFETCH))
         return fw_fail(FW_ERR_ARG, "flags 0x%x has unknown bits", (unsigned)params->flags);
+    if ((params->flags & FW_ATTN_DEC_PREFETCH) && (params->flags & FW_ATTN_NO_DEC_PREFETCH))
+        return fw_fail(FW_ERR_ARG, "flags 0x%x set both FW_ATTN_DEC_PREFETCH and "
+                       "FW_ATTN_NO_DEC_PREFETCH", (unsigned)params->flags);
     if (params->rotary_interleaved != 0 && params->rotary_interleaved != 1)
         return fw_fail(FW_ERR_ARG, "rotary_interleaved is %d; it must be 0 (GPT-NeoX halves) or 1 "
                        "(GPT-J pairs)", (int)params->rotary_interleaved);
