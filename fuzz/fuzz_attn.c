@@ -20,6 +20,8 @@
 #include "attn/attn.h"
 
 static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
+/* the decode prefetch: the CPU's default, forced on, forced off */
+static const uint32_t dec_prefetch[3] = {0, FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
 
 typedef struct {
     fw_attn_params p;
@@ -47,6 +49,7 @@ static void draw_params(fz_in *in, params_case *pc)
     p->threads = (int32_t)fz_range(in, 0, 3);
     p->isa = fz_isa(in);
     p->flags = fz_byte(in) & 15;
+    p->flags |= dec_prefetch[fz_range(in, 0, 2)];
     p->precision = (int32_t)fz_range(in, 0, 2);
     if (!fz_chance(in, 12))
         return;
@@ -57,7 +60,10 @@ static void draw_params(fz_in *in, params_case *pc)
     case 2: p->causal = fz_chance(in, 128) ? 2 : -1; break;
     case 3: p->threads = fz_chance(in, 128) ? -1 : FW_MAX_THREADS + 1; break;
     case 4: p->precision = fz_chance(in, 128) ? 3 : -1; break;
-    case 5: p->flags |= 1u << fz_range(in, 4, 31); break;
+    case 5:
+        p->flags |= fz_chance(in, 128) ? FW_ATTN_DEC_PREFETCH | FW_ATTN_NO_DEC_PREFETCH
+                                       : 1u << fz_range(in, 6, 31);
+        break;
     case 6: p->isa = fz_chance(in, 128) ? "bogus" : ""; break;
     }
 }
