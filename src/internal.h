@@ -288,10 +288,10 @@ int fw_bf16_dot_native(const char *vendor);
  * software prefetch holds one of an Intel core's 16 L1 fill buffers until its line arrives,
  * while the L2 streamer, trained by the kernel's own loads, keeps more in flight. Measured on
  * the Sapphire Rapids-class Xeon VM (bf16, GQA 32:8, d 128, 2 threads unless said, mean of
- * 1000-3000 calls): 1K keys hot 131-136 us with them, 98-105 without; 4K hot 671-700 against
+ * 1000-3000 calls): 1K keys hot 131-136 us with them, 96-105 without; 4K hot 671-700 against
  * 499-513; 16K hot 3.07-3.09 ms against 2.03-2.15; 32K from DRAM (8 rotating caches) 8.7 ms
- * against 8.3-8.7; 1K from L3 (64 rotating caches), one thread, 463-476 against 450-452. On Zen 5 both were
- * faster (attn/decode.c). */
+ * against 8.3-8.7; 1K from L3 (64 rotating caches), one thread, 463-476 against 450-452. On
+ * Zen 5 both were faster (attn/decode.c). */
 int fw_dec_prefetch(const char *vendor);
 
 /* The threads a call runs on: `requested` (params->threads, validated), or for 0 the default

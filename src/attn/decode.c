@@ -118,12 +118,13 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     const int64_t vspan = ((p->hkv - 1) * p->vs[1] + (p->dv - 1) * p->vs[2] + 1) * (int64_t)es;
     const int64_t span = gqa && kspan == vspan && kspan <= 2 * p->hkv * kline && p->ks[0] != 1 ? kspan : 0;
     /* The address-order sweep pays where the context streams from DRAM, and costs where it is
-     * short. Measured (bf16 / f32, GQA 32:8, d 128, one thread, best of 300): 1K context,
+     * short. Measured on Zen 5 (bf16 / f32, GQA 32:8, d 128, one thread, best of 300): 1K context,
      * cache-hot 254 / 395 us with it, 215 / 321 without; cache-cold (16 rotating caches) 405-415
      * / 726-770 with, 386-398 / 762-778 without; 4K (2 threads, hot) 552 with, 476-481
      * without; 8K and 16K equal within the noise; 32K (an earlier, quiet measurement) 14.1
      * GB/s with it, 12.3 without. The next-tile prefetch below stays at every length: without
-     * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). */
+     * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). On Intel
+     * both are off unless forced (fw_dec_prefetch has the measurements). */
     const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) ||
                       (!(c->flags & FW_ATTN_NO_DEC_PREFETCH) && fw_dec_prefetch(fw_cpu_vendor()));
     const int sweep = fetch && span && sq->sk > FW_DEC_SWEEP_KEYS;
