@@ -24,6 +24,7 @@ typedef struct {
     int threads, reps, json;
     const char *isa;
     int rotary;
+    uint32_t flags; /* --dec-prefetch, --no-dec-prefetch */
 } kcfg;
 
 static void fill_bits(void *p, size_t n, fw_dtype dt)
@@ -83,6 +84,7 @@ static int kv_run(const kcfg *c, int decode)
     p.causal = 1;
     p.threads = c->threads;
     p.isa = c->isa;
+    p.flags = c->flags;
     double t[64];
     int reps = c->reps > 64 ? 64 : c->reps, fail = 0;
     void *rmem = NULL;
@@ -195,7 +197,7 @@ static int kv_run(const kcfg *c, int decode)
 
 static kcfg kdefaults(void)
 {
-    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0};
+    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0, 0};
     c.threads = bench_cpus();
     return c;
 }
@@ -225,12 +227,14 @@ int bench_kvcache_main(int argc, char **argv)
         else if (!strcmp(a, "--prefill")) mode = 2;
         else if (!strcmp(a, "--json")) c.json = 1;
         else if (!strcmp(a, "--rotary")) c.rotary = 1;
+        else if (!strcmp(a, "--dec-prefetch")) c.flags |= FW_ATTN_DEC_PREFETCH;
+        else if (!strcmp(a, "--no-dec-prefetch")) c.flags |= FW_ATTN_NO_DEC_PREFETCH;
         else {
             if (!bench_is_help(a))
                 fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
                    "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
-                   "       --threads N --reps N --isa NAME --json --rotary]\n"
+                   "       --threads N --reps N --isa NAME --json --rotary --dec-prefetch | --no-dec-prefetch]\n"
                    "  --ctx is the context after the append (prefill default: 8192 + new)\n"
                    "  with neither --decode nor --prefill: decode at batch 1 and 16 over contexts 1K..32K,\n"
                    "  then 512 new tokens on an 8K prefix\n");
