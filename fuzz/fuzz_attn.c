@@ -20,8 +20,6 @@
 #include "attn/attn.h"
 
 static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
-/* the decode prefetch: the CPU's default, forced on, forced off */
-static const uint32_t dec_prefetch[3] = {0, FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
 
 typedef struct {
     fw_attn_params p;
@@ -49,7 +47,7 @@ static void draw_params(fz_in *in, params_case *pc)
     p->threads = (int32_t)fz_range(in, 0, 3);
     p->isa = fz_isa(in);
     p->flags = fz_byte(in) & 15;
-    p->flags |= dec_prefetch[fz_range(in, 0, 2)];
+    p->flags |= fz_dec_prefetch(in);
     p->precision = (int32_t)fz_range(in, 0, 2);
     if (!fz_chance(in, 12))
         return;

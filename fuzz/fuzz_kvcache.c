@@ -20,8 +20,6 @@
 
 #define MAXB 8
 static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
-/* the decode prefetch: the CPU's default, forced on, forced off */
-static const uint32_t dec_prefetch[3] = {0, FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
 
 /* Element offset of (token t, head h, column c) of sequence i in a cache tensor. */
 static int64_t cache_off(const fw_tensor *t, const fw_kv_cache *kc, int64_t bts, int64_t i,
@@ -194,7 +192,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     p.threads = (int32_t)fz_range(&in, 0, 3);
     p.isa = fz_isa(&in);
     p.flags = fz_byte(&in) & 15;
-    p.flags |= dec_prefetch[fz_range(&in, 0, 2)];
+    p.flags |= fz_dec_prefetch(&in);
     p.precision = (int32_t)fz_range(&in, 0, 2);
 
     fz_desc[0] = 0;

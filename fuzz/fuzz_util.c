@@ -282,6 +282,12 @@ const char *fz_isa(fz_in *in)
     return fw_isa_name(i);
 }
 
+uint32_t fz_dec_prefetch(fz_in *in)
+{
+    static const uint32_t f[3] = {0, FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
+    return f[fz_range(in, 0, 2)];
+}
+
 void fz_compare(const char *what, const fw_tensor *got, const double *sr, const double *ex,
                 int64_t n, int values, int rules, double slack)
 {

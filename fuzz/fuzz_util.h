@@ -116,5 +116,7 @@ void fz_fail(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)
 
 /* The kernel table a call uses: NULL (the default) or one this CPU runs. */
 const char *fz_isa(fz_in *in);
+/* The decode prefetch flags of a call: none (the CPU's default), forced on, or forced off. */
+uint32_t fz_dec_prefetch(fz_in *in);
 
 #endif

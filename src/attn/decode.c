@@ -125,8 +125,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * GB/s with it, 12.3 without. The next-tile prefetch below stays at every length: without
      * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). On Intel
      * both are off unless forced (fw_dec_prefetch has the measurements). */
-    const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) ||
-                      (!(c->flags & FW_ATTN_NO_DEC_PREFETCH) && fw_dec_prefetch(fw_cpu_vendor()));
+    const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) != 0; /* run() set the CPU's default */
     const int sweep = fetch && span && sq->sk > FW_DEC_SWEEP_KEYS;
     /* keys stored transposed, each channel's keys contiguous (vLLM's CPU cache blocks), with
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's

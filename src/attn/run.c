@@ -108,6 +108,9 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
     c.p = p;
     c.kt = kt;
     c.flags = flags;
+    /* the decode prefetch's default, resolved once per call: by the CPU's vendor */
+    if (!(flags & (FW_ATTN_DEC_PREFETCH | FW_ATTN_NO_DEC_PREFETCH)) && fw_dec_prefetch(fw_cpu_vendor()))
+        c.flags |= FW_ATTN_DEC_PREFETCH;
     c.G = (int)((flags & FW_ATTN_NO_GQA_PACK) ? 1 : p->G);
     c.cap2 = p->softcap > 0 ? (float)(p->softcap * FW_LOG2E) : 0.0f;
     /* scores come out in log2 units (or divided by the softcap): f32 products fold this
