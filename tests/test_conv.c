@@ -298,8 +298,10 @@ static void test_conv_weight_layouts(void)
 }
 
 /* The kernels' SiLU for half-precision outputs (FW_SILU_HALF) against the f32 one, stored in
- * f32 so that the difference is the polynomial's: within 7.5e-5 relative on [-40, 40]; NaN,
- * infinities, -0 and underflow alike. */
+ * f32 so that the difference is the approximations': the exponential's polynomial (7.5e-5)
+ * and, on AVX-512, the reciprocal (2^-14, 6.1e-5): within 1.4e-4 relative on [-40, 40], a
+ * fourteenth of bf16's half ulp and under a third of f16's; NaN, infinities, -0 and
+ * underflow alike. */
 static void test_conv_silu_half(void)
 {
     enum { N = 4107 };
@@ -314,7 +316,7 @@ static void test_conv_silu_half(void)
         if (!fw_isa_supported(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
-        case_begin("conv1d: SiLU to half precision within 7.5e-5 of SiLU [%s]", kt->name);
+        case_begin("conv1d: SiLU to half precision within 1.4e-4 of SiLU [%s]", kt->name);
         const void *taps[1] = {x};
         kt->conv1d_row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, 1, ya, FW_F32);
         kt->conv1d_row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, FW_SILU_HALF, yb, FW_F32);
@@ -327,7 +329,7 @@ static void test_conv_silu_half(void)
             }
             worst = worse(worst, fabs((double)yb[i] - ya[i]) / (fabs((double)ya[i]) + 0x1p-126));
         }
-        case_check(worst <= 7.5e-5, "largest relative difference %.3g", worst);
+        case_check(worst <= 1.4e-4, "largest relative difference %.3g", worst);
         case_check(same_specials, "NaN, an infinity, a zero or an underflow differs");
         case_end();
     }

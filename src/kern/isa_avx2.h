@@ -23,6 +23,9 @@ static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+/* a / b for values rounded to bf16 or f16 next: the division (vrcpps's 2^-12 is too coarse
+ * for f16). */
+static inline vf vdiv_half(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vm vlt(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
 static inline vm vge(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
@@ -167,6 +170,18 @@ static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
 }
 
 static inline void vstream_fence(void) { _mm_sfence(); }
+
+/* 2 VL elements lo then hi stored as dt at element i of dst (non-temporally where nt). */
+static inline void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
+{
+    if (nt) {
+        vstream_as(dst, dt, i, lo);
+        vstream_as(dst, dt, i + VL, hi);
+    } else {
+        vstore_as(dst, dt, i, lo);
+        vstore_as(dst, dt, i + VL, hi);
+    }
+}
 
 /* ---- bf16 pairs (see "bf16 products" in attn_kern.h), emulated with f32 FMAs. */
 static inline vf vbcast_word(const uint32_t *p) { return _mm256_castsi256_ps(_mm256_set1_epi32((int)*p)); }

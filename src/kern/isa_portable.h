@@ -25,6 +25,7 @@ static inline vf vadd(vf a, vf b) { return a + b; }
 static inline vf vsub(vf a, vf b) { return a - b; }
 static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vdiv(vf a, vf b) { return a / b; }
+static inline vf vdiv_half(vf a, vf b) { return a / b; }
 static inline vf vmax(vf a, vf b) { return (a > b) ? a : b; } /* NaN in b is returned */
 static inline vm vlt(vf a, vf b) { return a < b; }
 static inline vm vge(vf a, vf b) { return a >= b; }
@@ -121,6 +122,13 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
 /* The portable table has no non-temporal stores: plain ones, nothing to order. */
 static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x) { vstore_as(dst, dt, i, x); }
 static inline void vstream_fence(void) {}
+
+static inline void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
+{
+    (void)nt;
+    vstore_as(dst, dt, i, lo);
+    vstore_as(dst, dt, i + VL, hi);
+}
 
 /* Pair words of two bf16 rows, 2 columns: lo for column 0, hi for column 1. */
 static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
