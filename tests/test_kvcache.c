@@ -453,8 +453,11 @@ static void test_split_heuristic(void)
     case_begin("split-KV heuristic");
     case_check(fw_attn_kv_splits(32768) == 64, "32K keys");
     case_check(fw_attn_kv_splits(2048) == 4, "2K keys");
-    case_check(fw_attn_kv_splits(512) == 1, "512 keys");
-    case_check(fw_attn_kv_splits(513) == 2, "512 + 1 keys");
+    case_check(fw_attn_kv_splits(512) == 2 && fw_attn_kv_split_keys(512) == 256, "512 keys: two of 256");
+    case_check(fw_attn_kv_splits(257) == 2, "256 + 1 keys");
+    case_check(fw_attn_kv_splits(256) == 1, "256 keys");
+    case_check(fw_attn_kv_splits(513) == 2 && fw_attn_kv_split_keys(513) == 512, "512 + 1 keys: two of 512");
+    case_check(fw_attn_kv_splits(1024) == 2, "1K keys");
     case_check(fw_attn_kv_splits(0) == 1, "no keys");
     case_end();
 }

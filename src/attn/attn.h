@@ -147,13 +147,21 @@ void fw_attn_tile_rows(int64_t G, int vl, int64_t sq_max, int *bq, int *M);
  * FW_ATTN_CHUNK_MAX so the workspace is bounded. Example: 2048 tiles, 2 threads -> 16. */
 int fw_attn_chunk_tiles(int64_t total_tiles, int threads);
 
-/* Key ranges of FW_KV_SPLIT keys the context of a decode sequence (fw_attn_is_decode: G x n
- * <= FW_DEC_ROWS query rows per K/V head) is split into: ceil(sk / FW_KV_SPLIT), at least 1. Depends on the
- * context length only, never on the thread count. Example: sk 32768 -> 64; sk 2048 -> 4.
+/* Key ranges the context of a decode sequence (fw_attn_is_decode: G x n <= FW_DEC_ROWS query
+ * rows per K/V head) is split into: ranges of fw_attn_kv_split_keys(sk) keys, FW_KV_SPLIT
+ * (512) past FW_KV_SPLIT keys and half that up to it; ceil(sk / keys) of them, at least 1.
+ * Depends on the context length only, never on the thread count. Examples: sk 32768 -> 64;
+ * 2048 -> 4; 512 -> 2; 256 -> 1.
  * Why 512 (measured, bf16, GQA 32:8, d 128, batch 1, 2 threads, `flywheel bench kvcache
  * --decode`): 512-key splits give 34 GB/s of K/V at 1K keys against 20 with 2048 (one split
  * ran on one thread), 37 against 15-34 at 4K, 28 against 27 at 32K; batch 16 is unchanged
- * (26-31 GB/s). Splits this small pay off only since the thread pool (src/threads.c). */
+ * (26-31 GB/s). Splits this small pay off only since the thread pool (src/threads.c).
+ * Why 256 up to 512 keys (Intel Xeon with AMX, 2 threads, the same shape): one range ran on
+ * one thread; `flywheel bench kvcache --decode --reps 64`, batch 1, paged, medians: 384 keys
+ * 56-58 -> 46-47 us, 512 keys 87-91 -> 57-76 us; batch 16 level (1072-1110 against
+ * 1101-1104 us at 384, 1449-1481 against 1467-1492 at 512). 256-key ranges past 512 keys
+ * were slower (C API, best of 2000 hot calls: 1K 107-108 us against 102-105, 4K 1-2%). */
+int64_t fw_attn_kv_split_keys(int64_t sk);
 int64_t fw_attn_kv_splits(int64_t sk);
 
 #endif /* FW_ATTN_H */

@@ -176,15 +176,16 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
         int bq, M;
         fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
         if (!plain && fw_attn_decode_seq(p, c.G, s.sq)) {
-            const int64_t ns = fw_attn_kv_splits(s.sk), rows = units * c.G * s.sq;
+            const int64_t ns = fw_attn_kv_splits(s.sk), keys = fw_attn_kv_split_keys(s.sk);
+            const int64_t rows = units * c.G * s.sq;
             if (ns > 1) {
                 merge_item mi = {i, ns, npart};
                 merges[nmerge++] = mi;
             }
             for (int64_t sp = 0; sp < ns; sp++) {
-                item e = {i, 0, 0, sp * FW_KV_SPLIT, ns > 1 ? (sp + 1) * FW_KV_SPLIT : INT64_MAX,
+                item e = {i, 0, 0, sp * keys, ns > 1 ? (sp + 1) * keys : INT64_MAX,
                           ns > 1 ? npart + sp * rows * (p->dv + 2) : -1,
-                          units * fw_min64(FW_KV_SPLIT, s.sk) + FW_ATTN_BK};
+                          units * fw_min64(keys, s.sk) + FW_ATTN_BK};
                 c.items[n++] = e;
             }
             npart += ns > 1 ? ns * rows * (p->dv + 2) : 0;

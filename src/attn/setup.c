@@ -463,7 +463,13 @@ int fw_attn_chunk_tiles(int64_t total_tiles, int threads)
     return (int)fw_max64(1, fw_min64(FW_ATTN_CHUNK_MAX, c));
 }
 
+int64_t fw_attn_kv_split_keys(int64_t sk)
+{
+    return sk > FW_KV_SPLIT ? FW_KV_SPLIT : FW_KV_SPLIT / 2;
+}
+
 int64_t fw_attn_kv_splits(int64_t sk)
 {
-    return sk > FW_KV_SPLIT ? fw_ceil_div(sk, FW_KV_SPLIT) : 1;
+    const int64_t keys = fw_attn_kv_split_keys(sk);
+    return sk > keys ? fw_ceil_div(sk, keys) : 1;
 }
