@@ -507,7 +507,7 @@ static void test_conv_rows_kernel(void)
                 for (int oi = 0; oi < 2; oi++)
                     for (int silu = 0; silu <= FW_SILU_HALF; silu++)
                         for (int n = 1; n <= N; n += 41)
-                        for (int st = 0; st < 3; st++) { /* plain; streamed, aligned; streamed, off */
+                        for (int st = 0; st < 4; st++) { /* plain; streamed: aligned, off, 32 bytes off 64 */
                             const fw_dtype dt = dts[di], ydt = oi ? FW_BF16 : FW_F32;
                             const size_t es = fw_dtype_size(dt), ys = fw_dtype_size(ydt);
                             for (int i = 0; i < (R + WMAX) * N; i++) {
@@ -520,7 +520,7 @@ static void test_conv_rows_kernel(void)
                                 rows[r] = x + (size_t)r * N * es;
                             memset(ya, 0xA5, sizeof ya);
                             memset(yb, 0xA5, sizeof yb);
-                            const size_t off = (size_t)(st == 2) * ys;
+                            const size_t off = st == 2 ? ys : st == 3 ? 32 : 0;
                             for (int r = 0; r < R; r++) {
                                 yr[r] = ya + (size_t)r * NP * ys + off;
                                 kt->conv1d_row(W, rows + r, dt, wt, N, bias, NULL, FW_F32, n, silu,
@@ -529,7 +529,8 @@ static void test_conv_rows_kernel(void)
                             kt->conv1d_rows(W, R, rows, dt, wt, N, bias, n, silu, yr, ydt, st > 0);
                             case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels, "
                                        "%s: the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n,
-                                       st == 0 ? "plain stores" : st == 1 ? "streamed" : "streamed, rows unaligned");
+                                       st == 0 ? "plain stores" : st == 1 ? "streamed" : st == 2 ? "streamed, rows unaligned"
+                                                                                          : "streamed, rows 32 bytes off 64");
                         }
         case_end();
     }

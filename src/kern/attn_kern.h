@@ -1254,7 +1254,7 @@ static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float
  * rows[r .. r+3]), 2 vectors of channels at a time with their weights and the three earlier
  * taps held in registers as the rows slide: each tap row is loaded and converted once, not 4
  * times. The same operations in the same order as conv_vecs, so the same bits. nt: the
- * vector pairs stored non-temporally (every ys[r] aligned to 64 bytes, for vstore2_as). */
+ * vector pairs stored non-temporally (every ys[r] aligned for vstream_as). */
 FW_INLINE void conv_rows4_block(int R, const void *const *rows, const fw_dtype tdt, const float *wt, int64_t ldw,
                                 const float *bias, int n, const int silu, void *const *ys, fw_dtype ydt, int nt)
 {
@@ -1314,9 +1314,10 @@ static void conv1d_rows(int W, int R, const void *const *rows, fw_dtype tdt, con
             conv1d_row(W, rows + r, tdt, wt, ldw, bias, NULL, FW_F32, n, silu, ys[r], ydt);
         return;
     }
+    const uintptr_t vbytes = (uintptr_t)VL * (ydt == FW_F32 ? 4 : 2);
     int nt = stream;
     for (int r = 0; r < R && nt; r++)
-        nt = (uintptr_t)ys[r] % 64 == 0;
+        nt = (uintptr_t)ys[r] % vbytes == 0;
 #define CONV_ROWS(T, S) conv_rows4_as(R, rows, T, wt, ldw, bias, n, S, ys, ydt, nt)
 #define CONV_ROWS_MODES(T) (silu == FW_SILU_HALF ? CONV_ROWS(T, FW_SILU_HALF) : silu ? CONV_ROWS(T, 1) : CONV_ROWS(T, 0))
     if (tdt == FW_BF16)

@@ -234,17 +234,23 @@ static inline vf vbf16_row(vf lo, vf hi)
 #endif
 
 /* 2 VL elements lo then hi stored as dt at element i of dst, non-temporally where nt (dst + i
- * aligned to 64 bytes). With AVX512_BF16, a bf16 pair is one vcvtne2ps2bf16 and one store in
- * place of two conversions (each two operations on Intel) and two stores; the same bits. */
+ * aligned as vstream_as needs). With AVX512_BF16, a bf16 pair is one vcvtne2ps2bf16 and one
+ * store in place of two conversions (each two operations on Intel) and two stores; the same
+ * bits. */
 static inline void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
 {
 #ifdef __AVX512BF16__
     if (dt == FW_BF16) {
         float *p = (float *)((uint16_t *)dst + i);
-        if (nt)
-            _mm512_stream_ps(p, vbf16_row(lo, hi));
-        else
-            _mm512_storeu_ps(p, vbf16_row(lo, hi));
+        const __m512i w = _mm512_castps_si512(vbf16_row(lo, hi));
+        if (!nt) {
+            _mm512_storeu_si512(p, w);
+        } else if ((uintptr_t)p % 64 == 0) {
+            _mm512_stream_si512((__m512i *)p, w);
+        } else { /* 32-byte aligned: the halves */
+            _mm256_stream_si256((__m256i *)p, _mm512_castsi512_si256(w));
+            _mm256_stream_si256((__m256i *)p + 1, _mm512_extracti64x4_epi64(w, 1));
+        }
         return;
     }
 #endif
