@@ -137,7 +137,11 @@ small (= decode,gdn-decode): the rows of these two sections are the "small calls
   measured on this VM,
   a call after even 50 ms of idle cores pays the cores' wake-up (flywheel 0.6 ms for a
   0.13 ms call, vLLM and zentorch 2-10 ms), which would measure the machine, not the kernels;
-  --burst 1 measures exactly that.
+  --burst 1 measures exactly that. --between-mm puts an untimed torch.mm of an engine step's
+  size (x [8, 2048] by w [2048, 4096], bf16, on torch's threads) before every call of the
+  burst, so each call finds its data pushed out of the caches by the op as inside an engine
+  step, and the time is the calls' alone. --flywheel-openmp runs flywheel's loops on torch's
+  OpenMP threads (flywheel.use_openmp_threads), as vLLM's and zentorch's kernels run.
 
 Every system gets the same values: drawn once, rounded to bf16 and handed to each system in its
 own layout and dtype outside the timed region. One warm-up call each, then rounds that
@@ -176,6 +180,7 @@ GH, GHV, GD = 16, 32, 128        # Gated DeltaNet: Qwen3-Next
 REF_ROWS = 64                    # attention rows per checked block
 PAUSE_S = 0.05                   # idle time before each timed call
 PAGE = 128                       # KV cache page (vLLM CPU's default block size)
+BETWEEN = None                   # --between-mm: an untimed op before each small call
 SECTIONS = ("attn", "gdn", "decode", "gdn-decode", "conv")
 CONV_D, CONV_W = 8192, 4         # Qwen3-Next's conv: 2 * 16 * 128 + 32 * 128 channels, width 4
 ALIASES = {"small": ("decode", "gdn-decode"), "all": SECTIONS}
@@ -443,10 +448,19 @@ def run_interleaved(cases, reps, burst=1):
                 time.sleep(PAUSE_S)
                 if burst > 1:  # the cores' wake-up after the pause, untimed
                     c.call()
-                t0 = time.perf_counter()
-                for _ in range(burst):
-                    c.call()
-                c.times.append((time.perf_counter() - t0) / burst)
+                if BETWEEN is None:
+                    t0 = time.perf_counter()
+                    for _ in range(burst):
+                        c.call()
+                    c.times.append((time.perf_counter() - t0) / burst)
+                else:
+                    spent = 0.0
+                    for _ in range(burst):
+                        BETWEEN()
+                        t0 = time.perf_counter()
+                        c.call()
+                        spent += time.perf_counter() - t0
+                    c.times.append(spent / burst)
             except Exception as e:
                 c.error, c.times = f"{type(e).__name__}: {e}", []
     if burst > 1:
@@ -1340,6 +1354,12 @@ def main(argv=None):
     ap.add_argument("--burst", type=int, default=20,
                     help="decode and gdn-decode: calls back to back per timed round, as an "
                          "engine step makes them (default 20; 1: each call after a pause)")
+    ap.add_argument("--between-mm", action="store_true",
+                    help="decode and gdn-decode: an untimed torch.mm of an engine step's size "
+                         "before each call (x [8, 2048] by w [2048, 4096], bf16)")
+    ap.add_argument("--flywheel-openmp", action="store_true",
+                    help="flywheel's loops on torch's OpenMP threads (flywheel.use_openmp_threads, "
+                         "what an engine should use) instead of its own pool")
     ap.add_argument("--threads", type=int, default=2, help="threads of every system (default 2)")
     ap.add_argument("--t", type=int, default=4096, help="prefill sequence length (default 4096)")
     ap.add_argument("--decode", type=parse_decode, default=[(1, 1024), (1, 32768), (16, 4096)],
@@ -1364,6 +1384,17 @@ def main(argv=None):
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sys_ = Systems(args.threads)
     info = sys_.describe()
+    if args.flywheel_openmp and sys_.flywheel is not None:
+        sys_.flywheel.use_openmp_threads(args.threads)
+        info["flywheel_threads"] = "torch's OpenMP threads (use_openmp_threads)"
+    if args.between_mm:
+        if sys_.torch is None:
+            ap.error("--between-mm needs torch")
+        global BETWEEN
+        t = sys_.torch
+        x, w = t.randn(8, 2048, dtype=t.bfloat16), t.randn(2048, 4096, dtype=t.bfloat16)
+        BETWEEN = lambda: t.mm(x, w)  # noqa: E731
+        info["between_calls"] = "torch.mm [8, 2048] x [2048, 4096] bf16"
     rows = []
     if "attn" in args.only:
         log(f"attention prefill, T={args.t} ...")
