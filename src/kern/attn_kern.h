@@ -1242,6 +1242,22 @@ static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float
 #undef CONV_ROW
 }
 
+/* 2 VL elements lo then hi stored as dt at element i of dst, non-temporally where nt (dst + i
+ * aligned as vstream_as needs): in one store where the layer has one (vstore2_native), else
+ * a vector at a time. */
+FW_INLINE void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
+{
+    if (vstore2_native(dst, dt, i, lo, hi, nt))
+        return;
+    if (nt) {
+        vstream_as(dst, dt, i, lo);
+        vstream_as(dst, dt, i + VL, hi);
+    } else {
+        vstore_as(dst, dt, i, lo);
+        vstore_as(dst, dt, i + VL, hi);
+    }
+}
+
 /* Output rows per pass of conv_rows4_block. A pass walks its rows down each pair of channel
  * vectors, so it has one line of each of its R + 3 tap rows and R output rows in flight at
  * a time: few enough for the core's outstanding misses to cover. Measured (the kernel

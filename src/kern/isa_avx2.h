@@ -171,17 +171,8 @@ static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
 
 static inline void vstream_fence(void) { _mm_sfence(); }
 
-/* 2 VL elements lo then hi stored as dt at element i of dst (non-temporally where nt). */
-static inline void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
-{
-    if (nt) {
-        vstream_as(dst, dt, i, lo);
-        vstream_as(dst, dt, i + VL, hi);
-    } else {
-        vstore_as(dst, dt, i, lo);
-        vstore_as(dst, dt, i + VL, hi);
-    }
-}
+/* No one-store form of a vector pair (vstore2_as in attn_kern.h stores them one by one). */
+static inline int vstore2_native(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt) { return 0; }
 
 /* ---- bf16 pairs (see "bf16 products" in attn_kern.h), emulated with f32 FMAs. */
 static inline vf vbcast_word(const uint32_t *p) { return _mm256_castsi256_ps(_mm256_set1_epi32((int)*p)); }

@@ -233,11 +233,10 @@ static inline vf vbf16_row(vf lo, vf hi)
 }
 #endif
 
-/* 2 VL elements lo then hi stored as dt at element i of dst, non-temporally where nt (dst + i
- * aligned as vstream_as needs). With AVX512_BF16, a bf16 pair is one vcvtne2ps2bf16 and one
- * store in place of two conversions (each two operations on Intel) and two stores; the same
- * bits. */
-static inline void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
+/* vstore2_as's one-store form of a vector pair (attn_kern.h), 1 where it stored them: with
+ * AVX512_BF16, a bf16 pair is one vcvtne2ps2bf16 and one store in place of two conversions
+ * (each two operations on Intel) and two stores; the same bits. */
+static inline int vstore2_native(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
 {
 #ifdef __AVX512BF16__
     if (dt == FW_BF16) {
@@ -251,16 +250,10 @@ static inline void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, i
             _mm256_stream_si256((__m256i *)p, _mm512_castsi512_si256(w));
             _mm256_stream_si256((__m256i *)p + 1, _mm512_extracti64x4_epi64(w, 1));
         }
-        return;
+        return 1;
     }
 #endif
-    if (nt) {
-        vstream_as(dst, dt, i, lo);
-        vstream_as(dst, dt, i + VL, hi);
-    } else {
-        vstore_as(dst, dt, i, lo);
-        vstore_as(dst, dt, i + VL, hi);
-    }
+    return 0;
 }
 
 /* Pair words of two bf16 rows, 2 VL columns from r0 and r1: word (r0[c], r1[c]) (r0 in the

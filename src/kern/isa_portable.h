@@ -123,12 +123,7 @@ static inline void cvt_out_vec(const float *src, int64_t i, void *dst, fw_dtype 
 static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x) { vstore_as(dst, dt, i, x); }
 static inline void vstream_fence(void) {}
 
-static inline void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
-{
-    (void)nt;
-    vstore_as(dst, dt, i, lo);
-    vstore_as(dst, dt, i + VL, hi);
-}
+static inline int vstore2_native(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt) { return 0; }
 
 /* Pair words of two bf16 rows, 2 columns: lo for column 0, hi for column 1. */
 static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
