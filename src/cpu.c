@@ -164,6 +164,11 @@ int fw_dec_prefetch(const char *vendor_id)
     return !vendor_id || strcmp(vendor_id, "GenuineIntel") != 0;
 }
 
+int fw_conv_pass_rows(const char *vendor_id)
+{
+    return vendor_id && strcmp(vendor_id, "AuthenticAMD") == 0 ? 1 : 64;
+}
+
 int fw_isa_native_bf16(const char *name)
 {
     const fw_kernels *k = fw_kernels_get(name);

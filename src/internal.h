@@ -296,6 +296,17 @@ int fw_bf16_dot_native(const char *vendor);
  * The rule follows the 4 KiB pages a caller's tensors get by default. On Zen 5 both were
  * faster (attn/decode.c). */
 int fw_dec_prefetch(const char *vendor);
+/* Rows of one pass of the width-4 conv's rows kernel (conv1d_rows), by vendor: 1 (a row at a
+ * time, front to back) for AMD, 64 (the kernel's passes of 8 rows, its taps slid in registers)
+ * otherwise. A pass walks its R + 3 tap rows and R output rows down each run of channels, all
+ * D channels apart: on a Zen 3 VM (AVX2, L1 32 KiB 8-way) that many same-offset lines thrash
+ * the cache and confuse its prefetchers. Measured there (Qwen3-Next's conv, 2K tokens x 8192
+ * channels, W 4, SiLU, 2 threads, medians of 10, three alternating runs): bf16 45.3-46.8 ms
+ * with passes of 8 against 11.3-12.5 ms a row at a time, f32 24.3-25.5 against 8.6-8.8; passes
+ * of 2 f32 11.0-11.9. On the Sapphire Rapids-class Xeon VM passes of 8 rows were the best
+ * measured (attn_kern.h, CONV_PASS_ROWS); Zen 5 ran this conv at 84-104% of a same-run copy a
+ * row at a time, before the sliding kernel existed. Either gives the same bits. */
+int fw_conv_pass_rows(const char *vendor);
 
 /* The threads a call runs on: `requested` (params->threads, validated), or for 0 the default
  * of fw_set_parallel (all online CPUs unless set; OpenMP's in an FW_OPENMP build). */

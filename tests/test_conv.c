@@ -477,13 +477,18 @@ static void test_conv_heuristics(void)
     case_check(fw_conv_stream((int64_t)8 << 20) && fw_conv_stream((int64_t)2048 * 8192 * 2),
                "Qwen3-Next's 2K conv (32 MiB) not streamed");
     case_end();
+    case_begin("conv1d rows kernel passes: a row at a time on AMD only");
+    case_check(fw_conv_pass_rows("AuthenticAMD") == 1, "AMD");
+    case_check(fw_conv_pass_rows("GenuineIntel") == 64 && fw_conv_pass_rows("HygonGenuine") == 64 &&
+                   fw_conv_pass_rows("") == 64 && fw_conv_pass_rows(NULL) == 64 && fw_conv_pass_rows("AuthenticAMDx") == 64,
+               "Intel, another vendor, none, a longer string");
+    case_end();
 }
 
 /* The rows kernel (conv1d_rows: width 4 slides its taps in registers) against the row
  * kernel, bit for bit, on every table: widths 4 and 3, channel counts past and short of the
  * vector pairs, every tap dtype, bf16 and f32 out, no activation / SiLU / its half-precision
- * form, rows in one pass and past
- * it, stores plain or streamed (output rows aligned for the table's vectors, or one element
+ * form, rows in one pass and past it, or in calls of one row (AMD's passes), stores plain or streamed (output rows aligned for the table's vectors, or one element
  * off them: plain stores then). */
 static void test_conv_rows_kernel(void)
 {
@@ -518,7 +523,6 @@ static void test_conv_rows_kernel(void)
                             void *yr[R];
                             for (int r = 0; r < R + W - 1; r++)
                                 rows[r] = x + (size_t)r * N * es;
-                            memset(ya, 0xA5, sizeof ya);
                             memset(yb, 0xA5, sizeof yb);
                             const size_t off = st == 2 ? ys : st == 3 ? 32 : 0;
                             for (int r = 0; r < R; r++) {
@@ -526,11 +530,17 @@ static void test_conv_rows_kernel(void)
                                 kt->conv1d_row(W, rows + r, dt, wt, N, bias, NULL, FW_F32, n, silu,
                                                yb + (size_t)r * NP * ys + off, ydt);
                             }
-                            kt->conv1d_rows(W, R, rows, dt, wt, N, bias, n, silu, yr, ydt, st > 0);
-                            case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels, "
-                                       "%s: the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n,
-                                       st == 0 ? "plain stores" : st == 1 ? "streamed" : st == 2 ? "streamed, rows unaligned"
-                                                                                          : "streamed, rows 32 bytes off 64");
+                            for (int one = 0; one < 2; one++) { /* one call; a call a row (fw_conv_pass_rows) */
+                                memset(ya, 0xA5, sizeof ya);
+                                for (int r = 0; r < R; r += one ? 1 : R)
+                                    kt->conv1d_rows(W, one ? 1 : R, rows + r, dt, wt, N, bias, n, silu, yr + r, ydt,
+                                                    st > 0);
+                                case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels, "
+                                           "%s, %s: the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n,
+                                           st == 0 ? "plain stores" : st == 1 ? "streamed" : st == 2 ? "streamed, rows unaligned"
+                                                                                              : "streamed, rows 32 bytes off 64",
+                                           one ? "a call a row" : "one call");
+                            }
                         }
         case_end();
     }

@@ -164,6 +164,7 @@ typedef struct {
     size_t ws_stride;
     int stream; /* outputs stored non-temporally (fw_conv_stream) */
     int silu;   /* the kernels' activation: 0, 1 (SiLU) or FW_SILU_HALF (conv_silu_mode) */
+    int pass;   /* rows per call of the rows kernel (fw_conv_pass_rows) */
 } conv_ctx;
 
 /* f32 copy of channels [c0, c0 + nc) of a state's logical entry e of sequence i (zeros for
@@ -234,8 +235,11 @@ static void out_item(void *vctx, int64_t it, int tid)
         }
         for (int64_t u = u0; u < u1; u++)
             ys[u - u0] = row_at(p->out, b, t0 + u, c0);
-        kt->conv1d_rows(W, (int)(u1 - u0), rows, p->x->dtype, c->wt + c0, p->D, c->bias + c0, nc, c->silu, ys,
-                        p->out->dtype, c->stream);
+        for (int r0 = 0; r0 < (int)(u1 - u0); r0 += c->pass) {
+            const int R = (int)fw_min64(c->pass, u1 - u0 - r0);
+            kt->conv1d_rows(W, R, rows + r0, p->x->dtype, c->wt + c0, p->D, c->bias + c0, nc, c->silu, ys + r0,
+                            p->out->dtype, c->stream);
+        }
         return;
     }
     for (int64_t u = u0 - (W - 1); u < u1; u++) {
@@ -397,7 +401,7 @@ static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_
         first[i] *= nblk;
     conv_ctx c = {&p, kt, first, nblk, cb, NULL, NULL, NULL, NULL, 0,
                   standalone && fw_conv_stream(p.B * p.L * p.D * (int64_t)fw_dtype_size(p.out->dtype)),
-                  conv_silu_mode(&p, standalone)};
+                  conv_silu_mode(&p, standalone), fw_conv_pass_rows(fw_cpu_vendor())};
     /* scratch per thread: outputs y, residual and the ring (W rows) of an out item, or the
      * So rows of a state item */
     const size_t out_stride = (size_t)(p.W + 2) * (size_t)cb, st_stride = (size_t)p.So * CONV_STATE_CHANNELS;
