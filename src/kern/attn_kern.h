@@ -691,6 +691,37 @@ FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const flo
             vstore(O + (size_t)r * dv + c0 + c * VL, acc[r][c]);
 }
 
+#ifdef DEC_PV_EO
+/* dec_pv_tile for bf16 values on a layer whose widening load costs more than a shift
+ * (DEC_PV_EO: AVX2's vpmovzxwd): each pair of value vectors is one load split by vbf16_even
+ * and vbf16_odd, the accumulators held in that even / odd column order and put back in
+ * order at the end. The same FMAs in the same order: the same bits. */
+FW_INLINE void dec_pv_tile_eo(const int rt, int nk, int c0, const float *P, const void *const *V, float *O,
+                              int dv)
+{
+    vf acc[DEC_RT][4];
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < 4; c += 2)
+            vcols_to_eo(O + (size_t)r * dv + c0 + c * VL, &acc[r][c], &acc[r][c + 1]);
+    for (int j = 0; j < nk; j++) {
+        vf vv[4];
+        for (int c = 0; c < 4; c += 2) {
+            const vf w = vload_bits((const uint16_t *)V[j] + c0 + c * VL);
+            vv[c] = vkeep(vbf16_even(w));
+            vv[c + 1] = vkeep(vbf16_odd(w));
+        }
+        for (int r = 0; r < rt; r++) {
+            vf pb = vset1(P[(size_t)r * FW_DEC_KEYS + j]);
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = vfma(vv[c], pb, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < 4; c += 2)
+            veo_to_cols(O + (size_t)r * dv + c0 + c * VL, acc[r][c], acc[r][c + 1]);
+}
+#endif
+
 static __attribute__((noinline)) void dec_pv_tail(int rt, int cv, int nk, int c0, const float *P,
                                                   const void *const *V, fw_dtype dt, float *O, int dv)
 {
@@ -709,6 +740,11 @@ static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, 
         float *o = O + (size_t)r0 * dv;
         for (int c0 = 0; c0 < dvv; c0 += 4 * VL) {
             const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
+#ifdef DEC_PV_EO
+            if (rt == DEC_RT && cv == 4 && dt == FW_BF16)
+                dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv);
+            else
+#endif
             if (rt == DEC_RT && cv == 4)
                 dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv);
             else

@@ -221,6 +221,23 @@ static inline void vpairs_to_cols(float *o, vf lo, vf hi)
     _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* 2 VL f32 columns of o split into the even and the odd ones, the order vbf16_even and
+ * vbf16_odd give a bf16 row's 2 VL elements (the decode's bf16 values, DEC_PV_EO), and back. */
+#define DEC_PV_EO 1
+static inline void vcols_to_eo(const float *o, vf *e, vf *od)
+{
+    const vf a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
+    *e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    *od = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+}
+
+static inline void veo_to_cols(float *o, vf e, vf od)
+{
+    const vf lo = _mm256_unpacklo_ps(e, od), hi = _mm256_unpackhi_ps(e, od);
+    _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 /* Lane i of the result: the sum of a[i]'s lanes, i < 8 (a tree; see isa_avx512.h). */
 static inline vf vsum_each(const vf *a)
 {
