@@ -301,9 +301,9 @@ int fw_dec_prefetch(const char *vendor);
  * otherwise. A pass walks its R + 3 tap rows and R output rows down each run of channels, all
  * D channels apart: on a Zen 3 VM (AVX2, L1 32 KiB 8-way) that many same-offset lines thrash
  * the cache and confuse its prefetchers. Measured there (Qwen3-Next's conv, 2K tokens x 8192
- * channels, W 4, SiLU, 2 threads, medians of 10, three alternating runs): bf16 45.3-46.8 ms
- * with passes of 8 against 11.3-12.5 ms a row at a time, f32 24.3-25.5 against 8.6-8.8; passes
- * of 2 f32 11.0-11.9. On the Sapphire Rapids-class Xeon VM passes of 8 rows were the best
+ * channels, W 4, SiLU, 2 threads, medians of 10, alternating runs): bf16 45.3-46.8 ms with
+ * passes of 8 against 8.1-11.2 ms a row at a time (conv_rows4_as), f32 24.3-25.5 against
+ * 8.6-8.8; passes of 2 f32 11.0-11.9. On the Sapphire Rapids-class Xeon VM passes of 8 rows were the best
  * measured (attn_kern.h, CONV_PASS_ROWS); Zen 5 ran this conv at 84-104% of a same-run copy a
  * row at a time, before the sliding kernel existed. Either gives the same bits. */
 int fw_conv_pass_rows(const char *vendor);

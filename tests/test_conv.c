@@ -488,8 +488,9 @@ static void test_conv_heuristics(void)
 /* The rows kernel (conv1d_rows: width 4 slides its taps in registers) against the row
  * kernel, bit for bit, on every table: widths 4 and 3, channel counts past and short of the
  * vector pairs, every tap dtype, bf16 and f32 out, no activation / SiLU / its half-precision
- * form, rows in one pass and past it, or in calls of one row (AMD's passes), stores plain or streamed (output rows aligned for the table's vectors, or one element
- * off them: plain stores then). */
+ * form, rows in one pass and past it or in calls of one row (AMD's passes), stores plain or
+ * streamed (output rows aligned for the table's vectors, or one element off them: plain
+ * stores then). */
 static void test_conv_rows_kernel(void)
 {
     enum { R = 9, N = 83, NP = 96, WMAX = 4 }; /* NP: output row stride, 64-byte multiples */
