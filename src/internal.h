@@ -200,6 +200,9 @@ typedef struct fw_kernels {
     /* KDA's gates of a row computed in the kernels (fw_gdn_params.a_log), in log2 units:
      * g2 = log2(e) x (-ea softplus(a + bias), or lb sigmoid(ea (a + bias)) with lb < 0). */
     void (*kda_gates)(int n, const float *a, const float *bias, float ea, float lb, float *g2);
+    /* The conv's weights, packed [D][W] of dtype dt, as f32 [W][D] (the layout conv1d_row and
+     * conv1d_rows read: tap k of channel c at wt[k * D + c]). */
+    void (*conv_weights)(int W, int64_t D, const void *w, fw_dtype dt, float *wb);
     /* One output row of the causal conv1d over n contiguous channels:
      * y[c] = act(bias[c] + sum_{k<W} wt[k * ldw + c] taps[k][c]) (+ res[c] when res is given),
      * act SiLU (x / (1 + e^-x)) when silu (1, or FW_SILU_HALF: its exponential to 2^-13.7,
@@ -238,7 +241,7 @@ typedef struct fw_kernels {
     X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
-    X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(exp2d_scale2) X(kda_diag) X(kda_gates) X(conv1d_row) X(conv1d_rows) X(bwd_ds) X(rope)
+    X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(exp2d_scale2) X(kda_diag) X(kda_gates) X(conv_weights) X(conv1d_row) X(conv1d_rows) X(bwd_ds) X(rope)
 #define FW_KERNEL_ONE(f) +1
 _Static_assert(sizeof(fw_kernels) == offsetof(fw_kernels, to_f32) +
                                          (0 FW_KERNEL_ENTRIES(FW_KERNEL_ONE)) * sizeof(void (*)(void)),

@@ -547,8 +547,113 @@ static void test_conv_rows_kernel(void)
     }
 }
 
+/* The tables' weight packing ([D][W] -> f32 [W][D]) against a scalar transpose of the
+ * library's conversions, bit for bit: f32, bf16 and f16, widths 2 to 17, channel counts off
+ * every vector length, with NaN payloads, infinities, -0 and subnormals among the values. */
+static void test_conv_weights_kernel(void)
+{
+    enum { DM = 150, WM = 17 };
+    static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
+    static const int widths[5] = {2, 3, 4, 5, 17}, ds[4] = {1, 15, 33, DM};
+    static unsigned char w[DM * WM * 4];
+    static float got[DM * WM + 16], want[DM * WM];
+    rng_seed(83);
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
+        case_begin("conv1d: the weight packing equals a scalar transpose [%s]", kt->name);
+        for (int di = 0; di < 3; di++)
+            for (int wi = 0; wi < 5; wi++)
+                for (int ni = 0; ni < 4; ni++) {
+                    const fw_dtype dt = dts[di];
+                    const int W = widths[wi], D = ds[ni];
+                    const size_t es = fw_dtype_size(dt);
+                    for (int i = 0; i < D * W; i++) {
+                        if (dt == FW_F32) {
+                            const uint32_t special[4] = {0x7fc01234u, 0xff800000u, 0x80000000u, 0x00000005u};
+                            uint32_t u;
+                            const float v = (float)rng_normal();
+                            memcpy(&u, &v, 4);
+                            if (i % 7 == 3)
+                                u = special[(i / 7) % 4];
+                            memcpy(w + (size_t)i * 4, &u, 4);
+                        } else {
+                            const uint16_t special[4] = {(uint16_t)(dt == FW_BF16 ? 0x7fc5 : 0x7e05),
+                                                         (uint16_t)(dt == FW_BF16 ? 0xff80 : 0xfc00), 0x8000, 0x0003};
+                            uint16_t h = dt == FW_BF16 ? fw_f32_to_bf16((float)rng_normal())
+                                                       : fw_f32_to_f16((float)rng_normal());
+                            if (i % 7 == 3)
+                                h = special[(i / 7) % 4];
+                            memcpy(w + (size_t)i * 2, &h, 2);
+                        }
+                    }
+                    for (int d = 0; d < D; d++)
+                        for (int k = 0; k < W; k++) /* one element at a time: the library's scalar conversion */
+                            kt->to_f32(w + ((size_t)d * W + k) * es, dt, 1, 1, 1.0f, want + (size_t)k * D + d);
+                    memset(got, 0xA5, sizeof got);
+                    kt->conv_weights(W, D, w, dt, got);
+                    case_check(!memcmp(got, want, sizeof(float) * (size_t)(D * W)), "%s, W %d, %d channels: differs",
+                               fw_dtype_name(dt), W, D);
+                    case_check(((const unsigned char *)got)[sizeof(float) * (size_t)(D * W)] == 0xA5,
+                               "%s, W %d, %d channels: wrote past [W][D]", fw_dtype_name(dt), W, D);
+                }
+        case_end();
+    }
+}
+
+/* One-token decodes in place on a bf16 cache: each slot's rows move up by one and take the
+ * token's row, the raw bits (NaN payloads, infinities, -0 and subnormals kept), on 1 and 2
+ * threads and every table; a sequence whose slot index is negative writes nothing. */
+static void test_conv_state_bits(void)
+{
+    enum { N = 5, D = 300, W = 4, S = W - 1 };
+    static uint16_t x[N * D], st[N * S * D], st0[N * S * D], o[N * D], w[D * W];
+    static const uint16_t special[5] = {0x7fc5, 0xff81, 0x8000, 0x0003, 0x7f80};
+    rng_seed(89);
+    for (int i = 0; i < N * D; i++)
+        x[i] = i % 5 == 2 ? special[(i / 5) % 5] : fw_f32_to_bf16((float)rng_normal());
+    for (int i = 0; i < N * S * D; i++)
+        st0[i] = i % 3 == 1 ? special[(i / 3) % 5] : fw_f32_to_bf16((float)rng_normal());
+    for (int i = 0; i < D * W; i++)
+        w[i] = fw_f32_to_bf16((float)(0.3 * rng_normal()));
+    int32_t idx[N] = {3, 0, -1, 4, 1}; /* slot 2 unused: sequence 2 has no slot */
+    int64_t xs[3] = {N, 1, D}, ws[2] = {D, W}, ss[3] = {N, S, D};
+    for (int t = 0; t < fw_isa_count(); t++) {
+        if (!fw_isa_supported(fw_isa_name(t)))
+            continue;
+        case_begin("conv1d: in-place decode states keep the raw bits [%s]", fw_isa_name(t));
+        for (int thr = 1; thr <= 2; thr++) {
+            memcpy(st, st0, sizeof st);
+            fw_tensor tx = fw_tensor_contiguous(x, FW_BF16, 3, xs), to = fw_tensor_contiguous(o, FW_BF16, 3, xs);
+            fw_tensor tw = fw_tensor_contiguous(w, FW_BF16, 2, ws);
+            fw_conv1d_state sc = {fw_tensor_contiguous(st, FW_BF16, 3, ss), idx, NULL};
+            fw_conv1d_params p;
+            fw_conv1d_params_init(&p);
+            p.activation = FW_ACT_SILU;
+            p.threads = thr;
+            p.isa = fw_isa_name(t);
+            case_check(fw_conv1d_fwd(&tx, &tw, NULL, NULL, 0, &sc, &sc, NULL, &to, &p) == FW_OK, "status: %s",
+                       fw_last_error());
+            int bad = 0;
+            for (int i = 0; i < N; i++) {
+                if (idx[i] < 0)
+                    continue;
+                const uint16_t *s1 = st + (size_t)idx[i] * S * D, *s0 = st0 + (size_t)idx[i] * S * D;
+                bad += memcmp(s1, s0 + D, sizeof(uint16_t) * (size_t)((S - 1) * D)) != 0;
+                bad += memcmp(s1 + (size_t)(S - 1) * D, x + (size_t)i * D, sizeof(uint16_t) * D) != 0;
+            }
+            bad += memcmp(st + 2 * S * D, st0 + 2 * S * D, sizeof(uint16_t) * S * D) != 0;
+            case_check(bad == 0, "%d threads: %d slots differ from the shifted raw rows", thr, bad);
+        }
+        case_end();
+    }
+}
+
 const test_suite conv_suites[] = {
     {"conv.rows_kernel", test_conv_rows_kernel},
+    {"conv.weights_kernel", test_conv_weights_kernel},
+    {"conv.state_bits", test_conv_state_bits},
     {"conv.heuristics", test_conv_heuristics},
     {"conv.bad_input", test_conv_bad_input},
     {"conv.threads_identical", test_conv_threads},

@@ -1,7 +1,8 @@
 /* conv/conv1d.c: causal depthwise conv1d over a batch of sequences (fw_conv1d_fwd): the
  * check, then two parallel passes: the outputs, by items of (sequence, 64 tokens, a block of
  * channels), and after them the final states, by (sequence, 512 channels), so that a cache
- * updated in place is read by the first pass before the second writes it. */
+ * updated in place is read by the first pass before the second writes it. Sequences of at most
+ * 64 tokens (decodes) write their final states in their output items (fused_final). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -159,7 +160,7 @@ typedef struct {
     const int64_t *first; /* first item of each sequence (n + 1 entries) */
     int64_t nblk, cb;     /* channel blocks, and channels per block */
     const float *wt, *bias; /* weight as [W][D] and bias as [D], f32 */
-    const void *zero;       /* D zeros: the taps before a sequence without a state entry */
+    const void *zero;       /* D f32 zeros: the taps before a sequence without a state entry, and the bias without one */
     float *ws;
     size_t ws_stride;
     int stream; /* outputs stored non-temporally (fw_conv_stream) */
@@ -185,6 +186,69 @@ static void state_row(const conv_ctx *c, const fw_conv1d_state *st, int64_t S, i
 static char *row_at(const fw_tensor *t, int64_t b, int64_t l, int64_t c)
 {
     return (char *)t->data + conv_off(t, b, l, c) * (int64_t)fw_dtype_size(t->dtype);
+}
+
+/* Final state of sequence i, channels [c0, c0 + nc), in blocks of CONV_STATE_CHANNELS: the
+ * last So entries of (its initial state, its tokens), each block read into the scratch before
+ * any of it is written (in place, a slot's rows move). When x, the caches and the scratch
+ * share a dtype and channels are contiguous, the rows are copied as they are (the bits a
+ * conversion to f32 and back gives, signalling NaNs aside, which it would quiet). */
+static void final_rows(const conv_ctx *c, int64_t i, int64_t c0, int64_t nc, int tid)
+{
+    const conv_prob *p = c->p;
+    const int64_t slot = conv_slot(p->final, i);
+    if (slot < 0)
+        return;
+    int64_t b, t0, len;
+    conv_seq(p, i, &b, &t0, &len);
+    float *buf = c->ws + (size_t)tid * c->ws_stride;
+    const fw_tensor *t = &p->final->cache, *ic = p->init ? &p->init->cache : NULL;
+    const int64_t es = (int64_t)fw_dtype_size(t->dtype);
+    const int raw = t->dtype == p->x->dtype && t->stride[2] == 1 && p->x->stride[2] == 1 &&
+                    (!ic || (ic->dtype == t->dtype && ic->stride[2] == 1));
+    for (int64_t c1 = c0; c1 < c0 + nc; c1 += CONV_STATE_CHANNELS) {
+        const int n1 = (int)fw_min64(CONV_STATE_CHANNELS, c0 + nc - c1);
+        for (int64_t e = 0; e < p->So; e++) {
+            const int64_t u = len - p->So + e; /* token of the sequence; negative: before it */
+            float *row = buf + (size_t)e * CONV_STATE_CHANNELS;
+            const int64_t is = p->Si + u, islot = ic ? conv_slot(p->init, i) : -1;
+            if (!raw && u >= 0)
+                c->kt->to_f32(row_at(p->x, b, t0 + u, c1), p->x->dtype, p->x->stride[2], n1, 1.0f, row);
+            else if (!raw)
+                state_row(c, p->init, p->Si, i, is, c1, n1, row);
+            else if (u >= 0)
+                memcpy(row, row_at(p->x, b, t0 + u, c1), (size_t)(n1 * es));
+            else if (islot >= 0 && is >= 0)
+                memcpy(row,
+                       fw_elem(ic, islot * ic->stride[0] + conv_row(p->init, p->Si, i, is) * ic->stride[1] + c1),
+                       (size_t)(n1 * es));
+            else
+                memset(row, 0, (size_t)(n1 * es));
+        }
+        for (int64_t e = 0; e < p->So; e++) {
+            char *dst = (char *)t->data + (slot * t->stride[0] + conv_row(p->final, p->So, i, e) * t->stride[1] +
+                                           c1 * t->stride[2]) * es;
+            if (raw)
+                memcpy(dst, buf + (size_t)e * CONV_STATE_CHANNELS, (size_t)(n1 * es));
+            else
+                c->kt->from_f32(buf + (size_t)e * CONV_STATE_CHANNELS, n1, dst, t->dtype, t->stride[2]);
+        }
+    }
+}
+
+/* Whether sequence i's final state is written by its output items (out_item) instead of the
+ * final-state pass: it has one item per channel block (1..CONV_TOKENS tokens, decodes and
+ * verify windows), and that item reads every entry of its slot the final state needs for its
+ * channels, in place too, since no other sequence reads a slot it writes (fw_conv_check). So
+ * one pass and one parallel region serve a decode, and a state row is written by the core
+ * that read it. */
+static int fused_final(const conv_ctx *c, int64_t i)
+{
+    if (!c->p->final)
+        return 0;
+    int64_t b, t0, len;
+    conv_seq(c->p, i, &b, &t0, &len);
+    return len >= 1 && len <= CONV_TOKENS;
 }
 
 /* Outputs of tokens [u0, u1) of sequence i, channels [c0, c0 + nc). With channels contiguous
@@ -240,6 +304,8 @@ static void out_item(void *vctx, int64_t it, int tid)
             kt->conv1d_rows(W, R, rows + r0, p->x->dtype, c->wt + c0, p->D, c->bias + c0, nc, c->silu, ys + r0,
                             p->out->dtype, c->stream);
         }
+        if (fused_final(c, i))
+            final_rows(c, i, c0, nc, tid);
         return;
     }
     for (int64_t u = u0 - (W - 1); u < u1; u++) {
@@ -281,38 +347,18 @@ static void out_item(void *vctx, int64_t it, int tid)
         if (!odirect)
             kt->from_f32(y, nc, row_at(p->out, b, t0 + u, c0), p->out->dtype, p->out->stride[2]);
     }
+    if (fused_final(c, i))
+        final_rows(c, i, c0, nc, tid);
 }
 
-/* Final state of sequence i, channels [c0, c0 + nc): the last So entries of (its initial
- * state, its tokens), all read into the scratch before any is written (in place, a slot's
- * rows move). */
+/* The final-state pass's item: sequence it / nblk, channels of block it % nblk; sequences of
+ * one output item per channel block wrote theirs already (out_item). */
 static void state_item(void *vctx, int64_t it, int tid)
 {
     const conv_ctx *c = vctx;
-    const conv_prob *p = c->p;
     const int64_t i = it / c->nblk, c0 = (it % c->nblk) * CONV_STATE_CHANNELS;
-    const int64_t slot = conv_slot(p->final, i);
-    if (slot < 0)
-        return;
-    const int nc = (int)fw_min64(CONV_STATE_CHANNELS, p->D - c0);
-    int64_t b, t0, len;
-    conv_seq(p, i, &b, &t0, &len);
-    float *buf = c->ws + (size_t)tid * c->ws_stride;
-    for (int64_t e = 0; e < p->So; e++) {
-        const int64_t u = len - p->So + e; /* token of the sequence; negative: before it */
-        float *row = buf + (size_t)e * CONV_STATE_CHANNELS;
-        if (u >= 0)
-            c->kt->to_f32(row_at(p->x, b, t0 + u, c0), p->x->dtype, p->x->stride[2], nc, 1.0f, row);
-        else
-            state_row(c, p->init, p->Si, i, p->Si + u, c0, nc, row);
-    }
-    const fw_tensor *t = &p->final->cache;
-    const int64_t es = (int64_t)fw_dtype_size(t->dtype);
-    for (int64_t e = 0; e < p->So; e++)
-        c->kt->from_f32(buf + (size_t)e * CONV_STATE_CHANNELS, nc,
-                        (char *)t->data + (slot * t->stride[0] + conv_row(p->final, p->So, i, e) * t->stride[1] +
-                                           c0 * t->stride[2]) * es,
-                        t->dtype, t->stride[2]);
+    if (!fused_final(c, i))
+        final_rows(c, i, c0, fw_min64(CONV_STATE_CHANNELS, c->p->D - c0), tid);
 }
 
 /* Outputs of at least this many bytes (a quarter of this machine's 32 MiB L3) bypass the
@@ -343,32 +389,18 @@ static int conv_silu_mode(const conv_prob *p, int standalone)
     return standalone && p->out->dtype != FW_F32 && !p->res ? FW_SILU_HALF : 1;
 }
 
-/* The weights [D, W] as f32 [W][D] (wb), one row of taps per channel. Rows packed ([D, W]
- * contiguous, as every caller passes them): blocks of CONV_WBLK channels converted with the
- * vector path, then transposed; otherwise strided, element by element. Measured, Qwen3-Next's
- * 12288 channels x 4 bf16 taps (a decode's layer call, 2 threads): 25 us of a 56-67 us call
- * strided. */
-#define CONV_WBLK 64
+/* The weights [D, W] as f32 [W][D] (wb), one row of taps per channel: packed rows ([D, W]
+ * contiguous, as every caller passes them) by the table's conv_weights; otherwise strided,
+ * element by element. Measured, Qwen3-Next's 12288 channels x 4 bf16 taps (a decode's layer
+ * call, 2 threads): 25 us of a 56-67 us call strided. */
 static void conv_weights(const fw_kernels *kt, const fw_tensor *w, int64_t D, int64_t W, float *wb)
 {
-    if (w->stride[1] != 1 || w->stride[0] != W) {
-        for (int64_t k = 0; k < W; k++)
-            kt->to_f32(fw_elem(w, k * w->stride[1]), w->dtype, w->stride[0], D, 1.0f, wb + k * D);
+    if (w->stride[1] == 1 && w->stride[0] == W) {
+        kt->conv_weights((int)W, D, w->data, w->dtype, wb);
         return;
     }
-    float tmp[CONV_WBLK * FW_MAX_CONV_WIDTH];
-    for (int64_t d0 = 0; d0 < D; d0 += CONV_WBLK) {
-        const int64_t n = fw_min64(CONV_WBLK, D - d0);
-        kt->to_f32(fw_elem(w, d0 * W), w->dtype, 1, n * W, 1.0f, tmp);
-        if (W == 4) /* Qwen3-Next's and Kimi's width, with a constant stride the compiler unrolls */
-            for (int64_t j = 0; j < n; j++)
-                for (int k = 0; k < 4; k++)
-                    wb[k * D + d0 + j] = tmp[j * 4 + k];
-        else
-            for (int64_t k = 0; k < W; k++)
-                for (int64_t j = 0; j < n; j++)
-                    wb[k * D + d0 + j] = tmp[j * W + k];
-    }
+    for (int64_t k = 0; k < W; k++)
+        kt->to_f32(fw_elem(w, k * w->stride[1]), w->dtype, w->stride[0], D, 1.0f, wb + k * D);
 }
 
 static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
@@ -406,7 +438,7 @@ static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_
      * So rows of a state item */
     const size_t out_stride = (size_t)(p.W + 2) * (size_t)cb, st_stride = (size_t)p.So * CONV_STATE_CHANNELS;
     c.ws_stride = out_stride > st_stride ? out_stride : st_stride;
-    float *wb = malloc(sizeof(float) * (size_t)(p.D * (p.W + 1)));
+    float *wb = malloc(sizeof(float) * (size_t)(p.D * (p.W + (p.b != NULL))));
     void *zero = calloc((size_t)p.D, sizeof(float));
     c.ws = malloc(sizeof(float) * (size_t)threads * c.ws_stride);
     c.zero = zero;
@@ -420,12 +452,13 @@ static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_
     conv_weights(kt, p.w, p.D, p.W, wb);
     if (p.b)
         kt->to_f32(p.b->data, p.b->dtype, p.b->stride[0], p.D, 1.0f, wb + p.W * p.D);
-    else
-        memset(wb + p.W * p.D, 0, sizeof(float) * (size_t)p.D);
     c.wt = wb;
-    c.bias = wb + p.W * p.D;
+    c.bias = p.b ? wb + p.W * p.D : (const float *)zero; /* no bias: the zero row */
     fw_parallel(threads, first[p.n], out_item, &c);
-    if (final) {
+    int64_t rest = 0; /* sequences whose final states are left to the second pass */
+    for (int64_t i = 0; final && i < p.n; i++)
+        rest += !fused_final(&c, i);
+    if (rest) {
         c.nblk = fw_ceil_div(p.D, CONV_STATE_CHANNELS);
         fw_parallel(threads, p.n * c.nblk, state_item, &c);
     }

@@ -1262,6 +1262,31 @@ FW_INLINE void conv_row_as(int W, const void *const *taps, const fw_dtype tdt, c
     }
 }
 
+/* conv weights packed [D][W] (one row of taps per channel) as f32 [W][D]. Plain loops over
+ * words, which the compiler vectorizes with each table's flags (a width-4 bf16 block: two
+ * word permutes, a widening and a shift per 16 outputs); the scalar transpose in the driver
+ * was about a third of a one-token decode of 8192 channels. */
+FW_INLINE void conv_weights_as(const int W, int64_t D, const void *w, const fw_dtype dt, float *wb)
+{
+    for (int64_t d = 0; d < D; d++)
+        for (int k = 0; k < W; k++) {
+            const int64_t o = d * W + k;
+            wb[k * D + d] = dt == FW_F32 ? ((const float *)w)[o]
+                            : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)w)[o])
+                                            : fw_cvt_f16_f32(((const uint16_t *)w)[o]);
+        }
+}
+
+static void conv_weights(int W, int64_t D, const void *w, fw_dtype dt, float *wb)
+{
+    if (W == 4 && dt == FW_BF16) /* Qwen3-Next's and Kimi's width */
+        conv_weights_as(4, D, w, FW_BF16, wb);
+    else if (W == 4 && dt == FW_F32)
+        conv_weights_as(4, D, w, FW_F32, wb);
+    else
+        conv_weights_as(W, D, w, dt, wb);
+}
+
 static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float *wt, int64_t ldw,
                        const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
                        fw_dtype ydt)
@@ -1999,6 +2024,7 @@ const fw_kernels FW_TABLE = {
     .exp2d_scale2 = exp2d_scale2,
     .kda_diag = kda_diag,
     .kda_gates = kda_gates,
+    .conv_weights = conv_weights,
     .conv1d_row = conv1d_row,
     .conv1d_rows = conv1d_rows,
     .bwd_ds = bwd_ds,
