@@ -308,7 +308,9 @@ int fw_dec_prefetch(const char *vendor);
  * passes of 8 against 8.1-11.2 ms a row at a time (conv_rows4_as), f32 24.3-25.5 against
  * 8.6-8.8; passes of 2 f32 11.0-11.9. On the Sapphire Rapids-class Xeon VM passes of 8 rows were the best
  * measured (attn_kern.h, CONV_PASS_ROWS); Zen 5 ran this conv at 84-104% of a same-run copy a
- * row at a time, before the sliding kernel existed. Either gives the same bits. */
+ * row at a time, before the sliding kernel existed. On a Zen 4 VM (AVX-512, 2026-12-03) the
+ * two ran level: 4.9-6.8 ms either way, 2 threads, three alternating runs. Either gives the
+ * same bits. */
 int fw_conv_pass_rows(const char *vendor);
 
 /* The threads a call runs on: `requested` (params->threads, validated), or for 0 the default
