@@ -168,19 +168,27 @@ typedef struct {
     int pass;   /* rows per call of the rows kernel (fw_conv_pass_rows) */
 } conv_ctx;
 
+/* Channel c0 of a state's logical entry e of sequence i, or NULL for none (no state, no slot,
+ * or an entry before the slot's first). */
+static const char *state_at(const fw_conv1d_state *st, int64_t S, int64_t i, int64_t e, int64_t c0)
+{
+    const int64_t slot = st ? conv_slot(st, i) : -1;
+    if (slot < 0 || e < 0)
+        return NULL;
+    const fw_tensor *t = &st->cache;
+    return fw_elem(t, slot * t->stride[0] + conv_row(st, S, i, e) * t->stride[1] + c0 * t->stride[2]);
+}
+
 /* f32 copy of channels [c0, c0 + nc) of a state's logical entry e of sequence i (zeros for
- * none: no state, no slot, or an entry before the slot's first). */
+ * none, as state_at). */
 static void state_row(const conv_ctx *c, const fw_conv1d_state *st, int64_t S, int64_t i, int64_t e,
                       int64_t c0, int nc, float *dst)
 {
-    const int64_t slot = st ? conv_slot(st, i) : -1;
-    if (slot < 0 || e < 0) {
+    const char *src = state_at(st, S, i, e, c0);
+    if (!src)
         memset(dst, 0, sizeof(float) * (size_t)nc);
-        return;
-    }
-    const fw_tensor *t = &st->cache;
-    c->kt->to_f32(fw_elem(t, slot * t->stride[0] + conv_row(st, S, i, e) * t->stride[1] + c0 * t->stride[2]),
-                  t->dtype, t->stride[2], nc, 1.0f, dst);
+    else
+        c->kt->to_f32(src, st->cache.dtype, st->cache.stride[2], nc, 1.0f, dst);
 }
 
 static char *row_at(const fw_tensor *t, int64_t b, int64_t l, int64_t c)
@@ -211,19 +219,17 @@ static void final_rows(const conv_ctx *c, int64_t i, int64_t c0, int64_t nc, int
         for (int64_t e = 0; e < p->So; e++) {
             const int64_t u = len - p->So + e; /* token of the sequence; negative: before it */
             float *row = buf + (size_t)e * CONV_STATE_CHANNELS;
-            const int64_t is = p->Si + u, islot = ic ? conv_slot(p->init, i) : -1;
             if (!raw && u >= 0)
                 c->kt->to_f32(row_at(p->x, b, t0 + u, c1), p->x->dtype, p->x->stride[2], n1, 1.0f, row);
             else if (!raw)
-                state_row(c, p->init, p->Si, i, is, c1, n1, row);
-            else if (u >= 0)
-                memcpy(row, row_at(p->x, b, t0 + u, c1), (size_t)(n1 * es));
-            else if (islot >= 0 && is >= 0)
-                memcpy(row,
-                       fw_elem(ic, islot * ic->stride[0] + conv_row(p->init, p->Si, i, is) * ic->stride[1] + c1),
-                       (size_t)(n1 * es));
-            else
-                memset(row, 0, (size_t)(n1 * es));
+                state_row(c, p->init, p->Si, i, p->Si + u, c1, n1, row);
+            else {
+                const char *src = u >= 0 ? row_at(p->x, b, t0 + u, c1) : state_at(p->init, p->Si, i, p->Si + u, c1);
+                if (src)
+                    memcpy(row, src, (size_t)(n1 * es));
+                else
+                    memset(row, 0, (size_t)(n1 * es));
+            }
         }
         for (int64_t e = 0; e < p->So; e++) {
             char *dst = (char *)t->data + (slot * t->stride[0] + conv_row(p->final, p->So, i, e) * t->stride[1] +
@@ -280,7 +286,6 @@ static void out_item(void *vctx, int64_t it, int tid)
     /* state entries read in place too: the init cache in x's dtype, channels contiguous */
     const fw_tensor *ic = p->init ? &p->init->cache : NULL;
     const int sdirect = direct && (!ic || (ic->dtype == p->x->dtype && ic->stride[2] == 1));
-    const int64_t slot = p->init ? conv_slot(p->init, i) : -1;
     const void *taps[FW_MAX_CONV_WIDTH];
     if (u1 - u0 >= CONV_SLIDE_ROWS && direct && odirect && !p->res && (sdirect || u0 >= W - 1)) {
         /* every tap and output in place: the item's rows in one call, whose width-4 kernel
@@ -289,13 +294,8 @@ static void out_item(void *vctx, int64_t it, int tid)
         const void *rows[CONV_TOKENS + FW_MAX_CONV_WIDTH];
         void *ys[CONV_TOKENS];
         for (int64_t v = u0 - (W - 1); v < u1; v++) {
-            const int64_t e = p->Si + v;
-            rows[v - u0 + W - 1] = v >= 0 ? (const void *)row_at(p->x, b, t0 + v, c0)
-                                 : slot >= 0 && e >= 0
-                                     ? (const void *)((const char *)ic->data +
-                                                      (slot * ic->stride[0] + conv_row(p->init, p->Si, i, e) * ic->stride[1] +
-                                                       c0) * (int64_t)fw_dtype_size(ic->dtype))
-                                     : c->zero;
+            const char *e = v >= 0 ? row_at(p->x, b, t0 + v, c0) : state_at(p->init, p->Si, i, p->Si + v, c0);
+            rows[v - u0 + W - 1] = e ? (const void *)e : c->zero;
         }
         for (int64_t u = u0; u < u1; u++)
             ys[u - u0] = row_at(p->out, b, t0 + u, c0);
@@ -320,17 +320,13 @@ static void out_item(void *vctx, int64_t it, int tid)
         if (u < u0)
             continue;
         for (int kk = 0; kk < W; kk++) {
-            const int64_t v = u - (W - 1) + kk, e = p->Si + v; /* the tap's token; its state entry */
-            if (!from_x)
+            const int64_t v = u - (W - 1) + kk; /* the tap's token */
+            if (!from_x) {
                 taps[kk] = ring + (size_t)((v - u0 + W - 1) % W) * c->cb;
-            else if (v >= 0)
-                taps[kk] = row_at(p->x, b, t0 + v, c0);
-            else if (slot >= 0 && e >= 0)
-                taps[kk] = (const char *)ic->data +
-                           (slot * ic->stride[0] + conv_row(p->init, p->Si, i, e) * ic->stride[1] + c0) *
-                               (int64_t)fw_dtype_size(ic->dtype);
-            else
-                taps[kk] = c->zero;
+                continue;
+            }
+            const char *e = v >= 0 ? row_at(p->x, b, t0 + v, c0) : state_at(p->init, p->Si, i, p->Si + v, c0);
+            taps[kk] = e ? (const void *)e : c->zero;
         }
         const void *r = NULL;
         fw_dtype rdt = FW_F32;

@@ -1269,12 +1269,8 @@ FW_INLINE void conv_row_as(int W, const void *const *taps, const fw_dtype tdt, c
 FW_INLINE void conv_weights_as(const int W, int64_t D, const void *w, const fw_dtype dt, float *wb)
 {
     for (int64_t d = 0; d < D; d++)
-        for (int k = 0; k < W; k++) {
-            const int64_t o = d * W + k;
-            wb[k * D + d] = dt == FW_F32 ? ((const float *)w)[o]
-                            : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)w)[o])
-                                            : fw_cvt_f16_f32(((const uint16_t *)w)[o]);
-        }
+        for (int k = 0; k < W; k++)
+            wb[k * D + d] = load_as_f32(w, dt, d * W + k);
 }
 
 static void conv_weights(int W, int64_t D, const void *w, fw_dtype dt, float *wb)
