@@ -488,9 +488,9 @@ static void test_conv_heuristics(void)
 /* The rows kernel (conv1d_rows: width 4 slides its taps in registers) against the row
  * kernel, bit for bit, on every table: widths 4 and 3, channel counts past and short of the
  * vector pairs, every tap dtype, bf16 and f32 out, no activation / SiLU / its half-precision
- * form, rows in one pass and past it or in calls of one row (AMD's passes), stores plain or
- * streamed (output rows aligned for the table's vectors, or one element off them: plain
- * stores then). */
+ * form, rows in passes or a row at a time (AMD's way, prefetching ahead: in one call and in
+ * calls of one row), stores plain or streamed (output rows aligned for the table's vectors, or
+ * one element off them: plain stores then). */
 static void test_conv_rows_kernel(void)
 {
     enum { R = 9, N = 83, NP = 96, WMAX = 4 }; /* NP: output row stride, 64-byte multiples */
@@ -531,16 +531,17 @@ static void test_conv_rows_kernel(void)
                                 kt->conv1d_row(W, rows + r, dt, wt, N, bias, NULL, FW_F32, n, silu,
                                                yb + (size_t)r * NP * ys + off, ydt);
                             }
-                            for (int one = 0; one < 2; one++) { /* one call; a call a row (fw_conv_pass_rows) */
+                            for (int one = 0; one < 3; one++) { /* passes (fw_conv_pass_rows); a row at a
+                                                                 * time, in one call or a call a row */
                                 memset(ya, 0xA5, sizeof ya);
-                                for (int r = 0; r < R; r += one ? 1 : R)
-                                    kt->conv1d_rows(W, one ? 1 : R, rows + r, dt, wt, N, bias, n, silu, yr + r, ydt,
-                                                    st > 0);
+                                for (int r = 0; r < R; r += one == 2 ? 1 : R)
+                                    kt->conv1d_rows(W, one == 2 ? 1 : R, one ? 1 : 64, rows + r, dt, wt, N, bias, n,
+                                                    silu, yr + r, ydt, st > 0);
                                 case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels, "
                                            "%s, %s: the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n,
                                            st == 0 ? "plain stores" : st == 1 ? "streamed" : st == 2 ? "streamed, rows unaligned"
                                                                                               : "streamed, rows 32 bytes off 64",
-                                           one ? "a call a row" : "one call");
+                                           one == 2 ? "a call a row" : one ? "a row at a time" : "passes");
                             }
                         }
         case_end();

@@ -165,7 +165,7 @@ typedef struct {
     size_t ws_stride;
     int stream; /* outputs stored non-temporally (fw_conv_stream) */
     int silu;   /* the kernels' activation: 0, 1 (SiLU) or FW_SILU_HALF (conv_silu_mode) */
-    int pass;   /* rows per call of the rows kernel (fw_conv_pass_rows) */
+    int pass;   /* the rows kernel's pass (fw_conv_pass_rows) */
 } conv_ctx;
 
 /* Channel c0 of a state's logical entry e of sequence i, or NULL for none (no state, no slot,
@@ -299,11 +299,8 @@ static void out_item(void *vctx, int64_t it, int tid)
         }
         for (int64_t u = u0; u < u1; u++)
             ys[u - u0] = row_at(p->out, b, t0 + u, c0);
-        for (int r0 = 0; r0 < (int)(u1 - u0); r0 += c->pass) {
-            const int R = (int)fw_min64(c->pass, u1 - u0 - r0);
-            kt->conv1d_rows(W, R, rows + r0, p->x->dtype, c->wt + c0, p->D, c->bias + c0, nc, c->silu, ys + r0,
-                            p->out->dtype, c->stream);
-        }
+        kt->conv1d_rows(W, (int)(u1 - u0), c->pass, rows, p->x->dtype, c->wt + c0, p->D, c->bias + c0, nc, c->silu,
+                        ys, p->out->dtype, c->stream);
         if (fused_final(c, i))
             final_rows(c, i, c0, nc, tid);
         return;

@@ -1210,6 +1210,22 @@ FW_INLINE vf vsilu(vf x, const int mode)
 }
 
 
+/* 2 VL elements lo then hi stored as dt at element i of dst, non-temporally where nt (dst + i
+ * aligned as vstream_as needs): in one store where the layer has one (vstore2_native), else
+ * a vector at a time. */
+FW_INLINE void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
+{
+    if (vstore2_native(dst, dt, i, lo, hi, nt))
+        return;
+    if (nt) {
+        vstream_as(dst, dt, i, lo);
+        vstream_as(dst, dt, i + VL, hi);
+    } else {
+        vstore_as(dst, dt, i, lo);
+        vstore_as(dst, dt, i + VL, hi);
+    }
+}
+
 /* nv vectors of outputs from channel c, their sums independent (4 at a time overlap the
  * latency of the tap chain, the exponential and the division: the conv above 4.90-5.09 ms
  * one vector at a time, 4.72-4.80 four). tdt and silu are constants where conv1d_row calls
@@ -1220,7 +1236,7 @@ FW_INLINE vf vsilu(vf x, const int mode)
  * of the division was slower (30). */
 FW_INLINE void conv_vecs(const int nv, int W, const void *const *taps, const fw_dtype tdt, const float *wt,
                          int64_t ldw, const float *bias, const void *res, fw_dtype rdt, const int silu,
-                         void *y, fw_dtype ydt, int c)
+                         void *y, fw_dtype ydt, int c, int nt)
 {
     vf acc[4];
     for (int v = 0; v < nv; v++)
@@ -1236,19 +1252,32 @@ FW_INLINE void conv_vecs(const int nv, int W, const void *const *taps, const fw_
     if (res)
         for (int v = 0; v < nv; v++)
             acc[v] = vadd(acc[v], vload_in(res, rdt, c + v * VL));
+    if (nv == 4 && nt) {
+        vstore2_as(y, ydt, c, acc[0], acc[1], 1);
+        vstore2_as(y, ydt, c + 2 * VL, acc[2], acc[3], 1);
+        return;
+    }
     for (int v = 0; v < nv; v++)
         vstore_as(y, ydt, c + v * VL, acc[v]);
 }
 
+/* ahead (or NULL): a later tap row, whose elements of each 4 vectors' channels are prefetched
+ * as they are computed here. nt: those 4 vectors stored non-temporally (y aligned as
+ * vstream_as needs; the caller fences). */
 FW_INLINE void conv_row_as(int W, const void *const *taps, const fw_dtype tdt, const float *wt, int64_t ldw,
                            const float *bias, const void *res, fw_dtype rdt, int n, const int silu, void *y,
-                           fw_dtype ydt)
+                           fw_dtype ydt, const void *ahead, int nt)
 {
+    const int ts = tdt == FW_F32 ? 4 : 2;
     int c = 0;
-    for (; c + 4 * VL <= n; c += 4 * VL)
-        conv_vecs(4, W, taps, tdt, wt, ldw, bias, res, rdt, silu, y, ydt, c);
+    for (; c + 4 * VL <= n; c += 4 * VL) {
+        if (ahead)
+            for (int b = 0; b < 4 * VL * ts; b += 64)
+                __builtin_prefetch((const char *)ahead + (size_t)c * ts + b, 0, 3);
+        conv_vecs(4, W, taps, tdt, wt, ldw, bias, res, rdt, silu, y, ydt, c, nt);
+    }
     for (; c + VL <= n; c += VL)
-        conv_vecs(1, W, taps, tdt, wt, ldw, bias, res, rdt, silu, y, ydt, c);
+        conv_vecs(1, W, taps, tdt, wt, ldw, bias, res, rdt, silu, y, ydt, c, 0);
     for (; c < n; c++) {
         float acc = bias[c];
         for (int k = 0; k < W; k++)
@@ -1287,7 +1316,7 @@ static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float
                        const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
                        fw_dtype ydt)
 {
-#define CONV_ROW(T, S) conv_row_as(W, taps, T, wt, ldw, bias, res, rdt, n, S, y, ydt)
+#define CONV_ROW(T, S) conv_row_as(W, taps, T, wt, ldw, bias, res, rdt, n, S, y, ydt, NULL, 0)
 #define CONV_ROW_MODES(T) (silu == FW_SILU_HALF ? CONV_ROW(T, FW_SILU_HALF) : silu ? CONV_ROW(T, 1) : CONV_ROW(T, 0))
     if (tdt == FW_BF16)
         CONV_ROW_MODES(FW_BF16);
@@ -1297,22 +1326,6 @@ static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float
         CONV_ROW_MODES(FW_F32);
 #undef CONV_ROW_MODES
 #undef CONV_ROW
-}
-
-/* 2 VL elements lo then hi stored as dt at element i of dst, non-temporally where nt (dst + i
- * aligned as vstream_as needs): in one store where the layer has one (vstore2_native), else
- * a vector at a time. */
-FW_INLINE void vstore2_as(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)
-{
-    if (vstore2_native(dst, dt, i, lo, hi, nt))
-        return;
-    if (nt) {
-        vstream_as(dst, dt, i, lo);
-        vstream_as(dst, dt, i + VL, hi);
-    } else {
-        vstore_as(dst, dt, i, lo);
-        vstore_as(dst, dt, i + VL, hi);
-    }
 }
 
 /* Output rows per pass of conv_rows4_block. A pass walks its rows down each pair of channel
@@ -1364,18 +1377,31 @@ FW_INLINE void conv_rows4_block(int R, const void *const *rows, const fw_dtype t
             for (int k = 0; k < 4; k++)
                 taps[k] = (const char *)rows[r + k] + (size_t)c * ts;
             conv_row_as(4, taps, tdt, wt + c, ldw, bias + c, NULL, FW_F32, n - c, silu, (char *)ys[r] + (size_t)c * ysz,
-                        ydt);
+                        ydt, NULL, 0);
         }
     }
 }
 
-FW_INLINE void conv_rows4_as(int R, const void *const *rows, const fw_dtype tdt, const float *wt, int64_t ldw,
-                             const float *bias, int n, const int silu, void *const *ys, fw_dtype ydt, int nt)
+/* Tap rows prefetched ahead of the newest one when the rows are taken one at a time: the
+ * hardware streamers alone left the loads of each new row waiting on memory. Measured on the
+ * Zen 4 VM (Qwen3-Next's conv, 2K tokens x 8192 channels, bf16, SiLU, `flywheel bench conv`):
+ * one thread 8.8-9.2 ms without, 6.7-7.1 with 2 rows ahead (6.7-7.3 with 4, 6.8-6.9 with 8);
+ * two threads 4.7-5.2 without, 4.2-4.6 with 2. With the prefetch, streaming the outputs
+ * (fw_conv_stream) paid too: 2 threads 3.9-4.3 ms plain, 3.2-4.1 streamed (on the Zen 3 VM,
+ * without the prefetch, streamed rows had lost: 9.6-15.5 against 8.1-11.2 ms). Both against
+ * the kernel before them, alternating, 2 threads: bf16 4.8-5.4 -> 3.0-3.9 ms, f32 8.8-10.1 ->
+ * 6.1-6.5 ms. */
+#define CONV_AHEAD_ROWS 2
+
+FW_INLINE void conv_rows4_as(int R, int pass, const void *const *rows, const fw_dtype tdt, const float *wt,
+                             int64_t ldw, const float *bias, int n, const int silu, void *const *ys, fw_dtype ydt,
+                             int nt)
 {
-    if (R == 1) { /* a row at a time (fw_conv_pass_rows): the row kernel, 4 vectors at a time and
-                   * plain stores; the same bits. On the Zen 3 VM (2K x 8192 bf16, 2 threads, four
-                   * alternating runs) 8.1-11.2 ms, against 9.6-15.5 for one-row passes streamed */
-        conv_row_as(4, rows, tdt, wt, ldw, bias, NULL, FW_F32, n, silu, ys[0], ydt);
+    if (pass == 1) { /* a row at a time (fw_conv_pass_rows): the row kernel, 4 vectors at a time;
+                      * the same bits */
+        for (int r = 0; r < R; r++)
+            conv_row_as(4, rows + r, tdt, wt, ldw, bias, NULL, FW_F32, n, silu, ys[r], ydt,
+                        r + CONV_AHEAD_ROWS < R ? rows[r + 3 + CONV_AHEAD_ROWS] : NULL, nt);
         return;
     }
     for (int r0 = 0; r0 < R; r0 += CONV_PASS_ROWS)
@@ -1384,8 +1410,9 @@ FW_INLINE void conv_rows4_as(int R, const void *const *rows, const fw_dtype tdt,
 }
 
 /* R consecutive output rows (no residual): ys[r] = conv1d_row of taps rows[r .. r + W - 1].
- * stream: the width-4 kernel stores non-temporally where every row is aligned for it. */
-static void conv1d_rows(int W, int R, const void *const *rows, fw_dtype tdt, const float *wt, int64_t ldw,
+ * pass: 1 for a row at a time, else passes of CONV_PASS_ROWS (width 4). stream: the width-4
+ * kernel stores non-temporally where every row is aligned for it. */
+static void conv1d_rows(int W, int R, int pass, const void *const *rows, fw_dtype tdt, const float *wt, int64_t ldw,
                         const float *bias, int n, int silu, void *const *ys, fw_dtype ydt, int stream)
 {
     if (W != 4) {
@@ -1397,7 +1424,7 @@ static void conv1d_rows(int W, int R, const void *const *rows, fw_dtype tdt, con
     int nt = stream;
     for (int r = 0; r < R && nt; r++)
         nt = (uintptr_t)ys[r] % vbytes == 0;
-#define CONV_ROWS(T, S) conv_rows4_as(R, rows, T, wt, ldw, bias, n, S, ys, ydt, nt)
+#define CONV_ROWS(T, S) conv_rows4_as(R, pass, rows, T, wt, ldw, bias, n, S, ys, ydt, nt)
 #define CONV_ROWS_MODES(T) (silu == FW_SILU_HALF ? CONV_ROWS(T, FW_SILU_HALF) : silu ? CONV_ROWS(T, 1) : CONV_ROWS(T, 0))
     if (tdt == FW_BF16)
         CONV_ROWS_MODES(FW_BF16);
