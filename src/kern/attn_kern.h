@@ -1382,6 +1382,42 @@ FW_INLINE void conv_rows4_block(int R, const void *const *rows, const fw_dtype t
     }
 }
 
+/* Two consecutive output rows, 4 vectors of channels from c: row 0 from taps rows[0..3], row
+ * 1 from rows[1..4], each tap row loaded and converted once for both (5 conversions for 8
+ * vectors where conv_vecs makes 16); the same operations in the same order per output as
+ * conv_vecs, so the same bits. Taken by the one-row-at-a-time path on the 512-bit tables
+ * (CONV_PAIRS): on the avx2 table, 16 registers, it spilled and lost. */
+#define CONV_PAIRS (VL >= 16)
+FW_INLINE void conv_pair_vecs(const void *const *rows, const fw_dtype tdt, const float *wt, int64_t ldw,
+                              const float *bias, const int silu, void *y0, void *y1, fw_dtype ydt, int c, int nt)
+{
+    vf a0[4], a1[4];
+    for (int v = 0; v < 4; v++) {
+        vf t[5];
+        for (int k = 0; k < 5; k++)
+            t[k] = vload_in(rows[k], tdt, c + v * VL);
+        vf x0 = vload(bias + c + v * VL), x1 = x0;
+        for (int k = 0; k < 4; k++) {
+            const vf w = vload(wt + (size_t)k * ldw + c + v * VL);
+            x0 = vfma(w, t[k], x0);
+            x1 = vfma(w, t[k + 1], x1);
+        }
+        a0[v] = silu ? vsilu(x0, silu) : x0;
+        a1[v] = silu ? vsilu(x1, silu) : x1;
+    }
+    if (nt) {
+        vstore2_as(y0, ydt, c, a0[0], a0[1], 1);
+        vstore2_as(y0, ydt, c + 2 * VL, a0[2], a0[3], 1);
+        vstore2_as(y1, ydt, c, a1[0], a1[1], 1);
+        vstore2_as(y1, ydt, c + 2 * VL, a1[2], a1[3], 1);
+        return;
+    }
+    for (int v = 0; v < 4; v++) {
+        vstore_as(y0, ydt, c + v * VL, a0[v]);
+        vstore_as(y1, ydt, c + v * VL, a1[v]);
+    }
+}
+
 /* Tap rows prefetched ahead of the newest one when the rows are taken one at a time: the
  * hardware streamers alone left the loads of each new row waiting on memory. Measured on the
  * Zen 4 VM (Qwen3-Next's conv, 2K tokens x 8192 channels, bf16, SiLU, `flywheel bench conv`):
@@ -1397,9 +1433,33 @@ FW_INLINE void conv_rows4_as(int R, int pass, const void *const *rows, const fw_
                              int64_t ldw, const float *bias, int n, const int silu, void *const *ys, fw_dtype ydt,
                              int nt)
 {
-    if (pass == 1) { /* a row at a time (fw_conv_pass_rows): the row kernel, 4 vectors at a time;
-                      * the same bits */
-        for (int r = 0; r < R; r++)
+    if (pass == 1) { /* a row at a time (fw_conv_pass_rows), or two (conv_pair_vecs), 4 vectors
+                      * at a time; the same bits */
+        int r = 0;
+        for (; CONV_PAIRS && r + 1 < R; r += 2) {
+            const size_t ts = tdt == FW_F32 ? 4 : 2, ysz = ydt == FW_F32 ? 4 : 2;
+            const char *a0 = r + CONV_AHEAD_ROWS < R ? (const char *)rows[r + 3 + CONV_AHEAD_ROWS] : NULL;
+            const char *a1 = r + 1 + CONV_AHEAD_ROWS < R ? (const char *)rows[r + 4 + CONV_AHEAD_ROWS] : NULL;
+            int c = 0;
+            for (; c + 4 * VL <= n; c += 4 * VL) {
+                for (size_t b = 0; b < 4 * VL * ts; b += 64) {
+                    if (a0)
+                        __builtin_prefetch(a0 + (size_t)c * ts + b, 0, 3);
+                    if (a1)
+                        __builtin_prefetch(a1 + (size_t)c * ts + b, 0, 3);
+                }
+                conv_pair_vecs(rows + r, tdt, wt, ldw, bias, silu, ys[r], ys[r + 1], ydt, c, nt);
+            }
+            if (c < n)
+                for (int q = 0; q < 2; q++) {
+                    const void *taps[4];
+                    for (int k = 0; k < 4; k++)
+                        taps[k] = (const char *)rows[r + q + k] + (size_t)c * ts;
+                    conv_row_as(4, taps, tdt, wt + c, ldw, bias + c, NULL, FW_F32, n - c, silu,
+                                (char *)ys[r + q] + (size_t)c * ysz, ydt, NULL, 0);
+                }
+        }
+        for (; r < R; r++)
             conv_row_as(4, rows + r, tdt, wt, ldw, bias, NULL, FW_F32, n, silu, ys[r], ydt,
                         r + CONV_AHEAD_ROWS < R ? rows[r + 3 + CONV_AHEAD_ROWS] : NULL, nt);
         return;
