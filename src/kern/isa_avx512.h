@@ -48,14 +48,21 @@ static inline vf vmaskz(vm m, vf a) { return _mm512_maskz_mov_ps(m, a); }
 #include "isa_poly.h"
 
 /* 2^x to about 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial, then scalef by n
- * (which also gives inf above 128 and 0 below -150 without a clamp). half: the degree-3
- * polynomial of vexp2_half_poly, for results rounded to bf16 or f16. */
+ * (which also gives inf above 128 and 0 below -150 without a clamp). half, for results
+ * rounded to bf16 or f16: x = floor(x) + f, f in [0, 1) in one vreduceps (0 for +-inf, NaN
+ * kept), 2^f by vexp2_half_poly's polynomial moved to [0, 1) (sqrt(2) p(f - 1/2) expanded:
+ * the same 2^-13.7 relative error), and scalef, which takes floor(x) itself: one operation
+ * fewer than rounding x and subtracting (the conv's SiLU, attn_kern.h vsilu). */
 static inline vf vexp2_to(vf x, const int half)
 {
+    if (half) {
+        const vf f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        vf p = vfma(vset1(0.07802410896084194f), f, vset1(0.22606790106952918f));
+        p = vfma(p, f, vset1(0.6958331690795104f));
+        return _mm512_scalef_ps(vfma(p, f, vset1(0.9999252639595343f)), x);
+    }
     vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf f = _mm512_sub_ps(x, n);
-    if (half)
-        return _mm512_scalef_ps(vexp2_half_poly(f), n);
     vf p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
     p = vfma(p, f, vset1(5.550713464617729e-2f));
     p = vfma(p, f, vset1(2.4022120237350464e-1f));
