@@ -212,11 +212,12 @@ typedef struct fw_kernels {
                        const float *bias, const void *res, fw_dtype rdt, int n, int silu, void *y,
                        fw_dtype ydt);
     /* R consecutive rows without a residual: ys[r] = conv1d_row over taps rows[r .. r + W - 1]
-     * (R + W - 1 tap rows), the same bits. pass (width 4): 1 takes the rows one at a time,
-     * prefetching a later tap row of the call as it goes; more slides the taps in registers
-     * down passes of several rows (fw_conv_pass_rows). stream: the outputs may be stored
-     * non-temporally (bypassing the cache; the kernel falls back to plain stores for rows
-     * not aligned to its vectors, and orders what it streamed before it returns). */
+     * (R + W - 1 tap rows), the same bits. pass (width 4): 1 takes the rows one (two on the
+     * 512-bit tables) at a time, prefetching a later tap row of the call as it goes; more
+     * slides the taps in registers down passes of several rows (fw_conv_pass_rows). stream:
+     * the outputs may be stored non-temporally (bypassing the cache; the kernel falls back to
+     * plain stores for rows not aligned to its vectors, and orders what it streamed before
+     * it returns). */
     void (*conv1d_rows)(int W, int R, int pass, const void *const *rows, fw_dtype tdt, const float *wt, int64_t ldw,
                         const float *bias, int n, int silu, void *const *ys, fw_dtype ydt, int stream);
     /* Attention backward's elementwise step (kern/attn_kern.h): P and dS of R query rows x
@@ -311,8 +312,8 @@ int fw_dec_prefetch(const char *vendor);
  * measured (attn_kern.h, CONV_PASS_ROWS); Zen 5 ran this conv at 84-104% of a same-run copy a
  * row at a time, before the sliding kernel existed. On a Zen 4 VM (AVX-512, 2026-12-03) the
  * two ran level: 4.9-6.8 ms either way, 2 threads, three alternating runs; a row at a time
- * then gained a prefetch ahead and streamed stores (3.0-3.9 ms, attn_kern.h CONV_AHEAD_ROWS).
- * Either gives the same bits. */
+ * then gained a prefetch ahead, streamed stores and two rows a step (3.0-3.3 ms; attn_kern.h,
+ * CONV_AHEAD_ROWS and conv_pair_vecs). Either gives the same bits. */
 int fw_conv_pass_rows(const char *vendor);
 
 /* The threads a call runs on: `requested` (params->threads, validated), or for 0 the default
