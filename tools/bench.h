@@ -23,12 +23,15 @@ void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed);
 int bench_rope_tables(int64_t n, int64_t rd, void **mem, fw_tensor *cos, fw_tensor *sin);
 /* Median of n doubles (sorts them). */
 double bench_median(double *x, int n);
-/* The machine's FMA peak on `threads` threads for table isa (NULL: the default): the median
- * of 3 runs of its microbenchmark, each about 0.25 s. Measured once per table and thread
- * count per process. */
+/* The machine's FMA peak on `threads` threads for table isa (NULL: the default): the best of
+ * 3 runs of its microbenchmark, each about 0.25 s, measured again when it looks disturbed
+ * (tools/flywheel.c, peak_of). Measured once per table and thread count per process. */
 double bench_peak(const char *isa, int threads);
 /* The same for bf16 pair products (fw_peak_bf16_gflops): the peak of bf16-product runs. */
 double bench_peak_bf16(const char *isa, int threads);
+/* The FMA (bf16 0) or bf16-product (1) peak, measured again first if a benchmark's `rate`
+ * on the same table and threads outran the cached one. */
+double bench_peak_over(const char *isa, int threads, int bf16, double rate);
 /* 1 when a call on table isa (NULL: the default) with inputs of dtype dt and this
  * fw_precision uses bf16 products (FW_PREC_AUTO: on a table with a native bf16 dot product). */
 int bench_bf16_products(const char *isa, fw_dtype dt, int precision);

@@ -225,8 +225,8 @@ static result measure(const cfg *c, bufs *B, uint32_t flags, int with_baseline, 
         return r;
     r.gflops = flop_per_pair * P / r.sec * 1e-9;
     r.bf16 = !(flags & FW_ATTN_PLAIN) && bench_bf16_products(c->isa, c->dt, c->prec);
-    r.peak_f32 = bench_peak(c->isa, c->threads);
-    r.peak_bf16 = bench_peak_bf16(c->isa, c->threads);
+    r.peak_f32 = bench_peak_over(c->isa, c->threads, 0, r.bf16 ? 0 : r.gflops);
+    r.peak_bf16 = bench_peak_over(c->isa, c->threads, 1, r.bf16 ? r.gflops : 0);
     r.peak = r.bf16 ? r.peak_bf16 : r.peak_f32;
     double *mine = check ? rows_of(c, B, c->sq - nchk) : NULL;
     int ok = 1;
@@ -502,8 +502,8 @@ static int run_bwd_cfg(const cfg *c)
     if (ok) {
         r.ok = 1;
         r.gflops = flop_per_pair * pairs(c, 0) * (double)(c->b * c->hq) / r.sec * 1e-9;
-        r.peak_f32 = bench_peak(c->isa, c->threads);
-        r.peak_bf16 = bench_peak_bf16(c->isa, c->threads);
+        r.peak_f32 = bench_peak_over(c->isa, c->threads, 0, bf16 ? 0 : r.gflops);
+        r.peak_bf16 = bench_peak_over(c->isa, c->threads, 1, bf16 ? r.gflops : 0);
         r.bf16 = bf16;
         r.peak = bf16 ? r.peak_bf16 : r.peak_f32;
         if (c->baseline) {

@@ -200,7 +200,7 @@ static int run_prefill(const gcfg *c)
     for (int64_t i = 1; i <= c->nseq; i++)
         cu[i] = (int32_t)(c->T * i / c->nseq + (i < c->nseq ? (i % 2 ? 37 : -37) : 0));
     const double fl = flop_per_token_head(c->dk, c->dv) * (double)c->T * (double)c->HV;
-    const double pk = bench_peak(c->isa, c->threads), pkb = bench_peak_bf16(c->isa, c->threads);
+    double pk = bench_peak(c->isa, c->threads), pkb = bench_peak_bf16(c->isa, c->threads);
     const int bf16 = bench_bf16_products(c->isa, c->dt, c->prec);
     /* the chunked modes in the chosen precision; with bf16 products, the same on f32 products
      * (the same-run ratio); the recurrent baselines always run f32 products */
@@ -223,6 +223,10 @@ static int run_prefill(const gcfg *c)
         }
         const double gf = fl / s * 1e-9, tps = (double)c->T / s;
         const int mb = modes[m].prec == FW_PREC_BF16;
+        if (mb)
+            pkb = bench_peak_over(c->isa, c->threads, 1, gf);
+        else
+            pk = bench_peak_over(c->isa, c->threads, 0, gf);
         const double peak = mb ? pkb : pk;
         if (m == 0)
             tps_chunked = tps;

@@ -170,7 +170,9 @@ static int kv_run(const kcfg *c, int decode)
             }
             const double dsec = bench_median(td, reps), dgf = 2.0 * 2.0 * (double)c->d * pairs / dsec * 1e-9;
             const int bf16 = bench_bf16_products(c->isa, c->dt, FW_PREC_AUTO);
-            const double pf = bench_peak(c->isa, c->threads), pb = bench_peak_bf16(c->isa, c->threads), pk = bf16 ? pb : pf;
+            const double top = gf > dgf ? gf : dgf;
+            const double pf = bench_peak_over(c->isa, c->threads, 0, bf16 ? 0 : top),
+                         pb = bench_peak_over(c->isa, c->threads, 1, bf16 ? top : 0), pk = bf16 ? pb : pf;
             if (c->json)
                 printf("{\"op\":\"kvcache_prefill\",\"batch\":%lld,\"ctx\":%lld,\"new\":%lld,\"hq\":%lld,\"hkv\":%lld,"
                        "\"d\":%lld,\"dtype\":\"%s\",\"products\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,"

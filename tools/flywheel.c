@@ -116,9 +116,33 @@ void *bench_alloc(size_t bytes)
     return p;
 }
 
-/* Median of 3 runs of one peak microbenchmark of table isa (NULL: the default) on `threads`
- * threads, cached per table and thread count: a benchmark's % of peak is its own table's. */
-static double peak_of(const char *isa, int threads, int bf16)
+/* The best of 3 runs (about 0.25 s each) of one peak microbenchmark of table isa on `threads`
+ * threads; 0 on failure. */
+static double peak_runs(int t, int threads, int bf16)
+{
+    double best = 0;
+    for (int i = 0; i < 3; i++) {
+        double g;
+        if ((bf16 ? fw_peak_bf16_gflops : fw_peak_gflops)(fw_isa_name(t), threads, 0.25, &g) != FW_OK)
+            return 0;
+        best = g > best ? g : best;
+    }
+    return best;
+}
+
+/* Rounds of peak_runs kept at most, when a peak looks disturbed (below). */
+#define PEAK_ROUNDS 4
+
+/* A peak of table isa (NULL: the default) on `threads` threads, cached per table and thread
+ * count: a benchmark's % of peak is its own table's. A shared machine only ever lowers a run
+ * (another tenant's work, a vCPU the host has parked), so the peak is the best run, not the
+ * median. On more than one thread, a peak under 3/4 of `threads` times the one-thread peak
+ * is measured again, up to PEAK_ROUNDS rounds, keeping the best: on a Zen 4 VM a `make run`
+ * once measured its two-thread peak while one vCPU was parked (225 GFLOP/s, the one-thread
+ * figure), and printed 129-161% of it. Cores that share their vector units (SMT siblings)
+ * stay below that bar; they cost the extra rounds and keep their best. at_least: a rate a
+ * benchmark measured on the table; a cached peak below it is measured again the same way. */
+static double peak_of(const char *isa, int threads, int bf16, double at_least)
 {
     static double cache[2][8][257];
     const char *name = isa ? isa : fw_isa_default();
@@ -128,17 +152,24 @@ static double peak_of(const char *isa, int threads, int bf16)
             t = i;
     if (threads < 1 || threads > 256 || t >= 8)
         return 0;
-    if (cache[bf16][t][threads] > 0)
-        return cache[bf16][t][threads];
-    double g[3];
-    for (int i = 0; i < 3; i++)
-        if ((bf16 ? fw_peak_bf16_gflops : fw_peak_gflops)(fw_isa_name(t), threads, 0.25, &g[i]) != FW_OK)
+    double *c = &cache[bf16][t][threads];
+    if (*c > 0 && *c >= at_least)
+        return *c;
+    const double one = threads > 1 ? peak_of(isa, 1, bf16, 0) : 0;
+    for (int round = 0; round < PEAK_ROUNDS; round++) {
+        const double g = peak_runs(t, threads, bf16);
+        if (g <= 0)
             return 0;
-    return cache[bf16][t][threads] = bench_median(g, 3);
+        *c = g > *c ? g : *c;
+        if (*c >= at_least && *c >= 0.75 * threads * one)
+            break;
+    }
+    return *c;
 }
 
-double bench_peak(const char *isa, int threads) { return peak_of(isa, threads, 0); }
-double bench_peak_bf16(const char *isa, int threads) { return peak_of(isa, threads, 1); }
+double bench_peak(const char *isa, int threads) { return peak_of(isa, threads, 0, 0); }
+double bench_peak_bf16(const char *isa, int threads) { return peak_of(isa, threads, 1, 0); }
+double bench_peak_over(const char *isa, int threads, int bf16, double rate) { return peak_of(isa, threads, bf16, rate); }
 
 int bench_opt(int argc, char **argv, int *i, const char *name)
 {
