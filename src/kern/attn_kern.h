@@ -1261,6 +1261,15 @@ FW_INLINE void conv_vecs(const int nv, int W, const void *const *taps, const fw_
         vstore_as(y, ydt, c + v * VL, acc[v]);
 }
 
+/* Prefetches the 4 vectors of channels from c of tap row `row` (dtype tdt; NULL: none). */
+FW_INLINE void conv_prefetch4(const void *row, const fw_dtype tdt, int c)
+{
+    const size_t ts = tdt == FW_F32 ? 4 : 2;
+    if (row)
+        for (size_t b = 0; b < 4 * VL * ts; b += 64)
+            __builtin_prefetch((const char *)row + (size_t)c * ts + b, 0, 3);
+}
+
 /* ahead (or NULL): a later tap row, whose elements of each 4 vectors' channels are prefetched
  * as they are computed here. nt: those 4 vectors stored non-temporally (y aligned as
  * vstream_as needs; the caller fences). */
@@ -1268,12 +1277,9 @@ FW_INLINE void conv_row_as(int W, const void *const *taps, const fw_dtype tdt, c
                            const float *bias, const void *res, fw_dtype rdt, int n, const int silu, void *y,
                            fw_dtype ydt, const void *ahead, int nt)
 {
-    const int ts = tdt == FW_F32 ? 4 : 2;
     int c = 0;
     for (; c + 4 * VL <= n; c += 4 * VL) {
-        if (ahead)
-            for (int b = 0; b < 4 * VL * ts; b += 64)
-                __builtin_prefetch((const char *)ahead + (size_t)c * ts + b, 0, 3);
+        conv_prefetch4(ahead, tdt, c);
         conv_vecs(4, W, taps, tdt, wt, ldw, bias, res, rdt, silu, y, ydt, c, nt);
     }
     for (; c + VL <= n; c += VL)
@@ -1328,6 +1334,21 @@ static void conv1d_row(int W, const void *const *taps, fw_dtype tdt, const float
 #undef CONV_ROW
 }
 
+/* Channels [c, n) of R consecutive width-4 output rows (taps rows[r .. r + 3]), row by row
+ * through the row kernel with plain stores: what a multi-row kernel leaves past its vectors. */
+FW_INLINE void conv_rows_from(int R, const void *const *rows, const fw_dtype tdt, const float *wt, int64_t ldw,
+                              const float *bias, int n, const int silu, void *const *ys, fw_dtype ydt, int c)
+{
+    const size_t ts = tdt == FW_F32 ? 4 : 2, ysz = ydt == FW_F32 ? 4 : 2;
+    for (int r = 0; c < n && r < R; r++) {
+        const void *taps[4];
+        for (int k = 0; k < 4; k++)
+            taps[k] = (const char *)rows[r + k] + (size_t)c * ts;
+        conv_row_as(4, taps, tdt, wt + c, ldw, bias + c, NULL, FW_F32, n - c, silu, (char *)ys[r] + (size_t)c * ysz,
+                    ydt, NULL, 0);
+    }
+}
+
 /* Output rows per pass of conv_rows4_block. A pass walks its rows down each pair of channel
  * vectors, so it has one line of each of its R + 3 tap rows and R output rows in flight at
  * a time: few enough for the core's outstanding misses to cover. Measured (the kernel
@@ -1370,16 +1391,7 @@ FW_INLINE void conv_rows4_block(int R, const void *const *rows, const fw_dtype t
             vstore2_as(ys[r], ydt, c, y[0], y[1], nt);
         }
     }
-    if (c < n) { /* the channels past the last pair of vectors, row by row */
-        const size_t ts = tdt == FW_F32 ? 4 : 2, ysz = ydt == FW_F32 ? 4 : 2;
-        for (int r = 0; r < R; r++) {
-            const void *taps[4];
-            for (int k = 0; k < 4; k++)
-                taps[k] = (const char *)rows[r + k] + (size_t)c * ts;
-            conv_row_as(4, taps, tdt, wt + c, ldw, bias + c, NULL, FW_F32, n - c, silu, (char *)ys[r] + (size_t)c * ysz,
-                        ydt, NULL, 0);
-        }
-    }
+    conv_rows_from(R, rows, tdt, wt, ldw, bias, n, silu, ys, ydt, c); /* past the last vector pair */
 }
 
 /* Two consecutive output rows, 4 vectors of channels from c: row 0 from taps rows[0..3], row
@@ -1429,6 +1441,13 @@ FW_INLINE void conv_pair_vecs(const void *const *rows, const fw_dtype tdt, const
  * 6.1-6.5 ms. */
 #define CONV_AHEAD_ROWS 2
 
+/* The tap row CONV_AHEAD_ROWS past output row r's newest (rows[r + 3]), or NULL past the
+ * call's R + 3 rows. */
+FW_INLINE const void *conv_ahead(int R, const void *const *rows, int r)
+{
+    return r + CONV_AHEAD_ROWS < R ? rows[r + 3 + CONV_AHEAD_ROWS] : NULL;
+}
+
 FW_INLINE void conv_rows4_as(int R, int pass, const void *const *rows, const fw_dtype tdt, const float *wt,
                              int64_t ldw, const float *bias, int n, const int silu, void *const *ys, fw_dtype ydt,
                              int nt)
@@ -1437,31 +1456,17 @@ FW_INLINE void conv_rows4_as(int R, int pass, const void *const *rows, const fw_
                       * at a time; the same bits */
         int r = 0;
         for (; CONV_PAIRS && r + 1 < R; r += 2) {
-            const size_t ts = tdt == FW_F32 ? 4 : 2, ysz = ydt == FW_F32 ? 4 : 2;
-            const char *a0 = r + CONV_AHEAD_ROWS < R ? (const char *)rows[r + 3 + CONV_AHEAD_ROWS] : NULL;
-            const char *a1 = r + 1 + CONV_AHEAD_ROWS < R ? (const char *)rows[r + 4 + CONV_AHEAD_ROWS] : NULL;
+            const void *a0 = conv_ahead(R, rows, r), *a1 = conv_ahead(R, rows, r + 1);
             int c = 0;
             for (; c + 4 * VL <= n; c += 4 * VL) {
-                for (size_t b = 0; b < 4 * VL * ts; b += 64) {
-                    if (a0)
-                        __builtin_prefetch(a0 + (size_t)c * ts + b, 0, 3);
-                    if (a1)
-                        __builtin_prefetch(a1 + (size_t)c * ts + b, 0, 3);
-                }
+                conv_prefetch4(a0, tdt, c);
+                conv_prefetch4(a1, tdt, c);
                 conv_pair_vecs(rows + r, tdt, wt, ldw, bias, silu, ys[r], ys[r + 1], ydt, c, nt);
             }
-            if (c < n)
-                for (int q = 0; q < 2; q++) {
-                    const void *taps[4];
-                    for (int k = 0; k < 4; k++)
-                        taps[k] = (const char *)rows[r + q + k] + (size_t)c * ts;
-                    conv_row_as(4, taps, tdt, wt + c, ldw, bias + c, NULL, FW_F32, n - c, silu,
-                                (char *)ys[r + q] + (size_t)c * ysz, ydt, NULL, 0);
-                }
+            conv_rows_from(2, rows + r, tdt, wt, ldw, bias, n, silu, ys + r, ydt, c);
         }
         for (; r < R; r++)
-            conv_row_as(4, rows + r, tdt, wt, ldw, bias, NULL, FW_F32, n, silu, ys[r], ydt,
-                        r + CONV_AHEAD_ROWS < R ? rows[r + 3 + CONV_AHEAD_ROWS] : NULL, nt);
+            conv_row_as(4, rows + r, tdt, wt, ldw, bias, NULL, FW_F32, n, silu, ys[r], ydt, conv_ahead(R, rows, r), nt);
         return;
     }
     for (int r0 = 0; r0 < R; r0 += CONV_PASS_ROWS)
