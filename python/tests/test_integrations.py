@@ -107,19 +107,75 @@ def test_decode_step_updates_a_bf16_state_in_place(torch_paths):
     assert torch.equal(s16.view(torch.int16), s32.to(torch.bfloat16).view(torch.int16))
 
 
-def test_padding_masks_take_sdpa_and_agree(torch_paths, monkeypatch):
-    """A left-padded batch: attention with a mask goes to transformers' sdpa, the rest to
-    flywheel; the logits of the real tokens agree."""
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batches_take_flywheel_and_agree(torch_paths, monkeypatch, side):
+    """A padded batch (3 sequences, one unpadded): every attention call goes to flywheel, one
+    call a sequence on its real tokens, none to sdpa; the logits of the real tokens agree with
+    transformers' sdpa, and (left padding) so do greedy generations, whose decode steps
+    carry the padding too."""
     model = tiny_model(torch.float32)
-    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 1000, (3, 40), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
-    mask[1, :7] = 0
+    if side == "left":
+        mask[1, :7] = 0
+        mask[2, :30] = 0
+    else:
+        mask[1, 33:] = 0
+        mask[2, 10:] = 0
+    gen = dict(max_new_tokens=3, do_sample=False, output_logits=True,
+               return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        ref_gen = model.generate(ids, attention_mask=mask, **gen) if side == "left" else None
+        fwt.enable(model)
+        counts = counting(monkeypatch, ["flash_attn_func"])
+        sdpa, orig_sdpa = [], fwt._sdpa
+        monkeypatch.setattr(fwt, "_sdpa", lambda *a, **k: sdpa.append(1) or orig_sdpa(*a, **k))
+        got = model(ids, attention_mask=mask).logits
+        assert counts["flash_attn_func"] == 3 and not sdpa, (counts, len(sdpa))
+        got_gen = model.generate(ids, attention_mask=mask, **gen) if side == "left" else None
+    assert not sdpa
+    keep = mask.bool()
+    big = ref.abs().max().item()
+    assert (got[keep] - ref[keep]).abs().max().item() <= 1e-4 * (1 + big)
+    if side == "left":
+        assert counts["flash_attn_func"] == 3 + 3 * 3  # the prefill, then 3 sequences x 3 steps
+        assert torch.equal(got_gen.sequences, ref_gen.sequences)
+        for a, b in zip(got_gen.logits, ref_gen.logits):
+            assert (a - b).abs().max().item() <= 1e-4 * (1 + big)
+
+
+def test_padding_with_holes_takes_sdpa(torch_paths, monkeypatch):
+    """A mask flywheel's calls cannot express (padding inside a sequence) goes to sdpa."""
+    model = tiny_model(torch.float32)
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 5:9] = 0
     with torch.no_grad():
         ref = model(ids, attention_mask=mask).logits
         fwt.enable(model)
+        counts = counting(monkeypatch, ["flash_attn_func"])
         got = model(ids, attention_mask=mask).logits
+    assert counts["flash_attn_func"] == 0
     keep = mask.bool()
     assert (got[keep] - ref[keep]).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())
+
+
+def test_mask_runs_of_each_layout():
+    """_runs: per sequence the real query rows and the keys they see, or None."""
+    t = torch.tensor
+    assert fwt._runs(None, 2, 10, 0, 10) == ((0, 10, 0, 10),) * 2
+    assert fwt._runs(None, 1, 10, 6, 4) == ((0, 4, 0, 10),)      # a chunk after a cache
+    left = t([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert fwt._runs(left, 2, 5, 0, 5) == ((2, 5, 2, 5), (0, 5, 0, 5))
+    assert fwt._runs(left, 2, 5, 4, 1) == ((0, 1, 2, 5), (0, 1, 0, 5))  # decode
+    right = t([[1, 1, 1, 0, 0]], dtype=torch.bool)
+    assert fwt._runs(right, 1, 5, 0, 5) == ((0, 3, 0, 3),)
+    assert fwt._runs(right, 1, 5, 1, 2) == ((0, 2, 0, 3),)       # a static cache's free rows
+    assert fwt._runs(t([[0, 0, 0]], dtype=torch.bool), 1, 3, 0, 3) == ((0, 0, 0, 0),)
+    assert fwt._runs(t([[1, 0, 1]], dtype=torch.bool), 1, 3, 0, 3) is None  # a hole
+    assert fwt._runs(None, 1, 4, 2, 3) is None                   # queries past the keys
+    assert fwt._runs(left, 3, 5, 0, 5) is None                   # the wrong batch
 
 
 def test_disable_restores_transformers_functions(torch_paths):

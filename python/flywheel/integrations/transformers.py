@@ -8,9 +8,15 @@
   Calls without a mask run flywheel.flash_attn_func on the [b, h, s, d] views transposed in
   place (causal as sdpa's is_causal: top-left, so a prompt against an empty static cache
   attends to its own rows; one query token attends to every key). Tensors that need
-  gradients take flywheel's backward (flash_attn_func is differentiable). Calls flywheel
-  cannot serve the same way go to transformers' sdpa: an explicit mask (padding, chunked
-  prefill after a cache), dropout, softcap, sliding windows.
+  gradients take flywheel's backward (flash_attn_func is differentiable).
+  Padded batches (left or right padding), a prefill after a cache and a static cache's
+  unused rows: where the causal mask is causality plus one contiguous run of real tokens per
+  sequence, the mask function (sdpa's, same tensor) also records each sequence's run, and
+  attention makes one flash_attn_func call a sequence on its real queries and keys (views,
+  no copies), causal aligned bottom-right; the rows of padding tokens come out zero, as
+  flash-attn's unpadded path gives them. Calls flywheel cannot serve the same way go to
+  transformers' sdpa: other masks (padding with holes, custom mask functions, masks that
+  need gradients), dropout, softcap, sliding windows.
 - Gated DeltaNet layers (Qwen3-Next, Qwen3.5 and their MoE variants, which look these names up
   in their module at call time): causal_conv1d_fn / causal_conv1d_update become flywheel's,
   torch_chunk_gated_delta_rule flywheel.chunk_gated_delta_rule, and
@@ -106,14 +112,102 @@ def _sdpa(*args, **kwargs):
     return sdpa_attention_forward(*args, **kwargs)
 
 
+def _runs(pad, batch, sk, q0, sq):
+    """Per sequence (r0, r1, k0, k1): its real query rows [r0, r1) and the keys [k0, k1)
+    they see, causal aligned bottom-right (k1 - 1 is the last real query's own position),
+    for a causal mask over key positions 0 .. sk-1 with query row i at position q0 + i and
+    pad [batch, sk] (None: no padding) the real tokens. None where a sequence's real tokens
+    are not one contiguous run, or the queries do not lie within the keys."""
+    import torch
+    if q0 < 0 or q0 + sq > sk:
+        return None
+    if pad is None:
+        lo, hi = [0] * batch, [sk] * batch
+    else:
+        pad = pad.to(torch.bool)
+        if tuple(pad.shape) != (batch, sk):
+            return None
+        idx = torch.arange(sk, device=pad.device)
+        first = torch.where(pad, idx, sk).min(1).values
+        last = torch.where(pad, idx, -1).max(1).values
+        count = pad.sum(1)
+        if not bool(((count == 0) | (count == last - first + 1)).all()):
+            return None
+        lo = torch.where(count > 0, first, 0).tolist()
+        hi = torch.where(count > 0, last + 1, 0).tolist()
+    runs = []
+    for a, b in zip(lo, hi):
+        qlo, qhi = max(a, q0), min(b, q0 + sq)
+        runs.append((qlo - q0, qhi - q0, a, qhi) if qhi > qlo else (0, 0, 0, 0))
+    return tuple(runs)
+
+
+def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+          attention_mask=None, **kwargs):
+    """AttentionMaskInterface entry: sdpa's mask (the same tensor, or None for plain
+    causality), plus, for a causal mask whose real tokens are one run per sequence, the runs
+    as the tensor's attribute `_flywheel_runs` for attention(). Whatever else sees the mask
+    (sdpa when attention falls back to it, a model's own code) sees sdpa's."""
+    import torch
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+    if mask_function is None:
+        mask_function = causal_mask_function
+    m = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                  q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                  attention_mask=attention_mask, **kwargs)
+    if (m is None or mask_function is not causal_mask_function or
+            kwargs.get("local_size") is not None or torch.compiler.is_compiling() or
+            isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor)):
+        return m
+    pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if pad is not None:
+        pad = pad[:, kv_offset:kv_offset + kv_length]
+    runs = _runs(pad, batch_size, kv_length, q_offset - kv_offset, q_length)
+    if runs is not None:
+        m._flywheel_runs = runs
+    return m
+
+
+def _attend_runs(query, key, value, runs, scaling):
+    """One causal flash_attn_func call per sequence on its run (see _runs), other rows zero;
+    one call for the batch when every sequence has all its rows and the same keys."""
+    b, hq, sq, _ = query.shape
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    out = _output("attention", (b, sq, hq, value.shape[3]), query.dtype)
+    if out is None:
+        import torch
+        out = torch.empty((b, sq, hq, value.shape[3]), dtype=query.dtype)
+    r0, r1, _, k1 = runs[0]
+    if r0 == 0 and r1 == sq and all(r == runs[0] for r in runs):  # no padding: one call
+        return flywheel.flash_attn_func(q, k[:, :k1], v[:, :k1], softmax_scale=scaling,
+                                        causal=True, out=out)
+    for i, (r0, r1, k0, k1) in enumerate(runs):
+        out[i, :r0] = 0
+        out[i, r1:] = 0
+        if r1 > r0:
+            flywheel.flash_attn_func(q[i:i + 1, r0:r1], k[i:i + 1, k0:k1], v[i:i + 1, k0:k1],
+                                     softmax_scale=scaling, causal=True,
+                                     out=out[i:i + 1, r0:r1])
+    return out
+
+
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
               **kwargs):
     """transformers' attention-function contract: query [b, hq, sq, d], key/value
     [b, hkv, sk, d]; returns (out [b, sq, hq, d], None)."""
-    if (attention_mask is not None or dropout or kwargs.get("softcap") is not None or
-            kwargs.get("sliding_window") is not None or kwargs.get("output_attentions")):
+    runs = None
+    if attention_mask is not None:
+        runs = getattr(attention_mask, "_flywheel_runs", None)
+        if (runs is not None and (len(runs) != query.shape[0] or _needs_grad(query, key, value)
+                                  or max(r[3] for r in runs) > key.shape[2])):
+            runs = None
+    if ((attention_mask is not None and runs is None) or dropout or
+            kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None or
+            kwargs.get("output_attentions")):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, **kwargs)
+    if runs is not None:
+        return _attend_runs(query, key, value, runs, scaling), None
     sq, sk = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and sq > 1
@@ -223,9 +317,9 @@ def enable(model=None, reuse_outputs=True, share_threads=True):
         except NotImplementedError:  # a build without OpenMP: the library's pool
             pass
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(_NAME, attention)
-    AttentionMaskInterface.register(_NAME, sdpa_mask)
+    AttentionMaskInterface.register(_NAME, _mask)
     for name in _GDN_MODULES:
         try:
             mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
