@@ -178,6 +178,63 @@ def test_mask_runs_of_each_layout():
     assert fwt._runs(left, 3, 5, 0, 5) is None                   # the wrong batch
 
 
+def tiny_gemma2():
+    cfg = transformers.Gemma2Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gemma2_softcap_and_sliding_window_on_flywheel(monkeypatch, padded):
+    """Gemma 2 (a softcap in every layer, a sliding window of 8 in one of two; prompts of 20
+    tokens, longer than the window): every attention call is flywheel's, none goes to the
+    fallback, and logits and greedy generations agree with transformers' eager attention
+    (sdpa cannot take a softcap); padded, for the real tokens of a left-padded batch."""
+    model = tiny_gemma2()
+    ids = torch.randint(0, 1000, (2, 20), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :6] = 0
+    gen = dict(max_new_tokens=3, do_sample=False, output_logits=True,
+               return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        ref_gen = model.generate(ids, attention_mask=mask, **gen)
+        fwt.enable(model)
+        try:
+            counts = counting(monkeypatch, ["flash_attn_func"])
+            fell, orig = [], fwt._fallback
+            monkeypatch.setattr(fwt, "_fallback", lambda *a, **k: fell.append(1) or orig(*a, **k))
+            got = model(ids, attention_mask=mask).logits
+            got_gen = model.generate(ids, attention_mask=mask, **gen)
+        finally:
+            fwt.disable(model, "eager")
+    assert counts["flash_attn_func"] > 0 and not fell, (counts, len(fell))
+    keep = mask.bool()
+    big = ref.abs().max().item()
+    assert (got[keep] - ref[keep]).abs().max().item() <= 1e-4 * (1 + big)
+    assert torch.equal(got_gen.sequences, ref_gen.sequences)
+    for a, b in zip(got_gen.logits, ref_gen.logits):
+        assert (a - b).abs().max().item() <= 1e-4 * (1 + big)
+
+
+def test_chunked_local_mask_is_not_taken_for_a_window():
+    """A local mask that is not a sliding window (chunked attention's) gets no runs: the
+    check against causality + window refuses it, and attention would fall back."""
+    from transformers.masking_utils import (chunked_causal_mask_function,
+                                            sliding_window_causal_mask_function)
+    kw = dict(batch_size=1, q_length=12, kv_length=12, local_size=4, allow_is_causal_skip=True)
+    chunked = chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    m = fwt._mask(mask_function=chunked, **kw)
+    assert m is not None and not hasattr(m, "_flywheel_runs")
+    m = fwt._mask(mask_function=sliding_window_causal_mask_function(4), **kw)
+    assert m._flywheel_runs == (((0, 12, 0, 12),), 4)
+
+
 def test_disable_restores_transformers_functions(torch_paths):
     before = {fn: getattr(mq, fn) for fn in GDN_FUNCS}
     fwt.enable()

@@ -14,9 +14,12 @@
   sequence, the mask function (sdpa's, same tensor) also records each sequence's run, and
   attention makes one flash_attn_func call a sequence on its real queries and keys (views,
   no copies), causal aligned bottom-right; the rows of padding tokens come out zero, as
-  flash-attn's unpadded path gives them. Calls flywheel cannot serve the same way go to
-  transformers' sdpa: other masks (padding with holes, custom mask functions, masks that
-  need gradients), dropout, softcap, sliding windows.
+  flash-attn's unpadded path gives them. Softcaps and sliding windows (Gemma 2/3, Mistral)
+  are flywheel's too: a local mask is taken once it is checked to be causality, padding and
+  the layer's window. Calls flywheel cannot serve the same way go to transformers' sdpa
+  (the model's eager attention where a softcap is set, which sdpa refuses): other masks
+  (padding with holes, chunked attention, custom mask functions, masks on tensors that need
+  gradients), dropout, bidirectional sliding windows.
 - Gated DeltaNet layers (Qwen3-Next, Qwen3.5 and their MoE variants, which look these names up
   in their module at call time): causal_conv1d_fn / causal_conv1d_update become flywheel's,
   torch_chunk_gated_delta_rule flywheel.chunk_gated_delta_rule, and
@@ -41,6 +44,7 @@ disable() puts transformers' functions back.
 
 import functools
 import importlib
+import sys
 import threading
 import weakref
 
@@ -155,20 +159,33 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
     m = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                   q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                   attention_mask=attention_mask, **kwargs)
-    if (m is None or mask_function is not causal_mask_function or
-            kwargs.get("local_size") is not None or torch.compiler.is_compiling() or
+    window = kwargs.get("local_size") if mask_function is not causal_mask_function else None
+    if (m is None or (mask_function is not causal_mask_function and window is None) or
+            torch.compiler.is_compiling() or
             isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor)):
         return m
     pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if pad is not None:
         pad = pad[:, kv_offset:kv_offset + kv_length]
-    runs = _runs(pad, batch_size, kv_length, q_offset - kv_offset, q_length)
-    if runs is not None:
-        m._flywheel_runs = runs
+    q0 = q_offset - kv_offset
+    runs = _runs(pad, batch_size, kv_length, q0, q_length)
+    if runs is None:
+        return m
+    if window is not None:
+        # A local mask (sliding_window_causal_mask_function, or a chunked one: the function
+        # does not say which) is taken only if it is causality, the padding and a window of
+        # `window` keys: key j seen by query position p iff p - window < j <= p.
+        j = torch.arange(kv_length, device=m.device)
+        p = torch.arange(q_length, device=m.device)[:, None] + q0
+        want = (j <= p) & (j > p - window)
+        want = want[None, None] if pad is None else want[None, None] & pad[:, None, None, :].bool()
+        if not torch.equal(m, want.expand_as(m)):
+            return m
+    m._flywheel_runs = (runs, window)
     return m
 
 
-def _attend_runs(query, key, value, runs, scaling):
+def _attend_runs(query, key, value, runs, scaling, **kw):
     """One causal flash_attn_func call per sequence on its run (see _runs), other rows zero;
     one call for the batch when every sequence has all its rows and the same keys."""
     b, hq, sq, _ = query.shape
@@ -180,36 +197,51 @@ def _attend_runs(query, key, value, runs, scaling):
     r0, r1, _, k1 = runs[0]
     if r0 == 0 and r1 == sq and all(r == runs[0] for r in runs):  # no padding: one call
         return flywheel.flash_attn_func(q, k[:, :k1], v[:, :k1], softmax_scale=scaling,
-                                        causal=True, out=out)
+                                        causal=True, out=out, **kw)
     for i, (r0, r1, k0, k1) in enumerate(runs):
         out[i, :r0] = 0
         out[i, r1:] = 0
         if r1 > r0:
             flywheel.flash_attn_func(q[i:i + 1, r0:r1], k[i:i + 1, k0:k1], v[i:i + 1, k0:k1],
                                      softmax_scale=scaling, causal=True,
-                                     out=out[i:i + 1, r0:r1])
+                                     out=out[i:i + 1, r0:r1], **kw)
     return out
+
+
+def _fallback(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa; with a softcap, which sdpa refuses, the model's own eager attention
+    (its modeling module's eager_attention_forward, which takes softcap)."""
+    if kwargs.get("softcap") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager(module, query, key, value, attention_mask, **kwargs)
+    return _sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
               **kwargs):
     """transformers' attention-function contract: query [b, hq, sq, d], key/value
-    [b, hkv, sk, d]; returns (out [b, sq, hq, d], None)."""
+    [b, hkv, sk, d]; returns (out [b, sq, hq, d], None). kwargs softcap (flash-attn's) and
+    sliding_window (key j seen from position p iff p - sliding_window < j <= p) are served."""
+    sw, cap = kwargs.get("sliding_window"), kwargs.get("softcap")
     runs = None
     if attention_mask is not None:
-        runs = getattr(attention_mask, "_flywheel_runs", None)
-        if (runs is not None and (len(runs) != query.shape[0] or _needs_grad(query, key, value)
-                                  or max(r[3] for r in runs) > key.shape[2])):
+        runs, window = getattr(attention_mask, "_flywheel_runs", (None, None))
+        if (runs is not None and (len(runs) != query.shape[0] or window != sw or
+                                  _needs_grad(query, key, value) or
+                                  max(r[3] for r in runs) > key.shape[2])):
             runs = None
-    if ((attention_mask is not None and runs is None) or dropout or
-            kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None or
-            kwargs.get("output_attentions")):
-        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                     is_causal=is_causal, **kwargs)
-    if runs is not None:
-        return _attend_runs(query, key, value, runs, scaling), None
-    sq, sk = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if ((attention_mask is not None and runs is None) or dropout or
+            kwargs.get("output_attentions") or (sw is not None and not causal)):
+        return _fallback(module, query, key, value, attention_mask, dropout=dropout,
+                         scaling=scaling, is_causal=is_causal, **kwargs)
+    kw = {"softcap": float(cap) if cap else 0.0}
+    if sw is not None:
+        kw["window_size"] = (int(sw) - 1, 0)
+    if runs is not None:
+        return _attend_runs(query, key, value, runs, scaling, **kw), None
+    sq, sk = query.shape[2], key.shape[2]
     causal = bool(causal) and sq > 1
     if causal and sk > sq:  # sdpa's top-left causality: the keys past the queries are unused
         key, value = key[:, :, :sq], value[:, :, :sq]
@@ -217,7 +249,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     out = None if _needs_grad(query, key, value) else _output(
         "attention", (q.shape[0], q.shape[1], q.shape[2], value.shape[3]), q.dtype)
     out = flywheel.flash_attn_func(q, key.transpose(1, 2), value.transpose(1, 2),
-                                   softmax_scale=scaling, causal=causal, out=out)
+                                   softmax_scale=scaling, causal=causal, out=out, **kw)
     return out, None
 
 
