@@ -7,13 +7,13 @@ the attention call alone on the same mask and inputs.
 A batch of 4 sequences with 0 / 256 / 512 / 1024 padding tokens (left) of 2048, GQA 16:2,
 d 256 (the attention layers of python/e2e.py's model), bf16 and f32: the prefill, and one
 decode step against the 2048 keys. Prints medians and ranges, the ratio, the time to build
-the mask (sdpa's mask and the runs), and the largest difference on the real rows."""
+the mask (sdpa's mask and the runs), and the largest difference on the real rows.
+Times are medians and ranges over the repetitions, after a warm-up call."""
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_layer import timed  # a warm-up call, then medians and ranges of reps
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function
 
@@ -24,15 +24,6 @@ class _Module:
     is_causal = True
     num_key_value_groups = 8
     training = False
-
-
-def _timed(fn, reps):
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), min(ts), max(ts)
 
 
 def main():
@@ -59,13 +50,13 @@ def main():
                                  attention_mask=pad)
             m = mask()
             reps = a.reps if sq > 1 else a.decode_reps
-            ts = _timed(lambda: sdpa_attention_forward(_Module(), q, k, v, m, scaling=scale), reps)
-            tf = _timed(lambda: fwt.attention(_Module(), q, k, v, m, scaling=scale), reps)
-            tm = _timed(mask, reps)
+            ts = timed(lambda: sdpa_attention_forward(_Module(), q, k, v, m, scaling=scale), reps)
+            tf = timed(lambda: fwt.attention(_Module(), q, k, v, m, scaling=scale), reps)
+            tm = timed(mask, reps)
             ref = sdpa_attention_forward(_Module(), q, k, v, m, scaling=scale)[0].float()
             got = fwt.attention(_Module(), q, k, v, m, scaling=scale)[0].float()
             keep = torch.zeros(b, sq, dtype=torch.bool)
-            for i, (r0, r1, _, _) in enumerate(m._flywheel_runs):
+            for i, (r0, r1, _, _) in enumerate(m._flywheel_runs[0]):
                 keep[i, r0:r1] = True
             err = (got - ref)[keep].abs().max().item()
             kind = "prefill" if sq > 1 else "decode "
