@@ -53,6 +53,14 @@ def counting(monkeypatch, names):
     return counts
 
 
+def fallbacks(monkeypatch):
+    """Count the attention calls the integration hands back to transformers (sdpa, or the
+    model's eager attention): a list that grows by one a call."""
+    calls, orig = [], fwt._fallback
+    monkeypatch.setattr(fwt, "_fallback", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_qwen3_next_logits_match(torch_paths, monkeypatch, dtype):
     dt = getattr(torch, dtype)
@@ -129,12 +137,11 @@ def test_padded_batches_take_flywheel_and_agree(torch_paths, monkeypatch, side):
         ref_gen = model.generate(ids, attention_mask=mask, **gen) if side == "left" else None
         fwt.enable(model)
         counts = counting(monkeypatch, ["flash_attn_func"])
-        sdpa, orig_sdpa = [], fwt._sdpa
-        monkeypatch.setattr(fwt, "_sdpa", lambda *a, **k: sdpa.append(1) or orig_sdpa(*a, **k))
+        fell = fallbacks(monkeypatch)
         got = model(ids, attention_mask=mask).logits
-        assert counts["flash_attn_func"] == 3 and not sdpa, (counts, len(sdpa))
+        assert counts["flash_attn_func"] == 3 and not fell, (counts, len(fell))
         got_gen = model.generate(ids, attention_mask=mask, **gen) if side == "left" else None
-    assert not sdpa
+    assert not fell
     keep = mask.bool()
     big = ref.abs().max().item()
     assert (got[keep] - ref[keep]).abs().max().item() <= 1e-4 * (1 + big)
@@ -155,8 +162,9 @@ def test_padding_with_holes_takes_sdpa(torch_paths, monkeypatch):
         ref = model(ids, attention_mask=mask).logits
         fwt.enable(model)
         counts = counting(monkeypatch, ["flash_attn_func"])
+        fell = fallbacks(monkeypatch)
         got = model(ids, attention_mask=mask).logits
-    assert counts["flash_attn_func"] == 0
+    assert counts["flash_attn_func"] == 0 and fell
     keep = mask.bool()
     assert (got[keep] - ref[keep]).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())
 
@@ -176,6 +184,50 @@ def test_mask_runs_of_each_layout():
     assert fwt._runs(t([[1, 0, 1]], dtype=torch.bool), 1, 3, 0, 3) is None  # a hole
     assert fwt._runs(None, 1, 4, 2, 3) is None                   # queries past the keys
     assert fwt._runs(left, 3, 5, 0, 5) is None                   # the wrong batch
+
+
+class _Attn:
+    is_causal = True
+    num_key_value_groups = 2
+    training = False
+
+
+@pytest.mark.parametrize("case", ["uneven left", "right", "same left, decode",
+                                  "same left, chunk after a cache", "static cache"])
+def test_attention_on_each_padding_layout_matches_sdpa(case):
+    """attention() on _mask's mask against sdpa on the same mask, real rows: per-sequence
+    calls, and the one-call path when every sequence has the same keys (the same left padding
+    before a cache's new rows: the keys start past the padding)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import causal_mask_function
+    b, sk = 3, 24
+    pad = torch.ones(b, sk, dtype=torch.bool)
+    sq, q0 = sk, 0
+    if case == "uneven left":
+        pad[1, :5], pad[2, :17] = False, False
+    elif case == "right":
+        pad[0, 20:], pad[2, 9:] = False, False
+    elif case.startswith("same left"):
+        pad[:, :6] = False
+        sq = 1 if case.endswith("decode") else 5
+        q0 = sk - sq
+    else:  # a static cache: 16 tokens held, 4 new, the rest free
+        pad[:, 20:] = False
+        pad[1, :3] = False
+        sq, q0 = 4, 16
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(b, 4, sq, 16, generator=g)
+    k, v = (torch.randn(b, 2, sk, 16, generator=g) for _ in range(2))
+    m = fwt._mask(batch_size=b, q_length=sq, kv_length=sk, q_offset=q0,
+                  mask_function=causal_mask_function, attention_mask=pad)
+    runs, window = m._flywheel_runs
+    assert window is None
+    got = fwt.attention(_Attn(), q, k, v, m, scaling=0.25)[0]
+    ref = sdpa_attention_forward(_Attn(), q, k, v, m, scaling=0.25)[0]
+    for i, (r0, r1, _, _) in enumerate(runs):
+        assert r1 > r0
+        assert (got[i, r0:r1] - ref[i, r0:r1]).abs().max().item() <= 1e-5
+        assert not got[i, :r0].any() and not got[i, r1:].any()  # padding rows: zero
 
 
 def tiny_gemma2():
@@ -207,8 +259,7 @@ def test_gemma2_softcap_and_sliding_window_on_flywheel(monkeypatch, padded):
         fwt.enable(model)
         try:
             counts = counting(monkeypatch, ["flash_attn_func"])
-            fell, orig = [], fwt._fallback
-            monkeypatch.setattr(fwt, "_fallback", lambda *a, **k: fell.append(1) or orig(*a, **k))
+            fell = fallbacks(monkeypatch)
             got = model(ids, attention_mask=mask).logits
             got_gen = model.generate(ids, attention_mask=mask, **gen)
         finally:

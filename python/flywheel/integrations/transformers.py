@@ -187,16 +187,17 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
 
 def _attend_runs(query, key, value, runs, scaling, **kw):
     """One causal flash_attn_func call per sequence on its run (see _runs), other rows zero;
-    one call for the batch when every sequence has all its rows and the same keys."""
+    one call for the batch when every sequence has all its rows real and the same keys (no
+    padding, or the same left padding before a cache's new rows)."""
     b, hq, sq, _ = query.shape
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out = _output("attention", (b, sq, hq, value.shape[3]), query.dtype)
     if out is None:
         import torch
         out = torch.empty((b, sq, hq, value.shape[3]), dtype=query.dtype)
-    r0, r1, _, k1 = runs[0]
-    if r0 == 0 and r1 == sq and all(r == runs[0] for r in runs):  # no padding: one call
-        return flywheel.flash_attn_func(q, k[:, :k1], v[:, :k1], softmax_scale=scaling,
+    r0, r1, k0, k1 = runs[0]
+    if r0 == 0 and r1 == sq and all(r == runs[0] for r in runs):  # every row, the same keys
+        return flywheel.flash_attn_func(q, k[:, k0:k1], v[:, k0:k1], softmax_scale=scaling,
                                         causal=True, out=out, **kw)
     for i, (r0, r1, k0, k1) in enumerate(runs):
         out[i, :r0] = 0
