@@ -354,9 +354,11 @@ typedef struct fw_kv_cache {
  * Decode-shaped sequences (G x n <= 16 query rows per K/V head) take a decode kernel with
  * keys along the vector lanes that reads each cache row once for all heads; their contexts
  * are split into fixed ranges of FW_KV_SPLIT keys (FW_KV_SPLIT / 2 for contexts of at most
- * FW_KV_SPLIT keys) that run in parallel and merge by log-sum-exp. The split depends on the
- * context length only, never on the thread count, and paged and contiguous caches holding
- * the same data give the same bits.
+ * FW_KV_SPLIT keys) that run in parallel and merge by log-sum-exp, except that contexts of at
+ * most 2 x FW_KV_SPLIT keys with two K/V heads or more are not split: when a call has fewer
+ * such pieces than threads, the heads of each are shared out instead. The split depends on
+ * the context length and head counts only, never on the thread count, and paged and
+ * contiguous caches holding the same data give the same bits.
  * Memory: the per-thread workspace of fw_attn_fwd, plus the split partial results (about
  * (dv + 2) floats per query row per split), both allocated inside the call.
  */

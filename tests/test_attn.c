@@ -1628,25 +1628,29 @@ static void test_decode_strided_extent(void)
  * bf16 and f32. */
 static void test_decode_prefetch_bits(void)
 {
-    case_begin("attention: decode prefetch on, off and by default give the same bits");
+    /* on 40 threads the 34 key ranges have their 2 heads in 2 groups: the sweep and the
+     * prefetch of a group's slice of each row */
+    case_begin("attention: decode prefetch on, off and by default, heads in groups or not, give the same bits");
     enum { B = 2, SK = FW_DEC_SWEEP_KEYS + 77, HKV = 2, HQ = 8, D = 64 };
     int64_t qs[4] = {B, 1, HQ, D}, ks[4] = {B, SK, HKV, D};
     for (int dt = 0; dt < 2; dt++) {
         const fw_dtype t = dt ? FW_F32 : FW_BF16;
         const size_t es = fw_dtype_size(t), nkv = (size_t)B * SK * HKV * D;
         void *q = malloc(es * B * HQ * D), *k = malloc(es * nkv), *v = malloc(es * nkv);
-        float *o[3];
+        float *o[5];
         fw_tensor tq = fw_tensor_contiguous(q, t, 4, qs), tk = fw_tensor_contiguous(k, t, 4, ks),
                   tv = fw_tensor_contiguous(v, t, 4, ks);
         rng_seed(37);
         tfill_normal(&tq, 1.0);
         tfill_normal(&tk, 1.0);
         tfill_normal(&tv, 1.0);
-        static const uint32_t flags[3] = {0, FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
+        static const uint32_t flags[5] = {0, FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH,
+                                          FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
+        static const int threads[5] = {1, 2, 2, 40, 40};
         for (int it = 0; it < fw_isa_count(); it++) {
             if (!fw_isa_supported(fw_isa_name(it)))
                 continue;
-            for (int f = 0; f < 3; f++) {
+            for (int f = 0; f < 5; f++) {
                 o[f] = calloc(B * HQ * D, sizeof(float));
                 fw_tensor to = fw_tensor_contiguous(o[f], FW_F32, 4, qs);
                 fw_attn_params p;
@@ -1654,13 +1658,14 @@ static void test_decode_prefetch_bits(void)
                 p.isa = fw_isa_name(it);
                 p.causal = 1;
                 p.flags = flags[f];
+                p.threads = threads[f];
                 const fw_status st = fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p);
                 case_check(st == FW_OK, "%s flags %u: %s", p.isa, flags[f], fw_last_error());
             }
-            case_check(!memcmp(o[0], o[1], sizeof(float) * B * HQ * D) &&
-                           !memcmp(o[0], o[2], sizeof(float) * B * HQ * D) && isfinite(o[0][0]),
-                       "%s %s: outputs differ", fw_isa_name(it), dt ? "f32" : "bf16");
-            for (int f = 0; f < 3; f++)
+            for (int f = 1; f < 5; f++)
+                case_check(!memcmp(o[0], o[f], sizeof(float) * B * HQ * D) && isfinite(o[0][0]),
+                           "%s %s: outputs of run %d differ", fw_isa_name(it), dt ? "f32" : "bf16", f);
+            for (int f = 0; f < 5; f++)
                 free(o[f]);
         }
         free(q);

@@ -451,14 +451,39 @@ static void test_kvcache_bad_input(void)
 static void test_split_heuristic(void)
 {
     case_begin("split-KV heuristic");
-    case_check(fw_attn_kv_splits(32768) == 64, "32K keys");
-    case_check(fw_attn_kv_splits(2048) == 4, "2K keys");
-    case_check(fw_attn_kv_splits(512) == 2 && fw_attn_kv_split_keys(512) == 256, "512 keys: two of 256");
-    case_check(fw_attn_kv_splits(257) == 2, "256 + 1 keys");
-    case_check(fw_attn_kv_splits(256) == 1, "256 keys");
-    case_check(fw_attn_kv_splits(513) == 2 && fw_attn_kv_split_keys(513) == 512, "512 + 1 keys: two of 512");
-    case_check(fw_attn_kv_splits(1024) == 2, "1K keys");
-    case_check(fw_attn_kv_splits(0) == 1, "no keys");
+    /* one K/V group: ranges of 256 keys up to 512, 512 past it */
+    case_check(fw_attn_kv_splits(32768, 1) == 64, "32K keys");
+    case_check(fw_attn_kv_splits(2048, 1) == 4, "2K keys");
+    case_check(fw_attn_kv_splits(512, 1) == 2 && fw_attn_kv_split_keys(512, 1) == 256, "512 keys: two of 256");
+    case_check(fw_attn_kv_splits(257, 1) == 2, "256 + 1 keys");
+    case_check(fw_attn_kv_splits(256, 1) == 1, "256 keys");
+    case_check(fw_attn_kv_splits(513, 1) == 2 && fw_attn_kv_split_keys(513, 1) == 512, "512 + 1 keys: two of 512");
+    case_check(fw_attn_kv_splits(1024, 1) == 2, "1K keys");
+    case_check(fw_attn_kv_splits(0, 1) == 1, "no keys");
+    /* two groups or more: one range up to 1K keys (the heads spread instead), as above past it */
+    case_check(fw_attn_kv_splits(1024, 8) == 1 && fw_attn_kv_split_keys(1024, 8) == 1024, "1K keys, 8 heads");
+    case_check(fw_attn_kv_splits(700, 2) == 1 && fw_attn_kv_splits(1, 2) == 1, "700 and 1 keys, 2 heads");
+    case_check(fw_attn_kv_splits(1025, 8) == 3 && fw_attn_kv_split_keys(1025, 8) == 512, "1K + 1 keys, 8 heads");
+    case_check(fw_attn_kv_splits(32768, 8) == 64, "32K keys, 8 heads");
+    case_check(fw_attn_kv_splits(0, 8) == 1 && fw_attn_kv_split_keys(0, 8) == 1, "no keys, 8 heads");
+    case_end();
+    case_begin("decode head-group heuristic");
+    case_check(fw_attn_dec_groups(8, 1, 2) == 2, "8 heads, 1 item, 2 threads: 2 groups");
+    case_check(fw_attn_dec_groups(8, 1, 3) == 3, "3 threads: 3 groups (3, 3, 2)");
+    case_check(fw_attn_dec_groups(8, 1, 7) == 4, "7 threads: 4 groups of 2");
+    case_check(fw_attn_dec_groups(8, 1, 64) == 8, "64 threads: one head a group");
+    case_check(fw_attn_dec_groups(8, 3, 8) == 3, "3 items, 8 threads: 3 groups");
+    case_check(fw_attn_dec_groups(8, 2, 2) == 1 && fw_attn_dec_groups(8, 16, 2) == 1, "items enough");
+    case_check(fw_attn_dec_groups(1, 1, 8) == 1 && fw_attn_dec_groups(0, 0, 8) == 1, "one or no unit");
+    case_check(fw_attn_dec_groups(8, 1, 1) == 1, "one thread");
+    /* every group non-empty: ceil(units / groups) x (groups - 1) < units */
+    int ok = 1;
+    for (int64_t u = 1; u <= 40; u++)
+        for (int t = 1; t <= 70; t++) {
+            const int64_t g = fw_attn_dec_groups(u, 1, t), per = (u + g - 1) / g;
+            ok &= g >= 1 && g <= u && per * (g - 1) < u && (t <= 1 || u < 2 || g >= 2);
+        }
+    case_check(ok, "every group non-empty for 1-40 heads and 1-70 threads");
     case_end();
 }
 

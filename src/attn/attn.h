@@ -148,20 +148,37 @@ void fw_attn_tile_rows(int64_t G, int vl, int64_t sq_max, int *bq, int *M);
 int fw_attn_chunk_tiles(int64_t total_tiles, int threads);
 
 /* Key ranges the context of a decode sequence (fw_attn_is_decode: G x n <= FW_DEC_ROWS query
- * rows per K/V head) is split into: ranges of fw_attn_kv_split_keys(sk) keys, FW_KV_SPLIT
- * (512) past FW_KV_SPLIT keys and half that up to it; ceil(sk / keys) of them, at least 1.
- * Depends on the context length only, never on the thread count. Examples: sk 32768 -> 64;
- * 2048 -> 4; 512 -> 2; 256 -> 1.
+ * rows per K/V head) with `units` K/V groups (K/V heads, or q heads without GQA packing) is
+ * split into: one range up to 2 x FW_KV_SPLIT keys when there are two units or more (their
+ * heads spread over the threads instead: fw_attn_dec_groups); else ranges of
+ * fw_attn_kv_split_keys keys, FW_KV_SPLIT (512) past FW_KV_SPLIT keys and half that up to it;
+ * ceil(sk / keys) of them, at least 1. Depends on the shape only, never on the thread count.
+ * Examples (8 units): sk 32768 -> 64; 2048 -> 4; 1024 -> 1; (1 unit) 1024 -> 2, 512 -> 2,
+ * 256 -> 1.
  * Why 512 (measured, bf16, GQA 32:8, d 128, batch 1, 2 threads, `flywheel bench kvcache
  * --decode`): 512-key splits give 34 GB/s of K/V at 1K keys against 20 with 2048 (one split
  * ran on one thread), 37 against 15-34 at 4K, 28 against 27 at 32K; batch 16 is unchanged
  * (26-31 GB/s). Splits this small pay off only since the thread pool (src/threads.c).
- * Why 256 up to 512 keys (Intel Xeon with AMX, 2 threads, the same shape): one range ran on
- * one thread; `flywheel bench kvcache --decode --reps 64`, batch 1, paged, medians: 384 keys
- * 56-58 -> 46-47 us, 512 keys 87-91 -> 57-76 us; batch 16 level (1072-1110 against
- * 1101-1104 us at 384, 1449-1481 against 1467-1492 at 512). 256-key ranges past 512 keys
- * were slower (C API, best of 2000 hot calls: 1K 107-108 us against 102-105, 4K 1-2%). */
-int64_t fw_attn_kv_split_keys(int64_t sk);
-int64_t fw_attn_kv_splits(int64_t sk);
+ * Why 256 up to 512 keys for one unit (Intel Xeon with AMX, 2 threads, the same shape): one
+ * range ran on one thread; `flywheel bench kvcache --decode --reps 64`, batch 1, paged,
+ * medians: 384 keys 56-58 -> 46-47 us, 512 keys 87-91 -> 57-76 us; batch 16 level (1072-1110
+ * against 1101-1104 us at 384, 1449-1481 against 1467-1492 at 512). 256-key ranges past 512
+ * keys were slower (C API, best of 2000 hot calls: 1K 107-108 us against 102-105, 4K 1-2%).
+ * Why one range up to 1K keys, the heads in groups (Zen 4 VM, 2 threads, GQA 32:8, d 128,
+ * batch 1, 128-token pages, medians of 2 x 800 calls alternating in blocks of 40 between the
+ * two builds in one process): 700 keys f32 182-184 -> 118-120 us (two ranges of 512 and 188
+ * keys were one thread's work), 1K f32 196 -> 188, bf16 128 -> 119, 512 keys bf16 64-75 ->
+ * 58-74, batch 2 at 1K bf16 263-266 -> 236; cold caches (24 in rotation) level (f32 540-585
+ * against 528-572, bf16 277-280 against 281-284); 4K and batch 16 take the old path. */
+int64_t fw_attn_kv_split_keys(int64_t sk, int64_t units);
+int64_t fw_attn_kv_splits(int64_t sk, int64_t units);
+
+/* How many groups the units of each decode item are spread over, when a call has fewer
+ * items than threads (items: decode items by key range plus the other items): enough for
+ * every thread, at most one unit a group, every group non-empty (units / ceil(units / want)
+ * rounded up); else 1. Changes who computes a head, never its bits. Examples: 8 units, 1
+ * item, 2 threads -> 2 (4 heads each); 3 threads -> 3 (3, 3, 2); 7 threads -> 4 (2 each:
+ * ceil(8 / 7) = 2 a group); 1 unit -> 1; 2 items, 2 threads -> 1. */
+int64_t fw_attn_dec_groups(int64_t units, int64_t items, int threads);
 
 #endif /* FW_ATTN_H */

@@ -27,14 +27,15 @@ static void key_offsets(const fw_attn_prob *p, const fw_attn_seq *sq, int64_t t0
     }
 }
 
-/* Reads one byte of every cache line of the tile's token rows (all heads), K then V, in
- * address order: sequential demand reads the hardware streamers follow, so the per-head
- * kernels after it find the tile in L2. */
+/* Reads one byte of every cache line of the tile's token rows (the item's heads: span bytes
+ * from element kbase / vbase of each row), K then V, in address order: sequential demand reads
+ * the hardware streamers follow, so the per-head kernels after it find the tile in L2. */
 static unsigned sweep_rows(const fw_attn_prob *p, const int64_t *koff, const int64_t *voff, int nk,
-                           int64_t span, size_t es)
+                           int64_t span, size_t es, int64_t kbase, int64_t vbase)
 {
     unsigned acc = 0;
-    const unsigned char *kb = p->k->data, *vb = p->v->data;
+    const unsigned char *kb = (const unsigned char *)p->k->data + kbase * (int64_t)es;
+    const unsigned char *vb = (const unsigned char *)p->v->data + vbase * (int64_t)es;
     for (int j = 0; j < nk; j++)
         for (int64_t b = 0; b < span; b += 64)
             acc += kb[koff[j] * (int64_t)es + b];
@@ -44,10 +45,11 @@ static unsigned sweep_rows(const fw_attn_prob *p, const int64_t *koff, const int
     return acc;
 }
 
-/* Decode path: every K/V group ("unit": a K/V head, or a q head without GQA packing) of one
- * sequence over the item's key range, with keys along the vector lanes. Each 64-key tile is
- * taken for all units before the next, so every token row of the cache (all heads) is read
- * once, front to back, while it is in cache; the next tile is prefetched meanwhile, except on
+/* Decode path: K/V groups ("units": K/V heads, or q heads without GQA packing) [ua, ub) of
+ * one sequence, group it->head of the it->chunk its units are spread over (fw_attn_dec_groups;
+ * usually one: all of them), over the item's key range, with keys along the vector lanes. Each
+ * 64-key tile is taken for all the item's units before the next, so every token row of the
+ * cache (the item's heads of it) is read once, front to back, while it is in cache; the next tile is prefetched meanwhile, except on
  * Intel (fw_dec_prefetch: there the L2 streamer does better alone). A unit holds R = G x n
  * rows, row r = g * n + i (as in a q tile with bq = n).
  * Measured on Zen 5 (bf16, GQA 32:8, d 128, 32K keys, K/V GB/s on 1 / 2 threads): one head
@@ -63,6 +65,8 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     const int G = c->G, n = (int)sq->sq, R = G * n, d = (int)p->d, dv = (int)p->dv;
     const int gqa = !(c->flags & FW_ATTN_NO_GQA_PACK);
     const int64_t units = gqa ? p->hkv : p->hq;
+    const int64_t per = fw_ceil_div(units, it->chunk), ua = it->head * per;
+    const int64_t ub = fw_min64(units, ua + per), gu = ub - ua;
     const int skip = !(c->flags & FW_ATTN_NO_TILE_SKIP);
     char *w = c->ws + (size_t)tid * c->ws_stride;
     float *Q = (float *)(w + c->wl.dec), *O = Q + (size_t)units * R * d;
@@ -75,7 +79,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     float *qrow = (float *)(w + c->wl.row);
     int64_t vlo[FW_DEC_ROWS], vhi[FW_DEC_ROWS], klo = INT64_MAX, khi = INT64_MIN;
     const void *rows[FW_DEC_KEYS], *vrows[FW_DEC_KEYS];
-    for (int64_t u = 0; u < units; u++)
+    for (int64_t u = ua; u < ub; u++)
         for (int g = 0; g < G; g++)
             for (int i = 0; i < n; i++) {
                 const int64_t r = u * R + g * n + i, h = gqa ? u * p->G + g : u;
@@ -89,7 +93,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 A[r] = -INFINITY;
                 L[r] = 0.0f;
             }
-    memset(O, 0, (size_t)(units * R * dv) * sizeof(float));
+    memset(O + (size_t)ua * R * dv, 0, (size_t)(gu * R * dv) * sizeof(float));
     /* visible keys depend on the position only: the same for every unit and head */
     for (int g = 0; g < G; g++)
         for (int i = 0; i < n; i++) {
@@ -110,13 +114,15 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     const int vdirect = p->vs[2] == 1;
     const size_t es = fw_dtype_size(p->k->dtype);
     const int64_t kline = p->d * p->ks[2] * (int64_t)es, vline = p->dv * p->vs[2] * (int64_t)es;
-    /* bytes of one token's row over all heads, when the heads lie together in K and in V and
-     * every unit iterates once per token (else 0: prefetch per head) */
+    /* bytes of one token's row over the item's heads (from element kbase / vbase of the row),
+     * when the heads lie together in K and in V and every unit iterates once per token (else
+     * 0: prefetch per head) */
     /* (the extent ends at the last element: with strided head dims, d * stride overshoots it,
      * and sweep_rows reads these bytes; found by fuzz/fuzz_attn.c) */
-    const int64_t kspan = ((p->hkv - 1) * p->ks[1] + (p->d - 1) * p->ks[2] + 1) * (int64_t)es;
-    const int64_t vspan = ((p->hkv - 1) * p->vs[1] + (p->dv - 1) * p->vs[2] + 1) * (int64_t)es;
-    const int64_t span = gqa && kspan == vspan && kspan <= 2 * p->hkv * kline && p->ks[0] != 1 ? kspan : 0;
+    const int64_t kspan = ((gu - 1) * p->ks[1] + (p->d - 1) * p->ks[2] + 1) * (int64_t)es;
+    const int64_t vspan = ((gu - 1) * p->vs[1] + (p->dv - 1) * p->vs[2] + 1) * (int64_t)es;
+    const int64_t span = gqa && kspan == vspan && kspan <= 2 * gu * kline && p->ks[0] != 1 ? kspan : 0;
+    const int64_t kbase = gqa ? ua * p->ks[1] : 0, vbase = gqa ? ua * p->vs[1] : 0;
     /* The address-order sweep pays where the context streams from DRAM, and costs where it is
      * short. Measured on Zen 5 (bf16 / f32, GQA 32:8, d 128, one thread, best of 300): 1K context,
      * cache-hot 254 / 395 us with it, 215 / 321 without; cache-cold (16 rotating caches) 405-415
@@ -131,8 +137,8 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's
      * prefetch is per channel row */
     const int kcols = p->ks[0] == 1 && p->d > 1 && (!p->bt || p->page % FW_DEC_KEYS == 0);
-    /* a token row in `units` slices of whole cache lines (no division in the key loop) */
-    const int64_t slice = ((span + units - 1) / units + 63) & ~(int64_t)63;
+    /* a token row in `gu` slices of whole cache lines (no division in the key loop) */
+    const int64_t slice = ((span + gu - 1) / gu + 63) & ~(int64_t)63;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
     unsigned touch = 0;
     const int64_t tfirst = klo < khi ? klo / FW_DEC_KEYS * FW_DEC_KEYS : khi;
@@ -149,13 +155,13 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             hi[r] = vhi[r] > vlo[r] ? (float)fw_max64(0, fw_min64(nk, vhi[r] - t0)) : 0.0f;
         }
         if (sweep)
-            touch += sweep_rows(p, koff[cur], voff[cur], nk, span, es);
-        for (int64_t u = 0; u < units; u++) {
+            touch += sweep_rows(p, koff[cur], voff[cur], nk, span, es, kbase, vbase);
+        for (int64_t u = ua; u < ub; u++) {
             const int64_t kvh = gqa ? u : u / p->G;
             const char *kb = fw_elem(p->k, kvh * p->ks[1]), *vb = fw_elem(p->v, kvh * p->vs[1]);
             const int pf = gqa || u % p->G == 0;
             /* iteration (u, j) is number u * nk + j of the tile: token row tt, slice part */
-            int64_t tt = span ? u * nk / units : 0, part = span ? u * nk % units : 0;
+            int64_t tt = span ? (u - ua) * nk / gu : 0, part = span ? (u - ua) * nk % gu : 0;
             for (int j = 0; j < nk; j++) {
                 /* A steady stream of prefetches for the next tile, in address order: iteration
                  * (u, j) takes slice u of token row j (all heads' K, then V) when the heads
@@ -165,14 +171,14 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 if (j < nf && span) {
                     if (tt < nn) {
                         const int64_t b0 = part * slice, b1 = fw_min64(span, b0 + slice);
-                        const char *kr = (const char *)p->k->data + koff[cur ^ 1][tt] * (int64_t)es;
-                        const char *vr = (const char *)p->v->data + voff[cur ^ 1][tt] * (int64_t)es;
+                        const char *kr = (const char *)p->k->data + (koff[cur ^ 1][tt] + kbase) * (int64_t)es;
+                        const char *vr = (const char *)p->v->data + (voff[cur ^ 1][tt] + vbase) * (int64_t)es;
                         for (int64_t b = b0; b < b1; b += 64) {
                             __builtin_prefetch(kr + b, 0, 2);
                             __builtin_prefetch(vr + b, 0, 2);
                         }
                     }
-                    if (++part == units) {
+                    if (++part == gu) {
                         part = 0;
                         tt++;
                     }
@@ -230,7 +236,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
         }
     }
     c->sink[tid * 16] += touch;
-    for (int64_t u = 0; u < units; u++)
+    for (int64_t u = ua; u < ub; u++)
         for (int g = 0; g < G; g++)
             for (int i = 0; i < n; i++) {
                 const int64_t r = u * R + g * n + i;

@@ -120,8 +120,9 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
 
     /* the work list: q tiles of each sequence's own size, grouped into chunks; a decode
      * sequence (fw_attn_is_decode: G x n <= FW_DEC_ROWS rows per K/V head) is one item per key
-     * split instead, all heads together */
-    int64_t total_tiles = 0, n = 0, nmerge = 0, npart = 0;
+     * split instead, all heads together, or its heads in groups when the items are fewer
+     * than the threads (fw_attn_dec_groups) */
+    int64_t total_tiles = 0, n = 0, nd = 0, nmerge = 0, npart = 0;
     const int64_t units = fw_attn_ws_units(p->hq, p->hkv, flags);
     for (int64_t i = 0; i < p->batch; i++) {
         int bq, M;
@@ -134,8 +135,8 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
         int bq, M;
         fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
         if (!plain && fw_attn_decode_seq(p, c.G, s.sq)) {
-            const int64_t ns = fw_attn_kv_splits(s.sk);
-            n += ns;
+            const int64_t ns = fw_attn_kv_splits(s.sk, units);
+            nd += ns;
             if (ns > 1) {
                 nmerge++;
                 npart += ns * units * c.G * s.sq * (p->dv + 2);
@@ -144,6 +145,8 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
             n += fw_ceil_div(s.sq, plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c.chunk * bq) * heads;
         }
     }
+    const int64_t ng = fw_attn_dec_groups(units, n + nd, threads);
+    n += nd * ng;
     if (n == 0)
         return FW_OK;
     c.wl = fw_attn_ws_layout(p->hq, p->hkv, p->d, p->dv, kt, flags, p->bf16);
@@ -176,18 +179,19 @@ static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
         int bq, M;
         fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
         if (!plain && fw_attn_decode_seq(p, c.G, s.sq)) {
-            const int64_t ns = fw_attn_kv_splits(s.sk), keys = fw_attn_kv_split_keys(s.sk);
+            const int64_t ns = fw_attn_kv_splits(s.sk, units), keys = fw_attn_kv_split_keys(s.sk, units);
             const int64_t rows = units * c.G * s.sq;
             if (ns > 1) {
                 merge_item mi = {i, ns, npart};
                 merges[nmerge++] = mi;
             }
-            for (int64_t sp = 0; sp < ns; sp++) {
-                item e = {i, 0, 0, sp * keys, ns > 1 ? (sp + 1) * keys : INT64_MAX,
-                          ns > 1 ? npart + sp * rows * (p->dv + 2) : -1,
-                          units * fw_min64(keys, s.sk) + FW_ATTN_BK};
-                c.items[n++] = e;
-            }
+            for (int64_t sp = 0; sp < ns; sp++)
+                for (int64_t g = 0; g < ng; g++) {
+                    item e = {i, g, ng, sp * keys, ns > 1 ? (sp + 1) * keys : INT64_MAX,
+                              ns > 1 ? npart + sp * rows * (p->dv + 2) : -1,
+                              fw_ceil_div(units, ng) * fw_min64(keys, s.sk) + FW_ATTN_BK};
+                    c.items[n++] = e;
+                }
             npart += ns > 1 ? ns * rows * (p->dv + 2) : 0;
             continue;
         }

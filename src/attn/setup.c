@@ -463,13 +463,23 @@ int fw_attn_chunk_tiles(int64_t total_tiles, int threads)
     return (int)fw_max64(1, fw_min64(FW_ATTN_CHUNK_MAX, c));
 }
 
-int64_t fw_attn_kv_split_keys(int64_t sk)
+int64_t fw_attn_kv_split_keys(int64_t sk, int64_t units)
 {
+    if (units >= 2 && sk <= 2 * FW_KV_SPLIT)
+        return fw_max64(sk, 1);
     return sk > FW_KV_SPLIT ? FW_KV_SPLIT : FW_KV_SPLIT / 2;
 }
 
-int64_t fw_attn_kv_splits(int64_t sk)
+int64_t fw_attn_kv_splits(int64_t sk, int64_t units)
 {
-    const int64_t keys = fw_attn_kv_split_keys(sk);
+    const int64_t keys = fw_attn_kv_split_keys(sk, units);
     return sk > keys ? fw_ceil_div(sk, keys) : 1;
+}
+
+int64_t fw_attn_dec_groups(int64_t units, int64_t items, int threads)
+{
+    if (units < 2 || items >= threads)
+        return 1;
+    const int64_t want = fw_min64(units, fw_ceil_div(threads, fw_max64(items, 1)));
+    return fw_ceil_div(units, fw_ceil_div(units, want));
 }
