@@ -301,8 +301,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [total_q, hq, d] with a different number of new tokens per sequence.
     Returns out [b, sq, hq, dv] (or [total_q, hq, dv]), and lse [b, hq, sq]
     ([hq, total_q]) float32 with return_softmax_lse. Decode contexts are split into fixed
-    ranges of FW_KV_SPLIT (512) keys, 256 up to 512 keys, whatever num_splits says (the
-    result never depends on the thread count). out: an existing output ([b, sq, hq, dv], whose [b, sq] merge into one stride, or
+    ranges of FW_KV_SPLIT (512) keys, 256 up to 512 keys, none up to 1024 keys with two K/V
+    heads or more, whatever num_splits says (the result never depends on the thread count). out: an existing output ([b, sq, hq, dv], whose [b, sq] merge into one stride, or
     [total_q, hq, dv]) to write instead of a new one. precision: None/"auto", "f32" or "bf16"
     products, as in flash_attn_func.
     Copies: q/k/v when [b, sq] cannot be merged into one stride (not for contiguous
