@@ -134,13 +134,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     bad |= q.bad | kc.bad | vc.bad | o.bad | (with_lse && l.bad) | (append && (kn.bad | vn.bad));
     bad |= append && (has_alias(&kc.t) || has_alias(&vc.t));
 
-    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens};
+    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens, NULL};
     if (paged && fz_chance(&in, 64))
         cache.block_table_stride = 0, bts = max_pages; /* 0: rows max_pages apart */
+    /* cache_leftpad: each context from a row in 0 .. seqlens[i]; with a block table, refused */
+    int32_t leftpad[MAXB] = {0};
+    if (batch > 0 && fz_chance(&in, 48)) {
+        for (int64_t i = 0; i < batch; i++)
+            leftpad[i] = (int32_t)fz_range(&in, 0, seqlens[i]);
+        cache.leftpad = leftpad;
+        bad |= paged;
+    }
     /* broken on purpose */
     int null_cuq = 0;
     if (fz_chance(&in, 24)) {
-        unsigned what = fz_byte(&in) % 8;
+        unsigned what = fz_byte(&in) % 9;
         int64_t i = batch ? fz_range(&in, 0, batch - 1) : 0;
         int64_t len = seqlens[i] + (append ? cuq[i + 1] - cuq[i] : 0);
         if (what == 0 && batch) { /* a negative length */
@@ -172,6 +180,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 cache.seqlens = NULL;
             else
                 null_cuq = 1;
+            bad = 1;
+        } else if (what == 8 && batch && !paged) { /* a leftpad past the cached rows, or negative */
+            leftpad[i] = fz_chance(&in, 128) ? -1 : seqlens[i] + 1 + (int32_t)fz_range(&in, 0, 3);
+            cache.leftpad = leftpad;
             bad = 1;
         } else if (what == 7) { /* a negative batch, or offsets that do not end at total_q */
             if (fz_chance(&in, 128))
@@ -205,7 +217,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 (int)p.causal, (long long)p.window_left, (double)p.softcap, (int)p.threads,
                 p.isa ? p.isa : "default", (unsigned)p.flags, (int)p.precision);
     for (int64_t i = 0; i < batch && i < MAXB; i++)
-        fz_describe("%s(%d+%d)", i ? " " : "\n  seqs ", (int)seqlens[i], (int)(cuq[i + 1] - cuq[i]));
+        fz_describe("%s(%d+%d%s%d)", i ? " " : "\n  seqs ", (int)seqlens[i], (int)(cuq[i + 1] - cuq[i]),
+                    cache.leftpad ? ", leftpad " : "", cache.leftpad ? (int)leftpad[i] : 0);
     fz_describe_tensor("q", &q, vq);
     fz_describe_tensor("k_new", &kn, vk);
     fz_describe_tensor("v_new", &vn, vv);

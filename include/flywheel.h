@@ -48,7 +48,7 @@ extern "C" {
  * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
  * bindings check it at load time (the Python package refuses a library whose
  * fw_abi_version() differs from the number it was written for). */
-#define FW_ABI_VERSION 5
+#define FW_ABI_VERSION 6
 
 /* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
 FW_API const char *fw_version(void);
@@ -325,6 +325,11 @@ FW_API fw_status fw_attn_varlen_bwd_ref(const fw_tensor *q, const fw_tensor *k, 
  * seqlens[i] (int32) is the number of tokens sequence i already holds. k and v share a dtype
  * (f32, bf16 or f16). The library never changes seqlens: after an append of n tokens the
  * caller adds n, as with flash-attn's cache_seqlens.
+ * leftpad[i] (int32, optional; flash-attn's cache_leftpad; contiguous caches only, as there):
+ * sequence i's context starts at cache row leftpad[i] (0 <= leftpad[i] <= seqlens[i]): rows
+ * before it (a left-padded batch's padding) are never read. Queries align bottom-right to the
+ * rows [leftpad[i], seqlens[i] + n_i); new rows are still written at seqlens[i] .., and the
+ * rotary positions stay the rows' own (new key r at seqlens[i] + r).
  */
 typedef struct fw_kv_cache {
     fw_tensor k, v;
@@ -332,6 +337,7 @@ typedef struct fw_kv_cache {
     int64_t max_pages;          /* columns of block_table (paged only) */
     int64_t block_table_stride; /* elements between block_table rows; 0 = max_pages */
     const int32_t *seqlens;     /* [b] */
+    const int32_t *leftpad;     /* [b] first row of each context, or NULL (all 0) */
 } fw_kv_cache;
 
 /*

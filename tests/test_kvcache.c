@@ -448,6 +448,156 @@ static void test_kvcache_bad_input(void)
     cache_free(&pag);
 }
 
+/* flash-attn's cache_leftpad (contiguous caches): per sequence, a batch with leftpads gives the
+ * bits of a batch-1 call on the cache from its leftpad row on (the data pointer moved, seqlens
+ * less the leftpad, the rotary tables moved as far), and the caches after both calls are
+ * alike; the reference likewise, within 1e-12. Decode and 5-row chunks, with and without
+ * appends and a rotary embedding, causal, windowed and neither, f32 and bf16, 1 and 3
+ * threads; a leftpad of the whole context included. Leftpads out of range, and any with a
+ * block table, are refused with nothing written. */
+static void test_leftpad(void)
+{
+    enum { B = 3, S = 48, HKV = 2, HQ = 8, D = 32, RO = 64 };
+    static const int32_t old[B] = {30, 7, 41}, lp[B] = {9, 0, 41};
+    float cosb[RO * D / 2], sinb[RO * D / 2];
+    for (int t = 0; t < RO; t++)
+        for (int i = 0; i < D / 2; i++) {
+            cosb[t * D / 2 + i] = (float)cos(0.3 * t / (1 + i));
+            sinb[t * D / 2 + i] = (float)sin(0.3 * t / (1 + i));
+        }
+    for (int cfg = 0; cfg < 2 * 2 * 2 * 3 * 2; cfg++) {
+        const fw_dtype dt = cfg % 2 ? FW_BF16 : FW_F32;
+        const int n = (cfg / 2) % 2 ? 5 : 1, append = (cfg / 4) % 2, mask = (cfg / 8) % 3;
+        const int rot = append && (cfg / 24) % 2, threads = (cfg / 24) % 2 ? 3 : 1;
+        const size_t es = fw_dtype_size(dt), cbytes = (size_t)B * S * HKV * D * es;
+        const int64_t T = (int64_t)B * n;
+        int64_t cs[4] = {B, S, HKV, D}, qs[3] = {T, HQ, D}, ns[3] = {T, HKV, D}, ls[2] = {HQ, T};
+        unsigned char *ka = malloc(cbytes), *va = malloc(cbytes), *kb = malloc(cbytes), *vb = malloc(cbytes);
+        void *qd = malloc((size_t)T * HQ * D * es), *knd = malloc((size_t)T * HKV * D * es),
+             *vnd = malloc((size_t)T * HKV * D * es);
+        float *oa = malloc(sizeof(float) * T * HQ * D), *ob = malloc(sizeof(float) * T * HQ * D);
+        float *la = malloc(sizeof(float) * HQ * T), *lb = malloc(sizeof(float) * HQ * T);
+        double *ra = malloc(sizeof(double) * T * HQ * D), *rb = malloc(sizeof(double) * T * HQ * D);
+        fw_tensor tk = fw_tensor_contiguous(ka, dt, 4, cs), tv = fw_tensor_contiguous(va, dt, 4, cs);
+        fw_tensor tq = fw_tensor_contiguous(qd, dt, 3, qs), tkn = fw_tensor_contiguous(knd, dt, 3, ns),
+                  tvn = fw_tensor_contiguous(vnd, dt, 3, ns);
+        rng_seed(91 + (uint64_t)cfg);
+        tfill_normal(&tk, 1.0);
+        tfill_normal(&tv, 1.0);
+        tfill_normal(&tq, 1.0);
+        tfill_normal(&tkn, 1.0);
+        tfill_normal(&tvn, 1.0);
+        memcpy(kb, ka, cbytes);
+        memcpy(vb, va, cbytes);
+        int32_t cu[B + 1], sl[B];
+        for (int i = 0; i <= B; i++)
+            cu[i] = i * n;
+        memcpy(sl, old, sizeof sl);
+        int64_t rs[2] = {RO, D / 2};
+        fw_tensor tc = fw_tensor_contiguous(cosb, FW_F32, 2, rs), ts = fw_tensor_contiguous(sinb, FW_F32, 2, rs);
+        fw_attn_params p;
+        fw_attn_params_init(&p);
+        p.causal = mask == 0;
+        p.window_left = mask == 1 ? 4 : -1;
+        p.window_right = mask == 1 ? 2 : -1;
+        p.threads = threads;
+        if (rot) {
+            p.rotary_cos = &tc;
+            p.rotary_sin = &ts;
+        }
+        fw_kv_cache c;
+        memset(&c, 0, sizeof c);
+        c.k = tk;
+        c.v = tv;
+        c.seqlens = sl;
+        c.leftpad = lp;
+        int64_t os[3] = {T, HQ, D};
+        fw_tensor to = fw_tensor_contiguous(oa, FW_F32, 3, os), tl = fw_tensor_contiguous(la, FW_F32, 2, ls);
+        fw_tensor tr = fw_tensor_contiguous(ra, FW_F64, 3, os);
+        const fw_tensor *pkn = append ? &tkn : NULL, *pvn = append ? &tvn : NULL;
+        case_begin("kvcache leftpad: %s, %d rows, append %d, %s, rotary %d, %d threads",
+                   dt == FW_F32 ? "f32" : "bf16", n, append, mask == 0 ? "causal" : mask == 1 ? "window" : "no mask",
+                   rot, threads);
+        fw_status st = fw_attn_kvcache_ref(&tq, pkn, pvn, cu, B, &c, &tr, NULL, &p);
+        case_check(st == FW_OK, "reference: %s", fw_last_error());
+        st = fw_attn_kvcache_fwd(&tq, pkn, pvn, cu, B, &c, &to, &tl, &p);
+        case_check(st == FW_OK, "batch: %s", fw_last_error());
+        for (int i = 0; i < B; i++) {
+            int64_t cs1[4] = {1, S - lp[i], HKV, D}, qs1[3] = {n, HQ, D}, ns1[3] = {n, HKV, D}, os1[3] = {n, HQ, D},
+                    ls1[2] = {HQ, n}, rs1[2] = {RO - lp[i], D / 2};
+            const size_t row = ((size_t)i * S + (size_t)lp[i]) * HKV * D * es;
+            fw_kv_cache c1;
+            memset(&c1, 0, sizeof c1);
+            c1.k = fw_tensor_contiguous(kb + row, dt, 4, cs1);
+            c1.v = fw_tensor_contiguous(vb + row, dt, 4, cs1);
+            int32_t sl1[1] = {old[i] - lp[i]}, cu1[2] = {0, n};
+            c1.seqlens = sl1;
+            fw_tensor q1 = fw_tensor_contiguous((char *)qd + (size_t)i * n * HQ * D * es, dt, 3, qs1);
+            fw_tensor kn1 = fw_tensor_contiguous((char *)knd + (size_t)i * n * HKV * D * es, dt, 3, ns1);
+            fw_tensor vn1 = fw_tensor_contiguous((char *)vnd + (size_t)i * n * HKV * D * es, dt, 3, ns1);
+            fw_tensor o1 = fw_tensor_contiguous(ob + (size_t)i * n * HQ * D, FW_F32, 3, os1);
+            fw_tensor r1 = fw_tensor_contiguous(rb + (size_t)i * n * HQ * D, FW_F64, 3, os1);
+            float l1[HQ * 5];
+            fw_tensor tl1 = fw_tensor_contiguous(l1, FW_F32, 2, ls1);
+            fw_tensor c1c = fw_tensor_contiguous(cosb + (size_t)lp[i] * D / 2, FW_F32, 2, rs1),
+                      c1s = fw_tensor_contiguous(sinb + (size_t)lp[i] * D / 2, FW_F32, 2, rs1);
+            fw_attn_params p1 = p;
+            if (rot) {
+                p1.rotary_cos = &c1c;
+                p1.rotary_sin = &c1s;
+            }
+            st = fw_attn_kvcache_ref(&q1, append ? &kn1 : NULL, append ? &vn1 : NULL, cu1, 1, &c1, &r1, NULL, &p1);
+            case_check(st == FW_OK, "reference, sequence %d: %s", i, fw_last_error());
+            st = fw_attn_kvcache_fwd(&q1, append ? &kn1 : NULL, append ? &vn1 : NULL, cu1, 1, &c1, &o1, &tl1, &p1);
+            case_check(st == FW_OK, "sequence %d: %s", i, fw_last_error());
+            for (int h = 0; h < HQ; h++)
+                for (int r = 0; r < n; r++)
+                    lb[h * T + i * n + r] = l1[h * n + r];
+        }
+        double rd = 0.0;
+        for (int64_t x = 0; x < T * HQ * D; x++)
+            rd = fmax(rd, fabs(ra[x] - rb[x]));
+        case_check(rd <= 1e-12, "reference differs from the shifted calls' by %g", rd);
+        case_check(!memcmp(oa, ob, sizeof(float) * T * HQ * D) && !memcmp(la, lb, sizeof(float) * HQ * T),
+                   "out or lse differ from the shifted calls'");
+        case_check(!memcmp(ka, kb, cbytes) && !memcmp(va, vb, cbytes), "caches differ after the calls");
+        double err = 0.0;
+        for (int64_t x = 0; x < T * HQ * D; x++)
+            err = fmax(err, fabs(oa[x] - ra[x]));
+        case_check(err <= (dt == FW_F32 ? 1e-5 : 3e-2), "error %g against the reference", err);
+        /* leftpads out of range, and a block table with them: refused, nothing written */
+        int32_t badlp[B], bt[B] = {0, 1, 2};
+        for (int k2 = 0; k2 < 3 && cfg == 0; k2++) {
+            memcpy(badlp, lp, sizeof badlp);
+            fw_kv_cache cb2 = c;
+            cb2.leftpad = badlp;
+            if (k2 == 0)
+                badlp[1] = old[1] + 1;
+            else if (k2 == 1)
+                badlp[2] = -1;
+            else {
+                cb2.block_table = bt;
+                cb2.max_pages = 1;
+            }
+            memset(oa, 0xA5, sizeof(float) * T * HQ * D);
+            unsigned char *kimg = malloc(cbytes);
+            memcpy(kimg, ka, cbytes);
+            st = fw_attn_kvcache_fwd(&tq, &tkn, &tvn, cu, B, &cb2, &to, NULL, &p);
+            const fw_status want = k2 == 2 ? FW_ERR_ARG : FW_ERR_SEQLENS;
+            case_check(st == want, "bad leftpad %d: status %s (%s)", k2, fw_status_string(st), fw_last_error());
+            case_check(strstr(fw_last_error(), "leftpad") != NULL, "message \"%s\"", fw_last_error());
+            int clean = !memcmp(kimg, ka, cbytes);
+            for (size_t x = 0; x < sizeof(float) * T * HQ * D; x++)
+                clean &= ((unsigned char *)oa)[x] == 0xA5;
+            case_check(clean, "bad leftpad %d: something was written", k2);
+            free(kimg);
+        }
+        case_end();
+        free(ka); free(va); free(kb); free(vb); free(qd); free(knd); free(vnd);
+        free(oa); free(ob); free(la); free(lb); free(ra); free(rb);
+    }
+}
+
 static void test_split_heuristic(void)
 {
     case_begin("split-KV heuristic");
@@ -489,6 +639,7 @@ static void test_split_heuristic(void)
 
 const test_suite kvcache_suites[] = {
     {"kvcache.split_heuristic", test_split_heuristic},
+    {"kvcache.leftpad", test_leftpad},
     {"kvcache.bad_input", test_kvcache_bad_input},
     {"kvcache.sweep", sweep_kvcache},
     {NULL, NULL}};

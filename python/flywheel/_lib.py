@@ -13,7 +13,7 @@ import os
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _MAX_DIMS = 4
 
@@ -166,6 +166,7 @@ class KVCache(ctypes.Structure):
         ("max_pages", ctypes.c_int64),
         ("block_table_stride", ctypes.c_int64),
         ("seqlens", ctypes.c_void_p),
+        ("leftpad", ctypes.c_void_p),
     ]
 
 

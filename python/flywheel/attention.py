@@ -313,15 +313,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     windowed, else every query at cache_seqlens; rotary_interleaved (default True, as in
     flash-attn) pairs adjacent channels (GPT-J) instead of the halves (GPT-NeoX). Fused into
     the append and the q packing: no extra pass.
-    Not supported (NotImplementedError): cache_batch_idx, cache_leftpad, ALiBi, k without v.
+    cache_leftpad: [b] ints (contiguous caches only, as in flash-attn): sequence i's context
+    starts at cache row cache_leftpad[i] (0 <= cache_leftpad[i] <= cache_seqlens[i]), the rows
+    before it (a left-padded batch's padding) never read; queries align bottom-right to rows
+    [cache_leftpad[i], cache_seqlens[i] + sq); new rows are still written at cache_seqlens[i],
+    and rotary positions stay the rows' own.
+    Not supported (NotImplementedError): cache_batch_idx, ALiBi, k without v.
     """
-    _unsupported(0.0, alibi_slopes, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+    _unsupported(0.0, alibi_slopes, cache_batch_idx=cache_batch_idx)
     if (k is None) != (v is None):
         raise NotImplementedError("k and v must be given together")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required (the tokens each sequence already holds)")
     if (_lib.fast is not None and not return_softmax_lse and cu_seqlens_q is None and
-            isa is None and precision is None and rotary_cos is None and rotary_sin is None):
+            isa is None and precision is None and rotary_cos is None and rotary_sin is None and
+            cache_leftpad is None):
         r = _lib.fast.attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                    softmax_scale, causal, window_size, softcap,
                                    _lib.settings.threads, out)
@@ -380,6 +386,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache.max_pages = bt.shape[1]
         cache.block_table_stride = bt.shape[1]
     cache.seqlens = T.ptr(seqlens)
+    if cache_leftpad is not None:
+        leftpad = T.index_array(cache_leftpad, "cache_leftpad")
+        if leftpad.shape != (batch,):
+            raise ValueError(f"cache_leftpad must have {batch} entries, got {leftpad.shape}")
+        cache.leftpad = T.ptr(leftpad)
     total_q, hq = q3.shape[0], q3.shape[1]
     if packed:
         out = out3 = T.output(out, q, (total_q, hq, vc.shape[-1]))

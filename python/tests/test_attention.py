@@ -215,6 +215,44 @@ def test_kvcache_appends_in_place_and_attends(family, paged, sq):
         assert np.array_equal(np.stack(rows), kn64[i])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sq", [1, 3])
+def test_kvcache_leftpad(family, sq):
+    """cache_leftpad (flash-attn's): each sequence attends to its rows [leftpad, seqlens + sq)
+    only, aligned bottom-right; the new rows go to cache_seqlens as without it."""
+    rng = np.random.default_rng(30 + sq)
+    b, S, hq, hkv, d = 3, 64, 4, 2, 32
+    lens, pads = np.array([40, 9, 50], np.int32), np.array([7, 0, 50], np.int32)
+    kc, kc64 = make(rng, (b, S, hkv, d), "float32", "numpy")
+    vc, vc64 = make(rng, (b, S, hkv, d), "float32", "numpy")
+    q, q64 = make(rng, (b, sq, hq, d), "float32", family)
+    kn, kn64 = make(rng, (b, sq, hkv, d), "float32", family)
+    vn, vn64 = make(rng, (b, sq, hkv, d), "float32", family)
+    if family == "torch":
+        kc, vc = torch.from_numpy(kc), torch.from_numpy(vc)
+    pad_arg = torch.from_numpy(pads) if family == "torch" else pads
+    out = flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                           cache_leftpad=pad_arg, causal=True)
+    for i in range(b):
+        kctx = np.concatenate([kc64[i, pads[i]:lens[i]], kn64[i]])
+        vctx = np.concatenate([vc64[i, pads[i]:lens[i]], vn64[i]])
+        ro, _ = ref_attention(q64[i], kctx, vctx, d ** -0.5, causal=True)
+        assert np.abs(as64(out)[i] - ro).max() <= TOL["float32"]
+        assert np.array_equal(as64(kc)[i, lens[i]:lens[i] + sq], kn64[i])
+    before = as64(kc).copy()
+    with pytest.raises(FlywheelError, match="leftpad") as e:  # past the cached rows
+        flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                         cache_leftpad=[7, 10, 0], causal=True)
+    assert e.value.status == "FW_ERR_SEQLENS" and np.array_equal(as64(kc), before)
+    with pytest.raises(ValueError, match="cache_leftpad must have 3"):
+        flywheel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=[0, 0])
+    pages, table = _paged(np.zeros((b, S, hkv, d), np.float32), 16, np.arange(b * S // 16))
+    with pytest.raises(FlywheelError, match="contiguous cache") as e:
+        flywheel.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table,
+                                         cache_leftpad=pads)
+    assert e.value.status == "FW_ERR_ARG"
+
+
 def test_kvcache_packed_queries_and_scalar_seqlens():
     rng = np.random.default_rng(9)
     kc, kc64 = make(rng, (2, 64, 1, 32), "float32", "numpy")

@@ -206,6 +206,27 @@ def test_flash_attn_varlen_func(lse):
         same(lbuf, got_lse)
 
 
+def test_flash_attn_with_kvcache_leftpad_like_the_call():
+    q, kc, vc, k, v, seqlens, table, cu = kvcache_inputs()
+    pads = torch.tensor([1, 0], dtype=torch.int32)[:seqlens.shape[0]]
+    kc2, vc2 = kc.clone(), vc.clone()
+    out, _ = OPS.flash_attn_with_kvcache(q, kc, vc, k, v, seqlens, causal=True,
+                                         cache_leftpad=pads)
+    want = flywheel.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=seqlens,
+                                            causal=True, cache_leftpad=pads)
+    same(out, want)
+    same(kc, kc2)
+    plain = flywheel.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=seqlens + 1,
+                                             causal=True)
+    assert not torch.equal(out, plain)  # the padding rows were left out
+    buf = torch.zeros_like(out)
+    OPS.flash_attn_with_kvcache_out(q, kc.clone(), vc.clone(), buf, None, None, None,
+                                    seqlens + 1, None, causal=True, cache_leftpad=pads)
+    same(buf, flywheel.flash_attn_with_kvcache(q, kc.clone(), vc.clone(),
+                                               cache_seqlens=seqlens + 1, causal=True,
+                                               cache_leftpad=pads))
+
+
 @pytest.mark.parametrize("paged,packed", [(False, False), (True, False), (False, True),
                                           (True, True)])
 @pytest.mark.parametrize("lse", [False, True])

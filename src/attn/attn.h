@@ -26,6 +26,7 @@ typedef struct fw_attn_prob {
     int64_t bt_stride, page, page_shift; /* page_size rows; page_shift: its log2 when a power of two, else -1 */
     int64_t kpage, vpage;               /* page strides of K and V (elements) */
     const int32_t *cache_len;           /* tokens cached before the call */
+    const int32_t *leftpad;             /* first cache row of each context, or NULL */
     const fw_tensor *knew, *vnew;       /* new rows (the reference reads them from here) */
     double scale;                       /* softmax scale */
     double softcap;                     /* 0 = off */
@@ -54,6 +55,8 @@ typedef struct {
     int64_t index;                /* which sequence of the batch */
     int64_t q0, k0, v0, o0, lse0; /* element offsets of row 0, head 0 in q, k, v, out, lse */
     int64_t sq, sk;
+    int64_t kpos;                 /* cache row of key 0 (the KV cache's leftpad; else 0): the
+                                     rotary position of key j is kpos + j */
 } fw_attn_seq;
 
 fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i);
@@ -86,9 +89,9 @@ static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk
 void fw_attn_rotate(const fw_attn_prob *p, const fw_kernels *kt, float *x, int64_t pos);
 
 /* The rotary position of query row r of a sequence with sq queries and sk keys. */
-static inline int64_t fw_attn_qpos(const fw_attn_prob *p, int64_t sq, int64_t sk, int64_t r)
+static inline int64_t fw_attn_qpos(const fw_attn_prob *p, const fw_attn_seq *s, int64_t r)
 {
-    return sk - sq + (p->rot_q_fixed ? 0 : r);
+    return s->kpos + s->sk - s->sq + (p->rot_q_fixed ? 0 : r);
 }
 
 /* What the workspace queries (forward and backward) check before sizing, reading no data:

@@ -87,7 +87,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 float *qf = bf16 ? qrow : Q + (size_t)r * d;
                 kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, qf);
                 if (p->rcos)
-                    fw_attn_rotate(p, kt, qf, fw_attn_qpos(p, sq->sq, sq->sk, i));
+                    fw_attn_rotate(p, kt, qf, fw_attn_qpos(p, sq, i));
                 if (bf16)
                     kt->pack_row_pairs(qrow, d, QW + (size_t)r * dw);
                 A[r] = -INFINITY;

@@ -19,7 +19,7 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
         kt->to_f32(fw_elem(p->q, sq->q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
                    c->qscale, qrow);
         if (p->rcos)
-            fw_attn_rotate(p, kt, qrow, fw_attn_qpos(p, sq->sq, sq->sk, r));
+            fw_attn_rotate(p, kt, qrow, fw_attn_qpos(p, sq, r));
         int64_t lo, hi;
         fw_attn_visible(p, sq->sq, sq->sk, r, &lo, &hi);
         float m = -INFINITY, l = 0.0f;

@@ -255,7 +255,7 @@ static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
             for (int v = 0; v < 2; v++) {
                 const fw_tensor *src = v ? p->vnew : p->knew, *dst = v ? p->v : p->k;
                 const int64_t *ds = v ? p->vs : p->ks, n = v ? p->dv : p->d;
-                const int64_t row = fw_attn_key(p, &s, p->cache_len[i] + r, v);
+                const int64_t row = fw_attn_key(p, &s, p->cache_len[i] - s.kpos + r, v);
                 for (int64_t h = 0; h < p->hkv; h++) {
                     const char *a = (const char *)src->data +
                                     ((p->cuq[i] + r) * src->stride[0] + h * src->stride[1]) * (int64_t)es;

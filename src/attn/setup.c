@@ -267,6 +267,7 @@ fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
 {
     fw_attn_seq s;
     s.index = i;
+    s.kpos = 0;
     if (p->varlen) {
         int64_t r = p->cuq[i];
         s.q0 = r * p->qs[0];
@@ -274,9 +275,10 @@ fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
         s.lse0 = r * p->lse_b;
         s.sq = (int64_t)p->cuq[i + 1] - r;
         if (p->kvcache) {
-            s.k0 = i * p->kb;
-            s.v0 = i * p->vb;
-            s.sk = (int64_t)p->cache_len[i] + (p->append ? s.sq : 0);
+            s.kpos = p->leftpad ? p->leftpad[i] : 0;
+            s.k0 = i * p->kb + s.kpos * p->ks[0];
+            s.v0 = i * p->vb + s.kpos * p->vs[0];
+            s.sk = (int64_t)p->cache_len[i] + (p->append ? s.sq : 0) - s.kpos;
         } else {
             int64_t c = p->cuk[i];
             s.k0 = c * p->ks[0];
@@ -368,6 +370,9 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         return fw_fail(FW_ERR_NULL, "cache.seqlens is NULL");
     const int paged = cache->block_table != NULL;
     const int64_t num_pages = kc->shape[0], rows = kc->shape[1];
+    if (paged && cache->leftpad)
+        return fw_fail(FW_ERR_ARG, "cache.leftpad needs a contiguous cache (block_table NULL), "
+                       "as flash-attn's cache_leftpad does");
     int64_t shift = 0, bts = 0;
     if (paged) {
         if (rows < 1 || rows > FW_MAX_PAGE_SIZE)
@@ -396,6 +401,9 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         if (old < 0) {
             s = fw_fail(FW_ERR_SEQLENS, "cache.seqlens[%lld] is %lld; it must be >= 0", (long long)i,
                         (long long)old);
+        } else if (cache->leftpad && (cache->leftpad[i] < 0 || cache->leftpad[i] > old)) {
+            s = fw_fail(FW_ERR_SEQLENS, "cache.leftpad[%lld] is %d; it must be 0 .. cache.seqlens[%lld] "
+                        "(%lld)", (long long)i, (int)cache->leftpad[i], (long long)i, (long long)old);
         } else if (!paged) {
             if (len > rows)
                 s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld cache rows but the cache holds %lld",
@@ -439,6 +447,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         p->kpage = kc->stride[0]; p->vpage = vc->stride[0];
     }
     p->cache_len = cache->seqlens;
+    p->leftpad = cache->leftpad;
     for (int64_t i = 0; i < batch; i++) {
         fw_attn_seq e = fw_attn_seq_get(p, i);
         p->sq = fw_max64(p->sq, e.sq);

@@ -105,7 +105,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
                 const char *src = fw_elem(p->q, sq->q0 + pos * p->qs[0] + (h0 + g) * p->qs[1]);
                 kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, orow);
                 if (p->rcos)
-                    fw_attn_rotate(p, kt, orow, fw_attn_qpos(p, sq->sq, sq->sk, pos));
+                    fw_attn_rotate(p, kt, orow, fw_attn_qpos(p, sq, pos));
                 for (int k = 0; k < d; k++)
                     qt[(size_t)k * M + m] = orow[k];
                 int64_t vlo, vhi;

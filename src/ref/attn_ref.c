@@ -37,12 +37,13 @@ static void rotate(const fw_attn_prob *p, double *x, int64_t pos)
 /* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
  * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from
  * k_new/v_new (the cache itself is not read for them, nor written). With a rotary embedding,
- * key j is rotated at position j: every key of a dense or varlen call; in a KV-cache call the
- * new keys, then rounded to the cache's dtype as the append stores them. */
+ * key j is rotated at position kpos + j (its cache row: kpos is the leftpad): every key of a
+ * dense or varlen call; in a KV-cache call the new keys, then rounded to the cache's dtype as
+ * the append stores them. */
 
 static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, double *V)
 {
-    const int64_t cached = p->kvcache && p->append ? p->cache_len[sq->index] : sq->sk;
+    const int64_t cached = p->kvcache && p->append ? p->cache_len[sq->index] - sq->kpos : sq->sk;
     for (int64_t j = 0; j < sq->sk; j++)
         for (int v = 0; v < 2; v++) {
             const int64_t n = v ? p->dv : p->d;
@@ -59,7 +60,7 @@ static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, doub
                     }
                 }
             for (int64_t h = 0; h < p->hkv && !v && (p->rot_k || (p->rot_append && j >= cached)); h++) {
-                rotate(p, dst + h * n, j);
+                rotate(p, dst + h * n, sq->kpos + j);
                 for (int64_t x = 0; x < n && !p->rot_k; x++)
                     dst[h * n + x] = rnd_dt(p->k->dtype, dst[h * n + x]);
             }
@@ -95,7 +96,7 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                 for (int64_t x = 0; x < d; x++)
                     q[x] = fw_load_f64(p->q, sq.q0 + r * p->qs[0] + h * p->qs[1] + x * p->qs[2]);
                 if (p->rcos)
-                    rotate(p, q, fw_attn_qpos(p, sq.sq, sq.sk, r));
+                    rotate(p, q, fw_attn_qpos(p, &sq, r));
                 for (int64_t x = 0; x < d; x++)
                     q[x] = rnd(q[x], p->bf16);
                 double mx = -INFINITY;
