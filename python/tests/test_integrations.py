@@ -120,7 +120,7 @@ def test_padded_batches_take_flywheel_and_agree(torch_paths, monkeypatch, side):
     """A padded batch (3 sequences, one unpadded): every attention call goes to flywheel, one
     call a sequence on its real tokens, none to sdpa; the logits of the real tokens agree with
     transformers' sdpa, and (left padding) so do greedy generations, whose decode steps
-    carry the padding too."""
+    carry the padding too (one KV-cache call a step, with cache_leftpad)."""
     model = tiny_model(torch.float32)
     ids = torch.randint(0, 1000, (3, 40), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
@@ -136,7 +136,7 @@ def test_padded_batches_take_flywheel_and_agree(torch_paths, monkeypatch, side):
         ref = model(ids, attention_mask=mask).logits
         ref_gen = model.generate(ids, attention_mask=mask, **gen) if side == "left" else None
         fwt.enable(model)
-        counts = counting(monkeypatch, ["flash_attn_func"])
+        counts = counting(monkeypatch, ["flash_attn_func", "flash_attn_with_kvcache"])
         fell = fallbacks(monkeypatch)
         got = model(ids, attention_mask=mask).logits
         assert counts["flash_attn_func"] == 3 and not fell, (counts, len(fell))
@@ -146,7 +146,8 @@ def test_padded_batches_take_flywheel_and_agree(torch_paths, monkeypatch, side):
     big = ref.abs().max().item()
     assert (got[keep] - ref[keep]).abs().max().item() <= 1e-4 * (1 + big)
     if side == "left":
-        assert counts["flash_attn_func"] == 3 + 3 * 3  # the prefill, then 3 sequences x 3 steps
+        # the prefill, a call a sequence; then 2 decode steps, a call each
+        assert counts == {"flash_attn_func": 3 + 3, "flash_attn_with_kvcache": 2}, counts
         assert torch.equal(got_gen.sequences, ref_gen.sequences)
         for a, b in zip(got_gen.logits, ref_gen.logits):
             assert (a - b).abs().max().item() <= 1e-4 * (1 + big)
@@ -193,18 +194,23 @@ class _Attn:
 
 
 @pytest.mark.parametrize("case", ["uneven left", "right", "same left, decode",
-                                  "same left, chunk after a cache", "static cache"])
-def test_attention_on_each_padding_layout_matches_sdpa(case):
+                                  "same left, chunk after a cache", "static cache",
+                                  "uneven left, decode", "uneven left, chunk after a cache"])
+def test_attention_on_each_padding_layout_matches_sdpa(case, monkeypatch):
     """attention() on _mask's mask against sdpa on the same mask, real rows: per-sequence
-    calls, and the one-call path when every sequence has the same keys (the same left padding
-    before a cache's new rows: the keys start past the padding)."""
+    calls, the one-call path when every sequence has the same keys (the same left padding
+    before a cache's new rows: the keys start past the padding), and one KV-cache call with
+    cache_leftpad for a few query rows after uneven left padding."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import causal_mask_function
     b, sk = 3, 24
     pad = torch.ones(b, sk, dtype=torch.bool)
     sq, q0 = sk, 0
-    if case == "uneven left":
+    if case.startswith("uneven left"):
         pad[1, :5], pad[2, :17] = False, False
+        if case != "uneven left":
+            sq = 1 if case.endswith("decode") else 5
+            q0 = sk - sq
     elif case == "right":
         pad[0, 20:], pad[2, 9:] = False, False
     elif case.startswith("same left"):
@@ -222,7 +228,14 @@ def test_attention_on_each_padding_layout_matches_sdpa(case):
                   mask_function=causal_mask_function, attention_mask=pad)
     runs, window = m._flywheel_runs
     assert window is None
+    counts = counting(monkeypatch, ["flash_attn_func", "flash_attn_with_kvcache"])
     got = fwt.attention(_Attn(), q, k, v, m, scaling=0.25)[0]
+    if case.startswith("same left"):
+        assert counts == {"flash_attn_func": 1, "flash_attn_with_kvcache": 0}
+    elif case.startswith("uneven left,") or case == "static cache":  # 1 or 4 rows, at the end
+        assert counts == {"flash_attn_func": 0, "flash_attn_with_kvcache": 1}
+    else:
+        assert counts == {"flash_attn_func": b, "flash_attn_with_kvcache": 0}
     ref = sdpa_attention_forward(_Attn(), q, k, v, m, scaling=0.25)[0]
     for i, (r0, r1, _, _) in enumerate(runs):
         assert r1 > r0

@@ -185,20 +185,37 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
     return m
 
 
+# Query rows up to which a padded batch whose real rows all end at the last row (left padding:
+# decode steps, speculative tokens) takes one KV-cache call with cache_leftpad instead of a
+# call per sequence: the padding query rows are computed too, and zeroed after.
+_ONE_CALL_ROWS = 16
+
+
 def _attend_runs(query, key, value, runs, scaling, **kw):
     """One causal flash_attn_func call per sequence on its run (see _runs), other rows zero;
     one call for the batch when every sequence has all its rows real and the same keys (no
-    padding, or the same left padding before a cache's new rows)."""
+    padding, or the same left padding before a cache's new rows), or, for a few query rows
+    ending at the last (left padding), one flash_attn_with_kvcache call on the keys as a
+    contiguous cache, each sequence's context from its first real key (cache_leftpad)."""
+    import torch
     b, hq, sq, _ = query.shape
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out = _output("attention", (b, sq, hq, value.shape[3]), query.dtype)
     if out is None:
-        import torch
         out = torch.empty((b, sq, hq, value.shape[3]), dtype=query.dtype)
     r0, r1, k0, k1 = runs[0]
     if r0 == 0 and r1 == sq and all(r == runs[0] for r in runs):  # every row, the same keys
         return flywheel.flash_attn_func(q, k[:, k0:k1], v[:, k0:k1], softmax_scale=scaling,
                                         causal=True, out=out, **kw)
+    if sq <= _ONE_CALL_ROWS and all(r[1] == sq or r[1] == r[0] for r in runs):
+        real = [r[1] > r[0] for r in runs]
+        ends = torch.tensor([r[3] if x else 0 for r, x in zip(runs, real)], dtype=torch.int32)
+        pads = torch.tensor([r[2] if x else 0 for r, x in zip(runs, real)], dtype=torch.int32)
+        flywheel.flash_attn_with_kvcache(q, k, v, cache_seqlens=ends, cache_leftpad=pads,
+                                         softmax_scale=scaling, causal=True, out=out, **kw)
+        for i, (r0, r1, _, _) in enumerate(runs):
+            out[i, :r0 if r1 > r0 else sq] = 0
+        return out
     for i, (r0, r1, k0, k1) in enumerate(runs):
         out[i, :r0] = 0
         out[i, r1:] = 0
