@@ -1,6 +1,7 @@
-"""Padded batches in transformers: flywheel's attention (flywheel.integrations.transformers,
-one call per sequence on its real tokens) against transformers' sdpa on its masked path,
-the attention call alone on the same mask and inputs.
+"""Padded batches in transformers: flywheel's attention (flywheel.integrations.transformers:
+for the prefill one call per sequence on its real tokens, for the decode step one KV-cache
+call with cache_leftpad) against transformers' sdpa on its masked path, the attention call
+alone on the same mask and inputs.
 
     python python/bench_padding.py [--threads 2] [--reps 3] [--decode-reps 50]
 
