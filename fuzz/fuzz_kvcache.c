@@ -21,12 +21,15 @@
 #define MAXB 8
 static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
 
-/* Element offset of (token t, head h, column c) of sequence i in a cache tensor. */
+/* Element offset of (token t, head h, column c) of sequence i in a cache tensor (its entry
+ * batch_idx[i] of a contiguous cache with a batch_idx). */
 static int64_t cache_off(const fw_tensor *t, const fw_kv_cache *kc, int64_t bts, int64_t i,
                          int64_t tok, int64_t h, int64_t c)
 {
-    if (!kc->block_table)
-        return i * t->stride[0] + tok * t->stride[1] + h * t->stride[2] + c * t->stride[3];
+    if (!kc->block_table) {
+        const int64_t e = kc->batch_idx ? kc->batch_idx[i] : i;
+        return e * t->stride[0] + tok * t->stride[1] + h * t->stride[2] + c * t->stride[3];
+    }
     const int64_t ps = t->shape[1], page = kc->block_table[i * bts + tok / ps];
     return page * t->stride[0] + (tok % ps) * t->stride[1] + h * t->stride[2] + c * t->stride[3];
 }
@@ -134,7 +137,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     bad |= q.bad | kc.bad | vc.bad | o.bad | (with_lse && l.bad) | (append && (kn.bad | vn.bad));
     bad |= append && (has_alias(&kc.t) || has_alias(&vc.t));
 
-    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens, NULL};
+    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens, NULL, NULL};
     if (paged && fz_chance(&in, 64))
         cache.block_table_stride = 0, bts = max_pages; /* 0: rows max_pages apart */
     /* cache_leftpad: each context from a row in 0 .. seqlens[i]; with a block table, refused */
@@ -145,10 +148,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         cache.leftpad = leftpad;
         bad |= paged;
     }
+    /* cache_batch_idx: distinct entries of a contiguous cache, shuffled; with pages, refused */
+    int32_t entry[MAXB + 2] = {0};
+    if (batch > 0 && fz_chance(&in, 48)) {
+        const int64_t ne = paged ? batch : cs[0];
+        for (int64_t j = 0; j < ne; j++)
+            entry[j] = (int32_t)j;
+        for (int64_t j = ne - 1; j > 0; j--) {
+            int64_t x = fz_range(&in, 0, j);
+            int32_t t = entry[j]; entry[j] = entry[x]; entry[x] = t;
+        }
+        cache.batch_idx = entry;
+        bad |= paged;
+    }
     /* broken on purpose */
     int null_cuq = 0;
     if (fz_chance(&in, 24)) {
-        unsigned what = fz_byte(&in) % 9;
+        unsigned what = fz_byte(&in) % 10;
         int64_t i = batch ? fz_range(&in, 0, batch - 1) : 0;
         int64_t len = seqlens[i] + (append ? cuq[i + 1] - cuq[i] : 0);
         if (what == 0 && batch) { /* a negative length */
@@ -185,6 +201,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             leftpad[i] = fz_chance(&in, 128) ? -1 : seqlens[i] + 1 + (int32_t)fz_range(&in, 0, 3);
             cache.leftpad = leftpad;
             bad = 1;
+        } else if (what == 9 && batch && !paged) { /* an entry past the cache, or written twice */
+            if (!cache.batch_idx) {
+                for (int64_t j = 0; j < batch; j++)
+                    entry[j] = (int32_t)j;
+                cache.batch_idx = entry;
+            }
+            int64_t j = (i + 1) % batch;
+            if (fz_chance(&in, 128) || !append || batch < 2 || cuq[i + 1] == cuq[i] || cuq[j + 1] == cuq[j])
+                entry[i] = fz_chance(&in, 128) ? -1 : (int32_t)cs[0];
+            else
+                entry[i] = entry[j];
+            bad = 1;
         } else if (what == 7) { /* a negative batch, or offsets that do not end at total_q */
             if (fz_chance(&in, 128))
                 batch = -1;
@@ -219,6 +247,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int64_t i = 0; i < batch && i < MAXB; i++)
         fz_describe("%s(%d+%d%s%d)", i ? " " : "\n  seqs ", (int)seqlens[i], (int)(cuq[i + 1] - cuq[i]),
                     cache.leftpad ? ", leftpad " : "", cache.leftpad ? (int)leftpad[i] : 0);
+    if (cache.batch_idx)
+        for (int64_t i = 0; i < batch && i < MAXB; i++)
+            fz_describe("%s%d", i ? " " : "\n  batch_idx ", (int)entry[i]);
     fz_describe_tensor("q", &q, vq);
     fz_describe_tensor("k_new", &kn, vk);
     fz_describe_tensor("v_new", &vn, vv);

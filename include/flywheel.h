@@ -316,7 +316,7 @@ FW_API fw_status fw_attn_varlen_bwd_ref(const fw_tensor *q, const fw_tensor *k, 
 /*
  * A K/V cache, in one of two layouts:
  *   contiguous (block_table == NULL): k [b, S, hkv, d], v [b, S, hkv, dv]; sequence i owns
- *       rows 0 .. S-1 of batch entry i.
+ *       rows 0 .. S-1 of batch entry i (of entry batch_idx[i] with a batch_idx, below).
  *   paged: k [num_pages, page_size, hkv, d], v [num_pages, page_size, hkv, dv];
  *       block_table [b, max_pages] int32 (row stride block_table_stride, 0 = max_pages):
  *       token t of sequence i lives in page block_table[i][t / page_size] at row
@@ -330,6 +330,10 @@ FW_API fw_status fw_attn_varlen_bwd_ref(const fw_tensor *q, const fw_tensor *k, 
  * before it (a left-padded batch's padding) are never read. Queries align bottom-right to the
  * rows [leftpad[i], seqlens[i] + n_i); new rows are still written at seqlens[i] .., and the
  * rotary positions stay the rows' own (new key r at seqlens[i] + r).
+ * batch_idx[i] (int32, optional; flash-attn's cache_batch_idx; contiguous caches only, as
+ * there): sequence i uses batch entry batch_idx[i] of the cache (0 .. k's dimension 0 - 1)
+ * instead of entry i. With k_new, two sequences with new rows may not share an entry (flash-
+ * attn leaves which one wins undefined; here it is refused).
  */
 typedef struct fw_kv_cache {
     fw_tensor k, v;
@@ -338,6 +342,7 @@ typedef struct fw_kv_cache {
     int64_t block_table_stride; /* elements between block_table rows; 0 = max_pages */
     const int32_t *seqlens;     /* [b] */
     const int32_t *leftpad;     /* [b] first row of each context, or NULL (all 0) */
+    const int32_t *batch_idx;   /* [b] cache entry of each sequence, or NULL (entry i) */
 } fw_kv_cache;
 
 /*

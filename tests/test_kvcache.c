@@ -448,17 +448,18 @@ static void test_kvcache_bad_input(void)
     cache_free(&pag);
 }
 
-/* flash-attn's cache_leftpad (contiguous caches): per sequence, a batch with leftpads gives the
- * bits of a batch-1 call on the cache from its leftpad row on (the data pointer moved, seqlens
- * less the leftpad, the rotary tables moved as far), and the caches after both calls are
- * alike; the reference likewise, within 1e-12. Decode and 5-row chunks, with and without
+/* flash-attn's cache_leftpad and cache_batch_idx (contiguous caches): per sequence, a batch
+ * with leftpads, its sequences in cache entries 2, 0 and 3 of 4, gives the bits of a batch-1
+ * call on its entry from its leftpad row on (the data pointer moved, seqlens less the leftpad,
+ * the rotary tables moved as far), and the caches after both calls are alike (entry 1
+ * untouched); the reference likewise, within 1e-12. Decode and 5-row chunks, with and without
  * appends and a rotary embedding, causal, windowed and neither, f32 and bf16, 1 and 3
- * threads; a leftpad of the whole context included. Leftpads out of range, and any with a
- * block table, are refused with nothing written. */
+ * threads; a leftpad of the whole context included. Leftpads out of range, entries out of
+ * range or written twice, and either with a block table, are refused with nothing written. */
 static void test_leftpad(void)
 {
-    enum { B = 3, S = 48, HKV = 2, HQ = 8, D = 32, RO = 64 };
-    static const int32_t old[B] = {30, 7, 41}, lp[B] = {9, 0, 41};
+    enum { B = 3, E = 4, S = 48, HKV = 2, HQ = 8, D = 32, RO = 64 };
+    static const int32_t old[B] = {30, 7, 41}, lp[B] = {9, 0, 41}, entry[B] = {2, 0, 3};
     float cosb[RO * D / 2], sinb[RO * D / 2];
     for (int t = 0; t < RO; t++)
         for (int i = 0; i < D / 2; i++) {
@@ -469,9 +470,9 @@ static void test_leftpad(void)
         const fw_dtype dt = cfg % 2 ? FW_BF16 : FW_F32;
         const int n = (cfg / 2) % 2 ? 5 : 1, append = (cfg / 4) % 2, mask = (cfg / 8) % 3;
         const int rot = append && (cfg / 24) % 2, threads = (cfg / 24) % 2 ? 3 : 1;
-        const size_t es = fw_dtype_size(dt), cbytes = (size_t)B * S * HKV * D * es;
+        const size_t es = fw_dtype_size(dt), cbytes = (size_t)E * S * HKV * D * es;
         const int64_t T = (int64_t)B * n;
-        int64_t cs[4] = {B, S, HKV, D}, qs[3] = {T, HQ, D}, ns[3] = {T, HKV, D}, ls[2] = {HQ, T};
+        int64_t cs[4] = {E, S, HKV, D}, qs[3] = {T, HQ, D}, ns[3] = {T, HKV, D}, ls[2] = {HQ, T};
         unsigned char *ka = malloc(cbytes), *va = malloc(cbytes), *kb = malloc(cbytes), *vb = malloc(cbytes);
         void *qd = malloc((size_t)T * HQ * D * es), *knd = malloc((size_t)T * HKV * D * es),
              *vnd = malloc((size_t)T * HKV * D * es);
@@ -511,11 +512,12 @@ static void test_leftpad(void)
         c.v = tv;
         c.seqlens = sl;
         c.leftpad = lp;
+        c.batch_idx = entry;
         int64_t os[3] = {T, HQ, D};
         fw_tensor to = fw_tensor_contiguous(oa, FW_F32, 3, os), tl = fw_tensor_contiguous(la, FW_F32, 2, ls);
         fw_tensor tr = fw_tensor_contiguous(ra, FW_F64, 3, os);
         const fw_tensor *pkn = append ? &tkn : NULL, *pvn = append ? &tvn : NULL;
-        case_begin("kvcache leftpad: %s, %d rows, append %d, %s, rotary %d, %d threads",
+        case_begin("kvcache leftpad and batch_idx: %s, %d rows, append %d, %s, rotary %d, %d threads",
                    dt == FW_F32 ? "f32" : "bf16", n, append, mask == 0 ? "causal" : mask == 1 ? "window" : "no mask",
                    rot, threads);
         fw_status st = fw_attn_kvcache_ref(&tq, pkn, pvn, cu, B, &c, &tr, NULL, &p);
@@ -525,7 +527,7 @@ static void test_leftpad(void)
         for (int i = 0; i < B; i++) {
             int64_t cs1[4] = {1, S - lp[i], HKV, D}, qs1[3] = {n, HQ, D}, ns1[3] = {n, HKV, D}, os1[3] = {n, HQ, D},
                     ls1[2] = {HQ, n}, rs1[2] = {RO - lp[i], D / 2};
-            const size_t row = ((size_t)i * S + (size_t)lp[i]) * HKV * D * es;
+            const size_t row = ((size_t)entry[i] * S + (size_t)lp[i]) * HKV * D * es;
             fw_kv_cache c1;
             memset(&c1, 0, sizeof c1);
             c1.k = fw_tensor_contiguous(kb + row, dt, 4, cs1);
@@ -565,27 +567,38 @@ static void test_leftpad(void)
         for (int64_t x = 0; x < T * HQ * D; x++)
             err = fmax(err, fabs(oa[x] - ra[x]));
         case_check(err <= (dt == FW_F32 ? 1e-5 : 3e-2), "error %g against the reference", err);
-        /* leftpads out of range, and a block table with them: refused, nothing written */
-        int32_t badlp[B], bt[B] = {0, 1, 2};
-        for (int k2 = 0; k2 < 3 && cfg == 0; k2++) {
+        /* leftpads and entries out of range, an entry written twice, and a block table with
+         * either: refused, nothing written */
+        int32_t badlp[B], bad_entry[B], bt[B] = {0, 1, 2};
+        for (int k2 = 0; k2 < 7 && cfg == 0; k2++) {
             memcpy(badlp, lp, sizeof badlp);
+            memcpy(bad_entry, entry, sizeof bad_entry);
             fw_kv_cache cb2 = c;
             cb2.leftpad = badlp;
+            cb2.batch_idx = bad_entry;
             if (k2 == 0)
                 badlp[1] = old[1] + 1;
             else if (k2 == 1)
                 badlp[2] = -1;
-            else {
+            else if (k2 == 2 || k2 == 6) {
                 cb2.block_table = bt;
                 cb2.max_pages = 1;
-            }
+                if (k2 == 6)
+                    cb2.leftpad = NULL;
+            } else if (k2 == 3)
+                bad_entry[0] = E;
+            else if (k2 == 4)
+                bad_entry[2] = -1;
+            else
+                bad_entry[1] = entry[0]; /* both append */
             memset(oa, 0xA5, sizeof(float) * T * HQ * D);
             unsigned char *kimg = malloc(cbytes);
             memcpy(kimg, ka, cbytes);
             st = fw_attn_kvcache_fwd(&tq, &tkn, &tvn, cu, B, &cb2, &to, NULL, &p);
-            const fw_status want = k2 == 2 ? FW_ERR_ARG : FW_ERR_SEQLENS;
+            const fw_status want = k2 == 2 || k2 == 6 ? FW_ERR_ARG : k2 < 2 ? FW_ERR_SEQLENS : FW_ERR_INDEX;
             case_check(st == want, "bad leftpad %d: status %s (%s)", k2, fw_status_string(st), fw_last_error());
-            case_check(strstr(fw_last_error(), "leftpad") != NULL, "message \"%s\"", fw_last_error());
+            case_check(strstr(fw_last_error(), k2 < 3 ? "leftpad" : "batch_idx") != NULL, "message \"%s\"",
+                       fw_last_error());
             int clean = !memcmp(kimg, ka, cbytes);
             for (size_t x = 0; x < sizeof(float) * T * HQ * D; x++)
                 clean &= ((unsigned char *)oa)[x] == 0xA5;

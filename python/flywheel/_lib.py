@@ -167,6 +167,7 @@ class KVCache(ctypes.Structure):
         ("block_table_stride", ctypes.c_int64),
         ("seqlens", ctypes.c_void_p),
         ("leftpad", ctypes.c_void_p),
+        ("batch_idx", ctypes.c_void_p),
     ]
 
 

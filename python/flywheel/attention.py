@@ -318,16 +318,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     before it (a left-padded batch's padding) never read; queries align bottom-right to rows
     [cache_leftpad[i], cache_seqlens[i] + sq); new rows are still written at cache_seqlens[i],
     and rotary positions stay the rows' own.
-    Not supported (NotImplementedError): cache_batch_idx, ALiBi, k without v.
+    cache_batch_idx: [b] ints (contiguous caches only, as in flash-attn): sequence i uses
+    entry cache_batch_idx[i] of the caches' first dimension; with k and v, two sequences may
+    not share an entry (flash-attn leaves the winner undefined; here it is an error).
+    Not supported (NotImplementedError): ALiBi, k without v.
     """
-    _unsupported(0.0, alibi_slopes, cache_batch_idx=cache_batch_idx)
+    _unsupported(0.0, alibi_slopes)
     if (k is None) != (v is None):
         raise NotImplementedError("k and v must be given together")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required (the tokens each sequence already holds)")
     if (_lib.fast is not None and not return_softmax_lse and cu_seqlens_q is None and
             isa is None and precision is None and rotary_cos is None and rotary_sin is None and
-            cache_leftpad is None):
+            cache_leftpad is None and cache_batch_idx is None):
         r = _lib.fast.attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                    softmax_scale, causal, window_size, softcap,
                                    _lib.settings.threads, out)
@@ -391,6 +394,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if leftpad.shape != (batch,):
             raise ValueError(f"cache_leftpad must have {batch} entries, got {leftpad.shape}")
         cache.leftpad = T.ptr(leftpad)
+    if cache_batch_idx is not None:
+        batch_idx = T.index_array(cache_batch_idx, "cache_batch_idx")
+        if batch_idx.shape != (batch,):
+            raise ValueError(f"cache_batch_idx must have {batch} entries, got {batch_idx.shape}")
+        cache.batch_idx = T.ptr(batch_idx)
     total_q, hq = q3.shape[0], q3.shape[1]
     if packed:
         out = out3 = T.output(out, q, (total_q, hq, vc.shape[-1]))

@@ -24,8 +24,8 @@ Schemas (`Tensor(a!)`: written in place; SymInt is how torch spells an int argum
       float? softmax_scale=None, bool causal=False, SymInt window_size_left=-1,
       SymInt window_size_right=-1, float softcap=0., bool return_softmax_lse=False,
       Tensor? cu_seqlens_q=None, str? precision=None, Tensor? rotary_cos=None,
-      Tensor? rotary_sin=None, bool rotary_interleaved=True, Tensor? cache_leftpad=None)
-      -> (Tensor out, Tensor lse)
+      Tensor? rotary_sin=None, bool rotary_interleaved=True, Tensor? cache_leftpad=None,
+      Tensor? cache_batch_idx=None) -> (Tensor out, Tensor lse)
   chunk_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
       float? scale=None, Tensor? initial_state=None, bool output_final_state=False,
       bool use_qk_l2norm_in_kernel=False, bool use_beta_sigmoid_in_kernel=False,
@@ -95,7 +95,7 @@ Choices where the Python calls differ:
     flash-attn's own custom ops); negative = unbounded.
   * cache_seqlens is a [b] integer tensor (no Python int); it is required, as in the call.
   * Not arguments: what the library does not have (dropout_p, alibi_slopes, deterministic,
-    return_attn_probs, cache_batch_idx, num_splits, the varlen call's
+    return_attn_probs, num_splits, the varlen call's
     block_table, gk / gv, state_v_first, cp_context), the kernel-selection knobs isa= and
     plain= (FLYWHEEL_ISA selects the table for every call), and the rotary_* of the dense and
     varlen ops (their Python calls take them; the cache ops take flash-attn's).
@@ -277,7 +277,8 @@ def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                              rotary_cos: Optional[Tensor] = None,
                              rotary_sin: Optional[Tensor] = None,
                              rotary_interleaved: bool = True,
-                             cache_leftpad: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                             cache_leftpad: Optional[Tensor] = None,
+                             cache_batch_idx: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     r = _attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, softmax_scale=softmax_scale,
                                       causal=causal,
@@ -286,7 +287,8 @@ def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                       cu_seqlens_q=cu_seqlens_q, precision=precision,
                                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                       rotary_interleaved=rotary_interleaved,
-                                      cache_leftpad=cache_leftpad)
+                                      cache_leftpad=cache_leftpad,
+                                      cache_batch_idx=cache_batch_idx)
     return r if return_softmax_lse else (r, _no_lse(q))
 
 
@@ -295,7 +297,8 @@ def _flash_attn_with_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seq
                                   window_size_left=-1, window_size_right=-1, softcap=0.0,
                                   return_softmax_lse=False, cu_seqlens_q=None,
                                   precision=None, rotary_cos=None, rotary_sin=None,
-                                  rotary_interleaved=True, cache_leftpad=None):
+                                  rotary_interleaved=True, cache_leftpad=None,
+                                  cache_batch_idx=None):
     dv = v_cache.shape[-1]
     if cu_seqlens_q is not None:  # packed q [total_q, hq, d]
         total_q, hq, _ = q.shape
@@ -321,7 +324,8 @@ def _flash_attn_with_kvcache_out(q: Tensor, k_cache: Tensor, v_cache: Tensor, ou
                                  rotary_cos: Optional[Tensor] = None,
                                  rotary_sin: Optional[Tensor] = None,
                                  rotary_interleaved: bool = True,
-                                 cache_leftpad: Optional[Tensor] = None) -> None:
+                                 cache_leftpad: Optional[Tensor] = None,
+                                 cache_batch_idx: Optional[Tensor] = None) -> None:
     r = _attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, softmax_scale=softmax_scale,
                                       causal=causal,
@@ -330,7 +334,8 @@ def _flash_attn_with_kvcache_out(q: Tensor, k_cache: Tensor, v_cache: Tensor, ou
                                       cu_seqlens_q=cu_seqlens_q, out=out, precision=precision,
                                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                       rotary_interleaved=rotary_interleaved,
-                                      cache_leftpad=cache_leftpad)
+                                      cache_leftpad=cache_leftpad,
+                                      cache_batch_idx=cache_batch_idx)
     if lse is not None:
         lse.copy_(r[1])
 

@@ -217,14 +217,16 @@ def test_kvcache_appends_in_place_and_attends(family, paged, sq):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("sq", [1, 3])
-def test_kvcache_leftpad(family, sq):
-    """cache_leftpad (flash-attn's): each sequence attends to its rows [leftpad, seqlens + sq)
-    only, aligned bottom-right; the new rows go to cache_seqlens as without it."""
+def test_kvcache_leftpad_and_batch_idx(family, sq):
+    """cache_leftpad and cache_batch_idx (flash-attn's): sequence i uses cache entry
+    idx[i] and attends to its rows [leftpad, seqlens + sq) only, aligned bottom-right; the new
+    rows go to cache_seqlens as without them; the entry no sequence names is untouched."""
     rng = np.random.default_rng(30 + sq)
     b, S, hq, hkv, d = 3, 64, 4, 2, 32
     lens, pads = np.array([40, 9, 50], np.int32), np.array([7, 0, 50], np.int32)
-    kc, kc64 = make(rng, (b, S, hkv, d), "float32", "numpy")
-    vc, vc64 = make(rng, (b, S, hkv, d), "float32", "numpy")
+    idx = np.array([3, 0, 1], np.int32)
+    kc, kc64 = make(rng, (b + 1, S, hkv, d), "float32", "numpy")
+    vc, vc64 = make(rng, (b + 1, S, hkv, d), "float32", "numpy")
     q, q64 = make(rng, (b, sq, hq, d), "float32", family)
     kn, kn64 = make(rng, (b, sq, hkv, d), "float32", family)
     vn, vn64 = make(rng, (b, sq, hkv, d), "float32", family)
@@ -232,14 +234,22 @@ def test_kvcache_leftpad(family, sq):
         kc, vc = torch.from_numpy(kc), torch.from_numpy(vc)
     pad_arg = torch.from_numpy(pads) if family == "torch" else pads
     out = flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
-                                           cache_leftpad=pad_arg, causal=True)
+                                           cache_leftpad=pad_arg, cache_batch_idx=idx,
+                                           causal=True)
     for i in range(b):
-        kctx = np.concatenate([kc64[i, pads[i]:lens[i]], kn64[i]])
-        vctx = np.concatenate([vc64[i, pads[i]:lens[i]], vn64[i]])
+        e = idx[i]
+        kctx = np.concatenate([kc64[e, pads[i]:lens[i]], kn64[i]])
+        vctx = np.concatenate([vc64[e, pads[i]:lens[i]], vn64[i]])
         ro, _ = ref_attention(q64[i], kctx, vctx, d ** -0.5, causal=True)
         assert np.abs(as64(out)[i] - ro).max() <= TOL["float32"]
-        assert np.array_equal(as64(kc)[i, lens[i]:lens[i] + sq], kn64[i])
+        assert np.array_equal(as64(kc)[e, lens[i]:lens[i] + sq], kn64[i])
+    assert np.array_equal(as64(kc)[2], kc64[2])
     before = as64(kc).copy()
+    for bad in ([3, 0, 3], [4, 0, 1]):  # an entry written twice; one past the cache
+        with pytest.raises(FlywheelError, match="batch_idx") as e:
+            flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                             cache_batch_idx=bad, causal=True)
+        assert e.value.status == "FW_ERR_INDEX" and np.array_equal(as64(kc), before)
     with pytest.raises(FlywheelError, match="leftpad") as e:  # past the cached rows
         flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
                                          cache_leftpad=[7, 10, 0], causal=True)
@@ -322,8 +332,9 @@ def test_unsupported_options_raise_not_implemented():
         with pytest.raises(NotImplementedError):
             flywheel.flash_attn_func(q, q, q, **kw)
     kc = np.zeros((1, 16, 2, 16), np.float32)
-    with pytest.raises(NotImplementedError, match="cache_batch_idx"):
-        flywheel.flash_attn_with_kvcache(q, kc, kc, cache_batch_idx=[0], cache_seqlens=1)
+    with pytest.raises(NotImplementedError, match="alibi"):
+        flywheel.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1,
+                                         alibi_slopes=np.zeros(2, np.float32))
 
 
 @pytest.mark.skipif(torch is None, reason="torch is not installed")

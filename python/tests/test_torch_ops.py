@@ -216,6 +216,11 @@ def test_flash_attn_with_kvcache_leftpad_like_the_call():
                                             causal=True, cache_leftpad=pads)
     same(out, want)
     same(kc, kc2)
+    swap = torch.tensor([1, 0], dtype=torch.int32)  # the sequences' entries swapped
+    got, _ = OPS.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), None, None, seqlens + 1,
+                                         causal=True, cache_batch_idx=swap)
+    same(got, flywheel.flash_attn_with_kvcache(q, kc.flip(0), vc.flip(0),
+                                               cache_seqlens=seqlens + 1, causal=True))
     plain = flywheel.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=seqlens + 1,
                                              causal=True)
     assert not torch.equal(out, plain)  # the padding rows were left out

@@ -27,6 +27,7 @@ typedef struct fw_attn_prob {
     int64_t kpage, vpage;               /* page strides of K and V (elements) */
     const int32_t *cache_len;           /* tokens cached before the call */
     const int32_t *leftpad;             /* first cache row of each context, or NULL */
+    const int32_t *batch_idx;           /* cache entry of each sequence, or NULL (entry i) */
     const fw_tensor *knew, *vnew;       /* new rows (the reference reads them from here) */
     double scale;                       /* softmax scale */
     double softcap;                     /* 0 = off */

@@ -275,9 +275,10 @@ fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
         s.lse0 = r * p->lse_b;
         s.sq = (int64_t)p->cuq[i + 1] - r;
         if (p->kvcache) {
+            const int64_t e = p->batch_idx ? p->batch_idx[i] : i;
             s.kpos = p->leftpad ? p->leftpad[i] : 0;
-            s.k0 = i * p->kb + s.kpos * p->ks[0];
-            s.v0 = i * p->vb + s.kpos * p->vs[0];
+            s.k0 = e * p->kb + s.kpos * p->ks[0];
+            s.v0 = e * p->vb + s.kpos * p->vs[0];
             s.sk = (int64_t)p->cache_len[i] + (p->append ? s.sq : 0) - s.kpos;
         } else {
             int64_t c = p->cuk[i];
@@ -370,9 +371,10 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         return fw_fail(FW_ERR_NULL, "cache.seqlens is NULL");
     const int paged = cache->block_table != NULL;
     const int64_t num_pages = kc->shape[0], rows = kc->shape[1];
-    if (paged && cache->leftpad)
-        return fw_fail(FW_ERR_ARG, "cache.leftpad needs a contiguous cache (block_table NULL), "
-                       "as flash-attn's cache_leftpad does");
+    if (paged && (cache->leftpad || cache->batch_idx))
+        return fw_fail(FW_ERR_ARG, "cache.%s needs a contiguous cache (block_table NULL), as "
+                       "flash-attn's cache_%s does", cache->leftpad ? "leftpad" : "batch_idx",
+                       cache->leftpad ? "leftpad" : "batch_idx");
     int64_t shift = 0, bts = 0;
     if (paged) {
         if (rows < 1 || rows > FW_MAX_PAGE_SIZE)
@@ -386,14 +388,14 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         if (cache->max_pages < 1 || bts < cache->max_pages)
             return fw_fail(FW_ERR_ARG, "block table: max_pages %lld must be >= 1 and its row stride %lld "
                            ">= max_pages", (long long)cache->max_pages, (long long)bts);
-    } else if (kc->shape[0] < batch) {
+    } else if (!cache->batch_idx && kc->shape[0] < batch) {
         return fw_fail(FW_ERR_SHAPE, "the contiguous cache holds %lld sequences but batch is %lld",
                        (long long)kc->shape[0], (long long)batch);
     }
     /* every sequence's context fits, every page it touches exists; no page written twice */
     unsigned char *written = NULL;
-    if (paged && k_new && !(written = calloc((size_t)num_pages + 1, 1)))
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld bytes to check the block table",
+    if ((paged || cache->batch_idx) && k_new && !(written = calloc((size_t)num_pages + 1, 1)))
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld bytes to check the entries written",
                        (long long)num_pages);
     for (int64_t i = 0; i < batch && !s; i++) {
         const int64_t old = cache->seqlens[i], n = (int64_t)cuq[i + 1] - cuq[i];
@@ -405,7 +407,14 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
             s = fw_fail(FW_ERR_SEQLENS, "cache.leftpad[%lld] is %d; it must be 0 .. cache.seqlens[%lld] "
                         "(%lld)", (long long)i, (int)cache->leftpad[i], (long long)i, (long long)old);
         } else if (!paged) {
-            if (len > rows)
+            const int32_t e = cache->batch_idx ? cache->batch_idx[i] : (int32_t)i;
+            if (cache->batch_idx && (e < 0 || e >= num_pages))
+                s = fw_fail(FW_ERR_INDEX, "cache.batch_idx[%lld] = %d is not an entry of the cache "
+                            "(0..%lld)", (long long)i, (int)e, (long long)num_pages - 1);
+            else if (written && n > 0 && written[e]++)
+                s = fw_fail(FW_ERR_INDEX, "cache entry %d (cache.batch_idx) is written by two sequences "
+                            "(the second is %lld)", (int)e, (long long)i);
+            else if (len > rows)
                 s = fw_fail(FW_ERR_SEQLENS, "sequence %lld needs %lld cache rows but the cache holds %lld",
                             (long long)i, (long long)len, (long long)rows);
         } else {
@@ -448,6 +457,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
     }
     p->cache_len = cache->seqlens;
     p->leftpad = cache->leftpad;
+    p->batch_idx = cache->batch_idx;
     for (int64_t i = 0; i < batch; i++) {
         fw_attn_seq e = fw_attn_seq_get(p, i);
         p->sq = fw_max64(p->sq, e.sq);
