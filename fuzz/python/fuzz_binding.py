@@ -1022,14 +1022,25 @@ def fuzz_kvcache(c):
     if packed:
         cu_v = c.int_values(lengths_to_cu(nq), [-1, 2**31, 2**40, total + 1])
         kw["cu_seqlens_q"] = c.index("cu_seqlens_q", cu_v, fits=False)
+    if c.flag(6):  # cache_leftpad: rows 0 .. cache_seqlens[i] (contiguous caches only)
+        lp = [c.n(0, max(int(x), 0)) if isinstance(x, (int, np.integer)) and 0 <= x < 2**31
+              else 0 for x in seq]
+        lp = c.int_values(lp, [-1, cap + 2, 2**31])
+        kw["cache_leftpad"] = c.index("cache_leftpad", lp if b else np.zeros(0, int), fits=False)
+    if c.flag(6):  # cache_batch_idx: distinct entries of a contiguous cache
+        ent = [int(x) for x in c.rng.permutation(max(nblocks, b))[:b]]
+        if c.flag(8) and b > 1:
+            ent[c.n(1, b - 1)] = ent[0]  # shared: refused when both append
+        ent = c.int_values(ent, [-1, nblocks, 2**31 - 1])
+        kw["cache_batch_idx"] = c.index("cache_batch_idx", ent if b else np.zeros(0, int),
+                                        fits=False)
     if c.flag(5):
         kw["out"] = c.tensor("out", shapes["out"], dt, written=True, fill="sentinel")
     attn_kwargs(c, kw)
     if c.flag(4):
         kw["return_softmax_lse"] = True
     if c.flag(20):
-        kw[c.pick(["rotary_cos", "cache_batch_idx", "cache_leftpad", "alibi_slopes"])] = \
-            np.zeros(2, np.float32)
+        kw[c.pick(["rotary_cos", "alibi_slopes"])] = np.zeros(2, np.float32)
     if c.flag(10):
         kw["num_splits"] = c.pick([1, 4, -1, 2**40])
     kc_old, vc_old = small_copy(kc), small_copy(vc)
@@ -1040,9 +1051,11 @@ def fuzz_kvcache(c):
     has_new = kn is not None or vn is not None
     if (kn is None) != (vn is None):
         why.append("k without v")
-    if any(kw.get(n) is not None for n in ("rotary_cos", "cache_batch_idx", "cache_leftpad",
-                                           "alibi_slopes")):
+    if any(kw.get(n) is not None for n in ("rotary_cos", "alibi_slopes")):
         why.append("unsupported option")
+    lp = model_index(c, kw["cache_leftpad"], "cache_leftpad") if "cache_leftpad" in kw else None
+    ent = model_index(c, kw["cache_batch_idx"], "cache_batch_idx") \
+        if "cache_batch_idx" in kw else None
     ok = is_float_array(q, "q", why)
     ok = is_float_array(kc, "k_cache", why, inplace=True, written=has_new) and ok
     ok = is_float_array(vc, "v_cache", why, inplace=True, written=has_new) and ok
@@ -1065,7 +1078,7 @@ def fuzz_kvcache(c):
     plan = None
     if ok and not why:
         plan = kv_model(c, q, kc, vc, kn, vn, out, lens, cu, is_packed, bt,
-                        "block_table" in kw, kc_old, vc_old)
+                        "block_table" in kw, kc_old, vc_old, lp, ent)
     if not verdict(c, exc, "flash_attn_with_kvcache"):
         return
     out_arr = res[0] if isinstance(res, tuple) else res
@@ -1115,8 +1128,10 @@ def fuzz_kvcache(c):
             check_lse(f"kvcache lse seq {i}", l3[:, a:e], rl)
 
 
-def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc_old):
-    """flash_attn_with_kvcache's rules; returns what the checks of a success need."""
+def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc_old,
+             lp=None, ent=None):
+    """flash_attn_with_kvcache's rules; returns what the checks of a success need. lp, ent:
+    cache_leftpad and cache_batch_idx as int64 arrays, or None."""
     why = c.why
     if kc.ndim != 4 or vc.ndim != 4:
         why.append("cache ranks")
@@ -1151,6 +1166,10 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
     elif lens.shape != (batch,):
         why.append("cache_seqlens entries")
         return None
+    for x, n in ((lp, "cache_leftpad"), (ent, "cache_batch_idx")):
+        if x is not None and x.shape != (batch,):
+            why.append(f"{n} entries")
+            return None
     if kn is not None and vn is not None:
         if not packed:
             if kn.ndim != 4 or vn.ndim != 4 or kn.shape[1] != q.shape[1] or \
@@ -1207,8 +1226,11 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
         if page < 1 or page > 65536:
             why.append(f"page size {page}")
             return None
-    elif nblocks < batch:
+    elif ent is None and nblocks < batch:
         why.append("fewer cache rows than sequences")
+        return None
+    if paged and (lp is not None or ent is not None):
+        why.append("cache_leftpad or cache_batch_idx with a block table")
         return None
     written_pages = set()
     locs = []
@@ -1218,11 +1240,23 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
         if old < 0:
             why.append("negative cache_seqlens")
             return None
+        if lp is not None and not 0 <= lp[i] <= old:
+            why.append("cache_leftpad out of range")
+            return None
         if not paged:
+            e = i if ent is None else int(ent[i])
+            if not 0 <= e < nblocks:
+                why.append("cache_batch_idx out of range")
+                return None
+            if append and n > 0 and ent is not None:
+                if e in written_pages:
+                    why.append("cache entry written twice")
+                    return None
+                written_pages.add(e)
             if ln > page:
                 why.append("context longer than the cache")
                 return None
-            locs.append([(i, p) for p in range(ln)])
+            locs.append([(e, p) for p in range(ln)])
             continue
         need = -(-ln // page)
         if need > bt.shape[1]:
@@ -1259,7 +1293,7 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
     conflict = False
     seqs = []
     for i in range(batch):
-        where = locs[i]
+        where = locs[i][int(lp[i]) if lp is not None else 0:]
         if any((blk, off, j) in writes for blk, off in where for j in range(batch) if j != i):
             conflict = True
         ki = np.array([exp_k[blk, off] for blk, off in where]).reshape(len(where), HKV, D)

@@ -393,11 +393,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         leftpad = T.index_array(cache_leftpad, "cache_leftpad")
         if leftpad.shape != (batch,):
             raise ValueError(f"cache_leftpad must have {batch} entries, got {leftpad.shape}")
+        # never NULL, which would mean none (no sequences: a dummy entry, as for block_table)
+        leftpad = leftpad if leftpad.size else np.zeros(1, np.int32)
         cache.leftpad = T.ptr(leftpad)
     if cache_batch_idx is not None:
         batch_idx = T.index_array(cache_batch_idx, "cache_batch_idx")
         if batch_idx.shape != (batch,):
             raise ValueError(f"cache_batch_idx must have {batch} entries, got {batch_idx.shape}")
+        batch_idx = batch_idx if batch_idx.size else np.zeros(1, np.int32)
         cache.batch_idx = T.ptr(batch_idx)
     total_q, hq = q3.shape[0], q3.shape[1]
     if packed:
