@@ -49,9 +49,9 @@ static unsigned sweep_rows(const fw_attn_prob *p, const int64_t *koff, const int
  * one sequence, group it->head of the it->chunk its units are spread over (fw_attn_dec_groups;
  * usually one: all of them), over the item's key range, with keys along the vector lanes. Each
  * 64-key tile is taken for all the item's units before the next, so every token row of the
- * cache (the item's heads of it) is read once, front to back, while it is in cache; the next tile is prefetched meanwhile, except on
- * Intel (fw_dec_prefetch: there the L2 streamer does better alone). A unit holds R = G x n
- * rows, row r = g * n + i (as in a q tile with bq = n).
+ * cache (the item's heads of it) is read once, front to back, while it is in cache; the next
+ * tile is prefetched meanwhile, except on Intel (fw_dec_prefetch: there the L2 streamer does
+ * better alone). A unit holds R = G x n rows, row r = g * n + i (as in a q tile with bq = n).
  * Measured on Zen 5 (bf16, GQA 32:8, d 128, 32K keys, K/V GB/s on 1 / 2 threads): one head
  * per item 3.8 / 7.5; all heads per item 7.2 / 16.0; + V read in place and a steady next-tile
  * prefetch 12.3 / 22.2; + the address-order sweep of each tile 14.1 / 25.7 (sweeping the
