@@ -389,19 +389,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache.max_pages = bt.shape[1]
         cache.block_table_stride = bt.shape[1]
     cache.seqlens = T.ptr(seqlens)
-    if cache_leftpad is not None:
-        leftpad = T.index_array(cache_leftpad, "cache_leftpad")
-        if leftpad.shape != (batch,):
-            raise ValueError(f"cache_leftpad must have {batch} entries, got {leftpad.shape}")
+    keep = []  # the per-sequence index arrays, alive until the call returns
+    for field, value, name in (("leftpad", cache_leftpad, "cache_leftpad"),
+                               ("batch_idx", cache_batch_idx, "cache_batch_idx")):
+        if value is None:
+            continue
+        a = T.index_array(value, name)
+        if a.shape != (batch,):
+            raise ValueError(f"{name} must have {batch} entries, got {a.shape}")
         # never NULL, which would mean none (no sequences: a dummy entry, as for block_table)
-        leftpad = leftpad if leftpad.size else np.zeros(1, np.int32)
-        cache.leftpad = T.ptr(leftpad)
-    if cache_batch_idx is not None:
-        batch_idx = T.index_array(cache_batch_idx, "cache_batch_idx")
-        if batch_idx.shape != (batch,):
-            raise ValueError(f"cache_batch_idx must have {batch} entries, got {batch_idx.shape}")
-        batch_idx = batch_idx if batch_idx.size else np.zeros(1, np.int32)
-        cache.batch_idx = T.ptr(batch_idx)
+        keep.append(a if a.size else np.zeros(1, np.int32))
+        setattr(cache, field, T.ptr(keep[-1]))
     total_q, hq = q3.shape[0], q3.shape[1]
     if packed:
         out = out3 = T.output(out, q, (total_q, hq, vc.shape[-1]))
