@@ -57,5 +57,7 @@ int bench_gdn_headline(void);
 int bench_conv_main(int argc, char **argv);
 int bench_conv_headline(void);
 int bench_threads_main(int argc, char **argv);
+/* argv: A.so B.so decode|gdn [options] */
+int bench_ab_main(int argc, char **argv);
 
 #endif

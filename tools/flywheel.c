@@ -213,11 +213,14 @@ int bench_is_help(const char *arg) { return strcmp(arg, "-h") == 0 || strcmp(arg
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: flywheel run | bench attn|kvcache|gdn|conv|threads [options] | peak [threads] | info\n"
+            "usage: flywheel run | bench attn|kvcache|gdn|conv|threads [options] | ab A.so B.so decode|gdn\n"
+            "                [options] | peak [threads] | info\n"
             "  run          the main job: headline kernels on real-size shapes (attention, KV cache,\n"
             "               Gated DeltaNet, causal conv1d), checked against the float64 reference,\n"
             "               with %% of peak\n"
             "  bench attn|kvcache|gdn|conv|threads   see `flywheel bench attn --help` (the others alike)\n"
+            "  ab A.so B.so decode|gdn  two builds of the library taking turns in one process (see\n"
+            "                           `flywheel ab --help`)\n"
             "  peak [threads]           the FMA and bf16 dot-product peaks on 1..256 threads\n"
             "  info                     the kernel tables and the default\n");
 }
@@ -266,6 +269,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "flywheel: bench needs attn, kvcache, gdn, conv or threads%s%s\n", *what ? "; got " : "", what);
         return 2;
     }
+    if (strcmp(cmd, "ab") == 0)
+        return bench_ab_main(argc - 2, argv + 2);
     if (strcmp(cmd, "peak") == 0) {
         if (argc > 3 || (argc == 3 && bench_is_help(argv[2]))) {
             usage(argc == 3 ? stdout : stderr);

@@ -47,3 +47,53 @@ def test_bad_arguments_exit_2_with_a_message(args, needle):
 def test_help_exits_0_with_usage(args):
     rc, out = run(*args)
     assert rc == 0 and "usage: flywheel" in out
+
+
+@pytest.fixture
+def two_builds(tmp_path):
+    """The library and a copy of it in another file: two builds to `flywheel ab`."""
+    import shutil
+    copy = tmp_path / "libflywheel-copy.so"
+    shutil.copy(LIB, copy)
+    return LIB, str(copy)
+
+
+@pytest.mark.parametrize("op", [
+    ["decode", "--ctx", "100", "--hq", "4", "--hkv", "2", "--d", "16", "--page", "16", "--caches", "3",
+     "--dtype", "bf16"],
+    ["decode", "--batch", "3", "--ctx", "37", "--hq", "6", "--hkv", "2", "--d", "24", "--page", "8"],
+    ["gdn", "--t", "70", "--h", "2", "--hv", "4", "--d", "16", "--kda"],
+    ["gdn", "--t", "65", "--h", "1", "--hv", "2", "--d", "32", "--dtype", "f32"],
+])
+def test_ab_times_both_builds_and_compares_their_outputs(two_builds, op):
+    a, b = two_builds
+    rc, out = run("ab", a, b, *op, "--rounds", "2", "--calls", "2", "--threads", "1")
+    assert rc == 0, out
+    lines = out.splitlines()
+    assert lines[1].startswith(f"A {a}: median ") and lines[2].startswith(f"B {b}: median ")
+    assert "B / A time: " in lines[3] and lines[3].endswith("outputs: the same bits")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["ab", "/nonexistent/libx.so", "LIB", "decode"], "ab: cannot load /nonexistent/libx.so"),
+    (["ab", "libm.so.6", "LIB", "decode"], "ab: libm.so.6 is not a libflywheel"),
+    (["ab", "LIB", "LIB", "frob"], "ab needs decode or gdn; got frob"),
+    (["ab", "LIB", "LIB"], "ab needs two libraries and decode or gdn"),
+    (["ab", "LIB", "LIB", "decode", "--kda"], "ab decode: unknown option --kda"),
+    (["ab", "LIB", "LIB", "gdn", "--ctx", "5"], "ab gdn: unknown option --ctx"),
+    (["ab", "LIB", "LIB", "decode", "--calls", "0"], "--calls 0: expected an integer from 1"),
+])
+def test_ab_bad_arguments_exit_2_with_a_message(args, needle):
+    rc, out = run(*[LIB if x == "LIB" else x for x in args])
+    assert rc == 2 and needle in out
+
+
+def test_ab_help():
+    rc, out = run("ab", "--help")
+    assert rc == 0 and "usage: flywheel ab A.so B.so decode|gdn" in out
+
+
+def test_ab_reports_what_the_library_refuses():
+    rc, out = run("ab", LIB, LIB, "decode", "--hq", "5", "--hkv", "2", "--ctx", "10", "--rounds", "1",
+                  "--calls", "1")
+    assert rc == 1 and f"ab: {LIB}: the cache has 2 heads, which does not divide q's 5 heads" in out

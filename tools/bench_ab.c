@@ -1,0 +1,371 @@
+/*
+ * bench_ab.c: `flywheel ab A.so B.so decode|gdn [options]`, two builds of the library timed
+ * in one process.
+ *
+ * This VM's speed drifts by 10-50% between runs of one command, more than most kernel
+ * changes gain, so two builds timed one after the other compare the machine's moods as much
+ * as the builds. Here both libraries are loaded (dlopen, each with its own symbols) and take
+ * turns on the same inputs: rounds of --calls calls, A then B, then B then A, ... (the first
+ * call of each turn untimed). Reported: each build's median time per call with its 10th and
+ * 90th percentiles, the ratio of the medians B / A and the range of the per-round ratios, and
+ * whether the two builds' outputs have the same bits.
+ *
+ * Both builds must have the ABI number of the header this CLI was built with (the calls pass
+ * its structs). One library given twice is an A/A run: the noise floor of the ratio.
+ *
+ *   decode  fw_attn_kvcache_fwd, one query token per sequence on a paged cache (no append):
+ *           --batch --ctx --hq --hkv --d --page --dtype; --caches N rotates N caches of the
+ *           same shape (N = 1: the cache stays hot; 24 x 8 MiB is past this VM's L3)
+ *   gdn     fw_gdn_prefill of one sequence, q/k l2-normalised in the kernel, beta 0.5:
+ *           --t --h --hv --d --dtype; --kda: a decay per key channel
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "bench.h"
+
+typedef struct {
+    const char *path;
+    int (*abi)(void);
+    const char *(*last_error)(void);
+    void (*attn_init)(fw_attn_params *);
+    fw_status (*kvcache)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const int32_t *, int64_t,
+                         const fw_kv_cache *, const fw_tensor *, const fw_tensor *, const fw_attn_params *);
+    void (*gdn_init)(fw_gdn_params *);
+    fw_status (*gdn_prefill)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                             const fw_tensor *, const int32_t *, int64_t, const float *, float *,
+                             const fw_tensor *, const fw_gdn_params *);
+} lib;
+
+typedef struct {
+    int gdn, kda, threads, rounds, calls, caches;
+    int64_t batch, ctx, hq, hkv, d, page, T, H, HV;
+    fw_dtype dt;
+} acfg;
+
+/* The inputs both builds take (decode: every cache's block table, caches in turn). */
+typedef struct {
+    const acfg *c;
+    fw_tensor q, k, v, g, beta;
+    fw_kv_cache cache;
+    int32_t *bt, *cuq, cu[2]; /* decode: block tables of every cache, cu_seqlens_q */
+    size_t out_bytes;
+} ainput;
+
+static int load(lib *l, const char *path)
+{
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "flywheel: ab: cannot load %s: %s\n", path, dlerror());
+        return 0;
+    }
+    l->path = path;
+    *(void **)&l->abi = dlsym(h, "fw_abi_version");
+    *(void **)&l->last_error = dlsym(h, "fw_last_error");
+    *(void **)&l->attn_init = dlsym(h, "fw_attn_params_init");
+    *(void **)&l->kvcache = dlsym(h, "fw_attn_kvcache_fwd");
+    *(void **)&l->gdn_init = dlsym(h, "fw_gdn_params_init");
+    *(void **)&l->gdn_prefill = dlsym(h, "fw_gdn_prefill");
+    if (!l->abi || !l->last_error || !l->attn_init || !l->kvcache || !l->gdn_init || !l->gdn_prefill) {
+        fprintf(stderr, "flywheel: ab: %s is not a libflywheel (a symbol is missing)\n", path);
+        return 0;
+    }
+    if (l->abi() != FW_ABI_VERSION) {
+        fprintf(stderr, "flywheel: ab: %s has ABI %d, this CLI passes the structs of ABI %d: build both with one header\n",
+                path, l->abi(), FW_ABI_VERSION);
+        return 0;
+    }
+    return 1;
+}
+
+/* One call of the op on build l into `out`; decode: call number n reads cache n % caches. */
+static fw_status call(const lib *l, const ainput *in, int n, void *out)
+{
+    const acfg *c = in->c;
+    if (c->gdn) {
+        const int64_t os[3] = {c->T, c->HV, c->d};
+        const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
+        fw_gdn_params p;
+        l->gdn_init(&p);
+        p.l2norm_qk = 1;
+        p.threads = c->threads;
+        return l->gdn_prefill(&in->q, &in->k, &in->v, &in->g, &in->beta, in->cu, 1, NULL, NULL, &o, &p);
+    }
+    const int64_t os[3] = {c->batch, c->hq, c->d};
+    const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
+    fw_kv_cache kc = in->cache;
+    kc.block_table = in->bt + (size_t)(n % c->caches) * (size_t)(c->batch * kc.max_pages);
+    fw_attn_params p;
+    l->attn_init(&p);
+    p.causal = 1;
+    p.threads = c->threads;
+    return l->kvcache(&in->q, NULL, NULL, in->cuq, c->batch, &kc, &o, NULL, &p);
+}
+
+static int setup(const acfg *c, ainput *in, void **mem, int nmem)
+{
+    const size_t es = fw_dtype_size(c->dt);
+    memset(in, 0, sizeof *in);
+    in->c = c;
+    for (int i = 0; i < nmem; i++)
+        mem[i] = NULL;
+    if (c->gdn) {
+        if ((double)c->T * (double)(c->H > c->HV ? c->H : c->HV) * (double)c->d * 4.0 > 0x1p46)
+            return 0;
+        const int64_t qs[3] = {c->T, c->H, c->d}, vs[3] = {c->T, c->HV, c->d}, bs[2] = {c->T, c->HV};
+        const size_t nq = (size_t)(c->T * c->H * c->d), nv = (size_t)(c->T * c->HV * c->d);
+        const size_t ng = c->kda ? nv : (size_t)(c->T * c->HV);
+        mem[0] = bench_alloc(nq * es);
+        mem[1] = bench_alloc(nq * es);
+        mem[2] = bench_alloc(nv * es);
+        mem[3] = bench_alloc(ng * sizeof(float));
+        mem[4] = malloc((size_t)(c->T * c->HV) * sizeof(float));
+        if (!mem[0] || !mem[1] || !mem[2] || !mem[3] || !mem[4])
+            return 0;
+        bench_fill(mem[0], nq, c->dt, 1.0, 1);
+        bench_fill(mem[1], nq, c->dt, 1.0, 2);
+        bench_fill(mem[2], nv, c->dt, 1.0, 3);
+        bench_fill(mem[3], ng, FW_F32, 0.05, 4);
+        float *g = mem[3], *b = mem[4];
+        for (size_t i = 0; i < ng; i++)
+            g[i] = -fabsf(g[i]); /* log decays in (-0.05, 0] */
+        for (int64_t i = 0; i < c->T * c->HV; i++)
+            b[i] = 0.5f;
+        in->q = fw_tensor_contiguous(mem[0], c->dt, 3, qs);
+        in->k = fw_tensor_contiguous(mem[1], c->dt, 3, qs);
+        in->v = fw_tensor_contiguous(mem[2], c->dt, 3, vs);
+        in->g = c->kda ? fw_tensor_contiguous(mem[3], FW_F32, 3, vs) : fw_tensor_contiguous(mem[3], FW_F32, 2, bs);
+        in->beta = fw_tensor_contiguous(mem[4], FW_F32, 2, bs);
+        in->cu[0] = 0;
+        in->cu[1] = (int32_t)c->T;
+        in->out_bytes = nv * es;
+        return 1;
+    }
+    const int64_t per = (c->ctx + c->page - 1) / c->page;
+    if ((double)per * (double)c->page * (double)(c->batch * c->caches) * (double)(c->hkv * c->d) * (double)es >
+            0x1p46 ||
+        (double)per * (double)(c->batch * c->caches) > 2147483647.0)
+        return 0; /* past any machine's memory, or past int32 page indices */
+    const int64_t pages = per * c->batch * c->caches;
+    const int64_t ks[4] = {pages, c->page, c->hkv, c->d}, qs[3] = {c->batch, c->hq, c->d};
+    const size_t nk = (size_t)(pages * c->page * c->hkv * c->d), nq = (size_t)(c->batch * c->hq * c->d);
+    mem[0] = bench_alloc(nk * es);
+    mem[1] = bench_alloc(nk * es);
+    mem[2] = malloc(nq * es);
+    mem[3] = malloc(sizeof(int32_t) * (size_t)pages);
+    mem[4] = malloc(sizeof(int32_t) * (size_t)c->batch);
+    mem[5] = malloc(sizeof(int32_t) * (size_t)(c->batch + 1));
+    if (!mem[0] || !mem[1] || !mem[2] || !mem[3] || !mem[4] || !mem[5])
+        return 0;
+    bench_fill(mem[0], nk, c->dt, 1.0, 1);
+    bench_fill(mem[1], nk, c->dt, 1.0, 2);
+    bench_fill(mem[2], nq, c->dt, 1.0, 3);
+    in->bt = mem[3];
+    for (int64_t i = 0; i < pages; i++) /* pages scattered over the pool, as an engine's are */
+        in->bt[i] = (int32_t)((i * 7919) % pages);
+    int32_t *sl = mem[4];
+    in->cuq = mem[5];
+    for (int64_t i = 0; i < c->batch; i++)
+        sl[i] = (int32_t)c->ctx;
+    for (int64_t i = 0; i <= c->batch; i++)
+        in->cuq[i] = (int32_t)i;
+    in->q = fw_tensor_contiguous(mem[2], c->dt, 3, qs);
+    in->cache.k = fw_tensor_contiguous(mem[0], c->dt, 4, ks);
+    in->cache.v = fw_tensor_contiguous(mem[1], c->dt, 4, ks);
+    in->cache.max_pages = per;
+    in->cache.seqlens = sl;
+    in->out_bytes = nq * es;
+    return 1;
+}
+
+static double pct(const double *sorted, int n, double q) { return sorted[(int)(q * (n - 1) + 0.5)]; }
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Largest |a - b| over n values of dtype dt, and the largest |a| into *big. */
+static double max_diff(const void *a, const void *b, size_t n, fw_dtype dt, double *big)
+{
+    double m = 0.0;
+    *big = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double x, y;
+        if (dt == FW_F32) {
+            x = ((const float *)a)[i];
+            y = ((const float *)b)[i];
+        } else if (dt == FW_BF16) {
+            x = fw_bf16_to_f32(((const uint16_t *)a)[i]);
+            y = fw_bf16_to_f32(((const uint16_t *)b)[i]);
+        } else {
+            x = fw_f16_to_f32(((const uint16_t *)a)[i]);
+            y = fw_f16_to_f32(((const uint16_t *)b)[i]);
+        }
+        const double d = x == y ? 0.0 : fabs(x - y);
+        m = d > m || d != d ? d : m;
+        *big = fabs(x) > *big ? fabs(x) : *big;
+    }
+    return m;
+}
+
+static void ab_usage(FILE *f)
+{
+    fprintf(f, "usage: flywheel ab A.so B.so decode|gdn [--threads N --rounds N --calls N --dtype f32|bf16|f16]\n"
+               "       decode: [--batch B --ctx N --hq H --hkv H --d D --page P --caches N]\n"
+               "       gdn:    [--t T --h H --hv HV --d D --kda]\n"
+               "  two builds of the library in one process, taking turns on the same inputs (rounds of\n"
+               "  --calls calls, A then B, then B then A, ...): median time per call, the 10th-90th\n"
+               "  percentiles, B / A and the range of the per-round ratios, and whether the outputs agree.\n"
+               "  Defaults: decode f32, batch 1, ctx 1024, GQA 32:8, d 128, page 128, 1 cache (hot),\n"
+               "  20 rounds of 40 calls; gdn bf16, T 4096, H = HV = 16, d 128, 3 rounds of 2 calls;\n"
+               "  threads: all CPUs. Both builds need this CLI's ABI number.\n");
+}
+
+int bench_ab_main(int argc, char **argv)
+{
+    if (argc >= 1 && bench_is_help(argv[0])) {
+        ab_usage(stdout);
+        return 0;
+    }
+    if (argc < 3) {
+        ab_usage(stderr);
+        fprintf(stderr, "flywheel: ab needs two libraries and decode or gdn\n");
+        return 2;
+    }
+    acfg c = {.threads = bench_cpus(), .caches = 1, .batch = 1, .ctx = 1024, .hq = 32, .hkv = 8, .d = 128,
+              .page = 128, .T = 4096, .H = 16, .HV = 16, .dt = FW_F32};
+    if (strcmp(argv[2], "gdn") == 0) {
+        c.gdn = 1;
+        c.dt = FW_BF16;
+    } else if (strcmp(argv[2], "decode") != 0) {
+        ab_usage(stderr);
+        fprintf(stderr, "flywheel: ab needs decode or gdn; got %s\n", argv[2]);
+        return 2;
+    }
+    c.rounds = c.gdn ? 3 : 20;
+    c.calls = c.gdn ? 2 : 40;
+    for (int i = 3; i < argc; i++) {
+        if (bench_is_help(argv[i])) {
+            ab_usage(stdout);
+            return 0;
+        } else if (bench_opt(argc, argv, &i, "--threads"))
+            c.threads = (int)bench_int("--threads", argv[i], 1, 256);
+        else if (bench_opt(argc, argv, &i, "--rounds"))
+            c.rounds = (int)bench_int("--rounds", argv[i], 1, 100000);
+        else if (bench_opt(argc, argv, &i, "--calls"))
+            c.calls = (int)bench_int("--calls", argv[i], 1, 100000);
+        else if (bench_opt(argc, argv, &i, "--dtype")) {
+            if (!bench_dtype(argv[i], &c.dt)) {
+                fprintf(stderr, "flywheel: --dtype %s: expected f32, bf16 or f16\n", argv[i]);
+                return 2;
+            }
+        } else if (!c.gdn && bench_opt(argc, argv, &i, "--batch"))
+            c.batch = bench_int("--batch", argv[i], 1, 4096);
+        else if (!c.gdn && bench_opt(argc, argv, &i, "--ctx"))
+            c.ctx = bench_int("--ctx", argv[i], 1, 1 << 24);
+        else if (!c.gdn && bench_opt(argc, argv, &i, "--hq"))
+            c.hq = bench_int("--hq", argv[i], 1, 1024);
+        else if (!c.gdn && bench_opt(argc, argv, &i, "--hkv"))
+            c.hkv = bench_int("--hkv", argv[i], 1, 1024);
+        else if (!c.gdn && bench_opt(argc, argv, &i, "--page"))
+            c.page = bench_int("--page", argv[i], 1, 1 << 20);
+        else if (!c.gdn && bench_opt(argc, argv, &i, "--caches"))
+            c.caches = (int)bench_int("--caches", argv[i], 1, 4096);
+        else if (bench_opt(argc, argv, &i, "--d"))
+            c.d = bench_int("--d", argv[i], 1, 1024);
+        else if (c.gdn && bench_opt(argc, argv, &i, "--t"))
+            c.T = bench_int("--t", argv[i], 1, 1 << 24);
+        else if (c.gdn && bench_opt(argc, argv, &i, "--h"))
+            c.H = bench_int("--h", argv[i], 1, 1024);
+        else if (c.gdn && bench_opt(argc, argv, &i, "--hv"))
+            c.HV = bench_int("--hv", argv[i], 1, 1024);
+        else if (c.gdn && strcmp(argv[i], "--kda") == 0)
+            c.kda = 1;
+        else {
+            ab_usage(stderr);
+            fprintf(stderr, "flywheel: ab %s: unknown option %s\n", argv[2], argv[i]);
+            return 2;
+        }
+    }
+    lib L[2];
+    if (!load(&L[0], argv[0]) || !load(&L[1], argv[1]))
+        return 2;
+    ainput in;
+    void *mem[6];
+    const int ok = setup(&c, &in, mem, 6);
+    void *out[2] = {ok ? malloc(in.out_bytes) : NULL, ok ? malloc(in.out_bytes) : NULL};
+    const size_t nt = (size_t)c.rounds * (size_t)c.calls;
+    double *t[2] = {malloc(nt * sizeof(double)), malloc(nt * sizeof(double))};
+    double *rt = malloc((size_t)c.rounds * 2 * sizeof(double)), *ratio = malloc((size_t)c.rounds * sizeof(double));
+    int rc = 1;
+    if (!ok || !out[0] || !out[1] || !t[0] || !t[1] || !rt || !ratio) {
+        fprintf(stderr, "flywheel: ab: out of memory (or a shape too large)\n");
+        goto done;
+    }
+    if (c.gdn)
+        printf("flywheel ab: gdn prefill%s %s, T %lld, H %lld, HV %lld, d %lld, %d thread(s)", c.kda ? " (KDA)" : "",
+               c.dt == FW_F32 ? "f32" : c.dt == FW_BF16 ? "bf16" : "f16", (long long)c.T, (long long)c.H,
+               (long long)c.HV, (long long)c.d, c.threads);
+    else
+        printf("flywheel ab: decode %s, batch %lld, ctx %lld, GQA %lld:%lld, d %lld, page %lld, %d cache(s), %d thread(s)",
+               c.dt == FW_F32 ? "f32" : c.dt == FW_BF16 ? "bf16" : "f16", (long long)c.batch, (long long)c.ctx,
+               (long long)c.hq, (long long)c.hkv, (long long)c.d, (long long)c.page, c.caches, c.threads);
+    printf("; %d rounds of %d calls a build, taking turns\n", c.rounds, c.calls);
+    for (int r = 0, n = 0; r < c.rounds; r++, n += c.calls)
+        for (int turn = 0; turn < 2; turn++) {
+            const int b = turn ^ (r & 1); /* A B, then B A */
+            double *tb = t[b] + n;
+            for (int j = -1; j < c.calls; j++) {
+                const double t0 = bench_now();
+                const fw_status s = call(&L[b], &in, r * c.calls + j + 1, out[b]);
+                const double dt = bench_now() - t0;
+                if (s != FW_OK) {
+                    fprintf(stderr, "flywheel: ab: %s: %s\n", L[b].path, L[b].last_error());
+                    goto done;
+                }
+                if (j >= 0)
+                    tb[j] = dt;
+            }
+            qsort(tb, (size_t)c.calls, sizeof(double), cmp_double);
+            rt[2 * r + b] = pct(tb, c.calls, 0.5);
+        }
+    for (int r = 0; r < c.rounds; r++)
+        ratio[r] = rt[2 * r + 1] / rt[2 * r];
+    double med[2];
+    for (int b = 0; b < 2; b++) {
+        qsort(t[b], nt, sizeof(double), cmp_double);
+        med[b] = pct(t[b], (int)nt, 0.5);
+        printf("%s %s: median %.1f us (10th-90th percentile %.1f-%.1f)\n", b ? "B" : "A", L[b].path, med[b] * 1e6,
+               pct(t[b], (int)nt, 0.1) * 1e6, pct(t[b], (int)nt, 0.9) * 1e6);
+    }
+    qsort(ratio, (size_t)c.rounds, sizeof(double), cmp_double);
+    /* the same inputs (round 0's cache) once more on each build */
+    if (call(&L[0], &in, 0, out[0]) != FW_OK || call(&L[1], &in, 0, out[1]) != FW_OK) {
+        fprintf(stderr, "flywheel: ab: the comparison call failed\n");
+        goto done;
+    }
+    const size_t n = in.out_bytes / fw_dtype_size(c.dt);
+    double big;
+    const double diff = max_diff(out[0], out[1], n, c.dt, &big);
+    printf("B / A time: %.3f (per-round ratios %.3f-%.3f, median %.3f); outputs: ", med[1] / med[0], ratio[0],
+           ratio[c.rounds - 1], pct(ratio, c.rounds, 0.5));
+    if (memcmp(out[0], out[1], in.out_bytes) == 0)
+        printf("the same bits\n");
+    else
+        printf("differ, largest |B - A| %.3g (largest |A| %.3g)\n", diff, big);
+    rc = 0;
+done:
+    for (int i = 0; i < 6; i++)
+        free(mem[i]);
+    free(out[0]);
+    free(out[1]);
+    free(t[0]);
+    free(t[1]);
+    free(rt);
+    free(ratio);
+    return rc;
+}
