@@ -9,13 +9,16 @@ first, each timed, summed per phase, with the largest difference between the two
 GDN states are float32 (`mamba_ssm_cache_dtype="float32"`), or with --states auto vLLM's
 default for a bf16 model, bf16.
 
---e2e-runs N adds end-to-end timing of the prefill: N engines without the plugin
-(FLYWHEEL_VLLM=0) and N with it (FLYWHEEL_VLLM_CALLS=all), alternating, each timing generate()
-of the prompt with 1 new token after one untimed such call (an engine's first long prompt took
-8-10 s more at 16K), nothing wrapped. The gain is printed next to its Amdahl bound,
+--e2e-runs N adds end-to-end timing of the prefill and the decode steps: N engines without the
+plugin (FLYWHEEL_VLLM=0) and N with it (FLYWHEEL_VLLM_CALLS=all), alternating, each timing
+generate() of the prompt with 1 new token after one untimed such call (an engine's first long
+prompt took 8-10 s more at 16K), nothing wrapped. The gain is printed next to its Amdahl bound,
 P / (P - Kv + Kf), with P the prefill without the plugin and Kv, Kf the two kernels' prefill
-sums of the kernel run above. Decode steps are not timed end to end: as the difference of two
-generate() calls they were within the prefill's run-to-run noise (+-1 s at 16K).
+sums of the kernel run above. Then each engine runs the prompt again with --decode + 1 new
+tokens, stepped by hand as generate() steps it, and times every step after the one that made
+the first token: each engine's median decode step, with the Amdahl bound from the kernels'
+decode sums per step. (As the difference of two generate() calls the decode steps were within
+the prefill's run-to-run noise, +-1 s at 16K.)
 
 Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2] [--e2e-runs 0]
                                    [--states float32|auto] [--amx-layout vec|amx]
@@ -137,7 +140,24 @@ if args["e2e"]:  # the second prefill of the whole prompt (the first long one co
         t0 = time.perf_counter()
         llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
         took.append(time.perf_counter() - t0)
-    print("RESULT " + json.dumps({"prefill_s": took[1]}))
+    # the decode steps: the engine stepped by hand (as generate() does), each step timed; a
+    # step after the prompt's last prefill step makes one token
+    from vllm.sampling_params import RequestOutputKind
+    eng = llm.llm_engine
+    eng.add_request("decode", prompt, SamplingParams(
+        max_tokens=args["decode"] + 1, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.CUMULATIVE))
+    steps, made = [], 0
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
+        if made:
+            steps.append(dt)
+        made = max(made, n)
+    print("RESULT " + json.dumps({"prefill_s": took[1], "decode_steps_s": steps,
+                                  "tokens": made}))
     sys.exit(0)
 llm.generate([prompt], SamplingParams(max_tokens=args["decode"] + 1, ignore_eos=True,
                                       detokenize=False))
@@ -204,6 +224,22 @@ def e2e(args, k):
     med = statistics.median(pv) / statistics.median(pf)
     print(f"end to end: prefill {pv[0] / pf[-1]:.2f}-{pv[-1] / pf[0]:.2f}x (medians {med:.2f}x); "
           f"Amdahl bound from the kernels' share: {min(bound):.2f}-{max(bound):.2f}x")
+    # decode: each engine's median step; the bound from the kernels' decode sums per step
+    steps = args.decode
+    kf = (k["timed"]["decode"][0] + k["gdn"]["decode"][0]) / steps
+    kv = (k["timed"]["decode"][1] + k["gdn"]["decode"][1]) / steps
+    dv = sorted(statistics.median(r["decode_steps_s"]) for r in runs[False])
+    df = sorted(statistics.median(r["decode_steps_s"]) for r in runs[True])
+    for plugin, name in ((False, "vLLM alone"), (True, "with flywheel")):
+        for r in runs[plugin]:
+            t = sorted(r["decode_steps_s"])
+            print(f"end to end, {name}: decode step at {args.prompt} context, median of "
+                  f"{len(t)} steps {statistics.median(t) * 1e3:.1f} ms ({t[0] * 1e3:.1f}-"
+                  f"{t[-1] * 1e3:.1f})")
+    bound = [d / (d - kv + kf) if d > kv - kf else float("inf") for d in dv]
+    print(f"end to end: decode step {dv[0] / df[-1]:.2f}-{dv[-1] / df[0]:.2f}x (medians "
+          f"{statistics.median(dv) / statistics.median(df):.2f}x); Amdahl bound from the "
+          f"kernels' share: {min(bound):.2f}-{max(bound):.2f}x")
 
 
 def report(what, theirs, sums, worst):
