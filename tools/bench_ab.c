@@ -2,7 +2,7 @@
  * bench_ab.c: `flywheel ab A.so B.so decode|gdn [options]`, two builds of the library timed
  * in one process.
  *
- * This VM's speed drifts by 10-50% between runs of one command, more than most kernel
+ * A shared VM's speed drifts by 10-50% between runs of one command, more than most kernel
  * changes gain, so two builds timed one after the other compare the machine's moods as much
  * as the builds. Here both libraries are loaded (dlopen, each with its own symbols) and take
  * turns on the same inputs: rounds of --calls calls, A then B, then B then A, ... (the first
@@ -15,7 +15,7 @@
  *
  *   decode  fw_attn_kvcache_fwd, one query token per sequence on a paged cache (no append):
  *           --batch --ctx --hq --hkv --d --page --dtype; --caches N rotates N caches of the
- *           same shape (N = 1: the cache stays hot; 24 x 8 MiB is past this VM's L3)
+ *           same shape (N = 1: the cache stays hot; caches past the L3 in all: read from memory)
  *   gdn     fw_gdn_prefill of one sequence, q/k l2-normalised in the kernel, beta 0.5:
  *           --t --h --hv --d --dtype; --kda: a decay per key channel
  */
@@ -255,9 +255,9 @@ int bench_ab_main(int argc, char **argv)
         } else if (bench_opt(argc, argv, &i, "--threads"))
             c.threads = (int)bench_int("--threads", argv[i], 1, 256);
         else if (bench_opt(argc, argv, &i, "--rounds"))
-            c.rounds = (int)bench_int("--rounds", argv[i], 1, 100000);
+            c.rounds = (int)bench_int("--rounds", argv[i], 1, 10000);
         else if (bench_opt(argc, argv, &i, "--calls"))
-            c.calls = (int)bench_int("--calls", argv[i], 1, 100000);
+            c.calls = (int)bench_int("--calls", argv[i], 1, 10000);
         else if (bench_opt(argc, argv, &i, "--dtype")) {
             if (!bench_dtype(argv[i], &c.dt)) {
                 fprintf(stderr, "flywheel: --dtype %s: expected f32, bf16 or f16\n", argv[i]);
