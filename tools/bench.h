@@ -21,6 +21,8 @@ void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed);
 /* RoPE tables (base 10000) of n positions and rotary_dim rd: cos and sin [n, rd / 2] f32 in
  * one allocation at *mem (release with free()), described by *cos and *sin. 0: no memory. */
 int bench_rope_tables(int64_t n, int64_t rd, void **mem, fw_tensor *cos, fw_tensor *sin);
+/* Element i of an array of dtype dt (f32, bf16 or f16), as a double. */
+double bench_value(const void *x, fw_dtype dt, int64_t i);
 /* Median of n doubles (sorts them). */
 double bench_median(double *x, int n);
 /* The machine's FMA peak on `threads` threads for table isa (NULL: the default): the best of

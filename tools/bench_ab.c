@@ -180,13 +180,8 @@ static int setup(const acfg *c, ainput *in, void **mem, int nmem)
     return 1;
 }
 
+/* Quantile q of n sorted values (the nearest rank). */
 static double pct(const double *sorted, int n, double q) { return sorted[(int)(q * (n - 1) + 0.5)]; }
-
-static int cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* Largest |a - b| over n values of dtype dt, and the largest |a| into *big. */
 static double max_diff(const void *a, const void *b, size_t n, fw_dtype dt, double *big)
@@ -194,17 +189,7 @@ static double max_diff(const void *a, const void *b, size_t n, fw_dtype dt, doub
     double m = 0.0;
     *big = 0.0;
     for (size_t i = 0; i < n; i++) {
-        double x, y;
-        if (dt == FW_F32) {
-            x = ((const float *)a)[i];
-            y = ((const float *)b)[i];
-        } else if (dt == FW_BF16) {
-            x = fw_bf16_to_f32(((const uint16_t *)a)[i]);
-            y = fw_bf16_to_f32(((const uint16_t *)b)[i]);
-        } else {
-            x = fw_f16_to_f32(((const uint16_t *)a)[i]);
-            y = fw_f16_to_f32(((const uint16_t *)b)[i]);
-        }
+        const double x = bench_value(a, dt, (int64_t)i), y = bench_value(b, dt, (int64_t)i);
         const double d = x == y ? 0.0 : fabs(x - y);
         m = d > m || d != d ? d : m;
         *big = fabs(x) > *big ? fabs(x) : *big;
@@ -308,11 +293,11 @@ int bench_ab_main(int argc, char **argv)
     }
     if (c.gdn)
         printf("flywheel ab: gdn prefill%s %s, T %lld, H %lld, HV %lld, d %lld, %d thread(s)", c.kda ? " (KDA)" : "",
-               c.dt == FW_F32 ? "f32" : c.dt == FW_BF16 ? "bf16" : "f16", (long long)c.T, (long long)c.H,
+               fw_dtype_name(c.dt), (long long)c.T, (long long)c.H,
                (long long)c.HV, (long long)c.d, c.threads);
     else
         printf("flywheel ab: decode %s, batch %lld, ctx %lld, GQA %lld:%lld, d %lld, page %lld, %d cache(s), %d thread(s)",
-               c.dt == FW_F32 ? "f32" : c.dt == FW_BF16 ? "bf16" : "f16", (long long)c.batch, (long long)c.ctx,
+               fw_dtype_name(c.dt), (long long)c.batch, (long long)c.ctx,
                (long long)c.hq, (long long)c.hkv, (long long)c.d, (long long)c.page, c.caches, c.threads);
     printf("; %d rounds of %d calls a build, taking turns\n", c.rounds, c.calls);
     for (int r = 0, n = 0; r < c.rounds; r++, n += c.calls)
@@ -330,19 +315,17 @@ int bench_ab_main(int argc, char **argv)
                 if (j >= 0)
                     tb[j] = dt;
             }
-            qsort(tb, (size_t)c.calls, sizeof(double), cmp_double);
-            rt[2 * r + b] = pct(tb, c.calls, 0.5);
+            rt[2 * r + b] = bench_median(tb, c.calls);
         }
     for (int r = 0; r < c.rounds; r++)
         ratio[r] = rt[2 * r + 1] / rt[2 * r];
     double med[2];
     for (int b = 0; b < 2; b++) {
-        qsort(t[b], nt, sizeof(double), cmp_double);
-        med[b] = pct(t[b], (int)nt, 0.5);
+        med[b] = bench_median(t[b], (int)nt); /* sorts them, for the percentiles */
         printf("%s %s: median %.1f us (10th-90th percentile %.1f-%.1f)\n", b ? "B" : "A", L[b].path, med[b] * 1e6,
                pct(t[b], (int)nt, 0.1) * 1e6, pct(t[b], (int)nt, 0.9) * 1e6);
     }
-    qsort(ratio, (size_t)c.rounds, sizeof(double), cmp_double);
+    const double ratio_med = bench_median(ratio, c.rounds);
     /* the same inputs (round 0's cache) once more on each build */
     if (call(&L[0], &in, 0, out[0]) != FW_OK || call(&L[1], &in, 0, out[1]) != FW_OK) {
         fprintf(stderr, "flywheel: ab: the comparison call failed\n");
@@ -352,7 +335,7 @@ int bench_ab_main(int argc, char **argv)
     double big;
     const double diff = max_diff(out[0], out[1], n, c.dt, &big);
     printf("B / A time: %.3f (per-round ratios %.3f-%.3f, median %.3f); outputs: ", med[1] / med[0], ratio[0],
-           ratio[c.rounds - 1], pct(ratio, c.rounds, 0.5));
+           ratio[c.rounds - 1], ratio_med);
     if (memcmp(out[0], out[1], in.out_bytes) == 0)
         printf("the same bits\n");
     else

@@ -95,13 +95,6 @@ static fw_gdn_params bench_params(const gcfg *c, uint32_t flags, int prec)
     return p;
 }
 
-/* Element i of an output of dtype dt, as a double. */
-static double out_value(const void *o, fw_dtype dt, int64_t i)
-{
-    return dt == FW_F32 ? ((const float *)o)[i]
-           : dt == FW_BF16 ? fw_bf16_to_f32(((const uint16_t *)o)[i]) : fw_f16_to_f32(((const uint16_t *)o)[i]);
-}
-
 /* Median seconds of `reps` prefill calls (after a warm-up) with the given flags. */
 static double time_prefill(const gcfg *c, gbufs *B, const int32_t *cu, uint32_t flags, int prec, int reps)
 {
@@ -157,7 +150,7 @@ static int check_prefill(const gcfg *c, gbufs *B, int prec, double err[4])
         p.flags = FW_GDN_FUSED_RECURRENT;
         ok = fw_gdn_prefill(&q, &k, &v, &g, &b, cu, 1, NULL, st, &to, &p) == FW_OK;
         for (int64_t i = 0; ok && i < no; i++)
-            bo[i] = out_value(o, c->dt, i);
+            bo[i] = bench_value(o, c->dt, i);
         for (int64_t i = 0; ok && i < ns; i++)
             bs[i] = st[i];
     }
@@ -171,7 +164,7 @@ static int check_prefill(const gcfg *c, gbufs *B, int prec, double err[4])
         p.precision = prec;
         ok = fw_gdn_prefill(&q, &k, &v, &g, &b, cu, 1, NULL, st, &to, &p) == FW_OK;
         for (int64_t i = 0; ok && i < no; i++) {
-            const double d = fabs(out_value(o, c->dt, i) - ro[i]);
+            const double d = fabs(bench_value(o, c->dt, i) - ro[i]);
             ek[0] = d > ek[0] || d != d ? d : ek[0];
         }
         for (int64_t i = 0; ok && i < ns; i++) {

@@ -99,6 +99,12 @@ int bench_rope_tables(int64_t n, int64_t rd, void **mem, fw_tensor *tcos, fw_ten
     return 1;
 }
 
+double bench_value(const void *x, fw_dtype dt, int64_t i)
+{
+    return dt == FW_F32 ? ((const float *)x)[i]
+           : dt == FW_BF16 ? fw_bf16_to_f32(((const uint16_t *)x)[i]) : fw_f16_to_f32(((const uint16_t *)x)[i]);
+}
+
 double bench_median(double *x, int n)
 {
     qsort(x, (size_t)n, sizeof *x, cmp_double);
