@@ -48,7 +48,7 @@ extern "C" {
  * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
  * bindings check it at load time (the Python package refuses a library whose
  * fw_abi_version() differs from the number it was written for). */
-#define FW_ABI_VERSION 6
+#define FW_ABI_VERSION 7
 
 /* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
 FW_API const char *fw_version(void);
@@ -334,7 +334,23 @@ FW_API fw_status fw_attn_varlen_bwd_ref(const fw_tensor *q, const fw_tensor *k, 
  * there): sequence i uses batch entry batch_idx[i] of the cache (0 .. k's dimension 0 - 1)
  * instead of entry i. With k_new, two sequences with new rows may not share an entry (flash-
  * attn leaves which one wins undefined; here it is refused).
+ * layout (fw_kv_layout): how each page holds its rows.
+ *   FW_KV_ROWS (0, the default): the strided rows above.
+ *   FW_KV_TILES: vLLM CPU_ATTN's AMX layout, the operand order of AMX's tdpbf16ps, so that
+ *       a decode loads its K and V tiles straight from the cache. Paged, bf16, page_size a
+ *       multiple of 32, d and dv multiples of 32. k and v keep their shapes
+ *       [num_pages, page_size, hkv, d | dv] with strides [page, d | dv, head, 1]: the
+ *       page_size x d elements of each (page, head) are one dense block, stored so:
+ *         K: key t, channel c at (t / 16) * 16 d + (c / 2) * 32 + (t % 16) * 2 + c % 2
+ *            (16 keys at a time, each channel pair of them one 64-byte row);
+ *         V: key t, channel c at (c / 16) * 16 page_size + (t / 2) * 32 + (c % 16) * 2 + t % 2
+ *            (16 channels at a time, each key pair of them one 64-byte row).
+ *       vLLM writes it with its cpu_attn_reshape_and_cache(..., isa="amx"); flywheel's
+ *       appends (k_new, v_new) write it too. Keys or values at rows past a context are never
+ *       used, whatever they hold.
  */
+typedef enum { FW_KV_ROWS = 0, FW_KV_TILES = 1 } fw_kv_layout;
+
 typedef struct fw_kv_cache {
     fw_tensor k, v;
     const int32_t *block_table; /* NULL: contiguous */
@@ -343,6 +359,7 @@ typedef struct fw_kv_cache {
     const int32_t *seqlens;     /* [b] */
     const int32_t *leftpad;     /* [b] first row of each context, or NULL (all 0) */
     const int32_t *batch_idx;   /* [b] cache entry of each sequence, or NULL (entry i) */
+    int32_t layout;             /* fw_kv_layout; FW_KV_ROWS when zeroed */
 } fw_kv_cache;
 
 /*

@@ -152,6 +152,17 @@ typedef struct fw_kernels {
      * S[r][j] = scale * QW[r] . K[j], QW as for dec_qk_bf16 (R x ceil(d/2) words). */
     void (*dec_qk_rows_bf16)(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
                              float scale, float *S);
+    /* The decode's products straight from a FW_KV_TILES cache (flywheel.h), for tables whose
+     * products take its order (AMX); NULL elsewhere, where the driver copies the rows out.
+     * kg[i]: key group i of the tile (keys 16 i .. 16 i + 15: ceil(d / 32) blocks of 16 channel
+     * pairs x 16 keys, 1 KiB each, contiguous); S as dec_qk_rows_bf16 gives it. vg[i]: value
+     * group i (keys 32 i .. 32 i + 31: 16 key pairs x 16 channels, 1 KiB) of channels 0-15,
+     * channels 16 x .. at vg[i] + x * vgs elements; P and O as dec_pv_bf16 takes them. Keys
+     * past nk are never used, whatever the cache holds there. */
+    void (*dec_qk_tiles_bf16)(int R, int nk, int d, const uint32_t *QW, const uint16_t *const *kg,
+                              float scale, float *S);
+    void (*dec_pv_tiles_bf16)(int R, int nk, int dv, const float *P, const uint16_t *const *vg,
+                              int64_t vgs, uint32_t *PW, float *O);
     /* Plain baseline: one query row against n keys, one key at a time with online softmax:
      * convert the key and value rows on use (like ggml's vector path), dot, scalar exp2,
      * axpy. q is f32 in log2 units (scaled by scale*log2(e), or by 1/softcap with cap2 > 0).
@@ -240,7 +251,7 @@ typedef struct fw_kernels {
 #define FW_KERNEL_ENTRIES(X)                                                                     \
     X(to_f32) X(from_f32) X(qk) X(softcap) X(softmax) X(pv) X(pack_pairs) X(pack_row_pairs) X(pack_vw) \
     X(qk_bf16) X(pv_bf16) X(pack_kt) X(dec_qk) X(dec_softmax) X(dec_pv) X(pack_kt_bf16) X(pack_kt_cols) X(pack_kt_cols_bf16) X(cols_to_rows)          \
-    X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16)             \
+    X(panel_bytes) X(dec_qk_bf16) X(dec_pv_bf16) X(dec_qk_rows) X(dec_qk_rows_bf16) X(dec_qk_tiles_bf16) X(dec_pv_tiles_bf16) \
     X(plain_row) X(peak) X(peak_bf16) X(stream_sum)                                              \
     X(exp2_inplace) X(rows_l2scale) X(gdn_gates) X(tri_inv_fwd) X(tri_inv_blocked)               \
     X(gdn_dec_cols) X(gdn_dec_reads) X(gdn_step4) X(exp2_scale) X(exp2d_scale2) X(kda_diag) X(kda_gates) X(conv_weights) X(conv1d_row) X(conv1d_rows) X(bwd_ds) X(rope)

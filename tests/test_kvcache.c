@@ -37,6 +37,9 @@ static void addressing_of(const fw_kv_cache *c, fw_attn_prob *p)
     p->bt_stride = c->max_pages;
     p->page = c->k.shape[1];
     p->page_shift = -1; /* the general addressing: the library's shift must agree with it */
+    p->d = c->k.shape[3];
+    p->dv = c->v.shape[3];
+    p->tiles = c->layout == FW_KV_TILES;
     p->kpage = p->kb = c->k.stride[0];
     p->vpage = p->vb = c->v.stride[0];
     for (int i = 0; i < 3; i++) {
@@ -57,8 +60,18 @@ static fw_attn_seq seq_of(const fw_attn_prob *p, int64_t i)
 
 /* Logical context rows as doubles [b][cap][hkv][d] are not kept: both caches are written from
  * the same random draws, row by row. */
-/* kcols: K pages laid out as vLLM's CPU cache keeps them, [hkv][d][page] (each channel's keys
- * contiguous), V as usual. */
+/* Element offset of channel x of row j, head h, in K (v = 0) or V (v = 1): the library's
+ * addressing of either layout. */
+static int64_t elem_of(const fw_attn_prob *p, const fw_attn_seq *s, int64_t j, int64_t h, int64_t x, int v)
+{
+    if (p->tiles)
+        return fw_attn_tile_elem(p, s, j, h, x, v);
+    return fw_attn_key(p, s, j, v) + h * (v ? p->vs[1] : p->ks[1]) + x * (v ? p->vs[2] : p->ks[2]);
+}
+
+/* kcols 1: K pages laid out as vLLM's CPU "vec" cache keeps them, [hkv][d][page] (each
+ * channel's keys contiguous), V as usual; kcols 2: FW_KV_TILES, pages [hkv][page][d] with
+ * each (page, head) block in AMX's tile order (vLLM's "amx" cache). */
 static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, int32_t *seqlens,
                        uint64_t seed, int kcols)
 {
@@ -71,10 +84,16 @@ static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, 
     cb->v = gbuf_new((size_t)(npages * ps * t->hkv * t->dv) * esz(t->dt));
     cb->c.k = fw_tensor_contiguous(cb->k.p, t->dt, 4, ks);
     cb->c.v = fw_tensor_contiguous(cb->v.p, t->dt, 4, vs);
-    if (kcols) {
+    if (kcols == 1) {
         cb->c.k.stride[1] = 1;
         cb->c.k.stride[2] = t->d * ps;
         cb->c.k.stride[3] = ps;
+    } else if (kcols == 2) {
+        cb->c.k.stride[1] = t->d;
+        cb->c.k.stride[2] = t->d * ps;
+        cb->c.v.stride[1] = t->dv;
+        cb->c.v.stride[2] = t->dv * ps;
+        cb->c.layout = FW_KV_TILES;
     }
     rng_seed(seed + 1000);
     tfill_normal(&cb->c.k, 3.0); /* junk everywhere first */
@@ -107,15 +126,21 @@ static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, 
         for (int64_t j = 0; j < t->old[i]; j++)
             for (int v = 0; v < 2; v++) {
                 const fw_tensor *tt = v ? &cb->c.v : &cb->c.k;
-                const int64_t n = v ? t->dv : t->d, row = fw_attn_key(&p, &s, j, v);
+                const int64_t n = v ? t->dv : t->d;
                 for (int64_t h = 0; h < t->hkv; h++)
                     for (int64_t x = 0; x < n; x++) {
-                        int64_t idx[4];
-                        idx[0] = row / tt->stride[0];
-                        idx[1] = (row - idx[0] * tt->stride[0]) / tt->stride[1];
-                        idx[2] = h;
-                        idx[3] = x;
-                        tset(tt, idx, rng_normal());
+                        const double val = rng_normal();
+                        if (!p.tiles) {
+                            const int64_t row = fw_attn_key(&p, &s, j, v);
+                            int64_t idx[4];
+                            idx[0] = row / tt->stride[0];
+                            idx[1] = (row - idx[0] * tt->stride[0]) / tt->stride[1];
+                            idx[2] = h;
+                            idx[3] = x;
+                            tset(tt, idx, val);
+                        } else { /* bf16 only */
+                            ((uint16_t *)tt->data)[elem_of(&p, &s, j, h, x, v)] = fw_f32_to_bf16((float)val);
+                        }
                     }
             }
     }
@@ -145,11 +170,10 @@ static int cache_image_ok(const kv_case *t, const cache_buf *before_k, const cac
             for (int64_t r = 0; r < t->nnew[i]; r++)
                 for (int v = 0; v < 2; v++) {
                     const fw_tensor *src = v ? vn : kn;
-                    const int64_t n = v ? t->dv : t->d, row = fw_attn_key(&p, &s, t->old[i] + r, v);
-                    const int64_t hs = v ? p.vs[1] : p.ks[1], xs = v ? p.vs[2] : p.ks[2];
+                    const int64_t n = v ? t->dv : t->d;
                     for (int64_t h = 0; h < t->hkv; h++)
                         for (int64_t x = 0; x < n; x++)
-                            memcpy((v ? ev : ek) + (size_t)(row + h * hs + x * xs) * esz(t->dt),
+                            memcpy((v ? ev : ek) + (size_t)elem_of(&p, &s, t->old[i] + r, h, x, v) * esz(t->dt),
                                    (char *)src->data + (size_t)(((cuq[i] + r) * t->hkv + h) * n + x) * esz(t->dt),
                                    esz(t->dt));
                 }
@@ -221,12 +245,16 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
     tfill_normal(&vn, 1.0);
     const fw_tensor *pk = t->append ? &kn : NULL, *pv = t->append ? &vn : NULL;
 
-    cache_buf cont, pag, cols;
+    cache_buf cont, pag, cols, tiles;
+    /* FW_KV_TILES where it applies: paged bf16, page, d and dv multiples of 32 */
+    const int tiled = t->page && t->dt == FW_BF16 && t->page % 32 == 0 && t->d % 32 == 0 && t->dv % 32 == 0;
     cache_make(&cont, t, 0, cap, seqlens, seed, 0);
     if (t->page) {
         cache_make(&pag, t, 1, cap, seqlens, seed, 0);
         cache_make(&cols, t, 1, cap, seqlens, seed, 1);
     }
+    if (tiled)
+        cache_make(&tiles, t, 1, cap, seqlens, seed, 2);
 
     fw_attn_params p;
     fw_attn_params_init(&p);
@@ -251,12 +279,14 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
         free(sl);
         p.precision = FW_PREC_F32;
     }
-    if (t->page) {
+    for (int lay = 0; lay < 2 && t->page; lay++) {
+        if (lay && !tiled)
+            break;
         double *ro2 = calloc((size_t)(tq * t->hq * t->dv) + 1, 8);
         fw_tensor f2 = fw_tensor_contiguous(ro2, FW_F64, 3, os);
-        st = fw_attn_kvcache_ref(&q, pk, pv, cuq, t->b, &pag.c, &f2, NULL, &p);
+        st = fw_attn_kvcache_ref(&q, pk, pv, cuq, t->b, lay ? &tiles.c : &pag.c, &f2, NULL, &p);
         case_check(st == FW_OK && memcmp(ro, ro2, (size_t)(tq * t->hq * t->dv) * 8) == 0,
-                   "the reference differs between paged and contiguous layouts");
+                   "the reference differs between %s and contiguous layouts", lay ? "tiles" : "paged");
         free(ro2);
     }
 
@@ -272,15 +302,19 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
         p.isa = isa;
         double err[2] = {0, 0}, lerr[2] = {0, 0};
         /* plain, then the kernel on 1 and 3 threads (contiguous), then paged, then paged with
-         * vLLM's key layout (other kernels: the error bar, not the bits) */
-        for (int run = 0; run < 5; run++) {
-            p.precision = run == 0 ? FW_PREC_F32 : prec;
+         * vLLM's key layout (other kernels: the error bar, not the bits), then FW_KV_TILES
+         * (the bits of the row layout with f32 products and on AMX, whose tile products sum
+         * the same words in the same order; else the bar), then FW_KV_TILES plain */
+        for (int run = 0; run < 7; run++) {
+            p.precision = run == 0 || run == 6 ? FW_PREC_F32 : prec;
             if (run >= 3 && !t->page)
                 break;
-            const cache_buf *src = run == 4 ? &cols : run == 3 ? &pag : &cont;
+            if (run >= 5 && !tiled)
+                break;
+            const cache_buf *src = run >= 5 ? &tiles : run == 4 ? &cols : run == 3 ? &pag : &cont;
             cache_buf work;
             cache_copy(&work, src);
-            p.flags = run == 0 ? FW_ATTN_PLAIN : 0;
+            p.flags = run == 0 || run == 6 ? FW_ATTN_PLAIN : 0;
             p.threads = run == 2 ? 3 : (run == 0 ? 2 : 1);
             memset(out.p, 0xA5, out.bytes);
             memset(lse.p, 0xA5, lse.bytes);
@@ -293,10 +327,18 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
                 err[run] = maxdiff(&o, ro, tq * t->hq * t->dv, 0);
                 lerr[run] = maxdiff(&l, rl, tq * t->hq, 1);
             }
-            if (run == 4) { /* within the kernel's bar, as run 1 */
+            if (run == 6) { /* the plain kernel on tiles: the plain kernel's error */
+                const double e = maxdiff(&o, ro, tq * t->hq * t->dv, 0);
+                case_check(e <= 2 * err[0] + 1e-5, "[%s] plain on FW_KV_TILES: out error %.3g > 2 x %.3g + 1e-5",
+                           isa, e, err[0]);
+            } else if (run == 5 && (prec == FW_PREC_F32 || strcmp(isa, "amx") == 0)) {
+                case_check(memcmp(first, out.p, ob) == 0 && memcmp(firstl, lse.p, lb) == 0,
+                           "[%s prec %d] FW_KV_TILES differs bitwise from the row layout", isa, prec);
+            } else if (run == 4 || run == 5) { /* within the kernel's bar, as run 1 */
                 const double e = maxdiff(&o, ro, tq * t->hq * t->dv, 0);
                 const double bar = prec == FW_PREC_BF16 ? 2 * sre + 1e-5 : 2 * err[0] + 1e-5;
-                case_check(e <= bar, "[%s prec %d] vLLM's key layout: out error %.3g > %.3g", isa, prec, e, bar);
+                case_check(e <= bar, "[%s prec %d] %s: out error %.3g > %.3g", isa, prec,
+                           run == 5 ? "FW_KV_TILES" : "vLLM's key layout", e, bar);
             } else if (run == 1) {
                 memcpy(first, out.p, ob);
                 memcpy(firstl, lse.p, lb);
@@ -325,6 +367,8 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
         cache_free(&pag);
         cache_free(&cols);
     }
+    if (tiled)
+        cache_free(&tiles);
     case_end();
 }
 
@@ -347,6 +391,14 @@ static void sweep_kvcache(void)
     /* no append: attend to what is cached (non-causal too) */
     kv_case t = {7, 8, 2, 32, 32, 32, FW_BF16, 0, 0, -1, 0.0f, old_mix, new_mix};
     run_kv_case(&t, 20);
+    /* FW_KV_TILES (vLLM's AMX cache): d 128 with 64-token pages, and 32-token pages (two to a
+     * decode tile) over long contexts with a softcap and a window */
+    kv_case tt = {7, 8, 2, 128, 128, 64, FW_BF16, 1, 1, -1, 0.0f, old_mix, new_mix};
+    run_kv_case(&tt, 21);
+    static const int32_t old_tl[] = {2999, 1023, 64, 0, 97};
+    static const int32_t new_tl[] = {1, 1, 5, 1, 3};
+    kv_case tl2 = {5, 8, 1, 64, 96, 32, FW_BF16, 1, 1, 700, 25.0f, old_tl, new_tl};
+    run_kv_case(&tl2, 22);
     /* long contexts: decode over up to 5000 keys crosses the split size (512) many times */
     static const int32_t old_long[] = {5000, 4095, 4097, 0, 2000};
     static const int32_t new_long[] = {1, 1, 3, 1, 8};
@@ -446,6 +498,82 @@ static void test_kvcache_bad_input(void)
     gbuf_free(&out);
     gbuf_free(&lse);
     cache_free(&pag);
+}
+
+/* FW_KV_TILES refused where it does not apply, with a status, a message and nothing written:
+ * a layout value past the enum, a contiguous cache, another dtype, a page size or head dims
+ * not multiples of 32, a (page, head) block that is not dense. */
+static void test_tiles_bad_input(void)
+{
+    static const int32_t old[] = {40, 7}, nnew[] = {1, 2};
+    kv_case t = {2, 4, 2, 32, 32, 32, FW_BF16, 1, 1, -1, 0.0f, old, nnew};
+    int32_t cuq[3] = {0, 1, 3}, seqlens[2] = {40, 7};
+    cache_buf tc;
+    cache_make(&tc, &t, 1, 64, seqlens, 6, 2);
+    int64_t qs[3] = {3, 4, 32}, kns[3] = {3, 2, 32}, ls[2] = {4, 3};
+    gbuf bq = gbuf_new(3 * 4 * 32 * 2), bk = gbuf_new(3 * 2 * 32 * 2), bv = gbuf_new(3 * 2 * 32 * 2);
+    gbuf out = gbuf_new(3 * 4 * 32 * 2), lse = gbuf_new(4 * 3 * 4);
+    fw_tensor q = fw_tensor_contiguous(bq.p, FW_BF16, 3, qs), kn = fw_tensor_contiguous(bk.p, FW_BF16, 3, kns),
+              vn = fw_tensor_contiguous(bv.p, FW_BF16, 3, kns), o = fw_tensor_contiguous(out.p, FW_BF16, 3, qs),
+              l = fw_tensor_contiguous(lse.p, FW_F32, 2, ls);
+    rng_seed(61);
+    tfill_normal(&q, 1.0);
+    tfill_normal(&kn, 1.0);
+    tfill_normal(&vn, 1.0);
+    unsigned char *kimg = malloc(tc.k.bytes), *vimg = malloc(tc.v.bytes);
+    memcpy(kimg, tc.k.p, tc.k.bytes);
+    memcpy(vimg, tc.v.p, tc.v.bytes);
+    fw_attn_params p;
+    fw_attn_params_init(&p);
+    p.causal = 1;
+    struct {
+        const char *what;
+        fw_status want;
+    } bad[] = {
+        {"layout 2", FW_ERR_ARG}, {"contiguous", FW_ERR_ARG}, {"f16 cache", FW_ERR_DTYPE},
+        {"page size 48", FW_ERR_SHAPE}, {"head dims 16", FW_ERR_SHAPE}, {"rows 2 d apart", FW_ERR_STRIDE},
+    };
+    for (int b = 0; b < (int)(sizeof bad / sizeof bad[0]); b++) {
+        fw_kv_cache c = tc.c;
+        fw_tensor q2 = q, kn2 = kn, vn2 = vn, o2 = o;
+        switch (b) {
+        case 0: c.layout = 2; break;
+        case 1: c.block_table = NULL; break;
+        case 2: c.k.dtype = c.v.dtype = q2.dtype = kn2.dtype = vn2.dtype = o2.dtype = FW_F16; break;
+        case 3: /* a consistent view of larger pages (refused before anything is read) */
+            c.k.shape[1] = c.v.shape[1] = 48;
+            c.k.stride[2] = c.v.stride[2] = 48 * t.d;
+            c.k.stride[0] = c.v.stride[0] = 48 * t.d * t.hkv;
+            break;
+        case 4: c.k.shape[3] = c.v.shape[3] = q2.shape[2] = kn2.shape[2] = vn2.shape[2] = o2.shape[2] = 16; break;
+        default: /* rows 2 d apart, heads and pages as far apart again */
+            c.k.stride[1] = 2 * t.d;
+            c.k.stride[2] = 2 * t.d * t.page;
+            c.k.stride[0] = 2 * t.d * t.page * t.hkv;
+            break;
+        }
+        memset(out.p, 0xA5, out.bytes);
+        memset(lse.p, 0xA5, lse.bytes);
+        fw_status st = fw_attn_kvcache_fwd(&q2, &kn2, &vn2, cuq, 2, &c, &o2, &l, &p);
+        case_begin("kvcache FW_KV_TILES bad input: %s", bad[b].what);
+        case_check(st == bad[b].want, "status %s, expected %s (%s)", fw_status_string(st),
+                   fw_status_string(bad[b].want), fw_last_error());
+        case_check(strstr(fw_last_error(), b ? "FW_KV_TILES" : "layout") != NULL, "message \"%s\"",
+                   fw_last_error());
+        case_check(memcmp(kimg, tc.k.p, tc.k.bytes) == 0 && memcmp(vimg, tc.v.p, tc.v.bytes) == 0,
+                   "the cache changed");
+        int clean = 1;
+        for (size_t i = 0; i < out.bytes; i++)
+            clean &= ((unsigned char *)out.p)[i] == 0xA5;
+        for (size_t i = 0; i < lse.bytes; i++)
+            clean &= ((unsigned char *)lse.p)[i] == 0xA5;
+        case_check(clean, "outputs written");
+        case_end();
+    }
+    free(kimg);
+    free(vimg);
+    gbuf_free(&bq); gbuf_free(&bk); gbuf_free(&bv); gbuf_free(&out); gbuf_free(&lse);
+    cache_free(&tc);
 }
 
 /* flash-attn's cache_leftpad and cache_batch_idx (contiguous caches): per sequence, a batch
@@ -654,5 +782,6 @@ const test_suite kvcache_suites[] = {
     {"kvcache.split_heuristic", test_split_heuristic},
     {"kvcache.leftpad", test_leftpad},
     {"kvcache.bad_input", test_kvcache_bad_input},
+    {"kvcache.tiles_bad_input", test_tiles_bad_input},
     {"kvcache.sweep", sweep_kvcache},
     {NULL, NULL}};

@@ -25,6 +25,7 @@ typedef struct {
     const char *isa;
     int rotary;
     uint32_t flags; /* --dec-prefetch, --no-dec-prefetch */
+    int tiles;      /* --tiles: FW_KV_TILES (vLLM's AMX layout; paged bf16) */
 } kcfg;
 
 static void fill_bits(void *p, size_t n, fw_dtype dt)
@@ -74,6 +75,12 @@ static int kv_run(const kcfg *c, int decode)
     memset(&cache, 0, sizeof cache);
     cache.k = fw_tensor_contiguous(kd, c->dt, 4, ks);
     cache.v = fw_tensor_contiguous(vd, c->dt, 4, ks);
+    if (c->tiles) { /* pages [hkv][page][d], each (page, head) block in tile order */
+        const int64_t ts[4] = {c->hkv * ps * c->d, c->d, ps * c->d, 1};
+        memcpy(cache.k.stride, ts, sizeof ts);
+        memcpy(cache.v.stride, ts, sizeof ts);
+        cache.layout = FW_KV_TILES;
+    }
     cache.block_table = c->page ? bt : NULL;
     cache.max_pages = per;
     cache.seqlens = sl;
@@ -139,16 +146,18 @@ static int kv_run(const kcfg *c, int decode)
             const double gbs = bytes / sec * 1e-9;
             if (c->json)
                 printf("{\"op\":\"kvcache_decode\",\"batch\":%lld,\"ctx\":%lld,\"hq\":%lld,\"hkv\":%lld,\"d\":%lld,"
-                       "\"dtype\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
+                       "\"dtype\":\"%s\",\"page\":%lld,\"layout\":\"%s\",\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
                        "\"us_per_step\":%.2f,\"kv_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f}\n",
                        (long long)b, (long long)c->ctx, (long long)c->hq, (long long)c->hkv, (long long)c->d,
-                       fw_dtype_name(c->dt), (long long)c->page, c->threads, reps, sec, sec * 1e6, gbs, bw,
+                       fw_dtype_name(c->dt), (long long)c->page, c->tiles ? "tiles" : "rows", c->threads, reps,
+                       sec, sec * 1e6, gbs, bw,
                        100 * gbs / bw);
             else
-                printf("decode    %-5s batch %-3lld ctx %-6lld h%lld:%lld d%lld page %-5lld thr=%d  %9.1f us/step  "
+                printf("decode    %-5s batch %-3lld ctx %-6lld h%lld:%lld d%lld page %-5lld%s thr=%d  %9.1f us/step  "
                        "%6.1f GB/s K/V  %5.1f%% of %.1f GB/s read bandwidth\n",
                        fw_dtype_name(c->dt), (long long)b, (long long)c->ctx, (long long)c->hq,
-                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->threads, sec * 1e6, gbs,
+                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->tiles ? " tiles" : "",
+                       c->threads, sec * 1e6, gbs,
                        100 * gbs / bw, bw);
         } else {
             /* pairs: row r of n sees keys [0, ctx - n + r] */
@@ -199,7 +208,7 @@ static int kv_run(const kcfg *c, int decode)
 
 static kcfg kdefaults(void)
 {
-    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0, 0};
+    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0, 0, 0};
     c.threads = bench_cpus();
     return c;
 }
@@ -231,12 +240,15 @@ int bench_kvcache_main(int argc, char **argv)
         else if (!strcmp(a, "--rotary")) c.rotary = 1;
         else if (!strcmp(a, "--dec-prefetch")) c.flags |= FW_ATTN_DEC_PREFETCH;
         else if (!strcmp(a, "--no-dec-prefetch")) c.flags |= FW_ATTN_NO_DEC_PREFETCH;
+        else if (!strcmp(a, "--tiles")) c.tiles = 1;
         else {
             if (!bench_is_help(a))
                 fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
                    "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
-                   "       --threads N --reps N --isa NAME --json --rotary --dec-prefetch | --no-dec-prefetch]\n"
+                   "       --threads N --reps N --isa NAME --json --rotary --dec-prefetch | --no-dec-prefetch\n"
+                   "       --tiles]\n"
+                   "  --tiles: the cache in FW_KV_TILES, vLLM's AMX layout (paged bf16, page, d multiples of 32)\n"
                    "  --ctx is the context after the append (prefill default: 8192 + new)\n"
                    "  with neither --decode nor --prefill: decode at batch 1 and 16 over contexts 1K..32K,\n"
                    "  then 512 new tokens on an 8K prefix\n");

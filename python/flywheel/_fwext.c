@@ -585,11 +585,12 @@ done:
 #define MAX_BATCH 4096
 
 /* flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
- *   causal, window, softcap, threads, out) -> out; q [b, sq, hq, d], no lse, not packed */
+ *   causal, window, softcap, threads, out, layout) -> out; q [b, sq, hq, d], no lse, not
+ *   packed; layout: fw_kv_layout */
 static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 13, "attn_kvcache"))
+    if (!nargs(n, 14, "attn_kvcache"))
         return NULL;
     arr q, kc, vc, kn, vn, sl, bt, o;
     PyObject *out = NULL;
@@ -611,6 +612,9 @@ static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
     memset(&cache, 0, sizeof cache);
     cache.k = kc.t;
     cache.v = vc.t;
+    long long layout;
+    TRY(get_int(a[13], 0, 1, &layout));
+    cache.layout = (int32_t)layout;
     /* cache_seqlens: an int for every sequence, or [b] int32 */
     if (PyLong_Check(a[5])) {
         long long len;

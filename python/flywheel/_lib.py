@@ -13,7 +13,7 @@ import os
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _MAX_DIMS = 4
 
@@ -168,6 +168,7 @@ class KVCache(ctypes.Structure):
         ("seqlens", ctypes.c_void_p),
         ("leftpad", ctypes.c_void_p),
         ("batch_idx", ctypes.c_void_p),
+        ("layout", ctypes.c_int32),
     ]
 
 

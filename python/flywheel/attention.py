@@ -286,7 +286,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, cu_seqlens_q=None, out=None,
-                            isa=None, precision=None):
+                            isa=None, precision=None, cache_layout="rows"):
     """Append to a K/V cache and attend, flash-attn's `flash_attn_with_kvcache`.
 
     q [b, sq, hq, d] (sq = 1 is decode; more is chunked prefill or speculative decode).
@@ -321,9 +321,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_batch_idx: [b] ints (contiguous caches only, as in flash-attn): sequence i uses
     entry cache_batch_idx[i] of the caches' first dimension; with k and v, two sequences may
     not share an entry (flash-attn leaves the winner undefined; here it is an error).
+    cache_layout: "rows" (the default: the layouts above) or "tiles", vLLM CPU_ATTN's AMX
+    layout (paged bf16 caches, page_size, d and dv multiples of 32, each [page_size, d] block
+    of a (page, head) dense, stored in the order AMX's tile products load it; FW_KV_TILES in
+    flywheel.h has the element order): vLLM's cache read in place, and k, v appended in it.
     Not supported (NotImplementedError): ALiBi, k without v.
     """
     _unsupported(0.0, alibi_slopes)
+    if cache_layout not in ("rows", "tiles"):
+        raise ValueError(f'cache_layout must be "rows" or "tiles", got {cache_layout!r}')
+    layout = 1 if cache_layout == "tiles" else 0
     if (k is None) != (v is None):
         raise NotImplementedError("k and v must be given together")
     if cache_seqlens is None:
@@ -333,7 +340,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_leftpad is None and cache_batch_idx is None):
         r = _lib.fast.attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                    softmax_scale, causal, window_size, softcap,
-                                   _lib.settings.threads, out)
+                                   _lib.settings.threads, out, layout)
         if r is not NotImplemented:
             return r
     q = T.float_array(q, "q")
@@ -389,6 +396,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache.max_pages = bt.shape[1]
         cache.block_table_stride = bt.shape[1]
     cache.seqlens = T.ptr(seqlens)
+    cache.layout = layout
     keep = []  # the per-sequence index arrays, alive until the call returns
     for field, value, name in (("leftpad", cache_leftpad, "cache_leftpad"),
                                ("batch_idx", cache_batch_idx, "cache_batch_idx")):

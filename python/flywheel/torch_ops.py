@@ -25,7 +25,7 @@ Schemas (`Tensor(a!)`: written in place; SymInt is how torch spells an int argum
       SymInt window_size_right=-1, float softcap=0., bool return_softmax_lse=False,
       Tensor? cu_seqlens_q=None, str? precision=None, Tensor? rotary_cos=None,
       Tensor? rotary_sin=None, bool rotary_interleaved=True, Tensor? cache_leftpad=None,
-      Tensor? cache_batch_idx=None) -> (Tensor out, Tensor lse)
+      Tensor? cache_batch_idx=None, str cache_layout="rows") -> (Tensor out, Tensor lse)
   chunk_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
       float? scale=None, Tensor? initial_state=None, bool output_final_state=False,
       bool use_qk_l2norm_in_kernel=False, bool use_beta_sigmoid_in_kernel=False,
@@ -278,7 +278,8 @@ def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                              rotary_sin: Optional[Tensor] = None,
                              rotary_interleaved: bool = True,
                              cache_leftpad: Optional[Tensor] = None,
-                             cache_batch_idx: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                             cache_batch_idx: Optional[Tensor] = None,
+                             cache_layout: str = "rows") -> Tuple[Tensor, Tensor]:
     r = _attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, softmax_scale=softmax_scale,
                                       causal=causal,
@@ -288,7 +289,7 @@ def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                       rotary_interleaved=rotary_interleaved,
                                       cache_leftpad=cache_leftpad,
-                                      cache_batch_idx=cache_batch_idx)
+                                      cache_batch_idx=cache_batch_idx, cache_layout=cache_layout)
     return r if return_softmax_lse else (r, _no_lse(q))
 
 
@@ -298,7 +299,7 @@ def _flash_attn_with_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seq
                                   return_softmax_lse=False, cu_seqlens_q=None,
                                   precision=None, rotary_cos=None, rotary_sin=None,
                                   rotary_interleaved=True, cache_leftpad=None,
-                                  cache_batch_idx=None):
+                                  cache_batch_idx=None, cache_layout="rows"):
     dv = v_cache.shape[-1]
     if cu_seqlens_q is not None:  # packed q [total_q, hq, d]
         total_q, hq, _ = q.shape
@@ -325,7 +326,8 @@ def _flash_attn_with_kvcache_out(q: Tensor, k_cache: Tensor, v_cache: Tensor, ou
                                  rotary_sin: Optional[Tensor] = None,
                                  rotary_interleaved: bool = True,
                                  cache_leftpad: Optional[Tensor] = None,
-                                 cache_batch_idx: Optional[Tensor] = None) -> None:
+                                 cache_batch_idx: Optional[Tensor] = None,
+                                 cache_layout: str = "rows") -> None:
     r = _attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, softmax_scale=softmax_scale,
                                       causal=causal,
@@ -335,7 +337,7 @@ def _flash_attn_with_kvcache_out(q: Tensor, k_cache: Tensor, v_cache: Tensor, ou
                                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                       rotary_interleaved=rotary_interleaved,
                                       cache_leftpad=cache_leftpad,
-                                      cache_batch_idx=cache_batch_idx)
+                                      cache_batch_idx=cache_batch_idx, cache_layout=cache_layout)
     if lse is not None:
         lse.copy_(r[1])
 

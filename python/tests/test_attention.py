@@ -215,6 +215,64 @@ def test_kvcache_appends_in_place_and_attends(family, paged, sq):
         assert np.array_equal(np.stack(rows), kn64[i])
 
 
+def _tiles(pages):
+    """Paged rows [nb, page, h, d] (bf16) as a cache_layout="tiles" cache: storage
+    [nb, h, page * d] with each (page, head) block in AMX's tile order (FW_KV_TILES), and the
+    [nb, page, h, d] view of it the call takes."""
+    nb, page, h, d = pages.shape
+    t, c = np.meshgrid(np.arange(page), np.arange(d), indexing="ij")
+    kpos = (t // 16) * 16 * d + (c // 2) * 32 + (t % 16) * 2 + c % 2
+    vpos = (c // 16) * 16 * page + (t // 2) * 32 + (c % 16) * 2 + t % 2
+    views = []
+    for pos in (kpos, vpos):
+        store = np.zeros((nb, h, page * d), dtype=pages.dtype)
+        store[:, :, pos.reshape(-1)] = pages.transpose(0, 2, 1, 3).reshape(nb, h, page * d)
+        views.append((store, np.lib.stride_tricks.as_strided(
+            store, (nb, page, h, d), tuple(x * store.itemsize for x in (h * page * d, d, page * d, 1))),
+            pos))
+    return views
+
+
+@pytest.mark.parametrize("sq", [1, 4, 40])
+@pytest.mark.parametrize("precision", ["f32", None])
+def test_kvcache_tiles_layout_reads_and_appends(sq, precision):
+    """cache_layout="tiles" (vLLM's AMX layout): the same values give the row layout's bits
+    with f32 products (the same rows reach the same kernels) and its result within bf16's bar
+    with bf16 products; new rows land in their tiles."""
+    rng = np.random.default_rng(30 + sq)
+    b, S, hq, hkv, d, page = 3, 256, 8, 2, 64, 32
+    lens = np.array([0, 100, 256 - sq], np.int32)
+    kc, _ = make(rng, (b, S, hkv, d), "bfloat16", "numpy")
+    vc, _ = make(rng, (b, S, hkv, d), "bfloat16", "numpy")
+    q, _ = make(rng, (b, sq, hq, d), "bfloat16", "numpy")
+    kn, kn64 = make(rng, (b, sq, hkv, d), "bfloat16", "numpy")
+    vn, _ = make(rng, (b, sq, hkv, d), "bfloat16", "numpy")
+    order = rng.permutation(b * S // page)
+    kp, table = _paged(kc, page, order)
+    vp, _ = _paged(vc, page, order)
+    (ks, kt, kpos), _ = _tiles(kp)
+    _, (vs, vt, _) = _tiles(vp)
+    want = flywheel.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens,
+                                            block_table=table, causal=True, precision=precision)
+    got = flywheel.flash_attn_with_kvcache(q, kt, vt, kn, vn, cache_seqlens=lens,
+                                           block_table=table, causal=True, precision=precision,
+                                           cache_layout="tiles")
+    diff = np.abs(as64(got) - as64(want)).max()
+    assert diff == 0 if precision == "f32" else diff <= TOL["bfloat16"]
+    for i in range(b):  # the appended keys, read back from their tiles
+        for r in range(sq):
+            t = lens[i] + r
+            blk = ks[table[i, t // page]]
+            row = blk[:, kpos[t % page]].astype(np.float64)  # [hkv, d]
+            assert np.array_equal(row, kn64[i, r])
+    with pytest.raises(ValueError, match="cache_layout"):
+        flywheel.flash_attn_with_kvcache(q, kt, vt, cache_seqlens=lens, block_table=table,
+                                         cache_layout="amx")
+    with pytest.raises(FlywheelError, match="FW_KV_TILES"):  # rows: not dense per (page, head)
+        flywheel.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                         cache_layout="tiles")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("sq", [1, 3])
 def test_kvcache_leftpad_and_batch_idx(family, sq):

@@ -43,6 +43,22 @@ def write_cache(kv, k, v, slots):
             region[bs * d + row * d:bs * d + (row + 1) * d] = v[t, h]
 
 
+def write_cache_amx(kv, k, v, slots):
+    """The same into vLLM's AMX layout (bf16; cpu_attn_amx.hpp's reshape_and_cache): per block
+    and head, key t channel c at (t // 16) 16 d + (c // 2) 32 + (t % 16) 2 + c % 2, value t
+    channel c at block_size d + (c // 16) 16 block_size + (t // 2) 32 + (c % 16) 2 + t % 2."""
+    bs, d = kv.shape[2], kv.shape[3] // 2
+    c = torch.arange(d)
+    for t, s in enumerate(slots.tolist()):
+        blk, row = divmod(s, bs)
+        kpos = (row // 16) * 16 * d + (c // 2) * 32 + (row % 16) * 2 + c % 2
+        vpos = bs * d + (c // 16) * 16 * bs + (row // 2) * 32 + (c % 16) * 2 + row % 2
+        for h in range(kv.shape[1]):
+            region = kv[blk, h].reshape(-1)
+            region[kpos] = k[t, h]
+            region[vpos] = v[t, h]
+
+
 def batch(rng, bs, lens, new, dtype):
     """A step's batch: sequences of lens[i] tokens of which new[i] are this step's queries,
     their blocks shuffled over the cache; returns the tensors and the float64 K, V per
@@ -106,11 +122,41 @@ def test_views_and_forward_against_float64(dtype, bs):
     assert np.abs(dec.double().numpy() - ref).max() <= tol
 
 
+@pytest.mark.parametrize("bs", [128, 96, 1152])
+def test_amx_layout_against_float64(bs):
+    """vLLM's AMX layout (bf16) read in place: decodes and a chunked prefill, windowed too, the
+    same bits as the "vec" layout holding the same values (the row layout's products on any
+    table with f32 products; within bf16's bar otherwise)."""
+    rng = np.random.default_rng(bs + 1)
+    lens, new = [300, 7, 1400, 64], [1, 1, 33, 1]
+    kv, ks, vs, slots, q, qsl, sl, table = batch(rng, bs, lens, new, torch.bfloat16)
+    kv_vec = kv.clone()
+    for i in range(len(lens)):
+        write_cache_amx(kv, ks[i], vs[i], slots[i])
+        write_cache(kv_vec, ks[i], vs[i], slots[i])
+    scale = D ** -0.5
+    for window in (-1, 50):
+        out = torch.full_like(q, float("nan"))
+        assert fwv.attention(q, kv, out, qsl, sl, table, scale, sliding_window=window,
+                             layout="amx") is out
+        ref = reference(q, ks, vs, qsl, sl, scale, window)
+        assert np.abs(out.double().numpy() - ref).max() <= 2e-2, window
+        vec = fwv.attention(q, kv_vec, torch.empty_like(q), qsl, sl, table, scale,
+                            sliding_window=window)
+        assert np.abs(out.double().numpy() - vec.double().numpy()).max() <= 2e-2, window
+    dec = torch.full_like(q[:2], float("nan"))  # decodes only: the compiled fast path
+    fwv.attention(q[:2], kv, dec, qsl[:3], sl[:2], table[:2], scale, layout="amx")
+    ref = reference(q[:2], ks[:2], vs[:2], qsl[:3], sl[:2], scale)
+    assert np.abs(dec.double().numpy() - ref).max() <= 2e-2
+
+
 def test_bad_cache_shapes_raise():
     with pytest.raises(ValueError, match="2 \\* head_size"):
         fwv.kv_cache_views(torch.zeros(2, 2, 16, 7))
     with pytest.raises(ValueError, match="dense inside each block"):
         fwv.kv_cache_views(torch.zeros(2, 2, 16, 8)[:, :, ::2])
+    with pytest.raises(ValueError, match="layout"):
+        fwv.kv_cache_views(torch.zeros(2, 2, 16, 8), layout="tiles")
 
 
 @pytest.mark.parametrize("calls, decode_only, prefill", [
@@ -167,4 +213,39 @@ def test_against_vllms_own_kernels(dtype, bs):
     ref = reference(q, ks, vs, qsl, sl, scale)
     err_v = np.abs(want.double().numpy() - ref).max()
     err_f = np.abs(got.double().numpy() - ref).max()
+    assert err_f <= 2 * err_v + 1e-5, (err_f, err_v)
+
+
+@pytest.mark.parametrize("bs", [128, 1152])
+def test_against_vllms_own_amx_kernels(bs):
+    """vLLM writes its cache in its AMX layout (cpu_attn_reshape_and_cache, isa "amx") and, on
+    a CPU with AMX tiles, attends with its AMX kernels; flywheel attends over the same cache in
+    place (cache_layout "tiles"). Where vLLM cannot write that layout the case skips."""
+    ops = vllm_ops()
+    rng = np.random.default_rng(8)
+    lens, new = [300, 7, 1400, 64], [1, 1, 33, 1]
+    kv, ks, vs, slots, q, qsl, sl, table = batch(rng, bs, lens, new, torch.bfloat16)
+    mine = kv.clone()
+    kc, vc = kv.view(kv.shape[0], HKV, 2 * bs, D).chunk(2, dim=2)
+    try:
+        for i in range(len(lens)):
+            ops.cpu_attn_reshape_and_cache(ks[i], vs[i], kc, vc, slots[i], "amx", 1.0, 1.0, "auto")
+    except RuntimeError as e:
+        pytest.skip(f"vLLM's kernel library does not write its AMX layout here: {e}")
+    for i in range(len(lens)):  # the layout as flywheel reads it is the one vLLM writes
+        write_cache_amx(mine, ks[i], vs[i], slots[i])
+    assert torch.equal(kv, mine)
+    scale = D ** -0.5
+    got = fwv.attention(q, kv, torch.empty_like(q), qsl, sl, table, scale, layout="amx")
+    ref = reference(q, ks, vs, qsl, sl, scale)
+    err_f = np.abs(got.double().numpy() - ref).max()
+    if not torch.cpu._is_amx_tile_supported():
+        assert err_f <= 2e-2
+        return
+    md = ops.get_scheduler_metadata(len(lens), HQ, HKV, D, sl, torch.bfloat16, qsl, True, -1,
+                                    "amx", True, None, "auto")
+    want = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(q, kc, vc, want, qsl, sl, scale, True, None, -1, table, 0.0,
+                                    md, None, None, 1.0, 1.0, "auto")
+    err_v = np.abs(want.double().numpy() - ref).max()
     assert err_f <= 2 * err_v + 1e-5, (err_f, err_v)

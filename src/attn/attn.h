@@ -29,6 +29,7 @@ typedef struct fw_attn_prob {
     const int32_t *leftpad;             /* first cache row of each context, or NULL */
     const int32_t *batch_idx;           /* cache entry of each sequence, or NULL (entry i) */
     const fw_tensor *knew, *vnew;       /* new rows (the reference reads them from here) */
+    int tiles;                          /* FW_KV_TILES: pages hold K and V in AMX's tile order */
     double scale;                       /* softmax scale */
     double softcap;                     /* 0 = off */
     int causal;
@@ -74,6 +75,24 @@ static inline int64_t fw_attn_key(const fw_attn_prob *p, const fw_attn_seq *s, i
     const int64_t page = p->bt[s->index * p->bt_stride + pg];
     return page * (v ? p->vpage : p->kpage) + (j - pg * p->page) * tok;
 }
+
+/* FW_KV_TILES: element offset of channel x of key j, K/V head h, in K (v = 0) or V (v = 1)
+ * (the layout is in flywheel.h, at fw_kv_cache). */
+static inline int64_t fw_attn_tile_elem(const fw_attn_prob *p, const fw_attn_seq *s, int64_t j,
+                                        int64_t h, int64_t x, int v)
+{
+    const int64_t pg = p->page_shift >= 0 ? j >> p->page_shift : j / p->page, r = j - pg * p->page;
+    const int64_t base = p->bt[s->index * p->bt_stride + pg] * (v ? p->vpage : p->kpage) +
+                         h * (v ? p->vs[1] : p->ks[1]);
+    if (v)
+        return base + (x >> 4) * 16 * p->page + (r >> 1) * 32 + (x & 15) * 2 + (r & 1);
+    return base + (r >> 4) * 16 * p->d + (x >> 1) * 32 + (r & 15) * 2 + (x & 1);
+}
+
+/* FW_KV_TILES: keys j0 .. j0 + n - 1 of K/V head h copied out as bf16 rows, dst[i * len + x]
+ * (len = d for K, dv for V). */
+void fw_attn_tile_rows_out(const fw_attn_prob *p, const fw_attn_seq *s, int64_t j0, int n,
+                           int64_t h, int v, uint16_t *dst);
 
 /* Keys query row r of a sequence sees: [*lo, *hi), empty when hi <= lo. */
 static inline void fw_attn_visible(const fw_attn_prob *p, int64_t sq, int64_t sk, int64_t r,

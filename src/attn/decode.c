@@ -131,7 +131,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * GB/s with it, 12.3 without. The next-tile prefetch below stays at every length: without
      * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). On Intel
      * both are off unless forced (fw_dec_prefetch has the measurements). */
-    const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) != 0; /* run() set the CPU's default */
+    const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) && !p->tiles; /* run() set the CPU's default */
     const int sweep = fetch && span && sq->sk > FW_DEC_SWEEP_KEYS;
     /* keys stored transposed, each channel's keys contiguous (vLLM's CPU cache blocks), with
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's
@@ -156,7 +156,37 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
         }
         if (sweep)
             touch += sweep_rows(p, koff[cur], voff[cur], nk, span, es, kbase, vbase);
-        for (int64_t u = ua; u < ub; u++) {
+        for (int64_t u = ua; u < ub && p->tiles; u++) {
+            /* FW_KV_TILES: bf16 products take the key and value groups where they lie; f32
+             * products copy the tile's rows out first, then run as on bf16 rows */
+            const int64_t kvh = gqa ? u : u / p->G;
+            float *Ou = O + (size_t)u * R * dv;
+            const uint16_t *kg[FW_DEC_KEYS / 16], *vg[FW_DEC_KEYS / 32];
+            if (bf16) {
+                for (int i = 0; 16 * i < nk; i++)
+                    kg[i] = (const uint16_t *)p->k->data + fw_attn_tile_elem(p, sq, t0 + 16 * i, kvh, 0, 0);
+                for (int i = 0; 32 * i < nk; i++)
+                    vg[i] = (const uint16_t *)p->v->data + fw_attn_tile_elem(p, sq, t0 + 32 * i, kvh, 0, 1);
+                kt->dec_qk_tiles_bf16(R, nk, d, QW + (size_t)u * R * dw, kg, c->qscale, S);
+            } else {
+                uint16_t *kr = (uint16_t *)Kt, *vr = (uint16_t *)Vf;
+                fw_attn_tile_rows_out(p, sq, t0, nk, kvh, 0, kr);
+                fw_attn_tile_rows_out(p, sq, t0, nk, kvh, 1, vr);
+                for (int j = 0; j < nk; j++) {
+                    rows[j] = kr + (size_t)j * d;
+                    vrows[j] = vr + (size_t)j * dv;
+                }
+                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, FW_BF16, S);
+            }
+            if (c->cap2 > 0.0f)
+                kt->softcap(R, FW_DEC_KEYS, S, c->cap2);
+            kt->dec_softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
+            if (bf16)
+                kt->dec_pv_tiles_bf16(R, nk, dv, S, vg, 16 * p->page, PW, Ou);
+            else
+                kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, Ou);
+        }
+        for (int64_t u = ua; u < ub && !p->tiles; u++) {
             const int64_t kvh = gqa ? u : u / p->G;
             const char *kb = fw_elem(p->k, kvh * p->ks[1]), *vb = fw_elem(p->v, kvh * p->vs[1]);
             const int pf = gqa || u % p->G == 0;

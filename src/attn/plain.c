@@ -1,6 +1,7 @@
 /* attn/plain.c: the plain baseline (FW_ATTN_PLAIN): one query row at a time against its keys,
  * one key at a time with online softmax (kern/attn_kern.h, plain_row), f32 products; keys a
- * rotary embedding rotates are converted and rotated one at a time. */
+ * rotary embedding rotates are converted and rotated one at a time, and keys of a FW_KV_TILES
+ * cache copied out one at a time. */
 #include "run.h"
 
 /* Rows [it->chunk x FW_ATTN_PLAIN_ROWS, + FW_ATTN_PLAIN_ROWS) of q head it->head. */
@@ -36,6 +37,15 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
                           scratch);
         }
         if (p->rot_k)
+            lo = hi;
+        /* FW_KV_TILES: each key's K and V rows copied out of their tiles as bf16 rows */
+        for (int64_t j = lo; j < hi && p->tiles; j++) {
+            uint16_t *kw = (uint16_t *)krow, *vw = (uint16_t *)vrow;
+            fw_attn_tile_rows_out(p, sq, j, 1, kvh, 0, kw);
+            fw_attn_tile_rows_out(p, sq, j, 1, kvh, 1, vw);
+            kt->plain_row(qrow, d, dv, FW_BF16, kw, d, 1, vw, dv, 1, 1, c->cap2, acc, &m, &l, scratch);
+        }
+        if (p->tiles)
             lo = hi;
         /* runs of keys with a constant row stride: all of them, or one page at a time */
         for (int64_t j = lo; j < hi;) {

@@ -123,6 +123,25 @@ void fw_attn_rotate(const fw_attn_prob *p, const fw_kernels *kt, float *x, int64
     kt->rope(x, (int)p->rhalf, cf, sf, p->rinter);
 }
 
+void fw_attn_tile_rows_out(const fw_attn_prob *p, const fw_attn_seq *s, int64_t j0, int n,
+                           int64_t h, int v, uint16_t *dst)
+{
+    const uint16_t *src = (const uint16_t *)(v ? p->v : p->k)->data;
+    const int64_t len = v ? p->dv : p->d;
+    for (int i = 0; i < n; i++, dst += len) {
+        const uint16_t *row = src + fw_attn_tile_elem(p, s, j0 + i, h, 0, v);
+        if (v) /* channel x at (x / 16) * 16 page + (x % 16) * 2 */
+            for (int64_t x0 = 0; x0 < len; x0 += 16, row += 16 * p->page)
+                for (int x = 0; x < 16; x++)
+                    dst[x0 + x] = row[2 * x];
+        else /* channel pair w at w * 32 */
+            for (int64_t w = 0; w < len / 2; w++) {
+                dst[2 * w] = row[32 * w];
+                dst[2 * w + 1] = row[32 * w + 1];
+            }
+    }
+}
+
 int fw_attn_bf16_products(const char *isa, fw_dtype q, int32_t precision)
 {
     if (precision != FW_PREC_AUTO || q != FW_BF16)
@@ -375,6 +394,24 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         return fw_fail(FW_ERR_ARG, "cache.%s needs a contiguous cache (block_table NULL), as "
                        "flash-attn's cache_%s does", cache->leftpad ? "leftpad" : "batch_idx",
                        cache->leftpad ? "leftpad" : "batch_idx");
+    if (cache->layout != FW_KV_ROWS && cache->layout != FW_KV_TILES)
+        return fw_fail(FW_ERR_ARG, "cache.layout is %d; it must be FW_KV_ROWS (0) or FW_KV_TILES (1)",
+                       (int)cache->layout);
+    if (cache->layout == FW_KV_TILES) {
+        if (!paged || kc->dtype != FW_BF16)
+            return fw_fail(!paged ? FW_ERR_ARG : FW_ERR_DTYPE, "cache.layout FW_KV_TILES needs a paged "
+                           "bf16 cache; this one is %s and %s", paged ? "paged" : "contiguous",
+                           fw_dtype_name(kc->dtype));
+        if (rows % 32 || d % 32 || dv % 32)
+            return fw_fail(FW_ERR_SHAPE, "cache.layout FW_KV_TILES needs page_size, d and dv multiples of "
+                           "32; they are %lld, %lld, %lld", (long long)rows, (long long)d, (long long)dv);
+        if (kc->stride[1] != d || kc->stride[3] != 1 || vc->stride[1] != dv || vc->stride[3] != 1)
+            return fw_fail(FW_ERR_STRIDE, "cache.layout FW_KV_TILES needs each (page, head) block dense: "
+                           "cache.k strides [., %lld, ., 1] and cache.v [., %lld, ., 1]; they are "
+                           "[., %lld, ., %lld] and [., %lld, ., %lld]", (long long)d, (long long)dv,
+                           (long long)kc->stride[1], (long long)kc->stride[3], (long long)vc->stride[1],
+                           (long long)vc->stride[3]);
+    }
     int64_t shift = 0, bts = 0;
     if (paged) {
         if (rows < 1 || rows > FW_MAX_PAGE_SIZE)
@@ -455,6 +492,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         p->bt = cache->block_table; p->bt_stride = bts; p->page = rows; p->page_shift = shift;
         p->kpage = kc->stride[0]; p->vpage = vc->stride[0];
     }
+    p->tiles = cache->layout == FW_KV_TILES;
     p->cache_len = cache->seqlens;
     p->leftpad = cache->leftpad;
     p->batch_idx = cache->batch_idx;

@@ -150,7 +150,19 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
         if (kcols)
             kt->cols_to_rows(fw_elem(p->k, fw_attn_key(p, sq, t0, 0) + kvh * p->ks[1]), p->k->dtype, p->ks[2], nk,
                              d, Kf);
-        for (int j = 0; j < nk; j++) {
+        for (int j = 0; j < nk && p->tiles; j++) {
+            /* FW_KV_TILES (bf16, d even, not rotated): rows copied out of their tiles, into the
+             * K words and V rows directly with bf16 products, else through orow and to f32 */
+            uint16_t *kr = bf16 ? (uint16_t *)(KW + (size_t)j * dw) : (uint16_t *)orow;
+            uint16_t *vr = bf16 ? (uint16_t *)Vf + (size_t)j * dv : (uint16_t *)orow + d;
+            fw_attn_tile_rows_out(p, sq, t0 + j, 1, kvh, 0, kr);
+            fw_attn_tile_rows_out(p, sq, t0 + j, 1, kvh, 1, vr);
+            if (!bf16) {
+                kt->to_f32(kr, FW_BF16, 1, d, 1.0f, Kf + (size_t)j * d);
+                kt->to_f32(vr, FW_BF16, 1, dv, 1.0f, Vf + (size_t)j * dv);
+            }
+        }
+        for (int j = 0; j < nk && !p->tiles; j++) {
             int64_t kr = fw_attn_key(p, sq, t0 + j, 0) + kvh * p->ks[1];
             int64_t vr = fw_attn_key(p, sq, t0 + j, 1) + kvh * p->vs[1];
             uint16_t *kw = (uint16_t *)(KW + (size_t)j * dw);
@@ -181,7 +193,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
                 for (int64_t b = 0; b < (tn - t1) * es; b += 64)
                     __builtin_prefetch(kr + b, 0, 2);
             }
-        for (int64_t j = t1; j < tn; j++) {
+        for (int64_t j = t1; j < tn && !p->tiles; j++) {
             const char *kr = fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]);
             const char *vr = fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]);
             for (int64_t b = 0; b < (kcols ? 0 : kline); b += 64)

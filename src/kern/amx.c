@@ -1,8 +1,9 @@
 /*
  * amx.c: the amx kernel table: the bf16 products of the tiled attention (prefill, varlen,
  * the backward), of the GDN/KDA chunked prefill (which runs on qk_bf16 and pv_bf16) and of the
- * decode on bf16 key rows, on AMX-BF16 tiles; every other entry is avx512bf16's (cpu.c fills
- * them from it). Compiled with only this ISA's flags (AVX-512 + AMX-TILE + AMX-BF16).
+ * decode on bf16 key rows and on FW_KV_TILES caches, on AMX-BF16 tiles; every other entry is
+ * avx512bf16's (cpu.c fills them from it). Compiled with only this ISA's flags (AVX-512 +
+ * AMX-TILE + AMX-BF16).
  *
  * A tile holds 16 rows of 64 bytes: 16 x 32 bf16 (16 words of the pair layout) or 16 x 16
  * f32. tdpbf16ps C += A B takes A [16][16 words] row-major and B [16 words][16] with each
@@ -431,6 +432,126 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
     }
 }
 
+/*
+ * Decode on a FW_KV_TILES cache (vLLM's AMX layout): the cache's key groups and value groups
+ * are B tiles as they lie, 1 KiB each, so nothing is transposed or paired per call:
+ *   dec_qk_tiles_bf16: S [row][key] (C, one tile per 16 keys) = QW [row][w] (A) x a key
+ *                      group's block [w][key] (B)
+ *   dec_pv_tiles_bf16: P V [row][c] (C, one tile per 16 channels) = P pairs [row][w] (A) x a
+ *                      value group's block [key pair][c] (B)
+ * Every C element sums the same words in the same order as dec_qk_rows_bf16 and dec_pv_bf16
+ * do on the same keys (16 words per step, steps in order), so the results are the row
+ * layout's bit for bit (test_kvcache.c checks it). Rows past R are zero; keys past nk are
+ * masked out of S, and a value group that runs past nk is copied with zeros in their place
+ * (whatever the cache holds there: 0 x NaN would not be 0).
+ */
+
+/* C tile t (0-3) += A tile 4 + a (a = 0, 1) x B tile 6 or 7 (alternating, so that a load
+ * overlaps a product) loaded from b */
+FW_INLINE void dec_step(int t, int a, const void *b, int64_t bs)
+{
+    switch (t + 4 * a) {
+    case 0: _tile_loadd(6, b, bs); _tile_dpbf16ps(0, 4, 6); break;
+    case 1: _tile_loadd(7, b, bs); _tile_dpbf16ps(1, 4, 7); break;
+    case 2: _tile_loadd(6, b, bs); _tile_dpbf16ps(2, 4, 6); break;
+    case 3: _tile_loadd(7, b, bs); _tile_dpbf16ps(3, 4, 7); break;
+    case 4: _tile_loadd(6, b, bs); _tile_dpbf16ps(0, 5, 6); break;
+    case 5: _tile_loadd(7, b, bs); _tile_dpbf16ps(1, 5, 7); break;
+    case 6: _tile_loadd(6, b, bs); _tile_dpbf16ps(2, 5, 6); break;
+    default: _tile_loadd(7, b, bs); _tile_dpbf16ps(3, 5, 7); break;
+    }
+}
+
+FW_INLINE void dec_store(int t, float *dst, int64_t ds)
+{
+    switch (t) {
+    case 0: _tile_stored(0, dst, ds); break;
+    case 1: _tile_stored(1, dst, ds); break;
+    case 2: _tile_stored(2, dst, ds); break;
+    default: _tile_stored(3, dst, ds); break;
+    }
+}
+
+static void dec_qk_tiles_bf16(int R, int nk, int d, const uint32_t *QW, const uint16_t *const *kg,
+                              float scale, float *S)
+{
+    _Alignas(64) uint32_t qa[TW * TW];
+    _Alignas(64) float st[TW * FW_DEC_KEYS];
+    const int dw = d / 2, ng = (nk + TW - 1) / TW;
+    memset(qa + R * TW, 0, (size_t)(TW - R) * TW * sizeof(uint32_t));
+    tiles_on();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int w0 = 0; w0 < dw; w0 += TW) {
+        for (int r = 0; r < R; r++)
+            memcpy(qa + r * TW, QW + (size_t)r * dw + w0, TW * sizeof(uint32_t));
+        _tile_loadd(4, qa, 64);
+        for (int g = 0; g < ng; g++) /* block w0 / 16 of group g: 16 words x 16 keys */
+            dec_step(g, 0, kg[g] + (size_t)w0 * 2 * TW, 64);
+    }
+    for (int g = 0; g < ng; g++)
+        dec_store(g, st + g * TW, FW_DEC_KEYS * sizeof(float));
+    const vf sc = vset1(scale);
+    for (int g = 0; g < FW_DEC_KEYS / TW; g++) {
+        const int n = nk - g * TW;
+        const __mmask16 valid = n >= TW ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+        for (int r = 0; r < R; r++)
+            vstore(S + (size_t)r * FW_DEC_KEYS + g * TW,
+                   _mm512_maskz_mul_ps(valid, vload(st + r * FW_DEC_KEYS + g * TW), sc));
+    }
+}
+
+static void dec_pv_tiles_bf16(int R, int nk, int dv, const float *P, const uint16_t *const *vg,
+                              int64_t vgs, uint32_t *PW, float *O)
+{
+    _Alignas(64) uint32_t pa[TW * 2 * TW], part[TW * TW];
+    _Alignas(64) float c[4][TW * TW];
+    /* A: P rows in pairs, zero past nk and past R (as dec_pv_bf16) */
+    memset(pa, 0, sizeof pa);
+    for (int r = 0; r < R; r++)
+        for (int w0 = 0; w0 < 2 * TW; w0 += TW) {
+            const int k0 = 2 * w0, n0 = nk - k0, n1 = nk - k0 - TW;
+            const __mmask16 m0 = n0 >= TW ? 0xffff : n0 > 0 ? (__mmask16)((1u << n0) - 1) : 0;
+            const __mmask16 m1 = n1 >= TW ? 0xffff : n1 > 0 ? (__mmask16)((1u << n1) - 1) : 0;
+            const float *pr = P + (size_t)r * FW_DEC_KEYS + k0;
+            const vf x = vbf16_row(_mm512_maskz_loadu_ps(m0, pr), _mm512_maskz_loadu_ps(m1, pr + TW));
+            _mm512_store_ps((float *)pa + r * 2 * TW + w0, x);
+            _mm512_storeu_ps((float *)PW + (size_t)r * (FW_DEC_KEYS / 2) + w0, x);
+        }
+    const int ng = (nk + 2 * TW - 1) / (2 * TW), tail = nk - (ng - 1) * 2 * TW; /* keys of the last group */
+    tiles_on();
+    _tile_loadd(4, pa, 2 * TW * 4);
+    _tile_loadd(5, pa + TW, 2 * TW * 4);
+    for (int x0 = 0; x0 < dv; x0 += 4 * TW) {
+        const int nt = (dv - x0) / TW < 4 ? (dv - x0) / TW : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int g = 0; g < ng; g++)
+            for (int t = 0; t < nt; t++) {
+                const uint16_t *b = vg[g] + (x0 / TW + t) * vgs;
+                if (g == ng - 1 && tail < 2 * TW) { /* whole key pairs, then the lone even key */
+                    memset(part, 0, sizeof part);
+                    memcpy(part, b, (size_t)(tail / 2) * 64);
+                    for (int i = 0; i < TW && (tail & 1); i++)
+                        part[(tail / 2) * TW + i] = ((const uint32_t *)b)[(tail / 2) * TW + i] & 0xffffu;
+                    b = (const uint16_t *)part;
+                }
+                dec_step(t, g, b, 64);
+            }
+        for (int t = 0; t < nt; t++)
+            dec_store(t, c[t], 64);
+        for (int t = 0; t < nt; t++)
+            for (int r = 0; r < R; r++) {
+                float *o = O + (size_t)r * dv + x0 + t * TW;
+                vstore(o, vadd(vload(o), vload(c[t] + r * TW)));
+            }
+    }
+}
+
 /* round16(ceil(red / 2)) x cols words: pack_vw pads its word rows to whole tiles; the
  * other panels keep the pair layout's size (partial tiles are copied). */
 static size_t panel_bytes(int red, int cols)
@@ -484,6 +605,8 @@ const fw_kernels fw_kernels_amx = {
     .pv_bf16 = pv_bf16,
     .dec_qk_rows_bf16 = dec_qk_rows_bf16,
     .dec_pv_bf16 = dec_pv_bf16,
+    .dec_qk_tiles_bf16 = dec_qk_tiles_bf16,
+    .dec_pv_tiles_bf16 = dec_pv_tiles_bf16,
     .panel_bytes = panel_bytes,
     .peak_bf16 = peak_bf16,
 };

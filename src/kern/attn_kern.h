@@ -1197,6 +1197,118 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
     dq_zero_tail(R, nk, S);
 }
 
+/* Decode products straight from a FW_KV_TILES cache (flywheel.h, fw_kv_cache), with keys (QK)
+ * or channels (PV) along the lanes, as the panels above have them: a tile row of the cache is
+ * 16 lanes of words, so a key vector of channel pair w is one load, and a value vector of key
+ * pair w the same. VL divides 16 on every table. */
+FW_INLINE void dect_qk_block(int rt, int kv, int dw, const uint32_t *QW, const uint32_t *const *kw,
+                             float scale, float *S)
+{
+    vf acc[DEC_RT][2];
+    for (int r = 0; r < rt; r++)
+        for (int x = 0; x < kv; x++)
+            acc[r][x] = vzero();
+    for (int w = 0; w < dw; w++) {
+        vf k[2];
+        for (int x = 0; x < kv; x++)
+            k[x] = vkeep(vload((const float *)kw[x] + (size_t)w * 16));
+        for (int r = 0; r < rt; r++) {
+            const vf qb = vbcast_word(QW + (size_t)r * dw + w);
+            for (int x = 0; x < kv; x++)
+                acc[r][x] = vdpbf(acc[r][x], k[x], qb);
+        }
+    }
+    const vf sc = vset1(scale);
+    for (int r = 0; r < rt; r++)
+        for (int x = 0; x < kv; x++)
+            vstore(S + (size_t)r * FW_DEC_KEYS + x * VL, vmul(acc[r][x], sc));
+}
+
+static __attribute__((noinline)) void dect_qk_tail(int rt, int kv, int dw, const uint32_t *QW,
+                                                   const uint32_t *const *kw, float scale, float *S)
+{
+    dect_qk_block(rt, kv, dw, QW, kw, scale, S);
+}
+
+/* S[r][j] = scale * QW[r] . K[j] (bf16 products) for r < R, j < nk; 0 for j in [nk, 64). */
+static void dec_qk_tiles_bf16(int R, int nk, int d, const uint32_t *QW, const uint16_t *const *kg,
+                              float scale, float *S)
+{
+    const int dw = d / 2, nkv = (nk + VL - 1) / VL;
+    for (int r0 = 0; r0 < R; r0 += DEC_RT)
+        for (int x0 = 0; x0 < nkv; x0 += 2) {
+            const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT, kv = nkv - x0 < 2 ? nkv - x0 : 2;
+            const uint32_t *kw[2];
+            for (int x = 0; x < kv; x++) /* keys (x0 + x) VL ..: group / 16, lane % 16 */
+                kw[x] = (const uint32_t *)kg[(x0 + x) * VL / 16] + (x0 + x) * VL % 16;
+            if (rt == DEC_RT && kv == 2)
+                dect_qk_block(DEC_RT, 2, dw, QW + (size_t)r0 * dw, kw, scale, S + (size_t)r0 * FW_DEC_KEYS + x0 * VL);
+            else
+                dect_qk_tail(rt, kv, dw, QW + (size_t)r0 * dw, kw, scale, S + (size_t)r0 * FW_DEC_KEYS + x0 * VL);
+        }
+    dq_zero_tail(R, nk, S); /* (the keys past nk in the last vector scored whatever the cache held) */
+}
+
+/* O[r][c0 ..] += P V over key pairs w < nw (whole pairs) of the channel vectors at vc[c]
+ * (channel vector c's row of key pair 0), then the lone key 2 nw when `odd`: its P word holds
+ * a zero in the odd half, but the cache's odd key beside it is never read into a product. */
+FW_INLINE void dect_pv_block(int rt, int cv, int nw, int odd, const uint32_t *PW,
+                             const uint16_t *const *vg, const int64_t *voff, float *O, int dv)
+{
+    vf acc[DEC_RT][4];
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < cv; c++)
+            acc[r][c] = vload(O + (size_t)r * dv + c * VL);
+    for (int w = 0; w < nw + odd; w++) {
+        vf v[4];
+        for (int c = 0; c < cv; c++) {
+            v[c] = vkeep(vload((const float *)(vg[w / 16] + voff[c]) + (size_t)(w % 16) * 16));
+            if (w == nw) /* the lone key: its values alone (the even half), as f32 */
+                v[c] = vbf16_even(v[c]);
+        }
+        for (int r = 0; r < rt; r++) {
+            const vf pb = vbcast_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + w);
+            for (int c = 0; c < cv; c++)
+                acc[r][c] = w == nw ? vfma(v[c], vbf16_even(pb), acc[r][c]) : vdpbf(acc[r][c], v[c], pb);
+        }
+    }
+    for (int r = 0; r < rt; r++)
+        for (int c = 0; c < cv; c++)
+            vstore(O + (size_t)r * dv + c * VL, acc[r][c]);
+}
+
+static __attribute__((noinline)) void dect_pv_tail(int rt, int cv, int nw, int odd, const uint32_t *PW,
+                                                   const uint16_t *const *vg, const int64_t *voff,
+                                                   float *O, int dv)
+{
+    dect_pv_block(rt, cv, nw, odd, PW, vg, voff, O, dv);
+}
+
+/* O[r][c] += sum_j P[r][j] V[j][c] for r < R, c < dv, with P rounded to bf16 pairs into PW
+ * (R x FW_DEC_KEYS / 2 words, zero past nk) and V read from its tiles. */
+static void dec_pv_tiles_bf16(int R, int nk, int dv, const float *P, const uint16_t *const *vg,
+                              int64_t vgs, uint32_t *PW, float *O)
+{
+    for (int r = 0; r < R; r++)
+        pack_row_pairs(P + (size_t)r * FW_DEC_KEYS, nk, PW + (size_t)r * (FW_DEC_KEYS / 2));
+    const int nw = nk / 2, odd = nk & 1;
+    for (int r0 = 0; r0 < R; r0 += DEC_RT) {
+        const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT;
+        for (int c0 = 0; c0 < dv; c0 += 4 * VL) {
+            const int cv = (dv - c0) / VL < 4 ? (dv - c0) / VL : 4;
+            int64_t voff[4]; /* channel c0 + c VL: group / 16 (vgs apart), lane % 16 (words) */
+            for (int c = 0; c < cv; c++)
+                voff[c] = (c0 + c * VL) / 16 * vgs + (c0 + c * VL) % 16 * 2;
+            const uint32_t *pr = PW + (size_t)r0 * (FW_DEC_KEYS / 2);
+            float *o = O + (size_t)r0 * dv + c0;
+            if (rt == DEC_RT && cv == 4)
+                dect_pv_block(DEC_RT, 4, nw, odd, pr, vg, voff, o, dv);
+            else
+                dect_pv_tail(rt, cv, nw, odd, pr, vg, voff, o, dv);
+        }
+    }
+}
+
 /* ------------------------------------------------------------ causal conv1d -- */
 
 /* x / (1 + e^-x), e^-x as 2^(-x log2 e): -inf gives NaN (-inf / inf), as the formula does in
@@ -2096,6 +2208,8 @@ const fw_kernels FW_TABLE = {
     .dec_pv_bf16 = dec_pv_bf16,
     .dec_qk_rows = dec_qk_rows,
     .dec_qk_rows_bf16 = dec_qk_rows_bf16,
+    .dec_qk_tiles_bf16 = dec_qk_tiles_bf16,
+    .dec_pv_tiles_bf16 = dec_pv_tiles_bf16,
     .plain_row = plain_row,
     .peak = peak,
     .peak_bf16 = peak_bf16,

@@ -35,7 +35,7 @@ static void rotate(const fw_attn_prob *p, double *x, int64_t pos)
 }
 
 /* The context of sequence sq, K then V, gathered into contiguous float64 rows [sk][hkv][d|dv]:
- * cache rows through fw_attn_key, and for a KV-cache call with new rows, those from
+ * cache rows through fw_attn_key (fw_attn_tile_elem for FW_KV_TILES), and for a KV-cache call with new rows, those from
  * k_new/v_new (the cache itself is not read for them, nor written). With a rotary embedding,
  * key j is rotated at position kpos + j (its cache row: kpos is the leftpad): every key of a
  * dense or varlen call; in a KV-cache call the new keys, then rounded to the cache's dtype as
@@ -52,7 +52,9 @@ static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, doub
             for (int64_t h = 0; h < p->hkv; h++)
                 for (int64_t x = 0; x < n; x++) {
                     if (j < cached) {
-                        dst[h * n + x] = fw_load_f64(v ? p->v : p->k, fw_attn_key(p, sq, j, v) + h * st[1] + x * st[2]);
+                        const int64_t e = p->tiles ? fw_attn_tile_elem(p, sq, j, h, x, v)
+                                                   : fw_attn_key(p, sq, j, v) + h * st[1] + x * st[2];
+                        dst[h * n + x] = fw_load_f64(v ? p->v : p->k, e);
                     } else {
                         const fw_tensor *t = v ? p->vnew : p->knew;
                         const int64_t row = p->cuq[sq->index] + (j - cached);

@@ -47,10 +47,15 @@ import weakref
 import flywheel
 
 
-def kv_cache_views(kv_cache):
+def kv_cache_views(kv_cache, layout="vec"):
     """K and V [num_blocks, block_size, hkv, d] views of one layer's CPU_ATTN cache
-    [num_blocks, hkv, block_size, 2 d] in the "vec" layout (keys transposed per block)."""
+    [num_blocks, hkv, block_size, 2 d]. layout "vec": keys transposed per block (the views
+    address every element); "amx" (vLLM's AMX kernels' packed layout, bf16): the views are
+    each (block, head)'s dense [block_size, d] block of keys and of values, which flywheel reads
+    with cache_layout="tiles"."""
     import torch
+    if layout not in ("vec", "amx"):
+        raise ValueError(f'layout must be "vec" or "amx", got {layout!r}')
     if kv_cache.dim() != 4 or kv_cache.shape[3] % 2:
         raise ValueError(f"kv_cache must be [num_blocks, hkv, block_size, 2 * head_size], got "
                          f"shape {tuple(kv_cache.shape)}")
@@ -60,26 +65,30 @@ def kv_cache_views(kv_cache):
     if sc != 1 or st != d2 or sh != bs * d2:
         raise ValueError("kv_cache must be dense inside each block (vLLM allocates it so)")
     off = kv_cache.storage_offset()
-    k = torch.as_strided(kv_cache, (nb, bs, hkv, d), (s0, 1, sh, bs), off)
+    kst = (s0, 1, sh, bs) if layout == "vec" else (s0, d, sh, 1)
+    k = torch.as_strided(kv_cache, (nb, bs, hkv, d), kst, off)
     v = torch.as_strided(kv_cache, (nb, bs, hkv, d), (s0, d, sh, 1), off + bs * d)
     return k, v
 
 
 def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, scale,
-              causal=True, sliding_window=-1, softcap=0.0, num_actual_tokens=None, views=None):
+              causal=True, sliding_window=-1, softcap=0.0, num_actual_tokens=None, views=None,
+              layout="vec"):
     """CPU_ATTN's forward on flywheel: query [T, hq, d] (the first num_actual_tokens rows, or
     all), sequence i's rows [query_start_loc[i], query_start_loc[i + 1]) of seq_lens[i] tokens
     in all, cached in the blocks block_table[i]; output [T, hq, d] written in place and
     returned. sliding_window > 0: each query sees its last sliding_window keys (vLLM's
     meaning; flash-attn's window_size = (sliding_window - 1, 0)). softcap: logits soft cap
-    (0: none). views: kv_cache_views(kv_cache), where the caller keeps them."""
-    k, v = kv_cache_views(kv_cache) if views is None else views
+    (0: none). views: kv_cache_views(kv_cache, layout), where the caller keeps them. layout:
+    the cache's, "vec" or "amx" (vLLM's AMX layout, read as flywheel's "tiles")."""
+    k, v = kv_cache_views(kv_cache, layout) if views is None else views
     n = query.shape[0] if num_actual_tokens is None else num_actual_tokens
     nreq = seq_lens.shape[0]
     window = (sliding_window - 1, 0) if sliding_window and sliding_window > 0 else (-1, -1)
     q, out = query[:n], output[:n]
     common = dict(block_table=block_table, softmax_scale=scale, causal=causal,
-                  window_size=window, softcap=softcap or 0.0)
+                  window_size=window, softcap=softcap or 0.0,
+                  cache_layout="tiles" if layout == "amx" else "rows")
     if n == nreq:  # decodes only: one token each, [b, 1, hq, d] (the compiled fast path)
         flywheel.flash_attn_with_kvcache(q[:, None], k, v, cache_seqlens=seq_lens,
                                          out=out[:, None], **common)
