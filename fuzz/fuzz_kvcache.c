@@ -3,7 +3,8 @@
  * The problem: a ragged batch (decode, multi-token decode, chunked prefill; mostly short
  * contexts, sometimes past a 512-key split), with or without new rows to append, a contiguous
  * cache or a paged one (page size 8..64 or 1..72, a block table with spare columns, a row stride,
- * read-only prefix pages shared between sequences), layouts and dtypes as in fuzz_util.h, and
+ * read-only prefix pages shared between sequences, now and then in FW_KV_TILES' tile order),
+ * layouts and dtypes as in fuzz_util.h, and
  * broken on purpose now and then: a page index out of range, a page two sequences write, a
  * negative or too-long length, a page size of 0 or past 65536, a short block table,
  * offsets that do not add up, NULL lengths, an aliased cache that would be written.
@@ -21,30 +22,36 @@
 #define MAXB 8
 static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
 
-/* Element offset of (token t, head h, column c) of sequence i in a cache tensor (its entry
- * batch_idx[i] of a contiguous cache with a batch_idx). */
+/* Element offset of (token t, head h, column c) of sequence i in a cache tensor, K (v = 0) or
+ * V (v = 1) (its entry batch_idx[i] of a contiguous cache with a batch_idx; the tile order of
+ * FW_KV_TILES, flywheel.h). */
 static int64_t cache_off(const fw_tensor *t, const fw_kv_cache *kc, int64_t bts, int64_t i,
-                         int64_t tok, int64_t h, int64_t c)
+                         int64_t tok, int64_t h, int64_t c, int v)
 {
     if (!kc->block_table) {
         const int64_t e = kc->batch_idx ? kc->batch_idx[i] : i;
         return e * t->stride[0] + tok * t->stride[1] + h * t->stride[2] + c * t->stride[3];
     }
-    const int64_t ps = t->shape[1], page = kc->block_table[i * bts + tok / ps];
-    return page * t->stride[0] + (tok % ps) * t->stride[1] + h * t->stride[2] + c * t->stride[3];
+    const int64_t ps = t->shape[1], page = kc->block_table[i * bts + tok / ps], r = tok % ps;
+    if (kc->layout == FW_KV_TILES) {
+        const int64_t base = page * t->stride[0] + h * t->stride[2];
+        return v ? base + (c / 16) * 16 * ps + (r / 2) * 32 + (c % 16) * 2 + r % 2
+                 : base + (r / 16) * 16 * t->shape[3] + (c / 2) * 32 + (r % 16) * 2 + c % 2;
+    }
+    return page * t->stride[0] + r * t->stride[1] + h * t->stride[2] + c * t->stride[3];
 }
 
 /* What the cache must hold after an append: the snapshot with sequence i's new rows at
  * positions seqlens[i] .. copied from src (k_new or v_new, the cache's dtype). */
 static void expect_append(unsigned char *want, const fw_tensor *cache, const fw_kv_cache *kc,
-                          int64_t bts, const fw_tensor *src, const int32_t *cuq, int64_t batch)
+                          int64_t bts, const fw_tensor *src, const int32_t *cuq, int64_t batch, int v)
 {
     const size_t es = fw_dtype_size(cache->dtype);
     for (int64_t i = 0; i < batch; i++)
         for (int64_t r = cuq[i]; r < cuq[i + 1]; r++)
             for (int64_t h = 0; h < cache->shape[2]; h++)
                 for (int64_t c = 0; c < cache->shape[3]; c++) {
-                    int64_t o = cache_off(cache, kc, bts, i, kc->seqlens[i] + r - cuq[i], h, c);
+                    int64_t o = cache_off(cache, kc, bts, i, kc->seqlens[i] + r - cuq[i], h, c, v);
                     int64_t s = r * src->stride[0] + h * src->stride[1] + c * src->stride[2];
                     memcpy(want + (size_t)o * es, (const char *)src->data + (size_t)s * es, es);
                 }
@@ -66,10 +73,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fw_dtype cdt = dts[fz_range(&in, 0, 2)], qdt = dts[fz_range(&in, 0, 2)], odt = dts[fz_range(&in, 0, 2)];
     int64_t hkv = 1 + fz_range(&in, 0, 2), G = 1 + fz_range(&in, 0, 3), hq = hkv * G;
     int64_t d = 1 + fz_size(&in, 15, 140), dv = fz_chance(&in, 160) ? d : 1 + fz_size(&in, 15, 140);
-    const int append = !fz_chance(&in, 64), paged = fz_chance(&in, 128);
+    const int append = !fz_chance(&in, 64);
+    int paged = fz_chance(&in, 128);
     /* pages of a power of two, or of any size (vLLM's hybrid models use 1152) */
     int64_t batch = fz_size(&in, 4, MAXB);
     int64_t ps = !paged ? 0 : fz_chance(&in, 128) ? (int64_t)8 << fz_range(&in, 0, 3) : 1 + fz_range(&in, 0, 71);
+    /* FW_KV_TILES now and then (vLLM's AMX layout), mostly on a problem it takes: paged bf16,
+     * pages and head dims of 32 or 64 */
+    const int tiles = fz_chance(&in, 40);
+    if (tiles && fz_chance(&in, 200)) {
+        cdt = FW_BF16;
+        paged = 1;
+        ps = 32 << fz_range(&in, 0, 1);
+        d = 32 << fz_range(&in, 0, 1);
+        dv = 32 << fz_range(&in, 0, 1);
+    }
     int bad = 0;
     int32_t cuq[MAXB + 1] = {0}, seqlens[MAXB] = {0};
     int64_t maxlen = 0;
@@ -137,7 +155,27 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     bad |= q.bad | kc.bad | vc.bad | o.bad | (with_lse && l.bad) | (append && (kn.bad | vn.bad));
     bad |= append && (has_alias(&kc.t) || has_alias(&vc.t));
 
-    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens, NULL, NULL};
+    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens, NULL, NULL, FW_KV_ROWS};
+    if (tiles) {
+        /* each (page, head) block dense where the buffer spans the whole tensor (a broadcast
+         * cache keeps its strides); refused unless paged bf16 with pages, d and dv multiples
+         * of 32 and dense blocks; now and then a layout value past the enum */
+        for (int v = 0; v < 2; v++) {
+            fz_tensor *ct = v ? &vc : &kc;
+            const int64_t n = ct->t.shape[3];
+            if (!ct->bad && ct->bytes >= (size_t)fz_numel(&ct->t) * fw_dtype_size(cdt) && !has_alias(&ct->t)) {
+                ct->t.stride[3] = 1;
+                ct->t.stride[1] = n;
+                ct->t.stride[2] = ct->t.shape[1] * n;
+                ct->t.stride[0] = ct->t.shape[2] * ct->t.shape[1] * n;
+            }
+        }
+        cache.k = kc.t;
+        cache.v = vc.t;
+        cache.layout = fz_chance(&in, 240) ? 2 + (int32_t)fz_range(&in, 0, 5) : FW_KV_TILES;
+        bad |= cache.layout != FW_KV_TILES || !paged || cdt != FW_BF16 || ps % 32 || d % 32 || dv % 32 ||
+               kc.t.stride[1] != d || kc.t.stride[3] != 1 || vc.t.stride[1] != dv || vc.t.stride[3] != 1;
+    }
     if (paged && fz_chance(&in, 64))
         cache.block_table_stride = 0, bts = max_pages; /* 0: rows max_pages apart */
     /* cache_leftpad: each context from a row in 0 .. seqlens[i]; with a block table, refused */
@@ -236,10 +274,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     p.precision = (int32_t)fz_range(&in, 0, 2);
 
     fz_desc[0] = 0;
-    fz_describe("kvcache %s%s batch %lld, hq %lld, hkv %lld, d %lld, dv %lld; page size %lld, "
+    fz_describe("kvcache %s%s%s batch %lld, hq %lld, hkv %lld, d %lld, dv %lld; page size %lld, "
                 "max_pages %lld, stride %lld, pages %lld; causal %d window %lld softcap %g "
                 "threads %d isa %s flags %u precision %d",
-                paged ? "paged" : "contiguous", append ? " append" : "", (long long)batch,
+                paged ? "paged" : "contiguous", append ? " append" : "",
+                cache.layout == FW_KV_ROWS ? "" : cache.layout == FW_KV_TILES ? " tiles" : " layout?", (long long)batch,
                 (long long)hq, (long long)hkv, (long long)d, (long long)dv, (long long)ps,
                 (long long)cache.max_pages, (long long)cache.block_table_stride, (long long)num_pages,
                 (int)p.causal, (long long)p.window_left, (double)p.softcap, (int)p.threads,
@@ -290,8 +329,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                  fw_last_error());
     } else {
         if (append) {
-            expect_append(sk, &kc.t, &cache, bts, &kn.t, cuq, batch);
-            expect_append(sv, &vc.t, &cache, bts, &vn.t, cuq, batch);
+            expect_append(sk, &kc.t, &cache, bts, &kn.t, cuq, batch, 0);
+            expect_append(sv, &vc.t, &cache, bts, &vn.t, cuq, batch, 1);
         }
         FZ_CHECK(fz_unchanged(&kc, sk) && fz_unchanged(&vc, sv),
                  "the cache differs from its old bytes plus the appended rows");
