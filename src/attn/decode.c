@@ -142,13 +142,13 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
     unsigned touch = 0;
     const int64_t tfirst = klo < khi ? klo / FW_DEC_KEYS * FW_DEC_KEYS : khi;
-    if (tfirst < khi)
+    if (tfirst < khi && !p->tiles) /* (FW_KV_TILES: the groups are found per tile, below) */
         key_offsets(p, sq, tfirst, fw_min64(sq->sk, tfirst + FW_DEC_KEYS), koff[0], voff[0]);
     for (int64_t t0 = tfirst, cur = 0; t0 < khi; t0 += FW_DEC_KEYS, cur ^= 1) {
         const int64_t t1 = fw_min64(sq->sk, t0 + FW_DEC_KEYS), tn = fw_min64(khi, t1 + FW_DEC_KEYS);
         /* nn keys in the next tile, nf of them prefetched now */
         const int nk = (int)(t1 - t0), nn = (int)fw_max64(0, tn - t1), nf = fetch ? nn : 0;
-        if (nn > 0)
+        if (nn > 0 && !p->tiles)
             key_offsets(p, sq, t1, tn, koff[cur ^ 1], voff[cur ^ 1]);
         for (int r = 0; r < R; r++) {
             lo[r] = (float)fw_max64(0, fw_min64(nk, vlo[r] - t0));

@@ -298,14 +298,18 @@ def backend_class():
         docstring)."""
 
         def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale):
-            """Whether flywheel serves this call (takes_step: which steps)."""
+            """Whether flywheel serves this call (takes_step: which steps): on vLLM's "vec"
+            layout every step it takes; on its AMX layout (bf16) the decode-only steps, read
+            in place, while vLLM's AMX kernels keep the prefills."""
+            isa = getattr(layer, "isa", None)
+            self._flywheel_layout = isa
             return (md is not None and output_scale is None and output_block_scale is None and
                     takes_step(md.max_query_len == 1) and md.causal is True and
                     md.dynamic_causal is None and
                     self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and
                     self.sinks is None and not self.is_fp8_kv_cache and
-                    getattr(layer, "isa", None) == "vec" and
-                    kv_cache.dtype in (torch.bfloat16, torch.float32))
+                    (isa == "vec" and kv_cache.dtype in (torch.bfloat16, torch.float32) or
+                     isa == "amx" and kv_cache.dtype == torch.bfloat16 and md.max_query_len == 1))
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
@@ -320,13 +324,14 @@ def backend_class():
             n, r = md.num_actual_tokens, md.seq_lens.shape[0]
             # the cache's K and V views, kept with the layer's implementation (the engine
             # passes the same cache tensor every step): 3.4 us a call otherwise
+            layout = getattr(self, "_flywheel_layout", "vec")  # the layer's, _flywheel_takes
             kept = getattr(self, "_flywheel_views", None)
-            if kept is None or kept[0] is not kv_cache:
-                kept = self._flywheel_views = (kv_cache, kv_cache_views(kv_cache))
+            if kept is None or kept[0] is not kv_cache or kept[1] != layout:
+                kept = self._flywheel_views = (kv_cache, layout, kv_cache_views(kv_cache, layout))
             return attention(query, kv_cache, output, md.query_start_loc, md.seq_lens,
                              md.block_table[:r], self.scale, causal=True,
                              sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
-                             num_actual_tokens=n, views=kept[1])
+                             num_actual_tokens=n, views=kept[2], layout=layout)
 
     class FlywheelCPUAttentionBackend(CPUAttentionBackend):
         """CPU_ATTN on flywheel (flywheel.integrations.vllm)."""
