@@ -21,11 +21,12 @@ decode sums per step. (As the difference of two generate() calls the decode step
 the prefill's run-to-run noise, +-1 s at 16K.)
 
 Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2] [--e2e-runs 0]
-                                   [--states float32|auto] [--amx-layout vec|amx]
+                                   [--states float32|auto] [--amx-layout vec|amx|amx-decode]
 
---amx-layout amx (on a CPU with AMX): vLLM keeps its bf16 cache in its AMX layout, which
-flywheel does not read; every attention call then runs vLLM's AMX kernel alone, timed, to set
-against flywheel's sums of a --amx-layout vec run. The plugin's default is the AMX layout
+--amx-layout amx (on a CPU with AMX): vLLM keeps its bf16 cache in its AMX layout and every
+attention call runs vLLM's AMX kernel alone, timed, to set against flywheel's sums of a
+--amx-layout vec run; amx-decode: the same layout, the decode calls on both flywheel (reading
+it in place) and vLLM's AMX kernel, the prefills on vLLM's alone. The plugin's default is amx
 (flywheel.integrations.vllm.amx_layout); this benchmark's is vec, so that both kernels run.
 """
 
@@ -188,7 +189,7 @@ def main():
     ap.add_argument("--e2e-runs", type=int, default=0)
     ap.add_argument("--states", choices=["float32", "auto"], default="float32",
                     help="the GDN state cache: float32, or vLLM's default (bf16 for this model)")
-    ap.add_argument("--amx-layout", choices=["vec", "amx"], default="vec",
+    ap.add_argument("--amx-layout", choices=["vec", "amx", "amx-decode"], default="vec",
                     help="on an AMX CPU: vLLM's cache in its vec layout, flywheel's attention "
                          "against vLLM's vec kernels, or in its AMX layout (the plugin's "
                          "default there), vLLM's AMX kernels alone")

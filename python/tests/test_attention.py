@@ -227,9 +227,9 @@ def _tiles(pages):
     for pos in (kpos, vpos):
         store = np.zeros((nb, h, page * d), dtype=pages.dtype)
         store[:, :, pos.reshape(-1)] = pages.transpose(0, 2, 1, 3).reshape(nb, h, page * d)
-        views.append((store, np.lib.stride_tricks.as_strided(
-            store, (nb, page, h, d), tuple(x * store.itemsize for x in (h * page * d, d, page * d, 1))),
-            pos))
+        strides = tuple(x * store.itemsize for x in (h * page * d, d, page * d, 1))
+        views.append((store, np.lib.stride_tricks.as_strided(store, (nb, page, h, d), strides),
+                      pos))
     return views
 
 

@@ -170,7 +170,8 @@ def test_which_steps_the_plugin_takes(monkeypatch, calls, decode_only, prefill):
     assert fwv.takes_step(False) is prefill
 
 
-@pytest.mark.parametrize("value, want", [(None, "amx"), ("vec", "vec"), ("amx", "amx")])
+@pytest.mark.parametrize("value, want", [(None, "amx"), ("vec", "vec"), ("amx", "amx"),
+                                         ("amx-decode", "amx-decode")])
 def test_amx_layout_setting(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv("FLYWHEEL_VLLM_AMX_LAYOUT", raising=False)
@@ -181,7 +182,7 @@ def test_amx_layout_setting(monkeypatch, value, want):
 
 def test_bad_amx_layout_setting_raises(monkeypatch):
     monkeypatch.setenv("FLYWHEEL_VLLM_AMX_LAYOUT", "tiles")
-    with pytest.raises(ValueError, match="vec or amx"):
+    with pytest.raises(ValueError, match="vec, amx or amx-decode"):
         fwv.amx_layout()
 
 

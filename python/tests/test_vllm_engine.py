@@ -5,8 +5,10 @@ With the plugin every attention decode call and every GDN step is also run throu
 kernels on the same inputs inside the engine (the GDN op on copies of the layer's caches), and
 flywheel's outputs and updated caches must agree with them; the calls are counted; the
 generated tokens and their logprobs agree with the run without the plugin. On a CPU with AMX
-the runs that check flywheel's attention set FLYWHEEL_VLLM_AMX_LAYOUT=vec (vLLM's bf16 cache
-otherwise takes its AMX layout, and its AMX kernels keep those calls: the plugin's default)."""
+the runs that check flywheel's attention on every step set FLYWHEEL_VLLM_AMX_LAYOUT=vec
+(vLLM's bf16 cache otherwise takes its AMX layout, and its AMX kernels keep those calls: the
+plugin's default), and test_amx_decode checks FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode there
+(flywheel's decodes on vLLM's AMX cache in place)."""
 
 import json
 import os
@@ -101,8 +103,9 @@ print("RESULT " + json.dumps({"calls": calls[0], "isas": sorted(map(str, isas)),
 
 def run_engine(tmp_path, plugin, calls="all", ssm_dtype="float32", amx_layout="vec"):
     """One engine run. amx_layout: FLYWHEEL_VLLM_AMX_LAYOUT ("vec": on a CPU with AMX vLLM
-    keeps the cache layout flywheel reads, so that flywheel's attention runs there too; None:
-    the plugin's default, vLLM's AMX layout and kernels there)."""
+    keeps its "vec" layout, so that flywheel takes every attention step there too;
+    "amx-decode": vLLM's AMX layout, its decodes flywheel's; None: the plugin's default, vLLM's
+    AMX layout and kernels there)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", FLYWHEEL_VLLM="1" if plugin else "0",
                FW_TEST_SSM_DTYPE=ssm_dtype)
@@ -177,3 +180,17 @@ def test_plugin_defaults(tmp_path):
     pre = run_engine(tmp_path, True, "prefill", "auto")
     assert pre["calls"] >= 1 and all(p for *_, p in pre["diffs"]), pre["diffs"]
     assert pre["gdn_calls"][0] >= 3 and pre["gdn_calls"][1] >= 3 * 11, pre["gdn_calls"]
+
+
+def test_amx_decode(tmp_path):
+    """FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode on a CPU with AMX: vLLM's AMX cache layout, its
+    decode-only steps on flywheel (read in place), each against vLLM's AMX kernel on the same
+    inputs; the prefills stay vLLM's. Elsewhere (no AMX: vLLM keeps the "vec" layout) every
+    step is flywheel's, as with the defaults."""
+    need_engine()
+    on = run_engine(tmp_path, True, None, "float32", "amx-decode")
+    assert on["calls"] >= 2, on["calls"]
+    if on["isas"] == ["amx"]:
+        assert not any(p for *_, p in on["diffs"]), on["diffs"]
+    for err, big, _ in on["diffs"]:
+        assert err <= 2 ** -6 * big + 1e-6, (err, big)

@@ -59,6 +59,15 @@ static void tiles_on(void)
 
 static int round16(int n) { return (n + TW - 1) / TW * TW; }
 
+/* The four accumulator tiles (0-3) set to zero. */
+FW_INLINE void zero_acc(void)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* The 16 x 16-word block at src (rows ld words apart) of which rows x cols are valid: src
  * itself when whole (*stride = its row stride in bytes), else those words copied into buf
  * with zeros around them. rows or cols <= 0 gives a zero tile; src is then not read. */
@@ -102,10 +111,7 @@ static void qk_bf16(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, cons
     tiles_on();
     for (int m0 = 0; m0 < M; m0 += 2 * TW)
         for (int j0 = 0; j0 < nk; j0 += 2 * TW) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_acc();
             for (int w0 = 0; w0 < dw; w0 += TW) {
                 int64_t s0, s1, s2, s3;
                 const int j1 = j0 + TW, m1 = m0 + TW;
@@ -285,10 +291,7 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
     _Alignas(64) float st[4][TW * TW];
     const int dw = (d + 1) / 2;
     tiles_on();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_acc();
     for (int w0 = 0; w0 < dw; w0 += TW) {
         const int cw = dw - w0 < TW ? dw - w0 : TW;
         const __mmask16 kw = (__mmask16)((1u << cw) - 1);
@@ -350,6 +353,23 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
     }
 }
 
+/* The decode's PV A tiles: P rows rounded to pairs into pa [16][32 words] (zero past nk and
+ * past R), and into PW (R x FW_DEC_KEYS / 2 words, as the contract has it). */
+static void pack_p(int R, int nk, const float *P, uint32_t *PW, uint32_t *pa)
+{
+    memset(pa, 0, TW * 2 * TW * sizeof(uint32_t));
+    for (int r = 0; r < R; r++)
+        for (int w0 = 0; w0 < 2 * TW; w0 += TW) {
+            const int k0 = 2 * w0, n0 = nk - k0, n1 = nk - k0 - TW;
+            const __mmask16 m0 = n0 >= TW ? 0xffff : n0 > 0 ? (__mmask16)((1u << n0) - 1) : 0;
+            const __mmask16 m1 = n1 >= TW ? 0xffff : n1 > 0 ? (__mmask16)((1u << n1) - 1) : 0;
+            const float *pr = P + (size_t)r * FW_DEC_KEYS + k0;
+            const vf x = vbf16_row(_mm512_maskz_loadu_ps(m0, pr), _mm512_maskz_loadu_ps(m1, pr + TW));
+            _mm512_store_ps((float *)pa + r * 2 * TW + w0, x);
+            _mm512_storeu_ps((float *)PW + (size_t)r * (FW_DEC_KEYS / 2) + w0, x);
+        }
+}
+
 /* O[r][c] += sum_j P[r][j] V[j][c], P rounded to bf16 pairs (into PW, R x FW_DEC_KEYS / 2
  * words, as the contract has it) and V rows of dtype dt read in place, two keys a word. bf16
  * rows are paired by unpacking 32 columns of two rows at once, which leaves the columns of
@@ -363,18 +383,7 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
     _Alignas(64) uint32_t pa[TW * 2 * TW], lo[2 * TW * TW], hi[2 * TW * TW];
     _Alignas(64) float clo[TW * TW], chi[TW * TW];
     const int nw = (nk + 1) / 2;
-    /* A: P rows in pairs, zero past nk and past R */
-    memset(pa, 0, sizeof pa);
-    for (int r = 0; r < R; r++)
-        for (int w0 = 0; w0 < 2 * TW; w0 += TW) {
-            const int k0 = 2 * w0, n0 = nk - k0, n1 = nk - k0 - TW;
-            const __mmask16 m0 = n0 >= TW ? 0xffff : n0 > 0 ? (__mmask16)((1u << n0) - 1) : 0;
-            const __mmask16 m1 = n1 >= TW ? 0xffff : n1 > 0 ? (__mmask16)((1u << n1) - 1) : 0;
-            const float *pr = P + (size_t)r * FW_DEC_KEYS + k0;
-            const vf x = vbf16_row(_mm512_maskz_loadu_ps(m0, pr), _mm512_maskz_loadu_ps(m1, pr + TW));
-            _mm512_store_ps((float *)pa + r * 2 * TW + w0, x);
-            _mm512_storeu_ps((float *)PW + (size_t)r * (FW_DEC_KEYS / 2) + w0, x);
-        }
+    pack_p(R, nk, P, PW, pa);
     tiles_on();
     _tile_loadd(4, pa, 2 * TW * 4);
     _tile_loadd(5, pa + TW, 2 * TW * 4);
@@ -480,10 +489,7 @@ static void dec_qk_tiles_bf16(int R, int nk, int d, const uint32_t *QW, const ui
     const int dw = d / 2, ng = (nk + TW - 1) / TW;
     memset(qa + R * TW, 0, (size_t)(TW - R) * TW * sizeof(uint32_t));
     tiles_on();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_acc();
     for (int w0 = 0; w0 < dw; w0 += TW) {
         for (int r = 0; r < R; r++)
             memcpy(qa + r * TW, QW + (size_t)r * dw + w0, TW * sizeof(uint32_t));
@@ -508,28 +514,14 @@ static void dec_pv_tiles_bf16(int R, int nk, int dv, const float *P, const uint1
 {
     _Alignas(64) uint32_t pa[TW * 2 * TW], part[TW * TW];
     _Alignas(64) float c[4][TW * TW];
-    /* A: P rows in pairs, zero past nk and past R (as dec_pv_bf16) */
-    memset(pa, 0, sizeof pa);
-    for (int r = 0; r < R; r++)
-        for (int w0 = 0; w0 < 2 * TW; w0 += TW) {
-            const int k0 = 2 * w0, n0 = nk - k0, n1 = nk - k0 - TW;
-            const __mmask16 m0 = n0 >= TW ? 0xffff : n0 > 0 ? (__mmask16)((1u << n0) - 1) : 0;
-            const __mmask16 m1 = n1 >= TW ? 0xffff : n1 > 0 ? (__mmask16)((1u << n1) - 1) : 0;
-            const float *pr = P + (size_t)r * FW_DEC_KEYS + k0;
-            const vf x = vbf16_row(_mm512_maskz_loadu_ps(m0, pr), _mm512_maskz_loadu_ps(m1, pr + TW));
-            _mm512_store_ps((float *)pa + r * 2 * TW + w0, x);
-            _mm512_storeu_ps((float *)PW + (size_t)r * (FW_DEC_KEYS / 2) + w0, x);
-        }
+    pack_p(R, nk, P, PW, pa);
     const int ng = (nk + 2 * TW - 1) / (2 * TW), tail = nk - (ng - 1) * 2 * TW; /* keys of the last group */
     tiles_on();
     _tile_loadd(4, pa, 2 * TW * 4);
     _tile_loadd(5, pa + TW, 2 * TW * 4);
     for (int x0 = 0; x0 < dv; x0 += 4 * TW) {
         const int nt = (dv - x0) / TW < 4 ? (dv - x0) / TW : 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_acc();
         for (int g = 0; g < ng; g++)
             for (int t = 0; t < nt; t++) {
                 const uint16_t *b = vg[g] + (x0 / TW + t) * vgs;
@@ -567,10 +559,7 @@ static double peak_bf16(double seconds)
     for (int i = 0; i < TW * TW; i++)
         ones[i] = 0x3f803f80u; /* the bf16 pair (1, 1) */
     tiles_on();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_acc();
     _tile_loadd(4, ones, 64);
     _tile_loadd(5, ones, 64);
     struct timespec t0, t1;

@@ -20,8 +20,10 @@ register() is vLLM's general-plugin entry point (the package declares it in the 
 registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
 as vLLM would (the "vec" cache layout, a bf16 or f32 cache, causal decoder self-attention
 without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. On a CPU with
-AMX, vLLM packs a bf16 cache for its tile kernels, which flywheel does not read: attention
-stays vLLM's there unless FLYWHEEL_VLLM_AMX_LAYOUT=vec (amx_layout()). Which steps:
+AMX, vLLM packs a bf16 cache in the order its tile kernels load it, and its AMX kernels keep
+the attention by default; flywheel reads that layout in place (cache_layout "tiles") and
+serves its decode-only steps with FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode, or every step on the
+"vec" layout with FLYWHEEL_VLLM_AMX_LAYOUT=vec (amx_layout()). Which steps:
 FLYWHEEL_VLLM_CALLS = "all" (the default), "prefill" (steps with at least one prefill) or
 "decode" (decode-only steps). Measured inside the engine (python/bench_vllm.py, both kernels
 on every call, 2026-12-02): prefill steps at a 4K prompt, attention 1.38-1.56x vLLM's, GDN
@@ -256,17 +258,21 @@ def takes_step(decode_only):
 
 def amx_layout():
     """What the plugin does where vLLM stores a bf16 cache in its AMX layout (keys and values
-    packed in the order its tile kernels read them, which flywheel does not read):
-    FLYWHEEL_VLLM_AMX_LAYOUT = "amx" (the default) leaves that layout and vLLM's AMX kernels on
-    every attention call; "vec" has vLLM keep its "vec" layout, which flywheel reads, so that
-    flywheel serves the attention calls too. The GDN layers are flywheel's either way.
-    Measured inside the engine (python/bench_vllm.py --amx-layout, 4K prompt + 32 decode
-    steps, 2 threads, 2026-12-02, an Intel Xeon with AMX): vLLM's AMX attention took 160-188
-    ms for the prefill and 24-38 ms for the decodes; flywheel on the vec layout 383-591 and
-    56-61 ms (vLLM's own vec kernels: 930-968 and 85-89 ms). Hence the default."""
+    packed in the order its tile kernels load them): FLYWHEEL_VLLM_AMX_LAYOUT = "amx" (the
+    default) leaves that layout and vLLM's AMX kernels on every attention call; "amx-decode"
+    keeps the layout and has flywheel serve the decode-only steps, reading it in place
+    (cache_layout "tiles"), vLLM's AMX kernels the prefills; "vec" has vLLM keep its "vec"
+    layout, so that flywheel serves every attention step. The GDN layers are flywheel's
+    either way. Measured inside the engine (python/bench_vllm.py, 4K prompt + 32 decode steps,
+    2 threads, an Intel Xeon with AMX): 2026-12-02, vLLM's AMX attention 160-188 ms for the
+    prefill and 24-38 ms for the decodes, flywheel on the vec layout 383-591 and 56-61 ms;
+    2026-12-04, the decodes on vLLM's AMX cache (GQA 16:2, d 256, 1152-token blocks) 30.7 ms
+    on flywheel against 26.6 ms on vLLM's AMX kernels (0.86x; at GQA 32:8, d 128, 128-token
+    blocks, `make compare-cpu`, flywheel's is 0.99-1.11x vLLM's). Hence the default."""
     mode = os.environ.get("FLYWHEEL_VLLM_AMX_LAYOUT", "amx")
-    if mode not in ("vec", "amx"):
-        raise ValueError(f"FLYWHEEL_VLLM_AMX_LAYOUT must be vec or amx, got {mode!r}")
+    if mode not in ("vec", "amx", "amx-decode"):
+        raise ValueError(f"FLYWHEEL_VLLM_AMX_LAYOUT must be vec, amx or amx-decode, got "
+                         f"{mode!r}")
     return mode
 
 
@@ -300,7 +306,7 @@ def backend_class():
         def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale):
             """Whether flywheel serves this call (takes_step: which steps): on vLLM's "vec"
             layout every step it takes; on its AMX layout (bf16) the decode-only steps, read
-            in place, while vLLM's AMX kernels keep the prefills."""
+            in place, with FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode (amx_layout())."""
             isa = getattr(layer, "isa", None)
             self._flywheel_layout = isa
             return (md is not None and output_scale is None and output_block_scale is None and
@@ -309,7 +315,8 @@ def backend_class():
                     self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and
                     self.sinks is None and not self.is_fp8_kv_cache and
                     (isa == "vec" and kv_cache.dtype in (torch.bfloat16, torch.float32) or
-                     isa == "amx" and kv_cache.dtype == torch.bfloat16 and md.max_query_len == 1))
+                     isa == "amx" and kv_cache.dtype == torch.bfloat16 and
+                     md.max_query_len == 1 and amx_layout() == "amx-decode"))
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
