@@ -266,9 +266,10 @@ def amx_layout():
     either way. Measured inside the engine (python/bench_vllm.py, 4K prompt + 32 decode steps,
     2 threads, an Intel Xeon with AMX): 2026-12-02, vLLM's AMX attention 160-188 ms for the
     prefill and 24-38 ms for the decodes, flywheel on the vec layout 383-591 and 56-61 ms;
-    2026-12-04, the decodes on vLLM's AMX cache (GQA 16:2, d 256, 1152-token blocks) 30.7 ms
-    on flywheel against 26.6 ms on vLLM's AMX kernels (0.86x; at GQA 32:8, d 128, 128-token
-    blocks, `make compare-cpu`, flywheel's is 0.99-1.11x vLLM's). Hence the default."""
+    2026-12-04, the decodes on vLLM's AMX cache (GQA 16:2, d 256, 1152-token blocks) 29.9-30.7
+    ms on flywheel against 25.4-26.6 ms on vLLM's AMX kernels (0.85-0.86x; at GQA 32:8, d 128,
+    128-token blocks, `make compare-cpu`, flywheel's is 1.09-1.10x vLLM's). Hence the
+    default."""
     mode = os.environ.get("FLYWHEEL_VLLM_AMX_LAYOUT", "amx")
     if mode not in ("vec", "amx", "amx-decode"):
         raise ValueError(f"FLYWHEEL_VLLM_AMX_LAYOUT must be vec, amx or amx-decode, got "
