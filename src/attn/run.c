@@ -249,6 +249,7 @@ static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
 {
     const size_t es = fw_dtype_size(p->k->dtype);
     float row_f32[FW_MAX_HEAD_DIM];
+    uint16_t w[FW_MAX_HEAD_DIM];
     for (int64_t i = 0; i < p->batch; i++) {
         const fw_attn_seq s = fw_attn_seq_get(p, i);
         for (int64_t r = 0; r < s.sq; r++)
@@ -257,31 +258,23 @@ static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
                 const int64_t *ds = v ? p->vs : p->ks, n = v ? p->dv : p->d;
                 const int64_t j = p->cache_len[i] - s.kpos + r;
                 const int64_t row = p->tiles ? 0 : fw_attn_key(p, &s, j, v);
+                /* FW_KV_TILES (bf16): the row is staged in w, then scattered into its tiles */
+                const int64_t bs = p->tiles ? 1 : ds[2];
                 for (int64_t h = 0; h < p->hkv; h++) {
                     const char *a = (const char *)src->data +
                                     ((p->cuq[i] + r) * src->stride[0] + h * src->stride[1]) * (int64_t)es;
-                    char *b = (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
-                    if (p->tiles) { /* bf16: the row, rotated or not, scattered into its tiles */
-                        uint16_t w[FW_MAX_HEAD_DIM];
-                        if (!v && p->rot_append) {
-                            kt->to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
-                            fw_attn_rotate(p, kt, row_f32, p->cache_len[i] + r);
-                            kt->from_f32(row_f32, n, w, FW_BF16, 1);
-                        } else
-                            for (int64_t x = 0; x < n; x++)
-                                memcpy(w + x, a + x * src->stride[2] * (int64_t)es, es);
-                        uint16_t *base = (uint16_t *)dst->data;
-                        for (int64_t x = 0; x < n; x++)
-                            base[fw_attn_tile_elem(p, &s, j, h, x, v)] = w[x];
-                    } else if (!v && p->rot_append) {
+                    char *b = p->tiles ? (char *)w : (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
+                    if (!v && p->rot_append) {
                         kt->to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
                         fw_attn_rotate(p, kt, row_f32, p->cache_len[i] + r);
-                        kt->from_f32(row_f32, n, b, dst->dtype, ds[2]);
-                    } else if (src->stride[2] == 1 && ds[2] == 1)
+                        kt->from_f32(row_f32, n, b, dst->dtype, bs);
+                    } else if (src->stride[2] == 1 && bs == 1)
                         memcpy(b, a, (size_t)n * es);
                     else
                         for (int64_t x = 0; x < n; x++)
-                            memcpy(b + x * ds[2] * (int64_t)es, a + x * src->stride[2] * (int64_t)es, es);
+                            memcpy(b + x * bs * (int64_t)es, a + x * src->stride[2] * (int64_t)es, es);
+                    for (int64_t x = 0; x < n && p->tiles; x++)
+                        ((uint16_t *)dst->data)[fw_attn_tile_elem(p, &s, j, h, x, v)] = w[x];
                 }
             }
     }

@@ -367,11 +367,12 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
     }
 }
 
-/* The decode's PV A tiles: P rows rounded to pairs into pa [16][32 words] (zero past nk and
- * past R), and into PW (R x FW_DEC_KEYS / 2 words, as the contract has it). */
-static void pack_p(int R, int nk, const float *P, uint32_t *PW, uint32_t *pa)
+/* The decode's PV A tiles: P rows rounded to pairs into pa [rows][32 words] (zero past nk, and
+ * rows R .. rows - 1 zero: the tiles load `rows` rows), and into PW (R x FW_DEC_KEYS / 2
+ * words, as the contract has it). */
+static void pack_p(int R, int nk, const float *P, uint32_t *PW, uint32_t *pa, int rows)
 {
-    memset(pa, 0, TW * 2 * TW * sizeof(uint32_t));
+    memset(pa + R * 2 * TW, 0, (size_t)(rows - R) * 2 * TW * sizeof(uint32_t));
     for (int r = 0; r < R; r++)
         for (int w0 = 0; w0 < 2 * TW; w0 += TW) {
             const int k0 = 2 * w0, n0 = nk - k0, n1 = nk - k0 - TW;
@@ -397,7 +398,7 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
     _Alignas(64) uint32_t pa[TW * 2 * TW], lo[2 * TW * TW], hi[2 * TW * TW];
     _Alignas(64) float clo[TW * TW], chi[TW * TW];
     const int nw = (nk + 1) / 2;
-    pack_p(R, nk, P, PW, pa);
+    pack_p(R, nk, P, PW, pa, TW);
     tiles_on();
     _tile_loadd(4, pa, 2 * TW * 4);
     _tile_loadd(5, pa + TW, 2 * TW * 4);
@@ -540,7 +541,7 @@ static void dec_pv_tiles_bf16(int R, int nk, int dv, const float *P, const uint1
                               int64_t vgs, uint32_t *PW, float *O)
 {
     _Alignas(64) uint32_t pa[TW * 2 * TW], part[4][TW * TW];
-    pack_p(R, nk, P, PW, pa);
+    pack_p(R, nk, P, PW, pa, R); /* (tiles of R rows: tiles_rows) */
     const int ng = (nk + 2 * TW - 1) / (2 * TW), tail = nk - (ng - 1) * 2 * TW; /* keys of the last group */
     const int64_t os = (int64_t)dv * sizeof(float);
     tiles_rows(R);
