@@ -57,12 +57,17 @@ typedef struct {
  * break this tensor); when it is not FZ_NONE the tensor is rarely broken (bad = 1): a negative
  * size or stride, a stride whose offsets overflow, an invalid dtype, NULL data, a wrong rank,
  * or a fixed dimension off by one. Inputs get values of class `vclass` (std `scale` for the
- * moderate ones); outputs the byte 0xA5 everywhere. */
+ * moderate ones) and the byte 0x7F in the padding between them; outputs the byte 0xA5
+ * everywhere. */
 #define FZ_NONE (-1)
 #define FZ_ALL 0xF
 void fz_tensor_new(fz_in *in, fz_tensor *ft, fw_dtype dt, int ndim, const int64_t *shape,
                    int output, int corrupt, int vclass, double scale);
 void fz_tensor_free(fz_tensor *ft);
+/* The same elements in a new buffer laid out with `stride` (a layout the kernel insists on):
+ * every element keeps its value, and no element of the new buffer is left unset, where
+ * restriding the old buffer would expose the padding the fill never wrote. */
+void fz_tensor_relayout(fz_tensor *ft, const int64_t *stride);
 /* A copy of the buffer, and whether it is unchanged since. */
 unsigned char *fz_snapshot(const fz_tensor *ft);
 int fz_unchanged(const fz_tensor *ft, const unsigned char *snap);
