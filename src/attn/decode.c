@@ -256,8 +256,10 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 kt->pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
                 kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, S);
             }
-            if (c->cap2 > 0.0f)
-                kt->softcap(R, FW_DEC_KEYS, S, c->cap2);
+            /* (the key vectors the products wrote: dec_qk leaves the rest of S unset, which
+             * the softmax never reads; MemorySanitizer over the fuzz corpora) */
+            for (int r = 0; r < R && c->cap2 > 0.0f; r++)
+                kt->softcap(1, (nk + kt->vl - 1) / kt->vl * kt->vl, S + (size_t)r * FW_DEC_KEYS, c->cap2);
             kt->dec_softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
             if (bf16)
                 kt->dec_pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, PW, Ou);

@@ -92,8 +92,9 @@ static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *fina
                         T[i * C + j] = j <= i ? v : 0.0;
                     }
                 }
-                for (int64_t i = 0; i < L * C; i++)
-                    T[i] = rb(T[i]);
+                for (int64_t i = 0; i < L; i++) /* (only the L x L block is set) */
+                    for (int64_t j = 0; j < L; j++)
+                        T[i * C + j] = rb(T[i * C + j]);
                 /* [W | U] = Tb [beta e^G o K^ | beta V]b; Wb */
                 for (int64_t i = 0; i < L; i++) {
                     for (int64_t x = 0; x < dk; x++)
