@@ -15,7 +15,8 @@
  *
  *   decode  fw_attn_kvcache_fwd, one query token per sequence on a paged cache (no append):
  *           --batch --ctx --hq --hkv --d --page --dtype; --caches N rotates N caches of the
- *           same shape (N = 1: the cache stays hot; caches past the L3 in all: read from memory)
+ *           same shape (N = 1: the cache stays hot; caches past the L3 in all: read from memory);
+ *           --tiles: the cache in FW_KV_TILES (vLLM's AMX layout; bf16, page and d multiples of 32)
  *   gdn     fw_gdn_prefill of one sequence, q/k l2-normalised in the kernel, beta 0.5:
  *           --t --h --hv --d --dtype; --kda: a decay per key channel
  */
@@ -40,7 +41,7 @@ typedef struct {
 } lib;
 
 typedef struct {
-    int gdn, kda, threads, rounds, calls, caches;
+    int gdn, kda, tiles, threads, rounds, calls, caches;
     int64_t batch, ctx, hq, hkv, d, page, T, H, HV;
     fw_dtype dt;
 } acfg;
@@ -174,6 +175,12 @@ static int setup(const acfg *c, ainput *in, void **mem, int nmem)
     in->q = fw_tensor_contiguous(mem[2], c->dt, 3, qs);
     in->cache.k = fw_tensor_contiguous(mem[0], c->dt, 4, ks);
     in->cache.v = fw_tensor_contiguous(mem[1], c->dt, 4, ks);
+    if (c->tiles) { /* each (page, head) block dense, as FW_KV_TILES has it */
+        const int64_t st[4] = {c->hkv * c->page * c->d, c->d, c->page * c->d, 1};
+        for (int i = 0; i < 4; i++)
+            in->cache.k.stride[i] = in->cache.v.stride[i] = st[i];
+        in->cache.layout = FW_KV_TILES;
+    }
     in->cache.max_pages = per;
     in->cache.seqlens = sl;
     in->out_bytes = nq * es;
@@ -200,7 +207,7 @@ static double max_diff(const void *a, const void *b, size_t n, fw_dtype dt, doub
 static void ab_usage(FILE *f)
 {
     fprintf(f, "usage: flywheel ab A.so B.so decode|gdn [--threads N --rounds N --calls N --dtype f32|bf16|f16]\n"
-               "       decode: [--batch B --ctx N --hq H --hkv H --d D --page P --caches N]\n"
+               "       decode: [--batch B --ctx N --hq H --hkv H --d D --page P --caches N --tiles]\n"
                "       gdn:    [--t T --h H --hv HV --d D --kda]\n"
                "  two builds of the library in one process, taking turns on the same inputs (rounds of\n"
                "  --calls calls, A then B, then B then A, ...): median time per call, the 10th-90th\n"
@@ -270,6 +277,8 @@ int bench_ab_main(int argc, char **argv)
             c.HV = bench_int("--hv", argv[i], 1, 1024);
         else if (c.gdn && strcmp(argv[i], "--kda") == 0)
             c.kda = 1;
+        else if (!c.gdn && strcmp(argv[i], "--tiles") == 0)
+            c.tiles = 1;
         else {
             ab_usage(stderr);
             fprintf(stderr, "flywheel: ab %s: unknown option %s\n", argv[2], argv[i]);
@@ -296,9 +305,9 @@ int bench_ab_main(int argc, char **argv)
                fw_dtype_name(c.dt), (long long)c.T, (long long)c.H,
                (long long)c.HV, (long long)c.d, c.threads);
     else
-        printf("flywheel ab: decode %s, batch %lld, ctx %lld, GQA %lld:%lld, d %lld, page %lld, %d cache(s), %d thread(s)",
-               fw_dtype_name(c.dt), (long long)c.batch, (long long)c.ctx,
-               (long long)c.hq, (long long)c.hkv, (long long)c.d, (long long)c.page, c.caches, c.threads);
+        printf("flywheel ab: decode %s, batch %lld, ctx %lld, GQA %lld:%lld, d %lld, page %lld%s, %d cache(s), %d thread(s)",
+               fw_dtype_name(c.dt), (long long)c.batch, (long long)c.ctx, (long long)c.hq, (long long)c.hkv,
+               (long long)c.d, (long long)c.page, c.tiles ? " (FW_KV_TILES)" : "", c.caches, c.threads);
     printf("; %d rounds of %d calls a build, taking turns\n", c.rounds, c.calls);
     for (int r = 0, n = 0; r < c.rounds; r++, n += c.calls)
         for (int turn = 0; turn < 2; turn++) {
