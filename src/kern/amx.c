@@ -59,15 +59,14 @@ static void tiles_as(const tile_config *want)
 
 static void tiles_on(void) { tiles_as(&config); }
 
-/* The decode's on FW_KV_TILES: the accumulators (0-3) and A tiles (4, 5) of R rows, the B
- * tiles (6, 7) of 16: every tile move carries the R query rows only, so the kernels load and
+/* The decode's on FW_KV_TILES: the accumulators (0, 1) and A tiles (4, 5) of R rows, the B
+ * tiles (2, 3, 6, 7) of 16: every tile move carries the R query rows only, so the kernels load and
  * store their operands where they lie (no zero rows to pad, no copies). Loaded once a call
  * when the decode follows a call with another configuration (~50 ns). */
 static void tiles_rows(int R)
 {
     _Alignas(64) tile_config c = config;
-    for (int t = 0; t < 6; t++)
-        c.rows[t] = (uint8_t)R;
+    c.rows[0] = c.rows[1] = c.rows[4] = c.rows[5] = (uint8_t)R;
     tiles_as(&c);
 }
 
@@ -465,76 +464,60 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
  *   dec_pv_tiles_bf16: O [row][c] (C, one tile per 16 channels, loaded from O's rows and
  *                      stored back) += P pairs [row][w] (A) x a value group's block
  *                      [key pair][c] (B)
- * PV adds its products into O inside the tile unit, two channel tiles at a time, the next two
- * in the other two accumulators while the first are stored. Measured (a C loop of hot calls,
- * medians; GQA 32:8, d 128 unless said), against 16-row tiles that summed each 64-key tile
- * from zero into a buffer then added it to O: 256 keys on 1 thread 31.6 -> 24.9-31.6 us, 1K
- * on 2 threads 73-78 -> 62-65 us, GQA 16:2 d 256 at 4K on 2 threads 210-221 -> 199-203 us.
- * (So the sums are not the row layout's bits, which add each tile's sum to O.) The B tiles
- * are loaded with the streaming hint (tileloaddt1, as vLLM's kernels do): the same bits
- * sooner both hot and from memory (`flywheel ab ... decode --dtype bf16 --tiles`, 2 threads,
- * B / A of the medians: 1K hot 0.93-0.96, 1K from 400 rotating caches 0.95; GQA 16:2, d 256,
- * 1152-token pages, 4K hot 0.98, from 80 rotating caches 0.98-0.985), where an earlier
- * version of these kernels had measured it 1.5-2x slower. Prefetching the next tile's blocks
- * made the 1K call slower (77 -> 88-104 us). Tiles in vLLM's roles (two
- * accumulators, two A tiles and four B tiles in flight: QK on 32 keys at a time) gave the same
- * bits 2.5-3.5% sooner on hot caches but 3.7% later from memory at GQA 16:2, d 256, 4K
- * (`flywheel ab ... decode --dtype bf16 --tiles [--caches 80]`, 2 threads: hot 190-192 ->
- * 186-187 us, 80 rotating caches 370 -> 384 us), which is how an engine reads a layer's
- * cache, so they were not kept. Keys past nk are masked out of S,
- * and a value group that runs past nk is copied with zeros in their place (whatever the
- * cache holds there: 0 x NaN would not be 0).
+ * PV adds its products into O inside the tile unit, two channel tiles at a time. Measured (a
+ * C loop of hot calls, medians; GQA 32:8, d 128 unless said), against 16-row tiles that summed
+ * each 64-key tile from zero into a buffer then added it to O: 256 keys on 1 thread 31.6 ->
+ * 24.9-31.6 us, 1K on 2 threads 73-78 -> 62-65 us, GQA 16:2 d 256 at 4K on 2 threads 210-221
+ * -> 199-203 us. (So the sums are not the row layout's bits, which add each tile's sum to O.)
+ * Both products keep four B loads in flight (tile roles below), and load the B tiles with the
+ * streaming hint (tileloaddt1), as vLLM's kernels do. Measured with `flywheel ab ... decode
+ * --dtype bf16 --tiles [--caches N]` (2 threads, B / A of the medians, the same bits each
+ * time; "cold": N rotating caches past the L3, as an engine reads a layer's cache): against two
+ * B tiles and four accumulators (QK 64 keys at a time, PV alternating accumulator pairs), the
+ * streaming hint alone gave 1K (GQA 32:8, d 128) hot 0.93-0.96, cold 0.95, and GQA 16:2, d
+ * 256, 1152-token pages, 4K hot 0.98, cold 0.98-0.985; the four B tiles then 1K hot 0.98,
+ * cold 1.00, 4K hot 0.93, cold 1.00-1.001 (without the hint the four B tiles were 3.7% later
+ * cold at 4K). An earlier version of these kernels had measured the hint 1.5-2x slower.
+ * Prefetching the next tile's blocks made the 1K call slower (77 -> 88-104 us). Keys past nk
+ * are masked out of S, and a value group that runs past nk is copied with zeros in their
+ * place (whatever the cache holds there: 0 x NaN would not be 0).
  */
 
-/* C tile t (0-3) += A tile 4 + a (a = 0, 1) x B tile 6 or 7 (alternating, so that a load
- * overlaps a product) loaded from b, with the streaming hint (above) */
-FW_INLINE void dec_step(int t, int a, const void *b, int64_t bs)
-{
-    switch (t + 4 * a) {
-    case 0: _tile_stream_loadd(6, b, bs); _tile_dpbf16ps(0, 4, 6); break;
-    case 1: _tile_stream_loadd(7, b, bs); _tile_dpbf16ps(1, 4, 7); break;
-    case 2: _tile_stream_loadd(6, b, bs); _tile_dpbf16ps(2, 4, 6); break;
-    case 3: _tile_stream_loadd(7, b, bs); _tile_dpbf16ps(3, 4, 7); break;
-    case 4: _tile_stream_loadd(6, b, bs); _tile_dpbf16ps(0, 5, 6); break;
-    case 5: _tile_stream_loadd(7, b, bs); _tile_dpbf16ps(1, 5, 7); break;
-    case 6: _tile_stream_loadd(6, b, bs); _tile_dpbf16ps(2, 5, 6); break;
-    default: _tile_stream_loadd(7, b, bs); _tile_dpbf16ps(3, 5, 7); break;
-    }
-}
-
-FW_INLINE void dec_store(int t, float *dst, int64_t ds)
-{
-    switch (t) {
-    case 0: _tile_stored(0, dst, ds); break;
-    case 1: _tile_stored(1, dst, ds); break;
-    case 2: _tile_stored(2, dst, ds); break;
-    default: _tile_stored(3, dst, ds); break;
-    }
-}
-
-FW_INLINE void dec_load(int t, const float *src, int64_t ss)
-{
-    switch (t) {
-    case 0: _tile_loadd(0, src, ss); break;
-    case 1: _tile_loadd(1, src, ss); break;
-    case 2: _tile_loadd(2, src, ss); break;
-    default: _tile_loadd(3, src, ss); break;
-    }
-}
-
+/* The decode's products on FW_KV_TILES in the tile roles: accumulators 0, 1 and A tiles 4, 5
+ * of R rows (tiles_rows), B tiles 2, 3, 6, 7 of 16, so that four B loads, each into a tile
+ * no pending product reads, are in flight at once (streaming, above). */
 static void dec_qk_tiles_bf16(int R, int nk, int d, const uint32_t *QW, const uint16_t *const *kg,
                               float scale, float *S)
 {
     const int dw = d / 2, ng = (nk + TW - 1) / TW;
+    const int64_t qs = (int64_t)dw * sizeof(uint32_t), ss = FW_DEC_KEYS * sizeof(float);
     tiles_rows(R);
-    zero_acc();
-    for (int w0 = 0; w0 < dw; w0 += TW) {
-        _tile_loadd(4, QW + w0, (int64_t)dw * sizeof(uint32_t));
-        for (int g = 0; g < ng; g++) /* block w0 / 16 of group g: 16 words x 16 keys */
-            dec_step(g, 0, kg[g] + (size_t)w0 * 2 * TW, 64);
+    for (int g = 0; g < ng; g += 2) { /* key groups g and g + 1: block w0 / 16 of a group is 16 words x 16 keys */
+        const uint16_t *k0 = kg[g], *k1 = g + 1 < ng ? kg[g + 1] : NULL;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int w0 = 0; w0 < dw; w0 += 2 * TW) {
+            _tile_loadd(4, QW + w0, qs);
+            _tile_stream_loadd(2, k0 + (size_t)w0 * 2 * TW, 64);
+            _tile_dpbf16ps(0, 4, 2);
+            if (k1) {
+                _tile_stream_loadd(3, k1 + (size_t)w0 * 2 * TW, 64);
+                _tile_dpbf16ps(1, 4, 3);
+            }
+            if (w0 + TW < dw) {
+                _tile_loadd(5, QW + w0 + TW, qs);
+                _tile_stream_loadd(6, k0 + (size_t)(w0 + TW) * 2 * TW, 64);
+                _tile_dpbf16ps(0, 5, 6);
+                if (k1) {
+                    _tile_stream_loadd(7, k1 + (size_t)(w0 + TW) * 2 * TW, 64);
+                    _tile_dpbf16ps(1, 5, 7);
+                }
+            }
+        }
+        _tile_stored(0, S + g * TW, ss);
+        if (k1)
+            _tile_stored(1, S + (g + 1) * TW, ss);
     }
-    for (int g = 0; g < ng; g++)
-        dec_store(g, S + g * TW, FW_DEC_KEYS * sizeof(float));
     const vf sc = vset1(scale);
     for (int g = 0; g < FW_DEC_KEYS / TW; g++) {
         const int n = nk - g * TW;
@@ -546,35 +529,47 @@ static void dec_qk_tiles_bf16(int R, int nk, int d, const uint32_t *QW, const ui
     }
 }
 
+/* A channel block of a value group at b that holds `keys` keys (< 32), copied into pt: its whole
+ * key pairs, then the lone even key, zeros past (0 x NaN would not be 0). */
+static const uint16_t *dec_v_part(const uint16_t *b, int keys, uint32_t *pt)
+{
+    memset(pt, 0, TW * TW * sizeof(uint32_t));
+    memcpy(pt, b, (size_t)(keys / 2) * 64);
+    for (int i = 0; i < TW && (keys & 1); i++)
+        pt[(keys / 2) * TW + i] = ((const uint32_t *)b)[(keys / 2) * TW + i] & 0xffffu;
+    return (const uint16_t *)pt;
+}
+
 static void dec_pv_tiles_bf16(int R, int nk, int dv, const float *P, const uint16_t *const *vg,
                               int64_t vgs, uint32_t *PW, float *O)
 {
-    _Alignas(64) uint32_t pa[TW * 2 * TW], part[4][TW * TW];
+    _Alignas(64) uint32_t pa[TW * 2 * TW], part[2][TW * TW];
     pack_p(R, nk, P, PW, pa, R); /* (tiles of R rows: tiles_rows) */
     const int ng = (nk + 2 * TW - 1) / (2 * TW), tail = nk - (ng - 1) * 2 * TW; /* keys of the last group */
     const int64_t os = (int64_t)dv * sizeof(float);
     tiles_rows(R);
     _tile_loadd(4, pa, 2 * TW * 4);
     _tile_loadd(5, pa + TW, 2 * TW * 4);
-    for (int x = 0; x < dv / TW; x += 2) {
-        const int t0 = x & 2; /* accumulators 0-1, then 2-3 */
-        dec_load(t0, O + x * TW, os);
-        dec_load(t0 + 1, O + (x + 1) * TW, os);
+    for (int x = 0; x < dv / TW; x += 2) { /* channel blocks x, x + 1 */
+        const uint16_t *b[2][2];
         for (int g = 0; g < ng; g++)
-            for (int t = 0; t < 2; t++) {
-                const uint16_t *b = vg[g] + (x + t) * vgs;
-                if (g == ng - 1 && tail < 2 * TW) { /* whole key pairs, then the lone even key */
-                    uint32_t *pt = part[t0 + t];
-                    memset(pt, 0, TW * TW * sizeof(uint32_t));
-                    memcpy(pt, b, (size_t)(tail / 2) * 64);
-                    for (int i = 0; i < TW && (tail & 1); i++)
-                        pt[(tail / 2) * TW + i] = ((const uint32_t *)b)[(tail / 2) * TW + i] & 0xffffu;
-                    b = (const uint16_t *)pt;
-                }
-                dec_step(t0 + t, g, b, 64);
-            }
-        dec_store(t0, O + x * TW, os);
-        dec_store(t0 + 1, O + (x + 1) * TW, os);
+            for (int t = 0; t < 2; t++)
+                b[g][t] = g == ng - 1 && tail < 2 * TW ? dec_v_part(vg[g] + (x + t) * vgs, tail, part[t])
+                                                       : vg[g] + (x + t) * vgs;
+        _tile_loadd(0, O + x * TW, os);
+        _tile_loadd(1, O + (x + 1) * TW, os);
+        _tile_stream_loadd(2, b[0][0], 64);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_stream_loadd(3, b[0][1], 64);
+        _tile_dpbf16ps(1, 4, 3);
+        if (ng > 1) {
+            _tile_stream_loadd(6, b[1][0], 64);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_stream_loadd(7, b[1][1], 64);
+            _tile_dpbf16ps(1, 5, 7);
+        }
+        _tile_stored(0, O + x * TW, os);
+        _tile_stored(1, O + (x + 1) * TW, os);
     }
 }
 
