@@ -115,6 +115,11 @@ static void fill(const fw_tensor *t, int vclass, double scale)
     }
 }
 
+/* The byte of an input's padding: a huge value (0x7F7F: bf16 3.4e38, f16 NaN; f32 3.4e38), so
+ * a kernel that lets an element past its view reach a result fails the comparison, every run
+ * alike (unset padding made a CI finding that did not replay). */
+#define FZ_PAD 0x7F
+
 void fz_tensor_new(fz_in *in, fz_tensor *ft, fw_dtype dt, int ndim, const int64_t *shape,
                    int output, int corrupt, int vclass, double scale)
 {
@@ -150,11 +155,7 @@ void fz_tensor_new(fz_in *in, fz_tensor *ft, fw_dtype dt, int ndim, const int64_
     ft->bytes = (size_t)span * fw_dtype_size(dt);
     ft->buf = malloc(ft->bytes);
     t->data = ft->buf;
-    /* inputs: the padding between elements is set too, to a huge value (0x7F7F: bf16
-     * 3.4e38, f16 NaN; f32 3.4e38), so a kernel that lets an element past its view reach a
-     * result fails the comparison, every run alike (unset padding made a CI finding that did
-     * not replay) */
-    memset(ft->buf, output ? 0xA5 : 0x7F, ft->bytes);
+    memset(ft->buf, output ? 0xA5 : FZ_PAD, ft->bytes);
     if (!output)
         fill(t, vclass, scale);
     if (corrupt == FZ_NONE || in->broken || !fz_chance(in, 10))
@@ -223,7 +224,8 @@ void fz_tensor_relayout(fz_tensor *ft, const int64_t *stride)
         span += n ? (nt.shape[i] - 1) * stride[i] : 0;
     }
     ft->bytes = (size_t)span * fw_dtype_size(nt.dtype);
-    unsigned char *buf = calloc(ft->bytes, 1);
+    unsigned char *buf = malloc(ft->bytes);
+    memset(buf, FZ_PAD, ft->bytes);
     nt.data = buf;
     if (n)
         do

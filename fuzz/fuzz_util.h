@@ -65,8 +65,8 @@ void fz_tensor_new(fz_in *in, fz_tensor *ft, fw_dtype dt, int ndim, const int64_
                    int output, int corrupt, int vclass, double scale);
 void fz_tensor_free(fz_tensor *ft);
 /* The same elements in a new buffer laid out with `stride` (a layout the kernel insists on):
- * every element keeps its value, and no element of the new buffer is left unset, where
- * restriding the old buffer would expose the padding the fill never wrote. */
+ * every element keeps its value and the padding is set as fz_tensor_new sets it, where
+ * restriding the old buffer would expose padding the fill never wrote. */
 void fz_tensor_relayout(fz_tensor *ft, const int64_t *stride);
 /* A copy of the buffer, and whether it is unchanged since. */
 unsigned char *fz_snapshot(const fz_tensor *ft);

@@ -60,9 +60,9 @@ static void tiles_as(const tile_config *want)
 static void tiles_on(void) { tiles_as(&config); }
 
 /* The decode's on FW_KV_TILES: the accumulators (0, 1) and A tiles (4, 5) of R rows, the B
- * tiles (2, 3, 6, 7) of 16: every tile move carries the R query rows only, so the kernels load and
- * store their operands where they lie (no zero rows to pad, no copies). Loaded once a call
- * when the decode follows a call with another configuration (~50 ns). */
+ * tiles (2, 3, 6, 7) of 16: every tile move carries the R query rows only, so the kernels
+ * load and store their operands where they lie (no zero rows to pad, no copies). Loaded once
+ * a call when the decode follows a call with another configuration (~50 ns). */
 static void tiles_rows(int R)
 {
     _Alignas(64) tile_config c = config;
@@ -492,7 +492,8 @@ static void dec_qk_tiles_bf16(int R, int nk, int d, const uint32_t *QW, const ui
     const int dw = d / 2, ng = (nk + TW - 1) / TW;
     const int64_t qs = (int64_t)dw * sizeof(uint32_t), ss = FW_DEC_KEYS * sizeof(float);
     tiles_rows(R);
-    for (int g = 0; g < ng; g += 2) { /* key groups g and g + 1: block w0 / 16 of a group is 16 words x 16 keys */
+    /* key groups g and g + 1 at a time; block w0 / 16 of a group is 16 words x 16 keys */
+    for (int g = 0; g < ng; g += 2) {
         const uint16_t *k0 = kg[g], *k1 = g + 1 < ng ? kg[g + 1] : NULL;
         _tile_zero(0);
         _tile_zero(1);
