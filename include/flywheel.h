@@ -150,7 +150,8 @@ enum {
      * they were measured faster (AMD, and CPUs of unknown vendor), off on Intel, whose L2
      * streamer outpaces software prefetches. Both set is an error. Results are the same.
      * FW_ATTN_NO_DEC_PREFETCH also turns off the prefetch of the next head's key rows before
-     * AMX products (the amx table on bf16 rows read in place; on by default everywhere). */
+     * AMX products (the amx table on bf16 rows read in place, 2 KiB or more a token; on by
+     * default everywhere). */
     FW_ATTN_DEC_PREFETCH = 1 << 4,
     FW_ATTN_NO_DEC_PREFETCH = 1 << 5
 };

@@ -60,6 +60,8 @@ typedef struct fw_softmax_args {
 #define FW_DEC_KEYS 64
 /* decode contexts longer than this many keys sweep each tile's rows before using them */
 #define FW_DEC_SWEEP_KEYS 8192
+/* AMX decode on key rows this many bytes apart or more prefetches the next head's rows */
+#define FW_DEC_FETCH_ROW_BYTES 2048
 #define FW_DEC_ROWS 16
 
 /* The conv kernels' SiLU for outputs rounded to bf16 or f16 (fw_kernels.conv1d_row). */

@@ -137,9 +137,11 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's
      * prefetch is per channel row */
     const int kcols = p->ks[0] == 1 && p->d > 1 && (!p->bt || p->page % FW_DEC_KEYS == 0);
-    /* bf16 key rows read in place by tile loads: the next head's rows are prefetched (below) */
+    /* bf16 key rows read in place by tile loads, 2 KiB or more from one token to the next:
+     * the next head's rows are prefetched (below) */
     const int krows_fetch = !(c->flags & FW_ATTN_NO_DEC_PREFETCH) && bf16 && p->k->dtype == FW_BF16 &&
-                            p->ks[2] == 1 && kt->native_bf16 == FW_BF16_TILES;
+                            p->ks[2] == 1 && kt->native_bf16 == FW_BF16_TILES &&
+                            p->ks[0] * (int64_t)es >= FW_DEC_FETCH_ROW_BYTES;
     /* a token row in `gu` slices of whole cache lines (no division in the key loop) */
     const int64_t slice = ((span + gu - 1) / gu + 63) & ~(int64_t)63;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
@@ -235,11 +237,14 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             }
             /* AMX products read key rows with tile loads, which wait out their cache misses
              * alone: the next K/V head's key rows of the tile go to L2 before this head's
-             * products. Measured on an Intel Xeon VM with AMX, bf16, GQA 32:8, d 128, 2
-             * threads, against FW_ATTN_NO_DEC_PREFETCH: 1K decode 150-155 -> 130-140 us, batch
-             * 16 at 4K 22.2 -> 15.6 ms. Slower: adding the value rows (either head's), the
-             * first head's rows of the next tile after the last head, and the same prefetch
-             * before f32 or vdpbf16ps products. */
+             * products. Measured on an Intel Xeon VM with AMX, bf16, 2 threads, against
+             * FW_ATTN_NO_DEC_PREFETCH: GQA 32:8, d 128 (2 KiB a token): 1K decode 150-155 ->
+             * 130-140 us, batch 16 at 4K 22.2 -> 15.6 ms; d 256 (4 KiB) at 2K 697-706 ->
+             * 655-670 us. With 1 KiB a token (GQA 16:2 d 256, 16:4 d 128, at 4K) 3-5% slower:
+             * four tokens to a 4 KiB page, which the L2 streamer follows, hence the threshold.
+             * Slower too: adding the value rows (either head's), the first head's rows of the
+             * next tile after the last head, the same prefetch before f32 or vdpbf16ps
+             * products. */
             if (krows_fetch && u + 1 < ub && (gqa ? u + 1 : (u + 1) / p->G) != kvh) {
                 const char *kn = fw_elem(p->k, (gqa ? u + 1 : (u + 1) / p->G) * p->ks[1]);
                 for (int j = 0; j < nk; j++)
