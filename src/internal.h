@@ -314,6 +314,11 @@ int fw_bf16_dot_native(const char *vendor);
  * The rule follows the 4 KiB pages a caller's tensors get by default. On Zen 5 both were
  * faster (attn/decode.c). */
 int fw_dec_prefetch(const char *vendor);
+/* Whether the decode prefetches the next K/V head's key rows of each tile before a head's
+ * products: with AMX tiles (native_bf16, the table's fw_kernels field, FW_BF16_TILES), bf16
+ * key rows read in place (bf16_rows), tokens row_bytes >= FW_DEC_FETCH_ROW_BYTES apart, and
+ * FW_ATTN_NO_DEC_PREFETCH not in flags (attn/decode.c has the measurements). */
+int fw_dec_fetch_krows(int native_bf16, int bf16_rows, int64_t row_bytes, uint32_t flags);
 /* Rows of one pass of the width-4 conv's rows kernel (conv1d_rows), by vendor: 1 (a row at a
  * time, front to back) for AMD, 64 (the kernel's passes of 8 rows, its taps slid in registers)
  * otherwise. A pass walks its R + 3 tap rows and R output rows down each run of channels, all

@@ -539,6 +539,17 @@ static void test_auto_precision(void)
                    fw_dec_prefetch(NULL) && fw_dec_prefetch("GenuineIntelx"),
                "AMD, another vendor, none, a longer string");
     case_end();
+    /* the AMX decode's next-head key-row prefetch: tiles, bf16 rows in place, 2 KiB a token */
+    case_begin("fw_dec_fetch_krows");
+    case_check(fw_dec_fetch_krows(FW_BF16_TILES, 1, 2048, 0) && fw_dec_fetch_krows(FW_BF16_TILES, 1, 4096, FW_ATTN_DEC_PREFETCH),
+               "AMX, bf16 rows, 2 and 4 KiB a token");
+    case_check(!fw_dec_fetch_krows(FW_BF16_TILES, 1, 1024, 0) && !fw_dec_fetch_krows(FW_BF16_TILES, 1, 2047, 0),
+               "under 2 KiB a token");
+    case_check(!fw_dec_fetch_krows(FW_BF16_DOT, 1, 2048, 0) && !fw_dec_fetch_krows(FW_BF16_EMULATED, 1, 4096, 0) &&
+                   !fw_dec_fetch_krows(FW_BF16_TILES, 0, 2048, 0),
+               "vdpbf16ps or emulated products, keys not bf16 rows");
+    case_check(!fw_dec_fetch_krows(FW_BF16_TILES, 1, 2048, FW_ATTN_NO_DEC_PREFETCH), "FW_ATTN_NO_DEC_PREFETCH");
+    case_end();
     const fw_dtype dts[2] = {FW_BF16, FW_F32};
     for (int it = 0; it < fw_isa_count(); it++) {
         const char *isa = table(it);

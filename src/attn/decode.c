@@ -45,6 +45,12 @@ static unsigned sweep_rows(const fw_attn_prob *p, const int64_t *koff, const int
     return acc;
 }
 
+int fw_dec_fetch_krows(int native_bf16, int bf16_rows, int64_t row_bytes, uint32_t flags)
+{
+    return !(flags & FW_ATTN_NO_DEC_PREFETCH) && native_bf16 == FW_BF16_TILES && bf16_rows &&
+           row_bytes >= FW_DEC_FETCH_ROW_BYTES;
+}
+
 /* Decode path: K/V groups ("units": K/V heads, or q heads without GQA packing) [ua, ub) of
  * one sequence, group it->head of the it->chunk its units are spread over (fw_attn_dec_groups;
  * usually one: all of them), over the item's key range, with keys along the vector lanes. Each
@@ -137,11 +143,9 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's
      * prefetch is per channel row */
     const int kcols = p->ks[0] == 1 && p->d > 1 && (!p->bt || p->page % FW_DEC_KEYS == 0);
-    /* bf16 key rows read in place by tile loads, 2 KiB or more from one token to the next:
-     * the next head's rows are prefetched (below) */
-    const int krows_fetch = !(c->flags & FW_ATTN_NO_DEC_PREFETCH) && bf16 && p->k->dtype == FW_BF16 &&
-                            p->ks[2] == 1 && kt->native_bf16 == FW_BF16_TILES &&
-                            p->ks[0] * (int64_t)es >= FW_DEC_FETCH_ROW_BYTES;
+    /* (the next head's key rows are prefetched below) */
+    const int krows_fetch = fw_dec_fetch_krows(kt->native_bf16, bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1,
+                                               p->ks[0] * (int64_t)es, c->flags);
     /* a token row in `gu` slices of whole cache lines (no division in the key loop) */
     const int64_t slice = ((span + gu - 1) / gu + 63) & ~(int64_t)63;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
