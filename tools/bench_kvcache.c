@@ -144,13 +144,15 @@ static int kv_run(const kcfg *c, int decode)
         const double sec = bench_median(t, reps);
         if (decode) {
             double bw = 0, same = 0;
-            fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw);
             const double bytes = (double)b * (double)c->ctx * (double)c->hkv * 2.0 * (double)c->d * (double)es;
             const double gbs = bytes / sec * 1e-9;
             /* (at least the 4 KiB a thread that fw_read_bandwidth takes) */
             const double nthr = c->threads > 0 ? c->threads : (double)sysconf(_SC_NPROCESSORS_ONLN);
-            fw_read_bandwidth(c->threads, (size_t)fmax(bytes, 4096.0 * nthr), &same);
-            if (c->json)
+            if (fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw) != FW_OK ||
+                fw_read_bandwidth(c->threads, (size_t)fmax(bytes, 4096.0 * nthr), &same) != FW_OK) {
+                fprintf(stderr, "bench kvcache: %s\n", fw_last_error());
+                fail = 1;
+            } else if (c->json)
                 printf("{\"op\":\"kvcache_decode\",\"batch\":%lld,\"ctx\":%lld,\"hq\":%lld,\"hkv\":%lld,\"d\":%lld,"
                        "\"dtype\":\"%s\",\"page\":%lld,\"layout\":\"%s\",\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
                        "\"us_per_step\":%.2f,\"kv_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f,"

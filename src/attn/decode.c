@@ -249,8 +249,9 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
              * Slower too: adding the value rows (either head's), the first head's rows of the
              * next tile after the last head, the same prefetch before f32 or vdpbf16ps
              * products. */
-            if (krows_fetch && u + 1 < ub && (gqa ? u + 1 : (u + 1) / p->G) != kvh) {
-                const char *kn = fw_elem(p->k, (gqa ? u + 1 : (u + 1) / p->G) * p->ks[1]);
+            const int64_t nkvh = gqa ? u + 1 : (u + 1) / p->G;
+            if (krows_fetch && u + 1 < ub && nkvh != kvh) {
+                const char *kn = fw_elem(p->k, nkvh * p->ks[1]);
                 for (int j = 0; j < nk; j++)
                     for (int64_t b = 0; b < kline; b += 64)
                         __builtin_prefetch(kn + koff[cur][j] * (int64_t)es + b, 0, 2);
