@@ -59,6 +59,9 @@ decode: one attention decode step, GQA 32:8, d=128, bf16 and f32, batch x contex
         cache_layout="tiles" on a cache vLLM's own cpu_attn_reshape_and_cache wrote in its
         AMX layout (flywheel.integrations.vllm.kv_cache_views(kv, "amx")), torch seqlens and
         block table: what the vLLM plugin hands flywheel there.
+    flywheel (vLLM's vec cache), where vLLM picks its vec kernels (f32 on x86, bf16 without
+        AMX): the same call on the cache vLLM wrote for them, keys transposed per block
+        (kv_cache_views(kv, "vec")), read in place.
     vLLM CPU: torch.ops._C.cpu_attention_with_kv_cache(query [b, Hq, d], key_cache,
         value_cache, output, query_start_loc [0, 1, .., b], seq_lens [ctx] * b, 1/sqrt(d),
         True, None, -1, bt, 0.0, scheduler_metadata, None, None, 1.0, 1.0, "auto"), as vLLM's
