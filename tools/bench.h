@@ -15,6 +15,9 @@ int bench_dtype(const char *name, fw_dtype *dt);
 /* KV-cache-sized buffers: 2 MiB-aligned, asking for transparent huge pages as a serving
  * engine's cache pool would (release with free()). */
 void *bench_alloc(size_t bytes);
+/* A paged cache's K and V [pages, page, hkv, d] restrided to FW_KV_TILES (vLLM's AMX layout):
+ * pages [hkv][page][d], each (page, head) block dense, in tile order. */
+void bench_tiles_cache(fw_kv_cache *cache, int64_t hkv, int64_t page, int64_t d);
 /* n values of dtype dt (f32, bf16 or f16) uniform in [-scale, scale), from a xorshift stream
  * of `seed`: the same inputs on every run. */
 void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed);

@@ -175,12 +175,8 @@ static int setup(const acfg *c, ainput *in, void **mem, int nmem)
     in->q = fw_tensor_contiguous(mem[2], c->dt, 3, qs);
     in->cache.k = fw_tensor_contiguous(mem[0], c->dt, 4, ks);
     in->cache.v = fw_tensor_contiguous(mem[1], c->dt, 4, ks);
-    if (c->tiles) { /* each (page, head) block dense, as FW_KV_TILES has it */
-        const int64_t st[4] = {c->hkv * c->page * c->d, c->d, c->page * c->d, 1};
-        for (int i = 0; i < 4; i++)
-            in->cache.k.stride[i] = in->cache.v.stride[i] = st[i];
-        in->cache.layout = FW_KV_TILES;
-    }
+    if (c->tiles)
+        bench_tiles_cache(&in->cache, c->hkv, c->page, c->d);
     in->cache.max_pages = per;
     in->cache.seqlens = sl;
     in->out_bytes = nq * es;

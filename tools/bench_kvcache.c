@@ -18,7 +18,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include "bench.h"
 
 typedef struct {
@@ -78,12 +77,8 @@ static int kv_run(const kcfg *c, int decode)
     memset(&cache, 0, sizeof cache);
     cache.k = fw_tensor_contiguous(kd, c->dt, 4, ks);
     cache.v = fw_tensor_contiguous(vd, c->dt, 4, ks);
-    if (c->tiles) { /* pages [hkv][page][d], each (page, head) block in tile order */
-        const int64_t ts[4] = {c->hkv * ps * c->d, c->d, ps * c->d, 1};
-        memcpy(cache.k.stride, ts, sizeof ts);
-        memcpy(cache.v.stride, ts, sizeof ts);
-        cache.layout = FW_KV_TILES;
-    }
+    if (c->tiles)
+        bench_tiles_cache(&cache, c->hkv, ps, c->d);
     cache.block_table = c->page ? bt : NULL;
     cache.max_pages = per;
     cache.seqlens = sl;
@@ -146,10 +141,9 @@ static int kv_run(const kcfg *c, int decode)
             double bw = 0, same = 0;
             const double bytes = (double)b * (double)c->ctx * (double)c->hkv * 2.0 * (double)c->d * (double)es;
             const double gbs = bytes / sec * 1e-9;
-            /* (at least the 4 KiB a thread that fw_read_bandwidth takes) */
-            const double nthr = c->threads > 0 ? c->threads : (double)sysconf(_SC_NPROCESSORS_ONLN);
+            /* (at least the 4 KiB a thread that fw_read_bandwidth takes; threads is >= 1 here) */
             if (fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw) != FW_OK ||
-                fw_read_bandwidth(c->threads, (size_t)fmax(bytes, 4096.0 * nthr), &same) != FW_OK) {
+                fw_read_bandwidth(c->threads, (size_t)fmax(bytes, 4096.0 * c->threads), &same) != FW_OK) {
                 fprintf(stderr, "bench kvcache: %s\n", fw_last_error());
                 fail = 1;
             } else if (c->json)

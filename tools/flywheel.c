@@ -122,6 +122,14 @@ void *bench_alloc(size_t bytes)
     return p;
 }
 
+void bench_tiles_cache(fw_kv_cache *cache, int64_t hkv, int64_t page, int64_t d)
+{
+    const int64_t st[4] = {hkv * page * d, d, page * d, 1};
+    memcpy(cache->k.stride, st, sizeof st);
+    memcpy(cache->v.stride, st, sizeof st);
+    cache->layout = FW_KV_TILES;
+}
+
 /* The best of 3 runs (about 0.25 s each) of one peak microbenchmark of table isa on `threads`
  * threads; 0 on failure. */
 static double peak_runs(int t, int threads, int bf16)
