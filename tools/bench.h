@@ -18,6 +18,10 @@ void *bench_alloc(size_t bytes);
 /* A paged cache's K and V [pages, page, hkv, d] restrided to FW_KV_TILES (vLLM's AMX layout):
  * pages [hkv][page][d], each (page, head) block dense, in tile order. */
 void bench_tiles_cache(fw_kv_cache *cache, int64_t hkv, int64_t page, int64_t d);
+/* The same cache restrided to vLLM's vec layout (its CPU_ATTN kernels for f32, and for bf16
+ * without AMX): pages [hkv][...], each (page, head) block of K transposed [d][page], of V
+ * [page][d]; FW_KV_ROWS strides. */
+void bench_cols_cache(fw_kv_cache *cache, int64_t hkv, int64_t page, int64_t d);
 /* n values of dtype dt (f32, bf16 or f16) uniform in [-scale, scale), from a xorshift stream
  * of `seed`: the same inputs on every run. */
 void bench_fill(void *p, size_t n, fw_dtype dt, double scale, uint64_t seed);

@@ -16,7 +16,8 @@
  *   decode  fw_attn_kvcache_fwd, one query token per sequence on a paged cache (no append):
  *           --batch --ctx --hq --hkv --d --page --dtype; --caches N rotates N caches of the
  *           same shape (N = 1: the cache stays hot; caches past the L3 in all: read from memory);
- *           --tiles: the cache in FW_KV_TILES (vLLM's AMX layout; bf16, page and d multiples of 32)
+ *           --tiles: the cache in FW_KV_TILES (vLLM's AMX layout; bf16, page and d multiples of 32);
+ *           --cols: in vLLM's vec layout (each page's keys of a head transposed)
  *   gdn     fw_gdn_prefill of one sequence, q/k l2-normalised in the kernel, beta 0.5:
  *           --t --h --hv --d --dtype; --kda: a decay per key channel
  */
@@ -41,7 +42,7 @@ typedef struct {
 } lib;
 
 typedef struct {
-    int gdn, kda, tiles, threads, rounds, calls, caches;
+    int gdn, kda, tiles, cols, threads, rounds, calls, caches;
     int64_t batch, ctx, hq, hkv, d, page, T, H, HV;
     fw_dtype dt;
 } acfg;
@@ -177,6 +178,8 @@ static int setup(const acfg *c, ainput *in, void **mem, int nmem)
     in->cache.v = fw_tensor_contiguous(mem[1], c->dt, 4, ks);
     if (c->tiles)
         bench_tiles_cache(&in->cache, c->hkv, c->page, c->d);
+    if (c->cols)
+        bench_cols_cache(&in->cache, c->hkv, c->page, c->d);
     in->cache.max_pages = per;
     in->cache.seqlens = sl;
     in->out_bytes = nq * es;
@@ -203,7 +206,7 @@ static double max_diff(const void *a, const void *b, size_t n, fw_dtype dt, doub
 static void ab_usage(FILE *f)
 {
     fprintf(f, "usage: flywheel ab A.so B.so decode|gdn [--threads N --rounds N --calls N --dtype f32|bf16|f16]\n"
-               "       decode: [--batch B --ctx N --hq H --hkv H --d D --page P --caches N --tiles]\n"
+               "       decode: [--batch B --ctx N --hq H --hkv H --d D --page P --caches N --tiles|--cols]\n"
                "       gdn:    [--t T --h H --hv HV --d D --kda]\n"
                "  two builds of the library in one process, taking turns on the same inputs (rounds of\n"
                "  --calls calls, A then B, then B then A, ...): median time per call, the 10th-90th\n"
@@ -275,6 +278,8 @@ int bench_ab_main(int argc, char **argv)
             c.kda = 1;
         else if (!c.gdn && strcmp(argv[i], "--tiles") == 0)
             c.tiles = 1;
+        else if (!c.gdn && strcmp(argv[i], "--cols") == 0)
+            c.cols = 1;
         else {
             ab_usage(stderr);
             fprintf(stderr, "flywheel: ab %s: unknown option %s\n", argv[2], argv[i]);
@@ -303,7 +308,7 @@ int bench_ab_main(int argc, char **argv)
     else
         printf("flywheel ab: decode %s, batch %lld, ctx %lld, GQA %lld:%lld, d %lld, page %lld%s, %d cache(s), %d thread(s)",
                fw_dtype_name(c.dt), (long long)c.batch, (long long)c.ctx, (long long)c.hq, (long long)c.hkv,
-               (long long)c.d, (long long)c.page, c.tiles ? " (FW_KV_TILES)" : "", c.caches, c.threads);
+               (long long)c.d, (long long)c.page, c.tiles ? " (FW_KV_TILES)" : c.cols ? " (vLLM's vec layout)" : "", c.caches, c.threads);
     printf("; %d rounds of %d calls a build, taking turns\n", c.rounds, c.calls);
     for (int r = 0, n = 0; r < c.rounds; r++, n += c.calls)
         for (int turn = 0; turn < 2; turn++) {

@@ -28,6 +28,7 @@ typedef struct {
     int rotary;
     uint32_t flags; /* --dec-prefetch, --no-dec-prefetch */
     int tiles;      /* --tiles: FW_KV_TILES (vLLM's AMX layout; paged bf16) */
+    int cols;       /* --cols: vLLM's vec layout (paged; each page's keys of a head transposed) */
 } kcfg;
 
 static void fill_bits(void *p, size_t n, fw_dtype dt)
@@ -79,6 +80,8 @@ static int kv_run(const kcfg *c, int decode)
     cache.v = fw_tensor_contiguous(vd, c->dt, 4, ks);
     if (c->tiles)
         bench_tiles_cache(&cache, c->hkv, ps, c->d);
+    if (c->cols)
+        bench_cols_cache(&cache, c->hkv, ps, c->d);
     cache.block_table = c->page ? bt : NULL;
     cache.max_pages = per;
     cache.seqlens = sl;
@@ -152,14 +155,14 @@ static int kv_run(const kcfg *c, int decode)
                        "\"us_per_step\":%.2f,\"kv_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f,"
                        "\"same_bytes_gbps\":%.2f,\"pct_same_bytes\":%.1f}\n",
                        (long long)b, (long long)c->ctx, (long long)c->hq, (long long)c->hkv, (long long)c->d,
-                       fw_dtype_name(c->dt), (long long)c->page, c->tiles ? "tiles" : "rows", c->threads, reps,
+                       fw_dtype_name(c->dt), (long long)c->page, c->tiles ? "tiles" : c->cols ? "cols" : "rows", c->threads, reps,
                        sec, sec * 1e6, gbs, bw,
                        100 * gbs / bw, same, 100 * gbs / same);
             else
                 printf("decode    %-5s batch %-3lld ctx %-6lld h%lld:%lld d%lld page %-5lld%s thr=%d  %9.1f us/step  "
                        "%6.1f GB/s K/V  %5.1f%% of %.1f GB/s read bandwidth, %5.1f%% of %.1f GB/s reading as many bytes\n",
                        fw_dtype_name(c->dt), (long long)b, (long long)c->ctx, (long long)c->hq,
-                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->tiles ? " tiles" : "",
+                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->tiles ? " tiles" : c->cols ? " cols" : "",
                        c->threads, sec * 1e6, gbs,
                        100 * gbs / bw, bw, 100 * gbs / same, same);
         } else {
@@ -211,7 +214,7 @@ static int kv_run(const kcfg *c, int decode)
 
 static kcfg kdefaults(void)
 {
-    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0, 0, 0};
+    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0, 0, 0, 0};
     c.threads = bench_cpus();
     return c;
 }
@@ -244,14 +247,16 @@ int bench_kvcache_main(int argc, char **argv)
         else if (!strcmp(a, "--dec-prefetch")) c.flags |= FW_ATTN_DEC_PREFETCH;
         else if (!strcmp(a, "--no-dec-prefetch")) c.flags |= FW_ATTN_NO_DEC_PREFETCH;
         else if (!strcmp(a, "--tiles")) c.tiles = 1;
+        else if (!strcmp(a, "--cols")) c.cols = 1;
         else {
             if (!bench_is_help(a))
                 fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
                    "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
                    "       --threads N --reps N --isa NAME --json --rotary --dec-prefetch | --no-dec-prefetch\n"
-                   "       --tiles]\n"
+                   "       --tiles | --cols]\n"
                    "  --tiles: the cache in FW_KV_TILES, vLLM's AMX layout (paged bf16, page, d multiples of 32)\n"
+                   "  --cols: in vLLM's vec layout, each page's keys of a head transposed (paged)\n"
                    "  --ctx is the context after the append (prefill default: 8192 + new)\n"
                    "  with neither --decode nor --prefill: decode at batch 1 and 16 over contexts 1K..32K,\n"
                    "  then 512 new tokens on an 8K prefix\n");

@@ -130,6 +130,13 @@ void bench_tiles_cache(fw_kv_cache *cache, int64_t hkv, int64_t page, int64_t d)
     cache->layout = FW_KV_TILES;
 }
 
+void bench_cols_cache(fw_kv_cache *cache, int64_t hkv, int64_t page, int64_t d)
+{
+    const int64_t ks[4] = {hkv * page * d, 1, page * d, page}, vs[4] = {hkv * page * d, d, page * d, 1};
+    memcpy(cache->k.stride, ks, sizeof ks);
+    memcpy(cache->v.stride, vs, sizeof vs);
+}
+
 /* The best of 3 runs (about 0.25 s each) of one peak microbenchmark of table isa on `threads`
  * threads; 0 on failure. */
 static double peak_runs(int t, int threads, int bf16)
