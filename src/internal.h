@@ -115,14 +115,20 @@ typedef struct fw_kernels {
      * key rows (rows[j] points at key j, head applied; kdim = stride within a row) into
      * Kt[d][FW_DEC_KEYS], transposed, zero past nk (every column is written, so any table's
      * dec_qk reads it, whatever its vector length; dec_qk reads row k of Kt at Kt + k ldk, and
- * every key of the vectors holding the nk keys). dec_pv reads value rows in place
-     * (contiguous rows of dtype dt). */
+     * every key of the vectors holding the nk keys). dec_pv reads value rows in place
+     * (contiguous rows of dtype dt).
+     * Interleaved prefetch: Ktn (dec_qk) is the next tile's panel, laid out as Kt; next[j], j <
+     * nn (dec_pv, dec_qk_rows) its rows: each line of them at the offset of a line the kernel
+     * reads is prefetched into L2 as that line is read, so the next tile's misses overlap
+     * this tile's products (dec_qk_rows_bf16 and dec_pv_bf16 alike; AMX's versions read
+     * with tile loads and take no hint: the driver prefetches for them). NULL: none. */
     void (*pack_kt)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt);
-    void (*dec_qk)(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk, float *S);
+    void (*dec_qk)(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk, const float *Ktn,
+                   float *S);
     void (*dec_softmax)(int R, int nk, float *S, const float *lo, const float *hi, float *m,
                         float *l, float *O, int dv);
     void (*dec_pv)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
-                   float *O);
+                   const void *const *next, int nn, float *O);
     /* The decode kernels with bf16 products (layouts in attn_kern.h): pack_kt_bf16 gives
      * KtW [ceil(d/2)][FW_DEC_KEYS] key words; dec_qk_bf16 S = scale * QW . KtW; dec_pv_bf16
      * rounds P to bf16 pairs in PW [R][FW_DEC_KEYS / 2] and adds P V to O. */
@@ -144,16 +150,16 @@ typedef struct fw_kernels {
     void (*dec_qk_bf16)(int R, int nk, int dw, const uint32_t *QW, const uint32_t *KtW, float scale,
                         float *S);
     void (*dec_pv_bf16)(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
-                        uint32_t *PW, float *O);
+                        const void *const *next, int nn, uint32_t *PW, float *O);
     /* Decode QK^T with f32 products straight from the key rows (contiguous rows of dtype dt:
      * kdim 1), no transposed panel: S[r][j] = Q[r] . K[j] (Q scaled) for r < R, j < nk, and 0
      * for j in [nk, FW_DEC_KEYS). */
     void (*dec_qk_rows)(int R, int nk, int d, const float *Q, const void *const *rows, fw_dtype dt,
-                        float *S);
+                        const void *const *next, int nn, float *S);
     /* The same with bf16 products from bf16 key rows (contiguous), read as words:
      * S[r][j] = scale * QW[r] . K[j], QW as for dec_qk_bf16 (R x ceil(d/2) words). */
     void (*dec_qk_rows_bf16)(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
-                             float scale, float *S);
+                             float scale, const void *const *next, int nn, float *S);
     /* The decode's products straight from a FW_KV_TILES cache (flywheel.h), for tables whose
      * products take its order (AMX); NULL elsewhere, where the driver copies the rows out.
      * kg[i]: key group i of the tile (keys 16 i .. 16 i + 15: ceil(d / 32) blocks of 16 channel

@@ -982,9 +982,28 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
         if (pass) {
             for (int r = 0; r < R; r++)
                 kt->pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
-            kt->dec_qk_rows_bf16(R, nk, d, QW, rows, scale, S);
+            kt->dec_qk_rows_bf16(R, nk, d, QW, rows, scale, NULL, 0, S);
+            float *S2 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+            const void *next[FW_DEC_KEYS];
+            for (int j = 0; j < nk; j++)
+                next[j] = rows[nk - 1 - j];
+            kt->dec_qk_rows_bf16(R, nk, d, QW, rows, scale, next, nk - nk % 3, S2);
+            case_check(memcmp(S, S2, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0,
+                       "dec_qk_rows_bf16 R %d nk %d d %d: prefetching the next tile changed S", R, nk, d);
+            free(S2);
         } else {
-            kt->dec_qk_rows(R, nk, d, Q, rows, dt, S);
+            /* with the next tile's rows prefetched as these are read (here: the same rows,
+             * in reverse, nk or fewer of them): the same bits as without */
+            const void *next[FW_DEC_KEYS];
+            const int nn = nk - nk % 3;
+            for (int j = 0; j < nk; j++)
+                next[j] = rows[nk - 1 - j];
+            kt->dec_qk_rows(R, nk, d, Q, rows, dt, next, nn, S);
+            float *S2 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+            kt->dec_qk_rows(R, nk, d, Q, rows, dt, NULL, 0, S2);
+            case_check(memcmp(S, S2, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0,
+                       "dec_qk_rows %s R %d nk %d d %d: prefetching the next tile changed S", dtn(dt), R, nk, d);
+            free(S2);
         }
         int zero;
         const double worst = dec_scores_residual(S, R, nk, d, Q, pass ? FW_BF16 : FW_F32, Kf, scale,
@@ -1004,7 +1023,18 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
             S[r * FW_DEC_KEYS + j] = j < nk ? (float)rng_uniform() : 0.0f;
     for (int i = 0; i < R * dv; i++)
         O[i] = O0[i] = (float)rng_normal();
-    kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, PW, O);
+    {   /* with the next tile's value rows prefetched (here: these, reversed): the same bits */
+        const void *next[FW_DEC_KEYS];
+        float *O2 = malloc(sizeof(float) * (size_t)(R * dv));
+        memcpy(O2, O0, sizeof(float) * (size_t)(R * dv));
+        for (int j = 0; j < nk; j++)
+            next[j] = vrows[nk - 1 - j];
+        kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, next, nk - nk % 2, PW, O2);
+        kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, NULL, 0, PW, O);
+        case_check(memcmp(O, O2, sizeof(float) * (size_t)(R * dv)) == 0,
+                   "dec_pv_bf16 R %d nk %d dv %d: prefetching the next tile changed O", R, nk, dv);
+        free(O2);
+    }
     double worst = 0;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < dv; c++) {
@@ -1155,7 +1185,7 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
         kt->pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
     for (int i = 0; i < R * FW_DEC_KEYS; i++)
         S[i] = NAN;
-    kt->dec_qk_rows_bf16(R, nk, d, QW, rows, 0.5f, S);
+    kt->dec_qk_rows_bf16(R, nk, d, QW, rows, 0.5f, NULL, 0, S);
     const double u = 1.0 / (1 << 23);
     for (int j = 0; j < nk; j++)
         for (int k = 0; k < d; k++)
@@ -1169,7 +1199,7 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
             S[r * FW_DEC_KEYS + j] = j < nk ? (float)rng_uniform() : 0.0f;
     for (int i = 0; i < R * dv; i++)
         O[i] = O0[i] = (float)rng_normal();
-    kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, PW, O);
+    kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, NULL, 0, PW, O);
     worst = 0;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < dv; c++) {
@@ -1183,7 +1213,8 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
         }
     case_check(worst <= 1, "dec_pv_bf16 R %d nk %d dv %d %s rows: residual %.3g of bound", R, nk, dv,
                irregular ? "irregular" : "regular", worst);
-    /* the same values as f32 rows (each followed by an inf): the same sums */
+    /* the same values as f32 rows (each followed by an inf), prefetched as the next tile's
+     * while read: the same sums */
     float *V32 = malloc(sizeof(float) * (size_t)(nk * (dv + 1)));
     const void *v32[FW_DEC_KEYS];
     for (int j = 0; j < nk; j++) {
@@ -1194,7 +1225,7 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
     }
     float *O32 = malloc(sizeof(float) * (size_t)(R * dv));
     memcpy(O32, O0, sizeof(float) * (size_t)(R * dv));
-    kt->dec_pv_bf16(R, nk, dv, S, v32, FW_F32, PW, O32);
+    kt->dec_pv_bf16(R, nk, dv, S, v32, FW_F32, v32, nk, PW, O32);
     case_check(memcmp(O32, O, sizeof(float) * (size_t)(R * dv)) == 0, "dec_pv_bf16 R %d nk %d dv %d: f32 rows of the "
                "same values give other bits than bf16 rows", R, nk, dv);
     free(V32); free(O32);
@@ -1364,7 +1395,16 @@ static void test_micro_kernels(void)
                 }
                 for (int i = 0; i < R * d; i++) Q[i] = (float)rng_normal();
                 for (int i = 0; i < nk * dv; i++) V[i] = (float)rng_normal();
-                kt->dec_qk(R, nk, d, Q, Kt, FW_DEC_KEYS, S);
+                memset(S, 0, sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+                kt->dec_qk(R, nk, d, Q, Kt, FW_DEC_KEYS, NULL, S);
+                {   /* prefetching a next panel (here: this one) gives the same bits */
+                    float *S2 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+                    memcpy(S2, S, sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+                    kt->dec_qk(R, nk, d, Q, Kt, FW_DEC_KEYS, Kt, S);
+                    case_check(memcmp(S, S2, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0,
+                               "dec_qk R %d nk %d d %d: prefetching the next panel changed S", R, nk, d);
+                    free(S2);
+                }
                 double worst = 0;
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < nk; j++) {
@@ -1378,7 +1418,18 @@ static void test_micro_kernels(void)
                 case_check(worst <= 1, "dec_qk R %d nk %d d %d: residual %.3g of bound", R, nk, d, worst);
                 for (int j = 0; j < nk; j++)
                     vrows[j] = V + (size_t)j * dv;
-                kt->dec_pv(R, nk, dv, S, vrows, FW_F32, O);
+                {   /* with the next tile's value rows prefetched (here: these, reversed): the
+                     * same bits as without */
+                    const void *next[FW_DEC_KEYS];
+                    float *O2 = calloc((size_t)(R * dv), sizeof(float));
+                    for (int j = 0; j < nk; j++)
+                        next[j] = vrows[nk - 1 - j];
+                    kt->dec_pv(R, nk, dv, S, vrows, FW_F32, next, nk - nk % 2, O2);
+                    kt->dec_pv(R, nk, dv, S, vrows, FW_F32, NULL, 0, O);
+                    case_check(memcmp(O, O2, sizeof(float) * (size_t)(R * dv)) == 0,
+                               "dec_pv R %d nk %d dv %d: prefetching the next tile changed O", R, nk, dv);
+                    free(O2);
+                }
                 worst = 0;
                 for (int r = 0; r < R; r++)
                     for (int c = 0; c < dv; c++) {
@@ -1519,7 +1570,7 @@ static void test_partial_tables(void)
                         t->dec_qk_bf16(R, nk, DW, QW, KtW, 0.5f, S);
                     } else {
                         pk->pack_kt(rows32, FW_F32, 1, nk, D, Kt);
-                        t->dec_qk(R, nk, D, Q, Kt, FW_DEC_KEYS, S);
+                        t->dec_qk(R, nk, D, Q, Kt, FW_DEC_KEYS, NULL, S);
                     }
                 }
                 int same = 1;
@@ -1641,16 +1692,23 @@ static void test_decode_prefetch_bits(void)
 {
     /* on 40 threads the 34 key ranges have their 2 heads in 2 groups: the sweep and the
      * prefetch of a group's slice of each row */
-    case_begin("attention: decode prefetch on, off and by default, heads in groups or not, give the same bits");
+    /* (strided head dims: the products read panels, not K and V in place, so the bursts of
+     * prefetches and the sweep run instead of the products' own prefetch) */
+    case_begin("attention: decode prefetch on, off and by default, heads in groups or not, K and V "
+               "read in place or strided, give the same bits");
     enum { B = 2, SK = FW_DEC_SWEEP_KEYS + 77, HKV = 2, HQ = 8, D = 64 };
-    int64_t qs[4] = {B, 1, HQ, D}, ks[4] = {B, SK, HKV, D};
-    for (int dt = 0; dt < 2; dt++) {
-        const fw_dtype t = dt ? FW_F32 : FW_BF16;
-        const size_t es = fw_dtype_size(t), nkv = (size_t)B * SK * HKV * D;
+    int64_t qs[4] = {B, 1, HQ, D};
+    for (int dt = 0; dt < 4; dt++) {
+        const fw_dtype t = dt % 2 ? FW_F32 : FW_BF16;
+        const int64_t hd = dt / 2 ? 2 : 1; /* head-dim stride of K and V */
+        const size_t es = fw_dtype_size(t), nkv = (size_t)B * SK * HKV * D * hd;
         void *q = malloc(es * B * HQ * D), *k = malloc(es * nkv), *v = malloc(es * nkv);
         float *o[5];
-        fw_tensor tq = fw_tensor_contiguous(q, t, 4, qs), tk = fw_tensor_contiguous(k, t, 4, ks),
-                  tv = fw_tensor_contiguous(v, t, 4, ks);
+        int64_t kbuf[4] = {B, SK, HKV, D * hd};
+        fw_tensor tq = fw_tensor_contiguous(q, t, 4, qs), tk = fw_tensor_contiguous(k, t, 4, kbuf),
+                  tv = fw_tensor_contiguous(v, t, 4, kbuf);
+        tk.shape[3] = tv.shape[3] = D;
+        tk.stride[3] = tv.stride[3] = hd;
         rng_seed(37);
         tfill_normal(&tq, 1.0);
         tfill_normal(&tk, 1.0);
@@ -1675,7 +1733,8 @@ static void test_decode_prefetch_bits(void)
             }
             for (int f = 1; f < 5; f++)
                 case_check(!memcmp(o[0], o[f], sizeof(float) * B * HQ * D) && isfinite(o[0][0]),
-                           "%s %s: outputs of run %d differ", fw_isa_name(it), dt ? "f32" : "bf16", f);
+                           "%s %s%s: outputs of run %d differ", fw_isa_name(it), dt % 2 ? "f32" : "bf16",
+                           hd > 1 ? " strided" : "", f);
             for (int f = 0; f < 5; f++)
                 free(o[f]);
         }

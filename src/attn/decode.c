@@ -84,7 +84,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
     uint32_t *QW = (uint32_t *)Q, *KtW = (uint32_t *)Kt, *PW = (uint32_t *)(w + c->wl.pw);
     float *qrow = (float *)(w + c->wl.row);
     int64_t vlo[FW_DEC_ROWS], vhi[FW_DEC_ROWS], klo = INT64_MAX, khi = INT64_MIN;
-    const void *rows[FW_DEC_KEYS], *vrows[FW_DEC_KEYS];
+    const void *rows[FW_DEC_KEYS], *vrows[FW_DEC_KEYS], *nrows[FW_DEC_KEYS], *nvrows[FW_DEC_KEYS];
     for (int64_t u = ua; u < ub; u++)
         for (int g = 0; g < G; g++)
             for (int i = 0; i < n; i++) {
@@ -136,13 +136,30 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * without; 8K and 16K equal within the noise; 32K (an earlier, quiet measurement) 14.1
      * GB/s with it, 12.3 without. The next-tile prefetch below stays at every length: without
      * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). On Intel
-     * both are off unless forced (fw_dec_prefetch has the measurements). */
+     * both are off unless forced (fw_dec_prefetch has the measurements).
+     * Where the products read K and V in place (kin, vin: below), the next tile's lines are
+     * prefetched by the products themselves, each as they read the line at the same offset of
+     * this tile, and the sweep is off: it gained nothing more (Zen 4, 2 threads, `flywheel ab`
+     * against the sweep: 16K and 32K 0.95-1.0x the time without it). */
     const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) && !p->tiles; /* run() set the CPU's default */
-    const int sweep = fetch && span && sq->sk > FW_DEC_SWEEP_KEYS;
     /* keys stored transposed, each channel's keys contiguous (vLLM's CPU cache blocks), with
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's
      * prefetch is per channel row */
     const int kcols = p->ks[0] == 1 && p->d > 1 && (!p->bt || p->page % FW_DEC_KEYS == 0);
+    /* Interleaved prefetch (fw_kernels, "Interleaved prefetch"): the key products read K in
+     * place (kin) and the value products V (vin), except AMX's bf16 products, whose tile loads
+     * take no hint. A tile followed by another is whole (nk = FW_DEC_KEYS), so kcols' f32
+     * panel is then read in place. Measured against the bursts of prefetches below, which
+     * queue behind each other (Zen 4, 2 threads, GQA 32:8, d 128, `flywheel ab`, the same
+     * bits): f32 1K 0.94x the time hot, 0.75x with 3 caches in rotation (24 MiB), 0.66x with
+     * 24 (192 MiB, from DRAM), 4K 0.62x, batch 16 at 4K 0.69x; vLLM's vec layout (keys
+     * transposed) 0.75-0.87x; bf16 from DRAM 0.61x, batch 16 at 4K 0.67x, 32K 0.90x, but 1K-4K
+     * hot 1.02-1.05x (bf16 products read twice the elements per load, so the prefetches weigh
+     * more there). Bursts for the keys or the values alone were slower than both together. */
+    const int hint = !(bf16 && kt->native_bf16 == FW_BF16_TILES);
+    const int kin = hint && (bf16 ? p->k->dtype == FW_BF16 && p->ks[2] == 1 : kcols ? p->k->dtype == FW_F32 : p->ks[2] == 1);
+    const int vin = hint && vdirect;
+    const int sweep = fetch && span && sq->sk > FW_DEC_SWEEP_KEYS && !(kin && vin);
     /* (the next head's key rows are prefetched below) */
     const int krows_fetch = fw_dec_fetch_krows(kt->native_bf16, bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1,
                                                p->ks[0] * (int64_t)es, c->flags);
@@ -185,7 +202,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                     rows[j] = kr + (size_t)j * d;
                     vrows[j] = vr + (size_t)j * dv;
                 }
-                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, FW_BF16, S);
+                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, FW_BF16, NULL, 0, S);
             }
             if (c->cap2 > 0.0f)
                 kt->softcap(R, FW_DEC_KEYS, S, c->cap2);
@@ -193,12 +210,19 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             if (bf16)
                 kt->dec_pv_tiles_bf16(R, nk, dv, S, vg, 16 * p->page, PW, Ou);
             else
-                kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, Ou);
+                kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, NULL, 0, Ou);
         }
         for (int64_t u = ua; u < ub && !p->tiles; u++) {
             const int64_t kvh = gqa ? u : u / p->G;
             const char *kb = fw_elem(p->k, kvh * p->ks[1]), *vb = fw_elem(p->v, kvh * p->vs[1]);
             const int pf = gqa || u % p->G == 0;
+            /* the products prefetch the next tile's keys (kil) and values (vil) as they read
+             * this one's; the bursts below fetch the rest */
+            const int kil = nf > 0 && pf && kin, vil = nf > 0 && pf && vin;
+            for (int j = 0; j < nn && (kil || vil); j++) {
+                nrows[j] = kb + koff[cur ^ 1][j] * (int64_t)es;
+                nvrows[j] = vb + voff[cur ^ 1][j] * (int64_t)es;
+            }
             /* iteration (u, j) is number u * nk + j of the tile: token row tt, slice part */
             int64_t tt = span ? (u - ua) * nk / gu : 0, part = span ? (u - ua) * nk % gu : 0;
             for (int j = 0; j < nk; j++) {
@@ -207,7 +231,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                  * of a token lie together, else this head's row j. Measured (one thread,
                  * 32K keys): 10.9 GB/s prefetching per head, 12.0 GB/s with the whole next
                  * tile in one burst. */
-                if (j < nf && span) {
+                if (j < nf && span && !(kil && vil)) {
                     if (tt < nn) {
                         const int64_t b0 = part * slice, b1 = fw_min64(span, b0 + slice);
                         const char *kr = (const char *)p->k->data + (koff[cur ^ 1][tt] + kbase) * (int64_t)es;
@@ -221,15 +245,15 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                         part = 0;
                         tt++;
                     }
-                } else if (j < nf && pf) {
-                    if (kcols) /* channel rows j, j + nn, ...: the next tile's keys of each */
+                } else if (j < nf && pf && !span) {
+                    if (kcols && !kil) /* channel rows j, j + nn, ...: the next tile's keys of each */
                         for (int64_t x = j; x < p->d; x += nn)
                             for (int64_t b = 0; b < nn * (int64_t)es; b += 64)
                                 __builtin_prefetch(kb + (koff[cur ^ 1][0] + x * p->ks[2]) * (int64_t)es + b, 0, 2);
-                    else
+                    else if (!kil)
                         for (int64_t b = 0; b < kline; b += 64)
                             __builtin_prefetch(kb + koff[cur ^ 1][j] * (int64_t)es + b, 0, 2);
-                    for (int64_t b = 0; b < vline; b += 64)
+                    for (int64_t b = 0; b < vline && !vil; b += 64)
                         __builtin_prefetch(vb + voff[cur ^ 1][j] * (int64_t)es + b, 0, 2);
                 }
                 rows[j] = kb + koff[cur][j] * (int64_t)es;
@@ -260,7 +284,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             /* contiguous key rows are read in place (bf16 products: bf16 rows, which already
              * are their pairs); the rest go through a transposed panel */
             if (bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1) {
-                kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, S);
+                kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, kil ? nrows : NULL, nn, S);
             } else if (kcols) {
                 if (bf16) {
                     kt->pack_kt_cols_bf16(rows[0], p->k->dtype, p->ks[2], nk, d, KtW);
@@ -268,19 +292,20 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 } else if (p->k->dtype == FW_F32 && (p->bt || nk == FW_DEC_KEYS)) {
                     /* f32 rows are the panel itself (a page holds whole tiles, junk keys
                      * past nk included, which the softmax's bounds drop) */
-                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, (const float *)rows[0], p->ks[2], S);
+                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, (const float *)rows[0], p->ks[2],
+                               kil ? (const float *)nrows[0] : NULL, S);
                 } else {
                     kt->pack_kt_cols(rows[0], p->k->dtype, p->ks[2], nk, d, Kt);
-                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, S);
+                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, NULL, S);
                 }
             } else if (bf16) {
                 kt->pack_kt_bf16(rows, p->k->dtype, p->ks[2], nk, d, KtW);
                 kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
             } else if (p->ks[2] == 1) {
-                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, p->k->dtype, S);
+                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, p->k->dtype, kil ? nrows : NULL, nn, S);
             } else {
                 kt->pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
-                kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, S);
+                kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, NULL, S);
             }
             /* (the key vectors the products wrote: dec_qk leaves the rest of S unset, which
              * the softmax never reads; MemorySanitizer over the fuzz corpora) */
@@ -288,9 +313,10 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 kt->softcap(1, (nk + kt->vl - 1) / kt->vl * kt->vl, S + (size_t)r * FW_DEC_KEYS, c->cap2);
             kt->dec_softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
             if (bf16)
-                kt->dec_pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, PW, Ou);
+                kt->dec_pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nn, PW,
+                                Ou);
             else
-                kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, Ou);
+                kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nn, Ou);
         }
     }
     c->sink[tid * 16] += touch;

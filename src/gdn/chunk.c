@@ -343,8 +343,8 @@ static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, 
                              NULL);
             rows[j] = Kr + (size_t)j * dk;
         }
-        kt->dec_qk_rows(R, b, dk, Qb + (size_t)b * dk, rows, FW_F32, Sq);
-        kt->dec_qk_rows(R, b, dk, Kb + (size_t)b * dk, rows, FW_F32, Sk);
+        kt->dec_qk_rows(R, b, dk, Qb + (size_t)b * dk, rows, FW_F32, NULL, 0, Sq);
+        kt->dec_qk_rows(R, b, dk, Kb + (size_t)b * dk, rows, FW_F32, NULL, 0, Sk);
         for (int r = 0; r < R; r++)
             for (int j = 0; j < b; j++) {
                 Am[(size_t)(b + r) * GDN_C + j] = bet[b + r] * Sk[(size_t)r * GDN_C + j];

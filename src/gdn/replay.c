@@ -235,7 +235,8 @@ static void replay_item(void *vctx, int64_t it, int tid)
             memcpy(Q + (2 * t + 1) * dk, qn + t * dk, sizeof(float) * (size_t)dk);
         }
         for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-            kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, krow + j0, rdt, S + (j0 / KS) * R * KS);
+            kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, krow + j0, rdt, NULL, 0,
+                            S + (j0 / KS) * R * KS);
     }
     const float *ckpt = rd >= 0 ? (const float *)L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
     float *out_state = (float *)L->caches->recurrent + wr * L->caches->recurrent_stride;
@@ -308,7 +309,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
                     kt->exp2_scale((int)dk, qn + t * dk, gn + t * gw, NULL, Q + (2 * t + 1) * dk);
                 }
                 for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-                    kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, kdrow + j0, FW_F32,
+                    kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, kdrow + j0, FW_F32, NULL, 0,
                                     Pm + (j0 / KS) * R * KS);
             } else {
                 for (int64_t j = 0; j < Lc; j++)
@@ -320,7 +321,8 @@ static void replay_item(void *vctx, int64_t it, int tid)
                     }
             }
             for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-                kt->dec_pv((int)R, (int)fw_min64(KS, Lc - j0), (int)dv, Pm + (j0 / KS) * R * KS, urow + j0, rdt, O);
+                kt->dec_pv((int)R, (int)fw_min64(KS, Lc - j0), (int)dv, Pm + (j0 / KS) * R * KS, urow + j0, rdt, NULL,
+                           0, O);
         }
         /* token by token: this step's earlier tokens, then u_t = beta (v - k_t S_t) and
          * o_t = q_t S_t + (q_t . k_t) u_t */

@@ -298,8 +298,10 @@ static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VT)
 /* S[r][j] = scale * QW[r] . K[j] over ceil(d/2) words for r < R, j < nk; 0 for j in
  * [nk, FW_DEC_KEYS). K rows are bf16, contiguous. */
 static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
-                             float scale, float *S)
+                             float scale, const void *const *next, int nn, float *S)
 {
+    (void)next; /* (tile loads take no prefetch hint: attn/decode.c prefetches for them) */
+    (void)nn;
     _Alignas(64) uint32_t ta[TW * TW], tq[TW * TW];
     _Alignas(64) float st[4][TW * TW];
     const int dw = (d + 1) / 2;
@@ -392,8 +394,10 @@ static void pack_p(int R, int nk, const float *P, uint32_t *PW, uint32_t *pa, in
  * cache-hot): pairing 16 columns at a time by widening was 1.04 us a call, slower than
  * vdpbf16ps's 0.75. */
 static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
-                        uint32_t *PW, float *O)
+                        const void *const *next, int nn, uint32_t *PW, float *O)
 {
+    (void)next; /* (tile loads take no prefetch hint: attn/decode.c prefetches for them) */
+    (void)nn;
     _Alignas(64) uint32_t pa[TW * 2 * TW], lo[2 * TW * TW], hi[2 * TW * TW];
     _Alignas(64) float clo[TW * TW], chi[TW * TW];
     const int nw = (nk + 1) / 2;

@@ -60,6 +60,18 @@ static void from_f32(const float *src, int64_t n, void *dst, fw_dtype dt, int64_
  * 2x-plain bar. Measured on AVX-512 (M = 64, 64 keys, d = 128): a running total kept in ST
  * instead of registers cost 11-35% of qk throughput; this form costs none. */
 #define QK_KB 8
+/* a load at byte offset b of a row starts a cache line (rows are 64-byte aligned where it
+ * counts): the decode kernels prefetch the next tile's line there */
+#define DEC_PF_LINE(b) ((b) % 64 == 0)
+
+/* The line at byte offset b of the next tile's rows j and j + 1, those of them below nn. */
+FW_INLINE void dec_pf_pair(const void *const *next, int nn, int j, size_t b)
+{
+    if (j < nn)
+        __builtin_prefetch((const char *)next[j] + b, 0, 2);
+    if (j + 1 < nn)
+        __builtin_prefetch((const char *)next[j + 1] + b, 0, 2);
+}
 
 FW_INLINE void qk_tile(const int tj, const int tm, int d, int M, const float *K, int64_t ldk,
                        const float *QT, const float *bias, float *ST)
@@ -520,7 +532,7 @@ static void pack_kt(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, 
 }
 
 FW_INLINE void dec_qk_tile(const int rt, const int kv, int d, const float *Q, const float *Kt,
-                           int64_t ldk, float *S)
+                           int64_t ldk, float *S, const float *Ktn, const int pf)
 {
     vf tot[DEC_RT][2], acc[DEC_RT][2];
     for (int r = 0; r < rt; r++)
@@ -533,8 +545,11 @@ FW_INLINE void dec_qk_tile(const int rt, const int kv, int d, const float *Q, co
                 acc[r][x] = vzero();
         for (int k = k0; k < k0 + (kn == QK_KB ? QK_KB : kn); k++) {
             vf kt[2];
-            for (int x = 0; x < kv; x++)
+            for (int x = 0; x < kv; x++) {
                 kt[x] = vkeep(vload(Kt + (size_t)k * ldk + x * VL));
+                if (pf && DEC_PF_LINE(x * VL * 4))
+                    __builtin_prefetch(Ktn + (size_t)k * ldk + x * VL, 0, 2);
+            }
             for (int r = 0; r < rt; r++) {
                 vf qb = vset1(Q[(size_t)r * d + k]);
                 for (int x = 0; x < kv; x++)
@@ -553,12 +568,15 @@ FW_INLINE void dec_qk_tile(const int rt, const int kv, int d, const float *Q, co
 static __attribute__((noinline)) void dec_qk_tail(int rt, int kv, int d, const float *Q,
                                                   const float *Kt, int64_t ldk, float *S)
 {
-    dec_qk_tile(rt, kv, d, Q, Kt, ldk, S);
+    dec_qk_tile(rt, kv, d, Q, Kt, ldk, S, NULL, 0);
 }
 
 /* S[r][j] = sum_k Q[r][k] Kt[k][j] (row k of Kt at Kt + k ldk) for r < R and the
- * ceil(nk / VL) key vectors holding keys (those keys are read, whatever nk says). */
-static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk, float *S)
+ * ceil(nk / VL) key vectors holding keys (those keys are read, whatever nk says). Ktn: the
+ * next tile's panel, laid out as Kt (NULL: none); each line of it at the offset of a line
+ * read here is prefetched (into L2) as that line is read. */
+static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk,
+                   const float *Ktn, float *S)
 {
     const int nkv = (nk + VL - 1) / VL;
     for (int r0 = 0; r0 < R; r0 += DEC_RT)
@@ -566,8 +584,10 @@ static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, int64_
             const int rt = R - r0 < DEC_RT ? R - r0 : DEC_RT, kv = nkv - x0 < 2 ? nkv - x0 : 2;
             const float *q = Q + (size_t)r0 * d, *kt = Kt + x0 * VL;
             float *sp = S + (size_t)r0 * FW_DEC_KEYS + x0 * VL;
-            if (rt == DEC_RT && kv == 2)
-                dec_qk_tile(DEC_RT, 2, d, q, kt, ldk, sp);
+            if (rt == DEC_RT && kv == 2 && Ktn && r0 == 0)
+                dec_qk_tile(DEC_RT, 2, d, q, kt, ldk, sp, Ktn + x0 * VL, 1);
+            else if (rt == DEC_RT && kv == 2)
+                dec_qk_tile(DEC_RT, 2, d, q, kt, ldk, sp, NULL, 0);
             else
                 dec_qk_tail(rt, kv, d, q, kt, ldk, sp);
         }
@@ -670,8 +690,10 @@ static void dec_softmax(int R, int nk, float *S, const float *lo, const float *h
 }
 
 FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const float *P,
-                           const void *const *V, fw_dtype dt, float *O, int dv)
+                           const void *const *V, fw_dtype dt, float *O, int dv,
+                           const void *const *next, int nn, const int pf)
 {
+    const size_t es = dt == FW_F32 ? 4 : 2;
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
         for (int c = 0; c < cv; c++)
@@ -680,6 +702,9 @@ FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const flo
         vf vv[4];
         for (int c = 0; c < cv; c++)
             vv[c] = vkeep(vload_in(V[j], dt, c0 + c * VL));
+        for (int c = 0; pf && j < nn && c < cv; c++)
+            if (DEC_PF_LINE((c0 + c * VL) * es))
+                __builtin_prefetch((const char *)next[j] + (size_t)(c0 + c * VL) * es, 0, 2);
         for (int r = 0; r < rt; r++) {
             vf pb = vset1(P[(size_t)r * FW_DEC_KEYS + j]);
             for (int c = 0; c < cv; c++)
@@ -725,13 +750,15 @@ FW_INLINE void dec_pv_tile_eo(const int rt, int nk, int c0, const float *P, cons
 static __attribute__((noinline)) void dec_pv_tail(int rt, int cv, int nk, int c0, const float *P,
                                                   const void *const *V, fw_dtype dt, float *O, int dv)
 {
-    dec_pv_tile(rt, cv, nk, c0, P, V, dt, O, dv);
+    dec_pv_tile(rt, cv, nk, c0, P, V, dt, O, dv, NULL, 0, 0);
 }
 
 /* O[r][c] += sum_j P[r][j] V[j][c], r < R, c < dv, j < nk (in order, per output). V[j]
- * points at key j's value row, contiguous, in dtype dt: converted in registers. */
+ * points at key j's value row, contiguous, in dtype dt: converted in registers. next[j], j <
+ * nn: the next tile's value rows (NULL: none), prefetched line by line as the lines at the
+ * same offsets of V[j] are read. */
 static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
-                   float *O)
+                   const void *const *next, int nn, float *O)
 {
     const int dvv = dv / VL * VL;
     for (int r0 = 0; r0 < R; r0 += DEC_RT) {
@@ -745,8 +772,10 @@ static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, 
                 dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv);
             else
 #endif
-            if (rt == DEC_RT && cv == 4)
-                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv);
+            if (rt == DEC_RT && cv == 4 && next && r0 == 0)
+                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, next, nn, 1);
+            else if (rt == DEC_RT && cv == 4)
+                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, NULL, 0, 0);
             else
                 dec_pv_tail(rt, cv, nk, c0, pr, V, dt, o, dv);
         }
@@ -921,8 +950,10 @@ static void cols_to_rows(const void *src, fw_dtype dt, int64_t ld, int nk, int d
 }
 
 FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const uint32_t *PW,
-                            const void *const *V, fw_dtype dt, float *O, int dv)
+                            const void *const *V, fw_dtype dt, float *O, int dv,
+                            const void *const *next, int nn, const int pf)
 {
+    const size_t es = dt == FW_F32 ? 4 : 2;
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
         for (int c = 0; c < cv; c++)
@@ -931,6 +962,9 @@ FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const ui
         vf vv[4];
         for (int c = 0; c < cv; c++)
             vv[c] = vkeep(vload_pair_rows(V[j], j + 1 < nk ? V[j + 1] : NULL, dt, c0 + c * VL));
+        for (int c = 0; pf && c < cv; c++)
+            if (DEC_PF_LINE((c0 + c * VL) * es))
+                dec_pf_pair(next, nn, j, (size_t)(c0 + c * VL) * es);
         for (int r = 0; r < rt; r++) {
             vf pb = vbcast_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + j / 2);
             for (int c = 0; c < cv; c++)
@@ -945,7 +979,7 @@ FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const ui
 static __attribute__((noinline)) void decb_pv_tail(int rt, int cv, int nk, int c0, const uint32_t *PW,
                                                    const void *const *V, fw_dtype dt, float *O, int dv)
 {
-    decb_pv_tile(rt, cv, nk, c0, PW, V, dt, O, dv);
+    decb_pv_tile(rt, cv, nk, c0, PW, V, dt, O, dv, NULL, 0, 0);
 }
 
 /* decb_pv_tile for bf16 value rows: the pairs by unpacking two rows' words (vpair_rows_bf16),
@@ -954,7 +988,8 @@ static __attribute__((noinline)) void decb_pv_tail(int rt, int cv, int nk, int c
 static const uint16_t dec_zero_row[FW_MAX_HEAD_DIM];
 
 FW_INLINE void decb_pv_tile_rows(const int rt, int nk, int c0, const uint32_t *PW,
-                                 const void *const *V, float *O, int dv)
+                                 const void *const *V, float *O, int dv, const void *const *next,
+                                 int nn, const int pf)
 {
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
@@ -964,8 +999,12 @@ FW_INLINE void decb_pv_tile_rows(const int rt, int nk, int c0, const uint32_t *P
         const uint16_t *r0 = (const uint16_t *)V[j] + c0;
         const uint16_t *r1 = (j + 1 < nk ? (const uint16_t *)V[j + 1] : dec_zero_row) + c0;
         vf vv[4];
-        for (int c = 0; c < 4; c += 2)
+        for (int c = 0; c < 4; c += 2) {
             vpair_rows_bf16(r0 + c * VL, r1 + c * VL, &vv[c], &vv[c + 1]);
+            for (int h = 0; pf && h < 2; h++) /* the pair's 2 VL columns of each row */
+                if (DEC_PF_LINE((c0 + (c + h) * VL) * 2))
+                    dec_pf_pair(next, nn, j, (size_t)(c0 + (c + h) * VL) * 2);
+        }
         for (int c = 0; c < 4; c++)
             vv[c] = vkeep(vv[c]);
         for (int r = 0; r < rt; r++) {
@@ -982,7 +1021,7 @@ FW_INLINE void decb_pv_tile_rows(const int rt, int nk, int c0, const uint32_t *P
 static __attribute__((noinline)) void decb_pv_rows_tail(int rt, int nk, int c0, const uint32_t *PW,
                                                         const void *const *V, float *O, int dv)
 {
-    decb_pv_tile_rows(rt, nk, c0, PW, V, O, dv);
+    decb_pv_tile_rows(rt, nk, c0, PW, V, O, dv, NULL, 0, 0);
 }
 
 /* O[r][c] += sum_j P[r][j] V[j][c] with P rounded to bf16 pairs (into PW, R x FW_DEC_KEYS / 2
@@ -991,7 +1030,7 @@ static __attribute__((noinline)) void decb_pv_rows_tail(int rt, int nk, int c0, 
  * rounding 8.0 ns a key, by unpacking (decb_pv_tile_rows) 5.2; decode at 1K context, GQA
  * 32:8, one thread, best of 300: 174 -> 153 us. */
 static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
-                        uint32_t *PW, float *O)
+                        const void *const *next, int nn, uint32_t *PW, float *O)
 {
     const int dvv = dv / VL * VL, nw = (nk + 1) / 2;
     for (int r = 0; r < R; r++)
@@ -1002,12 +1041,17 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
         float *o = O + (size_t)r0 * dv;
         for (int c0 = 0; c0 < dvv; c0 += 4 * VL) {
             const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
-            if (dt == FW_BF16 && cv == 4 && rt == DEC_RT)
-                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, o, dv);
+            const int pf = next && r0 == 0;
+            if (dt == FW_BF16 && cv == 4 && rt == DEC_RT && pf)
+                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, o, dv, next, nn, 1);
+            else if (dt == FW_BF16 && cv == 4 && rt == DEC_RT)
+                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, o, dv, NULL, 0, 0);
             else if (dt == FW_BF16 && cv == 4)
                 decb_pv_rows_tail(rt, nk, c0, pr, V, o, dv);
+            else if (rt == DEC_RT && cv == 4 && pf)
+                decb_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, next, nn, 1);
             else if (rt == DEC_RT && cv == 4)
-                decb_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv);
+                decb_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, NULL, 0, 0);
             else
                 decb_pv_tail(rt, cv, nk, c0, pr, V, dt, o, dv);
         }
@@ -1078,11 +1122,15 @@ FW_INLINE vf dq_total(vf acc[DQ_SETS][VL])
 
 /* One step along d: elements c .. c+VL-1 of the block's rows and keys (f32 products). */
 FW_INLINE void dq_step_f32(vf *acc, const void *const *kr, const int *rr, const float *Q, int d,
-                           fw_dtype dt, int c)
+                           fw_dtype dt, int c, const void *const *kn, const int pf)
 {
+    const size_t es = dt == FW_F32 ? 4 : 2;
     vf kv[DQ_KB];
-    for (int x = 0; x < DQ_KB; x++)
+    for (int x = 0; x < DQ_KB; x++) {
         kv[x] = vload_in(kr[x], dt, c);
+        if (pf && DEC_PF_LINE(c * es))
+            __builtin_prefetch((const char *)kn[x] + (size_t)c * es, 0, 2);
+    }
     for (int r = 0; r < DQ_RB; r++) {
         const vf qv = vload(Q + (size_t)rr[r] * d + c);
         for (int x = 0; x < DQ_KB; x++)
@@ -1092,11 +1140,14 @@ FW_INLINE void dq_step_f32(vf *acc, const void *const *kr, const int *rr, const 
 
 /* One step along the words: words w .. w+VL-1 of the block's rows and keys (bf16 products). */
 FW_INLINE void dq_step_bf16(vf *acc, const void *const *kr, const int *rr, const uint32_t *QW,
-                            int dw, int w)
+                            int dw, int w, const void *const *kn, const int pf)
 {
     vf kv[DQ_KB];
-    for (int x = 0; x < DQ_KB; x++)
+    for (int x = 0; x < DQ_KB; x++) {
         kv[x] = vload_bits((const uint32_t *)kr[x] + w);
+        if (pf && DEC_PF_LINE(w * 4))
+            __builtin_prefetch((const uint32_t *)kn[x] + w, 0, 2);
+    }
     for (int r = 0; r < DQ_RB; r++) {
         const vf qv = vload_bits(QW + (size_t)rr[r] * dw + w);
         for (int x = 0; x < DQ_KB; x++)
@@ -1111,8 +1162,24 @@ static void dq_zero_tail(int R, int nk, float *S)
             S[(size_t)r * FW_DEC_KEYS + j] = 0.0f;
 }
 
+/* The f32 products of one block along d (dec_qk_rows); pf: prefetch kn's lines as kr's are
+ * read. */
+FW_INLINE void dq_block_f32(vf acc[DQ_SETS][VL], const void *const *kr, const int *rr, const float *Q,
+                            int d, fw_dtype dt, const void *const *kn, const int pf)
+{
+    const int dvec = d / VL * VL;
+    int c = 0;
+    for (; c + DQ_SETS * VL <= dvec; c += DQ_SETS * VL)
+        for (int e = 0; e < DQ_SETS; e++)
+            dq_step_f32(acc[e], kr, rr, Q, d, dt, c + e * VL, kn, pf);
+    for (; c < dvec; c += VL)
+        dq_step_f32(acc[0], kr, rr, Q, d, dt, c, kn, pf);
+}
+
+/* next[j], j < nn: the next tile's key rows (NULL: none), prefetched line by line as the
+ * lines at the same offsets of rows[j] are read. */
 static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const *rows, fw_dtype dt,
-                        float *S)
+                        const void *const *next, int nn, float *S)
 {
     const int dvec = d / VL * VL;
     const size_t es = dt == FW_F32 ? 4 : 2;
@@ -1123,12 +1190,14 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
             dq_block(R, nk, r0, j0, rows, kr, rr);
             vf acc[DQ_SETS][VL];
             dq_zero(acc);
-            int c = 0;
-            for (; c + DQ_SETS * VL <= dvec; c += DQ_SETS * VL)
-                for (int e = 0; e < DQ_SETS; e++)
-                    dq_step_f32(acc[e], kr, rr, Q, d, dt, c + e * VL);
-            for (; c < dvec; c += VL)
-                dq_step_f32(acc[0], kr, rr, Q, d, dt, c);
+            if (next && r0 == 0 && j0 < nn) {
+                const void *kn[DQ_KB];
+                int rn[DQ_RB];
+                dq_block(R, nn, r0, j0, next, kn, rn);
+                dq_block_f32(acc, kr, rr, Q, d, dt, kn, 1);
+            } else {
+                dq_block_f32(acc, kr, rr, Q, d, dt, NULL, 0);
+            }
             /* lane r * DQ_KB + x: row r0 + r, key j0 + x. A whole block goes straight to S
              * (keys past nk too: dq_zero_tail clears them after); the rest lane by lane. */
             const vf tot = dq_total(acc);
@@ -1158,8 +1227,21 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
  * (avx512bf16, 4 query rows, 64 keys, d 128, cache-hot): pack_kt_bf16's panel then
  * dec_qk_bf16 7.9-8.1 ns a key, this 5.5-5.8; decode at 1K context, GQA 32:8, one thread,
  * bf16, best of 300: 202 -> 174 us. */
+/* The bf16 products of one block along the words (dec_qk_rows_bf16); pf: prefetch kn's lines
+ * as kr's are read. */
+FW_INLINE void dq_block_bf16(vf acc[DQ_SETS][VL], const void *const *kr, const int *rr,
+                             const uint32_t *QW, int dw, int wvec, const void *const *kn, const int pf)
+{
+    int w = 0;
+    for (; w + DQ_SETS * VL <= wvec; w += DQ_SETS * VL)
+        for (int e = 0; e < DQ_SETS; e++)
+            dq_step_bf16(acc[e], kr, rr, QW, dw, w + e * VL, kn, pf);
+    for (; w < wvec; w += VL)
+        dq_step_bf16(acc[0], kr, rr, QW, dw, w, kn, pf);
+}
+
 static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
-                             float scale, float *S)
+                             float scale, const void *const *next, int nn, float *S)
 {
     const int dw = (d + 1) / 2, wvec = d / 2 / VL * VL;
     const vf sc = vset1(scale);
@@ -1170,12 +1252,14 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
             dq_block(R, nk, r0, j0, rows, kr, rr);
             vf acc[DQ_SETS][VL];
             dq_zero(acc);
-            int w = 0;
-            for (; w + DQ_SETS * VL <= wvec; w += DQ_SETS * VL)
-                for (int e = 0; e < DQ_SETS; e++)
-                    dq_step_bf16(acc[e], kr, rr, QW, dw, w + e * VL);
-            for (; w < wvec; w += VL)
-                dq_step_bf16(acc[0], kr, rr, QW, dw, w);
+            if (next && r0 == 0 && j0 < nn) {
+                const void *kn[DQ_KB];
+                int rn[DQ_RB];
+                dq_block(R, nn, r0, j0, next, kn, rn);
+                dq_block_bf16(acc, kr, rr, QW, dw, wvec, kn, 1);
+            } else {
+                dq_block_bf16(acc, kr, rr, QW, dw, wvec, NULL, 0);
+            }
             const vf tot = dq_total(acc);
             if (r0 + DQ_RB <= R && wvec == dw && d % 2 == 0) {
                 vstore_rows(S + (size_t)r0 * FW_DEC_KEYS + j0, FW_DEC_KEYS, vmul(tot, sc));
