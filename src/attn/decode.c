@@ -223,15 +223,19 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 nrows[j] = kb + koff[cur ^ 1][j] * (int64_t)es;
                 nvrows[j] = vb + voff[cur ^ 1][j] * (int64_t)es;
             }
+            for (int j = 0; j < nk; j++) {
+                rows[j] = kb + koff[cur][j] * (int64_t)es;
+                vrows[j] = vb + voff[cur][j] * (int64_t)es;
+            }
             /* iteration (u, j) is number u * nk + j of the tile: token row tt, slice part */
             int64_t tt = span ? (u - ua) * nk / gu : 0, part = span ? (u - ua) * nk % gu : 0;
-            for (int j = 0; j < nk; j++) {
+            for (int j = 0; j < nf && !(kil && vil); j++) {
                 /* A steady stream of prefetches for the next tile, in address order: iteration
                  * (u, j) takes slice u of token row j (all heads' K, then V) when the heads
                  * of a token lie together, else this head's row j. Measured (one thread,
                  * 32K keys): 10.9 GB/s prefetching per head, 12.0 GB/s with the whole next
                  * tile in one burst. */
-                if (j < nf && span && !(kil && vil)) {
+                if (span) {
                     if (tt < nn) {
                         const int64_t b0 = part * slice, b1 = fw_min64(span, b0 + slice);
                         const char *kr = (const char *)p->k->data + (koff[cur ^ 1][tt] + kbase) * (int64_t)es;
@@ -245,7 +249,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                         part = 0;
                         tt++;
                     }
-                } else if (j < nf && pf && !span) {
+                } else if (pf) {
                     if (kcols && !kil) /* channel rows j, j + nn, ...: the next tile's keys of each */
                         for (int64_t x = j; x < p->d; x += nn)
                             for (int64_t b = 0; b < nn * (int64_t)es; b += 64)
@@ -256,12 +260,10 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                     for (int64_t b = 0; b < vline && !vil; b += 64)
                         __builtin_prefetch(vb + voff[cur ^ 1][j] * (int64_t)es + b, 0, 2);
                 }
-                rows[j] = kb + koff[cur][j] * (int64_t)es;
-                vrows[j] = vb + voff[cur][j] * (int64_t)es;
-                if (!vdirect) {
-                    kt->to_f32(vrows[j], p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
-                    vrows[j] = Vf + (size_t)j * dv;
-                }
+            }
+            for (int j = 0; j < nk && !vdirect; j++) {
+                kt->to_f32(vrows[j], p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
+                vrows[j] = Vf + (size_t)j * dv;
             }
             /* AMX products read key rows with tile loads, which wait out their cache misses
              * alone: the next K/V head's key rows of the tile go to L2 before this head's
