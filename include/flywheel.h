@@ -145,8 +145,10 @@ enum {
     FW_ATTN_NO_GQA_PACK = 1 << 1,    /* pack K/V per query head instead of once per GQA group */
     FW_ATTN_NO_TILE_SKIP = 1 << 2,   /* visit every K/V tile and mask it, instead of index skipping */
     FW_ATTN_PLAIN = 1 << 3,          /* the plain row-at-a-time online-softmax kernel (the baseline) */
-    /* The decode kernel's software prefetch of the next key tile and its address-order sweep of
-     * contexts over FW_DEC_SWEEP_KEYS keys: forced on, or off. Neither (the default): on where
+    /* The decode kernel's software prefetch of the next key tile (issued by the products as
+     * they read the current tile, where they read K and V in place; else in bursts, with an
+     * address-order sweep of contexts over FW_DEC_SWEEP_KEYS keys): forced on, or off.
+     * Neither (the default): on where
      * they were measured faster (AMD, and CPUs of unknown vendor), off on Intel, whose L2
      * streamer outpaces software prefetches. Both set is an error. Results are the same.
      * FW_ATTN_NO_DEC_PREFETCH also turns off the prefetch of the next head's key rows before

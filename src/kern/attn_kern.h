@@ -669,7 +669,8 @@ static void dec_softmax(int R, int nk, float *S, const float *lo, const float *h
          * 0 when the maximum is -inf), so the NaN reaches the row (found by
          * fuzz/fuzz_kvcache.c; a shortcut here zeroed the tile) */
         const float rm = vhmax(mx), mnew = rm > m[r] || rm != rm ? rm : m[r];
-        const float scale = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mnew);
+        /* (an unchanged maximum scales by exp2(0) = 1: no call) */
+        const float scale = m[r] == -INFINITY ? 0.0f : mnew == m[r] ? 1.0f : exp2f(m[r] - mnew);
         if (scale != 1.0f) {
             float *o = O + (size_t)r * dv;
             for (int c = 0; c < dv; c++)
