@@ -20,6 +20,9 @@
  *           --cols: in vLLM's vec layout (each page's keys of a head transposed)
  *   gdn     fw_gdn_prefill of one sequence, q/k l2-normalised in the kernel, beta 0.5:
  *           --t --h --hv --d --dtype; --kda: a decay per key channel
+ *   gdn-decode  fw_gdn_decode of --n sequences (one token each) on f32 states updated in
+ *           place: --n --h --hv --d --dtype; --caches N rotates N sets of state slots (each
+ *           build has its own states, so both see the same values call by call)
  */
 #include <dlfcn.h>
 #include <math.h>
@@ -39,11 +42,14 @@ typedef struct {
     fw_status (*gdn_prefill)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
                              const fw_tensor *, const int32_t *, int64_t, const float *, float *,
                              const fw_tensor *, const fw_gdn_params *);
+    fw_status (*gdn_decode)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                            const fw_tensor *, float *, int64_t, const int32_t *, const fw_tensor *,
+                            const fw_gdn_params *);
 } lib;
 
 typedef struct {
-    int gdn, kda, tiles, cols, threads, rounds, calls, caches;
-    int64_t batch, ctx, hq, hkv, d, page, T, H, HV;
+    int gdn, gdec, kda, tiles, cols, threads, rounds, calls, caches;
+    int64_t batch, ctx, hq, hkv, d, page, T, H, HV, N;
     fw_dtype dt;
 } acfg;
 
@@ -53,6 +59,8 @@ typedef struct {
     fw_tensor q, k, v, g, beta;
     fw_kv_cache cache;
     int32_t *bt, *cuq, cu[2]; /* decode: block tables of every cache, cu_seqlens_q */
+    float *state[2];          /* gdn-decode: each build's state slots [N x caches][HV, d, d] */
+    int32_t *slot;            /* gdn-decode: slot i for sequence i % N of set i / N */
     size_t out_bytes;
 } ainput;
 
@@ -70,7 +78,9 @@ static int load(lib *l, const char *path)
     *(void **)&l->kvcache = dlsym(h, "fw_attn_kvcache_fwd");
     *(void **)&l->gdn_init = dlsym(h, "fw_gdn_params_init");
     *(void **)&l->gdn_prefill = dlsym(h, "fw_gdn_prefill");
-    if (!l->abi || !l->last_error || !l->attn_init || !l->kvcache || !l->gdn_init || !l->gdn_prefill) {
+    *(void **)&l->gdn_decode = dlsym(h, "fw_gdn_decode");
+    if (!l->abi || !l->last_error || !l->attn_init || !l->kvcache || !l->gdn_init || !l->gdn_prefill ||
+        !l->gdn_decode) {
         fprintf(stderr, "flywheel: ab: %s is not a libflywheel (a symbol is missing)\n", path);
         return 0;
     }
@@ -82,10 +92,21 @@ static int load(lib *l, const char *path)
     return 1;
 }
 
-/* One call of the op on build l into `out`; decode: call number n reads cache n % caches. */
-static fw_status call(const lib *l, const ainput *in, int n, void *out)
+/* One call of the op on build l (number b) into `out`; decode: call number n reads cache
+ * n % caches; gdn-decode: build b's state slot set n % caches. */
+static fw_status call(const lib *l, int b, const ainput *in, int n, void *out)
 {
     const acfg *c = in->c;
+    if (c->gdec) {
+        const int64_t os[3] = {c->N, c->HV, c->d};
+        const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
+        fw_gdn_params p;
+        l->gdn_init(&p);
+        p.l2norm_qk = 1;
+        p.threads = c->threads;
+        return l->gdn_decode(&in->q, &in->k, &in->v, &in->g, &in->beta, in->state[b], c->N * c->caches,
+                             in->slot + (size_t)(n % c->caches) * (size_t)c->N, &o, &p);
+    }
     if (c->gdn) {
         const int64_t os[3] = {c->T, c->HV, c->d};
         const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
@@ -113,6 +134,43 @@ static int setup(const acfg *c, ainput *in, void **mem, int nmem)
     in->c = c;
     for (int i = 0; i < nmem; i++)
         mem[i] = NULL;
+    if (c->gdec) {
+        const double sb = (double)(c->N * c->caches) * (double)c->HV * (double)c->d * (double)c->d * 4.0;
+        if (sb > 0x1p40)
+            return 0;
+        const int64_t qs[3] = {c->N, c->H, c->d}, vs[3] = {c->N, c->HV, c->d}, bs[2] = {c->N, c->HV};
+        const size_t nq = (size_t)(c->N * c->H * c->d), nv = (size_t)(c->N * c->HV * c->d), nb = (size_t)(c->N * c->HV);
+        mem[0] = malloc(nq * es);
+        mem[1] = malloc(nq * es);
+        mem[2] = malloc(nv * es);
+        mem[3] = malloc(2 * nb * sizeof(float));
+        mem[4] = bench_alloc((size_t)sb);
+        mem[5] = bench_alloc((size_t)sb);
+        in->slot = malloc((size_t)(c->N * c->caches) * sizeof(int32_t));
+        if (!mem[0] || !mem[1] || !mem[2] || !mem[3] || !mem[4] || !mem[5] || !in->slot)
+            return 0;
+        bench_fill(mem[0], nq, c->dt, 1.0, 1);
+        bench_fill(mem[1], nq, c->dt, 1.0, 2);
+        bench_fill(mem[2], nv, c->dt, 1.0, 3);
+        float *g = mem[3], *b = g + nb;
+        for (size_t i = 0; i < nb; i++) {
+            g[i] = -0.01f * (float)(1 + i % 5); /* log decays */
+            b[i] = 0.5f;
+        }
+        bench_fill(mem[4], (size_t)(sb / 4), FW_F32, 0.1, 4);
+        memcpy(mem[5], mem[4], (size_t)sb);
+        in->state[0] = mem[4];
+        in->state[1] = mem[5];
+        for (int64_t i = 0; i < c->N * c->caches; i++) /* sets scattered over the slots */
+            in->slot[i] = (int32_t)((i * 7919) % (c->N * c->caches));
+        in->q = fw_tensor_contiguous(mem[0], c->dt, 3, qs);
+        in->k = fw_tensor_contiguous(mem[1], c->dt, 3, qs);
+        in->v = fw_tensor_contiguous(mem[2], c->dt, 3, vs);
+        in->g = fw_tensor_contiguous(g, FW_F32, 2, bs);
+        in->beta = fw_tensor_contiguous(b, FW_F32, 2, bs);
+        in->out_bytes = nv * es;
+        return 1;
+    }
     if (c->gdn) {
         if ((double)c->T * (double)(c->H > c->HV ? c->H : c->HV) * (double)c->d * 4.0 > 0x1p46)
             return 0;
@@ -205,14 +263,17 @@ static double max_diff(const void *a, const void *b, size_t n, fw_dtype dt, doub
 
 static void ab_usage(FILE *f)
 {
-    fprintf(f, "usage: flywheel ab A.so B.so decode|gdn [--threads N --rounds N --calls N --dtype f32|bf16|f16]\n"
+    fprintf(f, "usage: flywheel ab A.so B.so decode|gdn|gdn-decode [--threads N --rounds N --calls N\n"
+               "       --dtype f32|bf16|f16]\n"
                "       decode: [--batch B --ctx N --hq H --hkv H --d D --page P --caches N --tiles|--cols]\n"
                "       gdn:    [--t T --h H --hv HV --d D --kda]\n"
+               "       gdn-decode: [--n N --h H --hv HV --d D --caches N]\n"
                "  two builds of the library in one process, taking turns on the same inputs (rounds of\n"
                "  --calls calls, A then B, then B then A, ...): median time per call, the 10th-90th\n"
                "  percentiles, B / A and the range of the per-round ratios, and whether the outputs agree.\n"
                "  Defaults: decode f32, batch 1, ctx 1024, GQA 32:8, d 128, page 128, 1 cache (hot),\n"
                "  20 rounds of 40 calls; gdn bf16, T 4096, H = HV = 16, d 128, 3 rounds of 2 calls;\n"
+               "  gdn-decode bf16, N 1, H 16, HV 32, d 128, f32 states, 1 slot set (hot), 20 rounds of 40;\n"
                "  threads: all CPUs. Both builds need this CLI's ABI number.\n");
 }
 
@@ -224,21 +285,26 @@ int bench_ab_main(int argc, char **argv)
     }
     if (argc < 3) {
         ab_usage(stderr);
-        fprintf(stderr, "flywheel: ab needs two libraries and decode or gdn\n");
+        fprintf(stderr, "flywheel: ab needs two libraries and decode, gdn or gdn-decode\n");
         return 2;
     }
     acfg c = {.threads = bench_cpus(), .caches = 1, .batch = 1, .ctx = 1024, .hq = 32, .hkv = 8, .d = 128,
-              .page = 128, .T = 4096, .H = 16, .HV = 16, .dt = FW_F32};
+              .page = 128, .T = 4096, .H = 16, .HV = 16, .N = 1, .dt = FW_F32};
     if (strcmp(argv[2], "gdn") == 0) {
         c.gdn = 1;
         c.dt = FW_BF16;
+    } else if (strcmp(argv[2], "gdn-decode") == 0) {
+        c.gdec = 1;
+        c.dt = FW_BF16;
+        c.HV = 32;
     } else if (strcmp(argv[2], "decode") != 0) {
         ab_usage(stderr);
-        fprintf(stderr, "flywheel: ab needs decode or gdn; got %s\n", argv[2]);
+        fprintf(stderr, "flywheel: ab needs decode, gdn or gdn-decode; got %s\n", argv[2]);
         return 2;
     }
     c.rounds = c.gdn ? 3 : 20;
     c.calls = c.gdn ? 2 : 40;
+    const int attn = !c.gdn && !c.gdec, lin = c.gdn || c.gdec;
     for (int i = 3; i < argc; i++) {
         if (bench_is_help(argv[i])) {
             ab_usage(stdout);
@@ -254,15 +320,15 @@ int bench_ab_main(int argc, char **argv)
                 fprintf(stderr, "flywheel: --dtype %s: expected f32, bf16 or f16\n", argv[i]);
                 return 2;
             }
-        } else if (!c.gdn && bench_opt(argc, argv, &i, "--batch"))
+        } else if (attn && bench_opt(argc, argv, &i, "--batch"))
             c.batch = bench_int("--batch", argv[i], 1, 4096);
-        else if (!c.gdn && bench_opt(argc, argv, &i, "--ctx"))
+        else if (attn && bench_opt(argc, argv, &i, "--ctx"))
             c.ctx = bench_int("--ctx", argv[i], 1, 1 << 24);
-        else if (!c.gdn && bench_opt(argc, argv, &i, "--hq"))
+        else if (attn && bench_opt(argc, argv, &i, "--hq"))
             c.hq = bench_int("--hq", argv[i], 1, 1024);
-        else if (!c.gdn && bench_opt(argc, argv, &i, "--hkv"))
+        else if (attn && bench_opt(argc, argv, &i, "--hkv"))
             c.hkv = bench_int("--hkv", argv[i], 1, 1024);
-        else if (!c.gdn && bench_opt(argc, argv, &i, "--page"))
+        else if (attn && bench_opt(argc, argv, &i, "--page"))
             c.page = bench_int("--page", argv[i], 1, 1 << 20);
         else if (!c.gdn && bench_opt(argc, argv, &i, "--caches"))
             c.caches = (int)bench_int("--caches", argv[i], 1, 4096);
@@ -270,15 +336,17 @@ int bench_ab_main(int argc, char **argv)
             c.d = bench_int("--d", argv[i], 1, 1024);
         else if (c.gdn && bench_opt(argc, argv, &i, "--t"))
             c.T = bench_int("--t", argv[i], 1, 1 << 24);
-        else if (c.gdn && bench_opt(argc, argv, &i, "--h"))
+        else if (c.gdec && bench_opt(argc, argv, &i, "--n"))
+            c.N = bench_int("--n", argv[i], 1, 1 << 16);
+        else if (lin && bench_opt(argc, argv, &i, "--h"))
             c.H = bench_int("--h", argv[i], 1, 1024);
-        else if (c.gdn && bench_opt(argc, argv, &i, "--hv"))
+        else if (lin && bench_opt(argc, argv, &i, "--hv"))
             c.HV = bench_int("--hv", argv[i], 1, 1024);
         else if (c.gdn && strcmp(argv[i], "--kda") == 0)
             c.kda = 1;
-        else if (!c.gdn && strcmp(argv[i], "--tiles") == 0)
+        else if (attn && strcmp(argv[i], "--tiles") == 0)
             c.tiles = 1;
-        else if (!c.gdn && strcmp(argv[i], "--cols") == 0)
+        else if (attn && strcmp(argv[i], "--cols") == 0)
             c.cols = 1;
         else {
             ab_usage(stderr);
@@ -301,7 +369,11 @@ int bench_ab_main(int argc, char **argv)
         fprintf(stderr, "flywheel: ab: out of memory (or a shape too large)\n");
         goto done;
     }
-    if (c.gdn)
+    if (c.gdec)
+        printf("flywheel ab: gdn decode %s, N %lld, H %lld, HV %lld, d %lld, f32 states, %d slot set(s), %d thread(s)",
+               fw_dtype_name(c.dt), (long long)c.N, (long long)c.H, (long long)c.HV, (long long)c.d, c.caches,
+               c.threads);
+    else if (c.gdn)
         printf("flywheel ab: gdn prefill%s %s, T %lld, H %lld, HV %lld, d %lld, %d thread(s)", c.kda ? " (KDA)" : "",
                fw_dtype_name(c.dt), (long long)c.T, (long long)c.H,
                (long long)c.HV, (long long)c.d, c.threads);
@@ -316,7 +388,7 @@ int bench_ab_main(int argc, char **argv)
             double *tb = t[b] + n;
             for (int j = -1; j < c.calls; j++) {
                 const double t0 = bench_now();
-                const fw_status s = call(&L[b], &in, r * c.calls + j + 1, out[b]);
+                const fw_status s = call(&L[b], b, &in, r * c.calls + j + 1, out[b]);
                 const double dt = bench_now() - t0;
                 if (s != FW_OK) {
                     fprintf(stderr, "flywheel: ab: %s: %s\n", L[b].path, L[b].last_error());
@@ -336,8 +408,9 @@ int bench_ab_main(int argc, char **argv)
                pct(t[b], (int)nt, 0.1) * 1e6, pct(t[b], (int)nt, 0.9) * 1e6);
     }
     const double ratio_med = bench_median(ratio, c.rounds);
-    /* the same inputs (round 0's cache) once more on each build */
-    if (call(&L[0], &in, 0, out[0]) != FW_OK || call(&L[1], &in, 0, out[1]) != FW_OK) {
+    /* the same inputs (round 0's cache; gdn-decode: each build's states after as many calls)
+     * once more on each build */
+    if (call(&L[0], 0, &in, 0, out[0]) != FW_OK || call(&L[1], 1, &in, 0, out[1]) != FW_OK) {
         fprintf(stderr, "flywheel: ab: the comparison call failed\n");
         goto done;
     }
@@ -354,6 +427,7 @@ int bench_ab_main(int argc, char **argv)
 done:
     for (int i = 0; i < 6; i++)
         free(mem[i]);
+    free(in.slot);
     free(out[0]);
     free(out[1]);
     free(t[0]);
