@@ -97,34 +97,32 @@ static int load(lib *l, const char *path)
 static fw_status call(const lib *l, int b, const ainput *in, int n, void *out)
 {
     const acfg *c = in->c;
-    if (c->gdec) {
-        const int64_t os[3] = {c->N, c->HV, c->d};
-        const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
-        fw_gdn_params p;
+    fw_gdn_params p;
+    if (c->gdn || c->gdec) {
         l->gdn_init(&p);
         p.l2norm_qk = 1;
         p.threads = c->threads;
+    }
+    if (c->gdec) {
+        const int64_t os[3] = {c->N, c->HV, c->d};
+        const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
         return l->gdn_decode(&in->q, &in->k, &in->v, &in->g, &in->beta, in->state[b], c->N * c->caches,
                              in->slot + (size_t)(n % c->caches) * (size_t)c->N, &o, &p);
     }
     if (c->gdn) {
         const int64_t os[3] = {c->T, c->HV, c->d};
         const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
-        fw_gdn_params p;
-        l->gdn_init(&p);
-        p.l2norm_qk = 1;
-        p.threads = c->threads;
         return l->gdn_prefill(&in->q, &in->k, &in->v, &in->g, &in->beta, in->cu, 1, NULL, NULL, &o, &p);
     }
     const int64_t os[3] = {c->batch, c->hq, c->d};
     const fw_tensor o = fw_tensor_contiguous(out, c->dt, 3, os);
     fw_kv_cache kc = in->cache;
     kc.block_table = in->bt + (size_t)(n % c->caches) * (size_t)(c->batch * kc.max_pages);
-    fw_attn_params p;
-    l->attn_init(&p);
-    p.causal = 1;
-    p.threads = c->threads;
-    return l->kvcache(&in->q, NULL, NULL, in->cuq, c->batch, &kc, &o, NULL, &p);
+    fw_attn_params ap;
+    l->attn_init(&ap);
+    ap.causal = 1;
+    ap.threads = c->threads;
+    return l->kvcache(&in->q, NULL, NULL, in->cuq, c->batch, &kc, &o, NULL, &ap);
 }
 
 static int setup(const acfg *c, ainput *in, void **mem, int nmem)

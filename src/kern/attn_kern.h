@@ -1099,6 +1099,18 @@ FW_INLINE void dq_block(int R, int nk, int r0, int j0, const void *const *rows, 
         rr[r] = r0 + r < R ? r0 + r : r0;
 }
 
+/* The next tile's rows that block (r0, j0) prefetches as it reads its own (next[j], j < nn;
+ * a valid row stands in past nn) into kn: 0 where it prefetches none (no next tile, or a row
+ * block after the first, which reads the same keys again). */
+FW_INLINE int dq_next(int nn, int r0, int j0, const void *const *next, const void **kn)
+{
+    if (!next || r0 != 0 || j0 >= nn)
+        return 0;
+    for (int x = 0; x < DQ_KB; x++)
+        kn[x] = next[j0 + x < nn ? j0 + x : j0];
+    return 1;
+}
+
 /* Sets of accumulators per block that take turns along d: one with vectors (a block has VL
  * independent sums), four in the portable table, whose one-lane block would otherwise be a
  * single chain of dependent FMAs (measured there: bf16 rows 416 ns a key against 155 through
@@ -1191,14 +1203,11 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
             dq_block(R, nk, r0, j0, rows, kr, rr);
             vf acc[DQ_SETS][VL];
             dq_zero(acc);
-            if (next && r0 == 0 && j0 < nn) {
-                const void *kn[DQ_KB];
-                int rn[DQ_RB];
-                dq_block(R, nn, r0, j0, next, kn, rn);
+            const void *kn[DQ_KB];
+            if (dq_next(nn, r0, j0, next, kn))
                 dq_block_f32(acc, kr, rr, Q, d, dt, kn, 1);
-            } else {
+            else
                 dq_block_f32(acc, kr, rr, Q, d, dt, NULL, 0);
-            }
             /* lane r * DQ_KB + x: row r0 + r, key j0 + x. A whole block goes straight to S
              * (keys past nk too: dq_zero_tail clears them after); the rest lane by lane. */
             const vf tot = dq_total(acc);
@@ -1253,14 +1262,11 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
             dq_block(R, nk, r0, j0, rows, kr, rr);
             vf acc[DQ_SETS][VL];
             dq_zero(acc);
-            if (next && r0 == 0 && j0 < nn) {
-                const void *kn[DQ_KB];
-                int rn[DQ_RB];
-                dq_block(R, nn, r0, j0, next, kn, rn);
+            const void *kn[DQ_KB];
+            if (dq_next(nn, r0, j0, next, kn))
                 dq_block_bf16(acc, kr, rr, QW, dw, wvec, kn, 1);
-            } else {
+            else
                 dq_block_bf16(acc, kr, rr, QW, dw, wvec, NULL, 0);
-            }
             const vf tot = dq_total(acc);
             if (r0 + DQ_RB <= R && wvec == dw && d % 2 == 0) {
                 vstore_rows(S + (size_t)r0 * FW_DEC_KEYS + j0, FW_DEC_KEYS, vmul(tot, sc));
