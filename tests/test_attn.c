@@ -1033,7 +1033,16 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
         kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, NULL, 0, PW, O);
         case_check(memcmp(O, O2, sizeof(float) * (size_t)(R * dv)) == 0,
                    "dec_pv_bf16 R %d nk %d dv %d: prefetching the next tile changed O", R, nk, dv);
+        /* and dec_pv (f32 products) on the same bf16 rows (AVX2's even / odd path) */
+        float *O3 = malloc(sizeof(float) * (size_t)(R * dv));
+        memcpy(O2, O0, sizeof(float) * (size_t)(R * dv));
+        memcpy(O3, O0, sizeof(float) * (size_t)(R * dv));
+        kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, next, nk - nk % 2, O2);
+        kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, NULL, 0, O3);
+        case_check(memcmp(O3, O2, sizeof(float) * (size_t)(R * dv)) == 0,
+                   "dec_pv bf16 rows R %d nk %d dv %d: prefetching the next tile changed O", R, nk, dv);
         free(O2);
+        free(O3);
     }
     double worst = 0;
     for (int r = 0; r < R; r++)

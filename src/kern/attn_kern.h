@@ -723,7 +723,7 @@ FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const flo
  * and vbf16_odd, the accumulators held in that even / odd column order and put back in
  * order at the end. The same FMAs in the same order: the same bits. */
 FW_INLINE void dec_pv_tile_eo(const int rt, int nk, int c0, const float *P, const void *const *V, float *O,
-                              int dv)
+                              int dv, const void *const *next, int nn, const int pf)
 {
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
@@ -735,6 +735,8 @@ FW_INLINE void dec_pv_tile_eo(const int rt, int nk, int c0, const float *P, cons
             const vf w = vload_bits((const uint16_t *)V[j] + c0 + c * VL);
             vv[c] = vkeep(vbf16_even(w));
             vv[c + 1] = vkeep(vbf16_odd(w));
+            if (pf && j < nn && DEC_PF_LINE((c0 + c * VL) * 2))
+                __builtin_prefetch((const uint16_t *)next[j] + c0 + c * VL, 0, 2);
         }
         for (int r = 0; r < rt; r++) {
             vf pb = vset1(P[(size_t)r * FW_DEC_KEYS + j]);
@@ -769,8 +771,10 @@ static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, 
         for (int c0 = 0; c0 < dvv; c0 += 4 * VL) {
             const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
 #ifdef DEC_PV_EO
-            if (rt == DEC_RT && cv == 4 && dt == FW_BF16)
-                dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv);
+            if (rt == DEC_RT && cv == 4 && dt == FW_BF16 && next && r0 == 0)
+                dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv, next, nn, 1);
+            else if (rt == DEC_RT && cv == 4 && dt == FW_BF16)
+                dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv, NULL, 0, 0);
             else
 #endif
             if (rt == DEC_RT && cv == 4 && next && r0 == 0)
