@@ -159,8 +159,9 @@ static int setup(const acfg *c, ainput *in, void **mem, int nmem)
         memcpy(mem[5], mem[4], (size_t)sb);
         in->state[0] = mem[4];
         in->state[1] = mem[5];
-        for (int64_t i = 0; i < c->N * c->caches; i++) /* sets scattered over the slots */
-            in->slot[i] = (int32_t)((i * 7919) % (c->N * c->caches));
+        const int64_t ns = c->N * c->caches, step = ns % 7919 ? 7919 : 1; /* distinct slots */
+        for (int64_t i = 0; i < ns; i++) /* sets scattered over the slots */
+            in->slot[i] = (int32_t)((i * step) % ns);
         in->q = fw_tensor_contiguous(mem[0], c->dt, 3, qs);
         in->k = fw_tensor_contiguous(mem[1], c->dt, 3, qs);
         in->v = fw_tensor_contiguous(mem[2], c->dt, 3, vs);
@@ -351,6 +352,10 @@ int bench_ab_main(int argc, char **argv)
             fprintf(stderr, "flywheel: ab %s: unknown option %s\n", argv[2], argv[i]);
             return 2;
         }
+    }
+    if (c.tiles && c.cols) {
+        fprintf(stderr, "flywheel: ab decode: --tiles and --cols are two cache layouts; give one\n");
+        return 2;
     }
     lib L[2];
     if (!load(&L[0], argv[0]) || !load(&L[1], argv[1]))

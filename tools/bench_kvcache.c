@@ -265,6 +265,10 @@ int bench_kvcache_main(int argc, char **argv)
 #undef INT
 #undef OPT
     }
+    if (c.tiles && c.cols) {
+        fprintf(stderr, "flywheel: bench kvcache: --tiles and --cols are two cache layouts; give one\n");
+        return 2;
+    }
     if (mode == 1)
         return kv_run(&c, 1);
     if (mode == 2) {

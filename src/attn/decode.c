@@ -156,13 +156,13 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * transposed) 0.75-0.87x; bf16 from DRAM 0.61x, batch 16 at 4K 0.67x, 32K 0.90x, but 1K-4K
      * hot 1.02-1.05x (bf16 products read twice the elements per load, so the prefetches weigh
      * more there). Bursts for the keys or the values alone were slower than both together. */
+    const int bf16_rows = bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1; /* bf16 products on bf16 key rows */
     const int hint = !(bf16 && kt->native_bf16 == FW_BF16_TILES);
-    const int kin = hint && (bf16 ? p->k->dtype == FW_BF16 && p->ks[2] == 1 : kcols ? p->k->dtype == FW_F32 : p->ks[2] == 1);
+    const int kin = hint && (bf16 ? bf16_rows : kcols ? p->k->dtype == FW_F32 : p->ks[2] == 1);
     const int vin = hint && vdirect;
     const int sweep = fetch && span && sq->sk > FW_DEC_SWEEP_KEYS && !(kin && vin);
     /* (the next head's key rows are prefetched below) */
-    const int krows_fetch = fw_dec_fetch_krows(kt->native_bf16, bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1,
-                                               p->ks[0] * (int64_t)es, c->flags);
+    const int krows_fetch = fw_dec_fetch_krows(kt->native_bf16, bf16_rows, p->ks[0] * (int64_t)es, c->flags);
     /* a token row in `gu` slices of whole cache lines (no division in the key loop) */
     const int64_t slice = ((span + gu - 1) / gu + 63) & ~(int64_t)63;
     int64_t koff[2][FW_DEC_KEYS], voff[2][FW_DEC_KEYS];
@@ -285,7 +285,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             float *Ou = O + (size_t)u * R * dv;
             /* contiguous key rows are read in place (bf16 products: bf16 rows, which already
              * are their pairs); the rest go through a transposed panel */
-            if (bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1) {
+            if (bf16_rows) {
                 kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, kil ? nrows : NULL, nn, S);
             } else if (kcols) {
                 if (bf16) {
