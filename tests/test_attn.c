@@ -1253,9 +1253,9 @@ static void test_bf16_products(void)
         for (int a = 0; a < 6; a++)
             for (int M = kt->vl; M <= 80; M += kt->vl * (M < 32 ? 1 : 3))
                 bf16_products_case(kt, nks[a], ds[(a + M / kt->vl) % 6], M, dvs[(a + 2 * M / kt->vl) % 4]);
-        static const int dks[] = {31, 33, 64, 127, 128}, dnk[] = {1, 16, 17, 40, 64}, dR[] = {1, 4, 16};
+        static const int dks[] = {31, 33, 64, 127, 128}, dnk[] = {1, 16, 17, 40, 64}, dR[] = {1, 4, 6, 16};
         for (int a = 0; a < 5; a++)
-            for (int b = 0; b < 3; b++)
+            for (int b = 0; b < 4; b++)
                 for (int irr = 0; irr < 2; irr++)
                     bf16_decode_case(kt, dR[b], dnk[(a + b) % 5], dks[a], dvs[(a + b + irr) % 4] + 16 * irr, irr);
         case_end();
@@ -1344,7 +1344,8 @@ static void test_micro_kernels(void)
         /* decode kernels: pack_kt is a transpose; dec_qk and dec_pv are small GEMMs */
         for (int dt = 0; dt < 3; dt++)
             for (int nk = 1; nk <= FW_DEC_KEYS; nk += 21) {
-                const int d = dt == 1 ? 48 : 37 + nk % 5, dv = 40 + nk % 3, R = 1 + nk % 9;
+                /* (nk 43: R 8 and d 64, whole blocks of every table's row kernels) */
+                const int d = dt == 1 ? 48 : nk == 43 ? 64 : 37 + nk % 5, dv = 40 + nk % 3, R = 1 + nk % 9;
                 const int64_t kdim = nk == 22 ? 2 : 1; /* one case with strided rows */
                 uint16_t *kraw = malloc(sizeof(uint32_t) * (size_t)(nk * d * kdim + 1));
                 float *Kt = malloc(sizeof(float) * (size_t)d * FW_DEC_KEYS), *Q = malloc(sizeof(float) * (size_t)(R * d));
