@@ -117,11 +117,12 @@ typedef struct fw_kernels {
      * dec_qk reads it, whatever its vector length; dec_qk reads row k of Kt at Kt + k ldk, and
      * every key of the vectors holding the nk keys). dec_pv reads value rows in place
      * (contiguous rows of dtype dt).
-     * Interleaved prefetch: Ktn (dec_qk) is the next tile's panel, laid out as Kt; next[j], j <
-     * nn (dec_pv, dec_qk_rows) its rows: each line of them at the offset of a line the kernel
-     * reads is prefetched into L2 as that line is read, so the next tile's misses overlap
-     * this tile's products (dec_qk_rows_bf16 and dec_pv_bf16 alike; AMX's versions read
-     * with tile loads and take no hint: the driver prefetches for them). NULL: none. */
+     * Interleaved prefetch: Ktn (dec_qk) is the panel read next (the next K/V head's, or the
+     * next tile's), laid out as Kt; next[j], j < nn (dec_pv, dec_qk_rows) its rows: each line
+     * of them at the offset of a line the kernel reads is prefetched into L2 as that line is
+     * read, so the next products' misses overlap these (dec_qk_rows_bf16 and dec_pv_bf16
+     * alike; AMX's versions read with tile loads and take no hint: the driver prefetches for
+     * them). NULL: none. */
     void (*pack_kt)(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, int d, float *Kt);
     void (*dec_qk)(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk, const float *Ktn,
                    float *S);

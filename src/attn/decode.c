@@ -155,7 +155,13 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * 24 (192 MiB, from DRAM), 4K 0.62x, batch 16 at 4K 0.69x; vLLM's vec layout (keys
      * transposed) 0.75-0.87x; bf16 from DRAM 0.61x, batch 16 at 4K 0.67x, 32K 0.90x, but 1K-4K
      * hot 1.02-1.05x (bf16 products read twice the elements per load, so the prefetches weigh
-     * more there). Bursts for the keys or the values alone were slower than both together. */
+     * more there). Bursts for the keys or the values alone were slower than both together.
+     * The rows prefetched are the next K/V head's (below): one head-tile ahead. A whole tile
+     * ahead (every head's next tile: 512 KiB of f32 K and V at GQA 32:8, d 128, half of
+     * this L2) lost lines before their use; against it (Zen 4, `flywheel ab`, the same bits):
+     * f32 1K hot 0.95x the time (1 thread 0.89x), 3 caches 0.80x, 24 caches 0.98x, 32K
+     * 0.91x, batch 16 at 4K 0.90x; bf16 1K hot 0.99x, 3 caches 0.98x, 32K 0.94x, from DRAM
+     * and batch 16 at 4K level; vLLM's vec layout level. */
     const int bf16_rows = bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1; /* bf16 products on bf16 key rows */
     const int hint = !(bf16 && kt->native_bf16 == FW_BF16_TILES);
     const int kin = hint && (bf16 ? bf16_rows : kcols ? p->k->dtype == FW_F32 : p->ks[2] == 1);
@@ -216,12 +222,19 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             const int64_t kvh = gqa ? u : u / p->G;
             const char *kb = fw_elem(p->k, kvh * p->ks[1]), *vb = fw_elem(p->v, kvh * p->vs[1]);
             const int pf = gqa || u % p->G == 0;
-            /* the products prefetch the next tile's keys (kil) and values (vil) as they read
-             * this one's; the bursts below fetch the rest */
-            const int kil = nf > 0 && pf && kin, vil = nf > 0 && pf && vin;
-            for (int j = 0; j < nn && (kil || vil); j++) {
-                nrows[j] = kb + koff[cur ^ 1][j] * (int64_t)es;
-                nvrows[j] = vb + voff[cur ^ 1][j] * (int64_t)es;
+            /* The products prefetch the keys (kil) and values (vil) the next K/V head reads, as
+             * they read this one's: the next head's in this tile, after the item's last head
+             * the first head's in the next tile (nx rows); the bursts below fetch the next
+             * tile's rest. */
+            const int more = gqa ? u + 1 < ub : (kvh + 1) * p->G < ub;
+            const int64_t xh = more ? kvh + 1 : gqa ? ua : ua / p->G;
+            const char *xkb = fw_elem(p->k, xh * p->ks[1]), *xvb = fw_elem(p->v, xh * p->vs[1]);
+            const int64_t *xko = koff[more ? cur : cur ^ 1], *xvo = voff[more ? cur : cur ^ 1];
+            const int nx = more ? nk : nn;
+            const int kil = fetch && nx > 0 && pf && kin, vil = fetch && nx > 0 && pf && vin;
+            for (int j = 0; j < nx && (kil || vil); j++) {
+                nrows[j] = xkb + xko[j] * (int64_t)es;
+                nvrows[j] = xvb + xvo[j] * (int64_t)es;
             }
             for (int j = 0; j < nk; j++) {
                 rows[j] = kb + koff[cur][j] * (int64_t)es;
@@ -286,7 +299,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             /* contiguous key rows are read in place (bf16 products: bf16 rows, which already
              * are their pairs); the rest go through a transposed panel */
             if (bf16_rows) {
-                kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, kil ? nrows : NULL, nn, S);
+                kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, kil ? nrows : NULL, nx, S);
             } else if (kcols) {
                 if (bf16) {
                     kt->pack_kt_cols_bf16(rows[0], p->k->dtype, p->ks[2], nk, d, KtW);
@@ -304,7 +317,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 kt->pack_kt_bf16(rows, p->k->dtype, p->ks[2], nk, d, KtW);
                 kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
             } else if (p->ks[2] == 1) {
-                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, p->k->dtype, kil ? nrows : NULL, nn, S);
+                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, p->k->dtype, kil ? nrows : NULL, nx, S);
             } else {
                 kt->pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
                 kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, NULL, S);
@@ -315,10 +328,10 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 kt->softcap(1, (nk + kt->vl - 1) / kt->vl * kt->vl, S + (size_t)r * FW_DEC_KEYS, c->cap2);
             kt->dec_softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
             if (bf16)
-                kt->dec_pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nn, PW,
+                kt->dec_pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nx, PW,
                                 Ou);
             else
-                kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nn, Ou);
+                kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nx, Ou);
         }
     }
     c->sink[tid * 16] += touch;

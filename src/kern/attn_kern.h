@@ -61,10 +61,10 @@ static void from_f32(const float *src, int64_t n, void *dst, fw_dtype dt, int64_
  * instead of registers cost 11-35% of qk throughput; this form costs none. */
 #define QK_KB 8
 /* a load at byte offset b of a row starts a cache line (rows are 64-byte aligned where it
- * counts): the decode kernels prefetch the next tile's line there */
+ * counts): the decode kernels prefetch the line of the rows read next there */
 #define DEC_PF_LINE(b) ((b) % 64 == 0)
 
-/* The line at byte offset b of the next tile's rows j and j + 1, those of them below nn. */
+/* The line at byte offset b of the next rows j and j + 1, those of them below nn. */
 FW_INLINE void dec_pf_pair(const void *const *next, int nn, int j, size_t b)
 {
     if (j < nn)
@@ -573,7 +573,7 @@ static __attribute__((noinline)) void dec_qk_tail(int rt, int kv, int d, const f
 
 /* S[r][j] = sum_k Q[r][k] Kt[k][j] (row k of Kt at Kt + k ldk) for r < R and the
  * ceil(nk / VL) key vectors holding keys (those keys are read, whatever nk says). Ktn: the
- * next tile's panel, laid out as Kt (NULL: none); each line of it at the offset of a line
+ * panel read next, laid out as Kt (NULL: none); each line of it at the offset of a line
  * read here is prefetched (into L2) as that line is read. */
 static void dec_qk(int R, int nk, int d, const float *Q, const float *Kt, int64_t ldk,
                    const float *Ktn, float *S)
@@ -708,9 +708,10 @@ FW_INLINE void dec_pv_step(vf acc[DEC_RT][4], const int rt, const int cv, int j,
     }
 }
 
-/* The keys below nn (pf) prefetch the next tile's rows, the rest none: two loops, so
- * that neither tests the key index, and with dt a constant (dec_pv's f32 values) none tests
- * the dtype (measured on the Zen 4 VM, f32 1K decode, `flywheel ab`: ... ) */
+/* The keys below nn (pf) prefetch the next rows, the rest none: two loops, so that neither
+ * tests the key index, and with dt a constant (dec_pv's f32 values) neither tests the dtype
+ * (measured on the Zen 4 VM, f32 1K decode, `flywheel ab`, the same bits: hot 0.99x the time,
+ * 3 caches in rotation 0.97x). */
 FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const float *P,
                            const void *const *V, fw_dtype dt, float *O, int dv,
                            const void *const *next, int nn, const int pf)
@@ -771,7 +772,7 @@ static __attribute__((noinline)) void dec_pv_tail(int rt, int cv, int nk, int c0
 
 /* O[r][c] += sum_j P[r][j] V[j][c], r < R, c < dv, j < nk (in order, per output). V[j]
  * points at key j's value row, contiguous, in dtype dt: converted in registers. next[j], j <
- * nn: the next tile's value rows (NULL: none), prefetched line by line as the lines at the
+ * nn: the value rows read next (NULL: none), prefetched line by line as the lines at the
  * same offsets of V[j] are read. */
 static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, fw_dtype dt,
                    const void *const *next, int nn, float *O)
@@ -1120,8 +1121,8 @@ FW_INLINE void dq_block(int R, int nk, int r0, int j0, const void *const *rows, 
         rr[r] = r0 + r < R ? r0 + r : r0;
 }
 
-/* The next tile's rows that block (r0, j0) prefetches as it reads its own (next[j], j < nn;
- * a valid row stands in past nn) into kn: 0 where it prefetches none (no next tile, or a row
+/* The next rows that block (r0, j0) prefetches as it reads its own (next[j], j < nn; a
+ * valid row stands in past nn) into kn: 0 where it prefetches none (no next rows, or a row
  * block after the first, which reads the same keys again). */
 FW_INLINE int dq_next(int nn, int r0, int j0, const void *const *next, const void **kn)
 {
@@ -1213,7 +1214,7 @@ FW_INLINE void dq_block_f32(vf acc[DQ_SETS][VL], const void *const *kr, const in
 /* One whole block of f32 key rows (DQ_SETS == 1, DQ_RB rows, d a multiple of VL) into S (row
  * stride FW_DEC_KEYS): QP holds the block's query rows vector by vector, QP[(c / VL) * DQ_RB +
  * r] = Q[r0 + r][c .. c+VL-1], so one pointer and the key rows' offset address every load;
- * kn: the next tile's rows to prefetch, or NULL. The FMAs and the sum of dq_block_f32 and
+ * kn: the next rows to prefetch, or NULL. The FMAs and the sum of dq_block_f32 and
  * dq_total, in the same order (the same bits). Measured (Zen 4 VM, f32 1K decode, GQA 32:8,
  * d 128, `flywheel ab`): through dq_block_f32 the loop (query rows by index, the dtype's and
  * the prefetch's tests) spilled an accumulator and reloaded pointers at every step; this one
@@ -1256,7 +1257,7 @@ FW_INLINE void dq_f32_block(const void *const *kr, const void *const *kn, const 
     vstore_rows(S, FW_DEC_KEYS, vsum_each(acc));
 }
 
-/* next[j], j < nn: the next tile's key rows (NULL: none), prefetched line by line as the
+/* next[j], j < nn: the key rows read next (NULL: none), prefetched line by line as the
  * lines at the same offsets of rows[j] are read. */
 static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const *rows, fw_dtype dt,
                         const void *const *next, int nn, float *S)
