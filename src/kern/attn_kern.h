@@ -649,26 +649,33 @@ static void rope(float *x, int h, const float *c, const float *s, int interleave
     }
 }
 
-/* Online softmax with lazy rescale, one row at a time: keys outside [lo[r], hi[r]) (tile
- * coordinates, hi <= nk) get probability 0; O rows are rescaled only when the max grew. */
+/* Online softmax with lazy rescale: keys outside [lo[r], hi[r]) (tile coordinates, hi <= nk)
+ * get probability 0; O rows are rescaled only when the max grew. Each pass runs over every
+ * row before the next (the rows' maxima, then their rescales, then their probabilities), so
+ * one row's reductions overlap the others' (Zen 4 VM, 1K decode, `flywheel ab`, the same bits:
+ * f32 0.99x the time, bf16 0.97x, against one row at a time). */
 static void dec_softmax(int R, int nk, float *S, const float *lo, const float *hi, float *m,
                         float *l, float *O, int dv)
 {
     const int nkv = (nk + VL - 1) / VL;
     const vf ninf = vset1(-INFINITY);
+    float rm[FW_DEC_ROWS];
     for (int r = 0; r < R; r++) {
-        float *s = S + (size_t)r * FW_DEC_KEYS;
+        const float *s = S + (size_t)r * FW_DEC_KEYS;
         const vf vlo = vset1(lo[r]), vhi = vset1(hi[r]);
         vf mx = ninf;
         for (int x = 0; x < nkv; x++) {
             const vf j = vload(dec_iota + x * VL);
             mx = vmax(mx, vsel(vmand(vge(j, vlo), vlt(j, vhi)), vload(s + x * VL), ninf));
         }
-        /* vmax drops a NaN that a later key of its lane meets, so mx can even be -inf with a
+        rm[r] = vhmax(mx);
+    }
+    for (int r = 0; r < R; r++) {
+        /* vmax drops a NaN that a later key of its lane meets, so rm can even be -inf with a
          * NaN score in the tile: the probabilities below are computed all the same (against
          * 0 when the maximum is -inf), so the NaN reaches the row (found by
          * fuzz/fuzz_kvcache.c; a shortcut here zeroed the tile) */
-        const float rm = vhmax(mx), mnew = rm > m[r] || rm != rm ? rm : m[r];
+        const float mnew = rm[r] > m[r] || rm[r] != rm[r] ? rm[r] : m[r];
         /* (an unchanged maximum scales by exp2(0) = 1: no call) */
         const float scale = m[r] == -INFINITY ? 0.0f : mnew == m[r] ? 1.0f : exp2f(m[r] - mnew);
         if (scale != 1.0f) {
@@ -678,7 +685,11 @@ static void dec_softmax(int R, int nk, float *S, const float *lo, const float *h
             l[r] *= scale;
         }
         m[r] = mnew;
-        const vf mv = vset1(mnew == -INFINITY ? 0.0f : mnew);
+    }
+    for (int r = 0; r < R; r++) {
+        float *s = S + (size_t)r * FW_DEC_KEYS;
+        const vf vlo = vset1(lo[r]), vhi = vset1(hi[r]);
+        const vf mv = vset1(m[r] == -INFINITY ? 0.0f : m[r]);
         vf sum = vzero();
         for (int x = 0; x < nkv; x++) {
             const vf j = vload(dec_iota + x * VL);
