@@ -1657,7 +1657,7 @@ static void test_contiguous_descriptors(void)
  * (d - 1) x (stride - 1) elements past each row's end (found by fuzz/fuzz_attn.c). */
 static void test_decode_strided_extent(void)
 {
-    case_begin("attention: decode on K/V with strided head dims reads nothing past them");
+    case_begin("attention: decode on K/V with strided head dims reads nothing past them, GQA groups packed or not");
     /* a context long enough for the kernel's row sweep (found by fuzz/fuzz_attn.c) */
     enum { SK = FW_DEC_SWEEP_KEYS + 9, HKV = 2, HQ = 4, D = 16 };
     const int64_t n = (SK - 1) + (HKV - 1) * SK + (D - 1) * SK * HKV + 1;
@@ -1673,21 +1673,23 @@ static void test_decode_strided_extent(void)
     tfill_normal(&tq, 1.0);
     tfill_normal(&tk, 1.0);
     tfill_normal(&tv, 1.0);
-    /* with the prefetch and sweep forced on and off (the default depends on the CPU's vendor) */
-    for (int it = 0; it < 2 * fw_isa_count(); it++) {
-        if (!fw_isa_supported(fw_isa_name(it / 2)))
+    /* with the prefetch and sweep forced on and off (the default depends on the CPU's vendor),
+     * query heads in GQA groups or one by one (each of a group's heads then finds the value
+     * rows its predecessor converted) */
+    for (int it = 0; it < 4 * fw_isa_count(); it++) {
+        if (!fw_isa_supported(fw_isa_name(it / 4)))
             continue;
         fw_attn_params p;
         fw_attn_params_init(&p);
-        p.isa = fw_isa_name(it / 2);
-        p.flags = it % 2 ? FW_ATTN_NO_DEC_PREFETCH : FW_ATTN_DEC_PREFETCH;
+        p.isa = fw_isa_name(it / 4);
+        p.flags = (it % 2 ? FW_ATTN_NO_DEC_PREFETCH : FW_ATTN_DEC_PREFETCH) | (it % 4 >= 2 ? FW_ATTN_NO_GQA_PACK : 0);
         fw_status st = fw_attn_fwd(&tq, &tk, &tv, &to, NULL, &p);
         st |= fw_attn_ref(&tq, &tk, &tv, &tr, NULL, &p, 0, INT64_MAX);
-        case_check(st == FW_OK, "%s: %s", p.isa, fw_last_error());
+        case_check(st == FW_OK, "%s flags %#x: %s", p.isa, (unsigned)p.flags, fw_last_error());
         double e = 0;
         for (int i = 0; i < HQ * D; i++)
             e = worse(e, fabs(o[i] - ro[i]));
-        case_check(e < 1e-5, "%s: error %g", p.isa, e);
+        case_check(e < 1e-5, "%s flags %#x: error %g", p.isa, (unsigned)p.flags, e);
     }
     free(k);
     free(v);
