@@ -145,9 +145,10 @@ enum {
     FW_ATTN_NO_GQA_PACK = 1 << 1,    /* pack K/V per query head instead of once per GQA group */
     FW_ATTN_NO_TILE_SKIP = 1 << 2,   /* visit every K/V tile and mask it, instead of index skipping */
     FW_ATTN_PLAIN = 1 << 3,          /* the plain row-at-a-time online-softmax kernel (the baseline) */
-    /* The decode kernel's software prefetch of the next key tile (issued by the products as
-     * they read the current tile, where they read K and V in place; else in bursts, with an
-     * address-order sweep of contexts over FW_DEC_SWEEP_KEYS keys): forced on, or off.
+    /* The decode kernel's software prefetch of the K/V rows it reads next (the next K/V
+     * head's, issued by the products as they read the current head's, where they read K and
+     * V in place; else the next key tile's in bursts, with an address-order sweep of
+     * contexts over FW_DEC_SWEEP_KEYS keys): forced on, or off.
      * Neither (the default): on where
      * they were measured faster (AMD, and CPUs of unknown vendor), off on Intel, whose L2
      * streamer outpaces software prefetches. Both set is an error. Results are the same.

@@ -143,9 +143,9 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * GB/s with it, 12.3 without. The next-tile prefetch below stays at every length: without
      * it, 1K hot was 6-8% faster, but cold 35% slower (514-524 us against 383-388). On Intel
      * both are off unless forced (fw_dec_prefetch has the measurements).
-     * Where the products read K and V in place (kin, vin: below), the next tile's lines are
-     * prefetched by the products themselves, each as they read the line at the same offset of
-     * this tile, and the sweep is off: it gained nothing more (Zen 4, 2 threads, `flywheel ab`
+     * Where the products read K and V in place (kin, vin: below), the lines read next (the
+     * next head's) are prefetched by the products themselves, each as they read the line at
+     * the same offset of this head's, and the sweep is off: it gained nothing more (Zen 4, 2 threads, `flywheel ab`
      * against the sweep: 16K and 32K 0.95-1.0x the time without it). */
     const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) && !p->tiles; /* run() set the CPU's default */
     /* keys stored transposed, each channel's keys contiguous (vLLM's CPU cache blocks), with
