@@ -145,8 +145,8 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
      * both are off unless forced (fw_dec_prefetch has the measurements).
      * Where the products read K and V in place (kin, vin: below), the lines read next (the
      * next head's) are prefetched by the products themselves, each as they read the line at
-     * the same offset of this head's, and the sweep is off: it gained nothing more (Zen 4, 2 threads, `flywheel ab`
-     * against the sweep: 16K and 32K 0.95-1.0x the time without it). */
+     * the same offset of this head's, and the sweep is off: it gained nothing more (Zen 4, 2
+     * threads, `flywheel ab` against the sweep: 16K and 32K 0.95-1.0x the time without it). */
     const int fetch = (c->flags & FW_ATTN_DEC_PREFETCH) && !p->tiles; /* run() set the CPU's default */
     /* keys stored transposed, each channel's keys contiguous (vLLM's CPU cache blocks), with
      * every 64-key tile inside one page: the panels come from those rows, and the next tile's
