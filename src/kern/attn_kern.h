@@ -719,22 +719,22 @@ FW_INLINE void dec_pv_step(vf acc[DEC_RT][4], const int rt, const int cv, int j,
     }
 }
 
-/* The keys below nn (pf) prefetch the next rows, the rest none: two loops, so that neither
- * tests the key index, and with dt a constant (dec_pv's f32 values) neither tests the dtype
- * (measured on the Zen 4 VM, f32 1K decode, `flywheel ab`, the same bits: hot 0.99x the time,
- * 3 caches in rotation 0.97x). */
+/* The keys below nn prefetch the next rows (next NULL: none), the rest none: two loops, so
+ * that neither tests the key index, and with dt a constant (dec_pv's f32 values) neither
+ * tests the dtype (measured on the Zen 4 VM, f32 1K decode, `flywheel ab`, the same bits: hot
+ * 0.99x the time, 3 caches in rotation 0.97x). */
 FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const float *P,
                            const void *const *V, fw_dtype dt, float *O, int dv,
-                           const void *const *next, int nn, const int pf)
+                           const void *const *next, int nn)
 {
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
         for (int c = 0; c < cv; c++)
             acc[r][c] = vload(O + (size_t)r * dv + c0 + c * VL);
-    const int jp = pf ? (nn < nk ? nn : nk) : 0;
+    const int jp = next ? (nn < nk ? nn : nk) : 0;
     int j = 0;
     for (; j < jp; j++)
-        dec_pv_step(acc, rt, cv, j, c0, P, V, dt, next, pf);
+        dec_pv_step(acc, rt, cv, j, c0, P, V, dt, next, 1);
     for (; j < nk; j++)
         dec_pv_step(acc, rt, cv, j, c0, P, V, dt, NULL, 0);
     for (int r = 0; r < rt; r++)
@@ -747,28 +747,38 @@ FW_INLINE void dec_pv_tile(const int rt, const int cv, int nk, int c0, const flo
  * (DEC_PV_EO: AVX2's vpmovzxwd): each pair of value vectors is one load split by vbf16_even
  * and vbf16_odd, the accumulators held in that even / odd column order and put back in
  * order at the end. The same FMAs in the same order: the same bits. */
+FW_INLINE void dec_pv_step_eo(vf acc[DEC_RT][4], const int rt, int j, int c0, const float *P,
+                              const void *const *V, const void *const *next, const int pf)
+{
+    vf vv[4];
+    for (int c = 0; c < 4; c += 2) {
+        const vf w = vload_bits((const uint16_t *)V[j] + c0 + c * VL);
+        vv[c] = vkeep(vbf16_even(w));
+        vv[c + 1] = vkeep(vbf16_odd(w));
+        if (pf && DEC_PF_LINE((c0 + c * VL) * 2))
+            __builtin_prefetch((const uint16_t *)next[j] + c0 + c * VL, 0, 2);
+    }
+    for (int r = 0; r < rt; r++) {
+        vf pb = vset1(P[(size_t)r * FW_DEC_KEYS + j]);
+        for (int c = 0; c < 4; c++)
+            acc[r][c] = vfma(vv[c], pb, acc[r][c]);
+    }
+}
+
+/* (the keys below nn prefetch the next rows, as in dec_pv_tile) */
 FW_INLINE void dec_pv_tile_eo(const int rt, int nk, int c0, const float *P, const void *const *V, float *O,
-                              int dv, const void *const *next, int nn, const int pf)
+                              int dv, const void *const *next, int nn)
 {
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
         for (int c = 0; c < 4; c += 2)
             vcols_to_eo(O + (size_t)r * dv + c0 + c * VL, &acc[r][c], &acc[r][c + 1]);
-    for (int j = 0; j < nk; j++) {
-        vf vv[4];
-        for (int c = 0; c < 4; c += 2) {
-            const vf w = vload_bits((const uint16_t *)V[j] + c0 + c * VL);
-            vv[c] = vkeep(vbf16_even(w));
-            vv[c + 1] = vkeep(vbf16_odd(w));
-            if (pf && j < nn && DEC_PF_LINE((c0 + c * VL) * 2))
-                __builtin_prefetch((const uint16_t *)next[j] + c0 + c * VL, 0, 2);
-        }
-        for (int r = 0; r < rt; r++) {
-            vf pb = vset1(P[(size_t)r * FW_DEC_KEYS + j]);
-            for (int c = 0; c < 4; c++)
-                acc[r][c] = vfma(vv[c], pb, acc[r][c]);
-        }
-    }
+    const int jp = next ? (nn < nk ? nn : nk) : 0;
+    int j = 0;
+    for (; j < jp; j++)
+        dec_pv_step_eo(acc, rt, j, c0, P, V, next, 1);
+    for (; j < nk; j++)
+        dec_pv_step_eo(acc, rt, j, c0, P, V, NULL, 0);
     for (int r = 0; r < rt; r++)
         for (int c = 0; c < 4; c += 2)
             veo_to_cols(O + (size_t)r * dv + c0 + c * VL, acc[r][c], acc[r][c + 1]);
@@ -778,7 +788,7 @@ FW_INLINE void dec_pv_tile_eo(const int rt, int nk, int c0, const float *P, cons
 static __attribute__((noinline)) void dec_pv_tail(int rt, int cv, int nk, int c0, const float *P,
                                                   const void *const *V, fw_dtype dt, float *O, int dv)
 {
-    dec_pv_tile(rt, cv, nk, c0, P, V, dt, O, dv, NULL, 0, 0);
+    dec_pv_tile(rt, cv, nk, c0, P, V, dt, O, dv, NULL, 0);
 }
 
 /* O[r][c] += sum_j P[r][j] V[j][c], r < R, c < dv, j < nk (in order, per output). V[j]
@@ -796,20 +806,14 @@ static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, 
         for (int c0 = 0; c0 < dvv; c0 += 4 * VL) {
             const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
 #ifdef DEC_PV_EO
-            if (rt == DEC_RT && cv == 4 && dt == FW_BF16 && next && r0 == 0)
-                dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv, next, nn, 1);
-            else if (rt == DEC_RT && cv == 4 && dt == FW_BF16)
-                dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv, NULL, 0, 0);
+            if (rt == DEC_RT && cv == 4 && dt == FW_BF16)
+                dec_pv_tile_eo(DEC_RT, nk, c0, pr, V, o, dv, r0 == 0 ? next : NULL, nn);
             else
 #endif
-            if (rt == DEC_RT && cv == 4 && dt == FW_F32 && next && r0 == 0)
-                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, FW_F32, o, dv, next, nn, 1);
-            else if (rt == DEC_RT && cv == 4 && dt == FW_F32)
-                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, FW_F32, o, dv, NULL, 0, 0);
-            else if (rt == DEC_RT && cv == 4 && next && r0 == 0)
-                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, next, nn, 1);
+            if (rt == DEC_RT && cv == 4 && dt == FW_F32)
+                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, FW_F32, o, dv, r0 == 0 ? next : NULL, nn);
             else if (rt == DEC_RT && cv == 4)
-                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, NULL, 0, 0);
+                dec_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, r0 == 0 ? next : NULL, nn);
             else
                 dec_pv_tail(rt, cv, nk, c0, pr, V, dt, o, dv);
         }
@@ -1222,6 +1226,21 @@ FW_INLINE void dq_block_f32(vf acc[DQ_SETS][VL], const void *const *kr, const in
         dq_step_f32(acc[0], kr, rr, Q, d, dt, c, kn, pf);
 }
 
+/* One step along d of dq_f32_block; pf: prefetch the next rows' line at this offset. */
+FW_INLINE void dq_f32_step(vf acc[VL], const float *const *k, const float *const *n, const float *QP,
+                           int c, const int pf)
+{
+    vf kv[DQ_KB];
+    for (int x = 0; x < DQ_KB; x++) {
+        kv[x] = vload(k[x] + c);
+        if (pf && DEC_PF_LINE(c * 4))
+            __builtin_prefetch(n[x] + c, 0, 2);
+    }
+    for (int r = 0; r < DQ_RB; r++)
+        for (int x = 0; x < DQ_KB; x++)
+            acc[r * DQ_KB + x] = vfma(vload(QP + r * VL), kv[x], acc[r * DQ_KB + x]);
+}
+
 /* One whole block of f32 key rows (DQ_SETS == 1, DQ_RB rows, d a multiple of VL) into S (row
  * stride FW_DEC_KEYS): QP holds the block's query rows vector by vector, QP[(c / VL) * DQ_RB +
  * r] = Q[r0 + r][c .. c+VL-1], so one pointer and the key rows' offset address every load;
@@ -1245,26 +1264,11 @@ FW_INLINE void dq_f32_block(const void *const *kr, const void *const *kn, const 
     for (int i = 0; i < VL; i++)
         acc[i] = vzero();
     if (kn)
-        for (int c = 0; c < d; c += VL, QP += DQ_RB * VL) {
-            vf kv[DQ_KB];
-            for (int x = 0; x < DQ_KB; x++) {
-                kv[x] = vload(k[x] + c);
-                if (DEC_PF_LINE(c * 4))
-                    __builtin_prefetch(n[x] + c, 0, 2);
-            }
-            for (int r = 0; r < DQ_RB; r++)
-                for (int x = 0; x < DQ_KB; x++)
-                    acc[r * DQ_KB + x] = vfma(vload(QP + r * VL), kv[x], acc[r * DQ_KB + x]);
-        }
+        for (int c = 0; c < d; c += VL, QP += DQ_RB * VL)
+            dq_f32_step(acc, k, n, QP, c, 1);
     else
-        for (int c = 0; c < d; c += VL, QP += DQ_RB * VL) {
-            vf kv[DQ_KB];
-            for (int x = 0; x < DQ_KB; x++)
-                kv[x] = vload(k[x] + c);
-            for (int r = 0; r < DQ_RB; r++)
-                for (int x = 0; x < DQ_KB; x++)
-                    acc[r * DQ_KB + x] = vfma(vload(QP + r * VL), kv[x], acc[r * DQ_KB + x]);
-        }
+        for (int c = 0; c < d; c += VL, QP += DQ_RB * VL)
+            dq_f32_step(acc, k, n, QP, c, 0);
     vstore_rows(S, FW_DEC_KEYS, vsum_each(acc));
 }
 
