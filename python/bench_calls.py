@@ -9,7 +9,9 @@ Calls (torch tensors, one thread):
   decode 1x1     flash_attn_with_kvcache: 1 sequence, 1 query head, 1 K/V head, d 128, a
                  1-token context after appending the new token (k=, v= given), bf16
   gdn 1x1        gated_delta_rule_decode: 1 sequence, 1 q/k head, 1 value head, 128 x 128
-                 state, bf16
+                 state, bf16 (a unit key, so the state stays finite call after call)
+  conv 1x1       causal_conv1d_update: 1 sequence, 1 channel, width 4, a [1, 1, 4] state
+                 (transformers' layout), bf16, SiLU
   decode 1K      flash_attn_with_kvcache at the issue's engine shape: batch 1, 32:8 heads,
                  d 128, 1K context, bf16, 2 threads (a real decode step; overhead matters
                  there as a share of the call)
@@ -68,6 +70,7 @@ def cases():
     zero = torch.zeros(1, dtype=torch.int32)
 
     gq, gk, gv = (torch.randn(1, 1, 128, dtype=bf) for _ in range(3))
+    gk = (gk.float() / gk.float().norm()).to(bf)  # a unit key, as models give: the state stays finite
     gg, gb = torch.full((1, 1), -0.1), torch.full((1, 1), 0.5)
     state = torch.zeros(1, 1, 128, 128)
     go = torch.empty(1, 1, 128, dtype=bf)
@@ -76,6 +79,9 @@ def cases():
     kc, vc = torch.randn(1, 1024, 8, 128, dtype=bf), torch.randn(1, 1024, 8, 128, dtype=bf)
     o = torch.empty(1, 1, 32, 128, dtype=bf)
     lens = torch.full((1,), 1023, dtype=torch.int32)
+
+    cx = torch.randn(1, 1, 1, dtype=bf)
+    cst, cw, co = torch.zeros(1, 1, 4, dtype=bf), torch.randn(1, 4, dtype=bf), torch.empty(1, 1, 1, dtype=bf)
 
     return [
         ("decode 1x1", 1, ["kvcache", "--decode", "--batch", "1", "--ctx", "1", "--hq", "1",
@@ -88,6 +94,10 @@ def cases():
                         "--dv", "128", "--dtype", "bf16", "--threads", "1", "--reps", "2000"],
          lambda: flywheel.gated_delta_rule_decode(gq, gk, gv, gg, gb, state, out=go),
          lambda: flywheel.gated_delta_rule_decode(gq, gk, gv, gg, gb, state)),
+        ("conv 1x1", 1, ["conv", "--decode", "1", "--d", "1", "--w", "4", "--dtype", "bf16",
+                         "--threads", "1", "--reps", "64"],
+         lambda: flywheel.causal_conv1d_update(cx, cst, cw, None, activation="silu", out=co),
+         lambda: flywheel.causal_conv1d_update(cx, cst, cw, None, activation="silu")),
         ("decode 1K", 2, ["kvcache", "--decode", "--batch", "1", "--ctx", "1024", "--hq", "32",
                           "--hkv", "8", "--d", "128", "--page", "0", "--dtype", "bf16",
                           "--threads", "2", "--reps", "500"],

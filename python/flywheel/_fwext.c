@@ -89,6 +89,11 @@ typedef fw_status (*gdn_layer_fn)(const fw_tensor *, const fw_tensor *, const fw
                                   const fw_tensor *, const fw_gdn_batch *, const fw_gdn_caches *,
                                   const fw_tensor *, const fw_gdn_layer_params *);
 typedef void (*layer_init_fn)(fw_gdn_layer_params *);
+typedef fw_status (*conv1d_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                               const int32_t *, int64_t, const fw_conv1d_state *,
+                               const fw_conv1d_state *, const fw_tensor *, const fw_tensor *,
+                               const fw_conv1d_params *);
+typedef void (*conv_init_fn)(fw_conv1d_params *);
 typedef fw_status (*gdn_decode_pool_fn)(const fw_tensor *, const fw_tensor *, const fw_tensor *,
                                         const fw_tensor *, const fw_tensor *, const fw_gdn_pool *,
                                         const fw_tensor *, const fw_gdn_params *);
@@ -103,13 +108,15 @@ static struct {
     gdn_layer_fn gdn_layer;
     layer_init_fn layer_params_init;
     gdn_decode_pool_fn gdn_decode_pool;
+    conv1d_fn conv1d;
+    conv_init_fn conv_params_init;
     PyObject *torch_tensor; /* torch.Tensor, once torch is imported */
     PyObject *to_dlpack;    /* torch._C._to_dlpack */
     PyObject *torch_empty;  /* torch.empty */
     PyObject *torch_f32;    /* torch.float32 */
     PyObject *torch_empty_like; /* torch.empty_like */
     PyObject *np_ndarray, *np_empty, *np_float32;
-    PyObject *s_dlpack, *s_requires_grad, *s_dtype;
+    PyObject *s_dlpack, *s_requires_grad, *s_dtype, *s_silu, *s_swish;
     unsigned long long fast, fallback; /* calls taken and declined (under the GIL) */
 } st;
 
@@ -668,6 +675,69 @@ done:
 /* gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, l2norm, threads,
  *   out) -> out (v's shape); q/k [N, H, K] or [N, 1, H, K], v [N, HV, V] or [N, 1, HV, V],
  *   g/beta [N, HV] or [N, 1, HV] float32, state [slots, HV, K, V] contiguous float32 or bf16 */
+/* An IEEE half's value as float32 (exact; a NaN keeps its payload, as numpy's conversion). */
+static float half_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t bits;
+    float f;
+    if (e == 0x1f) {
+        bits = sign | 0x7f800000u | m << 13;
+    } else if (e) {
+        bits = sign | (e + 112) << 23 | m << 13;
+    } else {
+        f = (float)m * 0x1p-24f; /* zero or a subnormal half: a normal float */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A gate operand (g or beta) in float32 for the library: float32 as it lies; bf16 or f16
+ * converted (exactly) into a new contiguous array, *buf (PyMem_Free it), as the Python path's
+ * to_numpy_f32 does. One to four dims. */
+static int gate_f32(arr *x, float **buf)
+{
+    fw_tensor *t = &x->t;
+    if (x->dtype == FW_F32)
+        return OK;
+    if (x->dtype != FW_BF16 && x->dtype != FW_F16)
+        return DECLINE;
+    int64_t shape[4] = {1, 1, 1, 1}, stride[4] = {0, 0, 0, 0}, count = 1;
+    for (int i = 0; i < t->ndim; i++) {
+        shape[4 - t->ndim + i] = t->shape[i];
+        stride[4 - t->ndim + i] = t->stride[i];
+        count *= t->shape[i];
+    }
+    float *f = *buf = PyMem_Malloc((size_t)(count > 0 ? count : 1) * sizeof(float));
+    if (!f) {
+        PyErr_NoMemory();
+        return FAIL;
+    }
+    const uint16_t *h = t->data;
+    for (int64_t a = 0; a < shape[0]; a++)
+        for (int64_t b = 0; b < shape[1]; b++)
+            for (int64_t c = 0; c < shape[2]; c++)
+                for (int64_t d = 0; d < shape[3]; d++) {
+                    const uint16_t e = h[a * stride[0] + b * stride[1] + c * stride[2] + d * stride[3]];
+                    if (x->dtype == FW_F16) {
+                        *f++ = half_f32(e);
+                    } else {
+                        const uint32_t bits = (uint32_t)e << 16;
+                        memcpy(f++, &bits, 4);
+                    }
+                }
+    t->data = *buf;
+    t->dtype = FW_F32;
+    for (int64_t i = t->ndim - 1, run = 1; i >= 0; i--) {
+        t->stride[i] = run;
+        run *= t->shape[i];
+    }
+    x->dtype = FW_F32;
+    return OK;
+}
+
 static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
@@ -675,6 +745,7 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
         return NULL;
     arr q, k, v, g, beta, state, idx, o;
     PyObject *out = NULL;
+    float *conv[2] = {NULL, NULL};
     fw_gdn_params p;
     int32_t order[MAX_BATCH];
     long long th;
@@ -703,14 +774,15 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
         fw_tensor *t = &gb[i]->t;
         /* KDA's g [N, HV, K]: a decay per key channel, passed as it is ([N, 1, 1] with HV =
          * K = 1 is the same either way) */
-        if (i == 0 && t->ndim == 3 && t->shape[0] == N && t->shape[1] == HV && t->shape[2] == K &&
-            g.dtype == FW_F32 && !(HV == 1 && K == 1))
-            continue;
-        if (gb[i]->dtype != FW_F32 || t->ndim < 2 || t->ndim > 3 || t->shape[0] != N ||
-            t->shape[t->ndim - 1] != HV || (t->ndim == 3 && t->shape[1] != 1))
+        const int kda = i == 0 && t->ndim == 3 && t->shape[0] == N && t->shape[1] == HV &&
+                        t->shape[2] == K && !(HV == 1 && K == 1);
+        if (!kda && (t->ndim < 2 || t->ndim > 3 || t->shape[0] != N ||
+                     t->shape[t->ndim - 1] != HV || (t->ndim == 3 && t->shape[1] != 1)))
             TRY(DECLINE);
-        if (t->ndim == 3)
+        if (!kda && t->ndim == 3)
             drop1(t);
+        /* bf16 or f16 (a bf16 model's beta): to float32 here, as the Python path would */
+        TRY(gate_f32(gb[i], &conv[i]));
     }
     /* the state: a contiguous float32 or bf16 slot array, used in place (bf16: as a pool) */
     TRY(get_float(a[5], &state, 4));
@@ -762,6 +834,8 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
     if (s != FW_OK)
         TRY(DECLINE);
 done:
+    PyMem_Free(conv[0]);
+    PyMem_Free(conv[1]);
     return finish(rc, out, NULL);
 }
 
@@ -872,17 +946,124 @@ done:
     return finish(rc, out, NULL);
 }
 
+/* ------------------------------------------------------------- conv update -- */
+
+/* [a, b, c] as [a, c, b] (no copy) */
+static void swap12(fw_tensor *t)
+{
+    const int64_t n = t->shape[1], s = t->stride[1];
+    t->shape[1] = t->shape[2];
+    t->stride[1] = t->stride[2];
+    t->shape[2] = n;
+    t->stride[2] = s;
+}
+
+/* [a, b] as [a, b, 1] */
+static void add_last(fw_tensor *t)
+{
+    t->shape[2] = 1;
+    t->stride[2] = 1;
+    t->ndim = 3;
+}
+
+/* causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens,
+ *   conv_state_indices, threads, out) -> out: x [B, D] or [B, D, L]; conv_state [slots, D, S]
+ *   (updated in place); weight [D, W] or [D, 1, W]; bias [D] or None; activation None,
+ *   "silu" or "swish"; cache_seqlens and conv_state_indices None or int32 [B]. As conv.py's
+ *   Python path: fw_conv1d_fwd on [B, L, D] views, the state read at cache_seqlens and
+ *   written at cache_seqlens + L (mod S). */
+static PyObject *conv_update(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    (void)self;
+    if (!nargs(n, 9, "conv_update"))
+        return NULL;
+    arr x, cs, w, b, o;
+    PyObject *out = NULL;
+    fw_conv1d_params p;
+    const int32_t *idx = NULL, *roff = NULL;
+    int32_t woff[MAX_BATCH];
+    long long th;
+    int rc = OK;
+    TRY(get_arr(a[0], &x));
+    const int nd = x.t.ndim;
+    if (x.dtype == FW_INT32 || (nd != 2 && nd != 3))
+        TRY(DECLINE);
+    int64_t xs[3] = {x.t.shape[0], x.t.shape[1], nd == 3 ? x.t.shape[2] : 1};
+    const int xdense = same_dense(&x.t, xs, nd);
+    if (nd == 2)
+        add_last(&x.t);
+    const int64_t B = xs[0], D = xs[1], L = xs[2];
+    if (B > MAX_BATCH)
+        TRY(DECLINE);
+    TRY(get_float(a[1], &cs, 3));
+    if (cs.t.shape[1] != D)
+        TRY(DECLINE);
+    const int64_t S = cs.t.shape[2];
+    TRY(get_arr(a[2], &w));
+    if (w.dtype == FW_INT32)
+        TRY(DECLINE);
+    if (w.t.ndim == 3 && w.t.shape[1] == 1)
+        drop1(&w.t);
+    if (w.t.ndim != 2 || w.t.shape[0] != D)
+        TRY(DECLINE);
+    if (a[3] != Py_None) {
+        TRY(get_arr(a[3], &b));
+        if (b.dtype == FW_INT32 || b.t.ndim != 1 || b.t.shape[0] != D)
+            TRY(DECLINE);
+    }
+    st.conv_params_init(&p);
+    if (a[4] == Py_None)
+        p.activation = FW_ACT_NONE;
+    else if (PyUnicode_Check(a[4]) && (PyUnicode_Compare(a[4], st.s_silu) == 0 ||
+                                       PyUnicode_Compare(a[4], st.s_swish) == 0))
+        p.activation = FW_ACT_SILU;
+    else
+        TRY(DECLINE);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        TRY(DECLINE);
+    }
+    if (a[6] != Py_None)
+        TRY(get_indices(a[6], B, &idx));
+    else if (cs.t.shape[0] < B)
+        TRY(DECLINE);
+    if (a[5] != Py_None) {
+        TRY(get_indices(a[5], B, &roff));
+        const int64_t m = S > 1 ? S : 1;
+        for (int64_t i = 0; i < B; i++) /* (roff + L) mod S, floored as numpy's % */
+            woff[i] = (int32_t)((((int64_t)roff[i] + L) % m + m) % m);
+    }
+    TRY(get_int(a[7], 0, INT32_MAX, &th));
+    p.threads = (int32_t)th;
+    TRY(get_out(a[8], a[0], x.torch, xs, nd, elem_size(x.t.dtype), 0, xdense, &out, &o));
+    if (nd == 2)
+        add_last(&o.t);
+    if (o.t.shape[0] != B || o.t.shape[1] != D || o.t.shape[2] != L)
+        TRY(DECLINE);
+    swap12(&x.t);
+    swap12(&o.t);
+    swap12(&cs.t);
+    const fw_conv1d_state in = {cs.t, idx, roff}, fin = {cs.t, idx, roff ? woff : NULL};
+    fw_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = st.conv1d(&x.t, &w.t, a[3] != Py_None ? &b.t : NULL, NULL, B, &in, &fin, NULL, &o.t, &p);
+    Py_END_ALLOW_THREADS
+    if (s != FW_OK)
+        TRY(DECLINE);
+done:
+    return finish(rc, out, NULL);
+}
+
 /* -------------------------------------------------------------------- module -- */
 
 /* init(abi, fw_attn_fwd, fw_attn_varlen_fwd, fw_attn_kvcache_fwd, fw_gdn_decode,
  *   fw_attn_params_init, fw_gdn_params_init, fw_gdn_layer, fw_gdn_layer_params_init,
- *   fw_gdn_decode_pool): the
- * library's ABI version and the addresses of its functions, from the ctypes binding.
+ *   fw_gdn_decode_pool, fw_conv1d_fwd, fw_conv1d_params_init): the library's ABI version and the addresses of its functions, from the ctypes binding.
  * ImportError when the ABI differs from the header this was compiled with. */
 static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 10, "init"))
+    if (!nargs(n, 12, "init"))
         return NULL;
     const long abi = PyLong_AsLong(a[0]);
     if (abi == -1 && PyErr_Occurred())
@@ -894,8 +1075,8 @@ static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
                      FW_ABI_VERSION, abi);
         return NULL;
     }
-    void *f[9];
-    for (int i = 0; i < 9; i++) {
+    void *f[11];
+    for (int i = 0; i < 11; i++) {
         f[i] = PyLong_AsVoidPtr(a[i + 1]);
         if (!f[i]) {
             if (!PyErr_Occurred())
@@ -913,6 +1094,8 @@ static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
     memcpy(&st.gdn_layer, &f[6], sizeof f[6]);
     memcpy(&st.layer_params_init, &f[7], sizeof f[7]);
     memcpy(&st.gdn_decode_pool, &f[8], sizeof f[8]);
+    memcpy(&st.conv1d, &f[9], sizeof f[9]);
+    memcpy(&st.conv_params_init, &f[10], sizeof f[10]);
     Py_RETURN_NONE;
 }
 
@@ -934,6 +1117,8 @@ static PyMethodDef methods[] = {
     {"gdn_decode", (PyCFunction)(void (*)(void))gdn_decode, METH_FASTCALL,
      "gated_delta_rule_decode"},
     {"gdn_layer", (PyCFunction)(void (*)(void))gdn_layer, METH_FASTCALL, "fused_conv1d_gdn"},
+    {"conv_update", (PyCFunction)(void (*)(void))conv_update, METH_FASTCALL,
+     "causal_conv1d_update"},
     {"stats", stats, METH_NOARGS, "(fast calls, declined calls)"},
     {NULL, NULL, 0, NULL},
 };
@@ -955,8 +1140,10 @@ PyMODINIT_FUNC PyInit__fwext(void)
     st.s_dlpack = PyUnicode_InternFromString("__dlpack__");
     st.s_requires_grad = PyUnicode_InternFromString("requires_grad");
     st.s_dtype = PyUnicode_InternFromString("dtype");
+    st.s_silu = PyUnicode_InternFromString("silu");
+    st.s_swish = PyUnicode_InternFromString("swish");
     if (!st.np_ndarray || !st.np_empty || !st.np_float32 || !st.s_dlpack ||
-        !st.s_requires_grad || !st.s_dtype)
+        !st.s_requires_grad || !st.s_dtype || !st.s_silu || !st.s_swish)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -388,7 +388,7 @@ def _load_fast_path():
     addr = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
         "fw_attn_fwd", "fw_attn_varlen_fwd", "fw_attn_kvcache_fwd", "fw_gdn_decode",
         "fw_attn_params_init", "fw_gdn_params_init", "fw_gdn_layer", "fw_gdn_layer_params_init",
-        "fw_gdn_decode_pool")]
+        "fw_gdn_decode_pool", "fw_conv1d_fwd", "fw_conv1d_params_init")]
     ext.init(lib.fw_abi_version(), *addr)
     return ext, path
 

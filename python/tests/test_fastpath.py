@@ -190,7 +190,7 @@ def test_kvcache_same_bits(family, dtype, paged, append):
 
 
 def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16", kda=False,
-              state_dtype="float32"):
+              state_dtype="float32", gate_dtype="float32"):
     rng = np.random.default_rng(5)
     N, H, HV, K, V, slots = 3, 2, 4, 16, 24, 5
     lead = (N, 1) if squeeze else (N,)
@@ -199,13 +199,19 @@ def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16", kda
     v, _ = make(rng, lead + (HV, V), dtype, family)
     g = -np.abs(rng.standard_normal(lead + ((HV, K) if kda else (HV,)))).astype(np.float32)
     beta = rng.uniform(0, 1, lead + (HV,)).astype(np.float32)
+    if gate_dtype != "float32":  # a bf16 model's gates; a strided g
+        g, _ = make(rng, lead + ((HV, 2 * K) if kda else (2 * HV,)), gate_dtype, family)
+        g = -abs(g[..., ::2])
+        beta, _ = make(rng, lead + (HV,), gate_dtype, family)
+        beta = abs(beta) / 4
     state = rng.standard_normal((slots, HV, K, V)).astype(np.float32)
     if state_dtype == "bfloat16":
         state, _ = make(rng, (slots, HV, K, V), "bfloat16", family)
     idx = np.array([4, 0, 2], np.int32) if with_idx else None
     out = np.zeros(lead + (HV, V), v.dtype) if family == "numpy" and with_out else None
-    if family == "torch":
+    if family == "torch" and gate_dtype == "float32":
         g, beta = torch.from_numpy(g), torch.from_numpy(beta)
+    if family == "torch":
         state = state if state_dtype == "bfloat16" else torch.from_numpy(state)
         idx = None if idx is None else torch.from_numpy(idx)
         if with_out:
@@ -233,6 +239,56 @@ def test_gdn_decode_same_bits(family, squeeze, with_idx):
             check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm, "float16",
                                     state_dtype="bfloat16"),
                   taken=_exportable(family, "bfloat16"))
+            # bf16 / f16 g and beta (converted to float32 by either path), KDA's g too
+            for gd in ("bfloat16", "float16"):
+                for kda in (False, True):
+                    check(lambda: _gdn_call(family, squeeze, with_idx, with_out, l2norm,
+                                            "float16", kda, gate_dtype=gd),
+                          taken=_exportable(family, gd) and not (kda and squeeze))
+
+
+def _conv_call(family, dtype, two_d, L, bias, act, seqlens, idx, with_out, channel_last=False,
+               state_dtype=None):
+    """causal_conv1d_update on a [slots, D, S] state ([B, D, S] as transformers keeps it, or
+    a transposed [slots, S, D] one: channel_last)."""
+    rng = np.random.default_rng(7)
+    B, D, W, S, slots = 3, 40, 4, 5, 4
+    x, _ = make(rng, (B, D) if two_d else (B, D, L), dtype, family)
+    if channel_last:
+        st, _ = make(rng, (slots, S, D), state_dtype or dtype, family)
+        st = st.transpose(1, 2) if family == "torch" else np.swapaxes(st, 1, 2)
+    else:
+        st, _ = make(rng, (slots, D, S), state_dtype or dtype, family)
+    w, _ = make(rng, (D, 1, W), "float32", family)
+    b = make(rng, (D,), dtype, family)[0] if bias else None
+    lens = np.array([0, 7, 3], np.int32) if seqlens else None
+    slot = np.array([3, 0, 1], np.int32) if idx else None
+    out = None
+    if with_out:
+        out = make(rng, tuple(x.shape), dtype, family)[0]
+    if family == "torch":
+        lens = None if lens is None else torch.from_numpy(lens)
+        slot = None if slot is None else torch.from_numpy(slot)
+    o = flywheel.causal_conv1d_update(x, st, w, b, activation=act, cache_seqlens=lens,
+                                      conv_state_indices=slot, out=out)
+    return o, st, out
+
+
+@fast_only
+@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_conv_update_same_bits(family, dtype, two_d):
+    for L in ((1,) if two_d else (1, 3)):
+        for bias, act in ((False, None), (True, "silu"), (True, "swish")):
+            for seqlens in (False, True):
+                for idx in (False, True):
+                    for with_out in (False, True):
+                        check(lambda: _conv_call(family, dtype, two_d, L, bias, act, seqlens, idx,
+                                                 with_out),
+                              taken=_exportable(family, dtype))
+    check(lambda: _conv_call(family, dtype, two_d, 1, True, "silu", True, True, False,
+                             channel_last=True, state_dtype="float32"), taken=True)
 
 
 def _layer_call(family, dtype="bfloat16", with_read=True, zero_tail=True, padded=False,
@@ -343,9 +399,26 @@ def _declined_cases():
             q, _readonly(kv), kv.copy(), kv[:, :4], kv[:, :4], cache_seqlens=0),
         "kvcache k without v": lambda: flywheel.flash_attn_with_kvcache(
             q, kv.copy(), kv.copy(), kv[:, :4], None, cache_seqlens=0),
-        "gdn bf16-typed g": lambda: flywheel.gated_delta_rule_decode(
-            q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float16), np.zeros((2, 2), np.float32),
+        "gdn float64 g": lambda: flywheel.gated_delta_rule_decode(
+            q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float64), np.zeros((2, 2), np.float32),
             np.zeros((2, 2, 8, 8), np.float32)),
+        "conv float64 x": lambda: flywheel.causal_conv1d_update(
+            np.zeros((2, 8, 1)), np.zeros((2, 8, 3), np.float32), np.ones((8, 4), np.float32)),
+        "conv gelu": lambda: flywheel.causal_conv1d_update(
+            q[0, :2], np.zeros((2, 4, 3), np.float32), np.ones((4, 4), np.float32),
+            activation="gelu"),
+        "conv read-only state": lambda: flywheel.causal_conv1d_update(
+            q[0, :2], _readonly(np.zeros((2, 4, 3), np.float32)), np.ones((4, 4), np.float32)),
+        "conv int64 slots": lambda: flywheel.causal_conv1d_update(
+            q[0, :2], np.zeros((2, 4, 3), np.float32), np.ones((4, 4), np.float32),
+            conv_state_indices=np.array([1, 0], np.int64)),
+        "conv dim differs": lambda: flywheel.causal_conv1d_update(
+            q[0, :2], np.zeros((2, 5, 3), np.float32), np.ones((4, 4), np.float32)),
+        "conv too few slots": lambda: flywheel.causal_conv1d_update(
+            q[0, :2], np.zeros((1, 4, 3), np.float32), np.ones((4, 4), np.float32)),
+        "conv slots alias": lambda: flywheel.causal_conv1d_update(
+            q[0, :2], np.zeros((2, 4, 3), np.float32), np.ones((4, 4), np.float32),
+            conv_state_indices=np.array([1, 1], np.int32)),
         "gdn float64 state": lambda: flywheel.gated_delta_rule_decode(
             q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
             np.zeros((2, 2, 8, 8), np.float64)),
