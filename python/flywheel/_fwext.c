@@ -11,7 +11,7 @@
  * takes only the common, fully valid case: torch CPU tensors or numpy arrays seen through
  * DLPack without copies, int32 index arrays, plain numbers, the options that need no Python
  * work. Anything else -- another type or dtype, a layout the Python path would copy, a
- * read-only array (numpy refuses to export one), a tensor that requires grad, a value out of
+ * read-only array (numpy refuses to export one), a tensor that requires grad (grad mode on), a value out of
  * range, and any status other than FW_OK from the library, which writes nothing when it
  * refuses -- returns NotImplemented and the Python path runs the call as before, with its
  * copies, conversions and error messages. So results and errors are the Python path's by
@@ -115,6 +115,7 @@ static struct {
     PyObject *torch_empty;  /* torch.empty */
     PyObject *torch_f32;    /* torch.float32 */
     PyObject *torch_empty_like; /* torch.empty_like */
+    PyObject *torch_grad_enabled; /* torch.is_grad_enabled */
     PyObject *np_ndarray, *np_empty, *np_float32;
     PyObject *s_dlpack, *s_requires_grad, *s_dtype, *s_silu, *s_swish;
     unsigned long long fast, fallback; /* calls taken and declined (under the GIL) */
@@ -137,18 +138,21 @@ static void find_torch(void)
     PyObject *empty = PyObject_GetAttrString(torch, "empty");
     PyObject *f32 = PyObject_GetAttrString(torch, "float32");
     PyObject *like = PyObject_GetAttrString(torch, "empty_like");
+    PyObject *grad = PyObject_GetAttrString(torch, "is_grad_enabled");
     PyObject *c = PyObject_GetAttrString(torch, "_C");
     PyObject *to = c ? PyObject_GetAttrString(c, "_to_dlpack") : NULL;
     Py_XDECREF(c);
-    if (!tensor || !empty || !f32 || !like || !to) {
+    if (!tensor || !empty || !f32 || !like || !grad || !to) {
         Py_XDECREF(tensor);
         Py_XDECREF(empty);
         Py_XDECREF(f32);
         Py_XDECREF(like);
+        Py_XDECREF(grad);
         Py_XDECREF(to);
         PyErr_Clear();
         return;
     }
+    st.torch_grad_enabled = grad;
     st.torch_empty = empty;
     st.torch_f32 = f32;
     st.torch_empty_like = like;
@@ -184,8 +188,19 @@ static int get_arr(PyObject *o, arr *a)
             return FAIL;
         const int grad = PyObject_IsTrue(g);
         Py_DECREF(g);
-        if (grad)
-            return grad < 0 ? FAIL : DECLINE; /* the Python path says what to do */
+        if (grad < 0)
+            return FAIL;
+        if (grad) {
+            /* under torch.no_grad() (a model's parameters at inference) it is an input as
+             * any other; with grad mode on the Python path says what to do */
+            PyObject *on = PyObject_CallNoArgs(st.torch_grad_enabled);
+            if (!on)
+                return FAIL;
+            const int enabled = PyObject_IsTrue(on);
+            Py_DECREF(on);
+            if (enabled)
+                return enabled < 0 ? FAIL : DECLINE;
+        }
         cap = PyObject_CallFunctionObjArgs(st.to_dlpack, o, NULL);
         a->torch = 1;
     } else if (is_numpy(o)) {

@@ -432,11 +432,35 @@ def _declined_cases():
     }
     if torch is not None:
         tq = torch.from_numpy(q).requires_grad_()
-        tk = torch.from_numpy(kv)
-        # the differentiable path (attention's autograd.Function) is Python's
-        cases["torch q requiring grad"] = lambda: flywheel.flash_attn_func(tq, tk, tk).detach()
         cases["torch q with numpy k"] = lambda: flywheel.flash_attn_func(tq.detach(), kv, kv)
+        # grad mode on: a conv update has no backward (the Python path refuses it)
+        tw = torch.ones(2, 4, requires_grad=True)
+        cases["conv weight requiring grad"] = lambda: flywheel.causal_conv1d_update(
+            torch.from_numpy(q[0, :2]), torch.zeros(2, 2, 3), tw)
     return cases
+
+
+@fast_only
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_no_grad_parameters_taken():
+    """Under torch.no_grad() a tensor that requires grad (a model's conv weight, as
+    transformers passes it at inference) is an input like any other: the fast path takes the
+    call (it declined them all, so every conv update of a model ran through ctypes)."""
+    def call():
+        rng = np.random.default_rng(8)
+        x, _ = make(rng, (2, 16, 1), "bfloat16", "torch")
+        st, _ = make(rng, (2, 16, 4), "bfloat16", "torch")
+        w = torch.nn.Parameter(make(rng, (16, 1, 4), "bfloat16", "torch")[0])
+        with torch.no_grad():
+            return flywheel.causal_conv1d_update(x, st, w.squeeze(1), None, "silu"), st
+    check(call, taken=True)
+    assert torch.is_grad_enabled()
+    # with grad on, the differentiable path (attention's autograd.Function) is Python's, and
+    # its forward, which runs with grad off, takes the fast path
+    rng = np.random.default_rng(6)
+    tq = torch.from_numpy(rng.standard_normal((1, 4, 2, 8)).astype(np.float32)).requires_grad_()
+    tk = torch.from_numpy(rng.standard_normal((1, 6, 2, 8)).astype(np.float32))
+    check(lambda: flywheel.flash_attn_func(tq, tk, tk).detach(), taken=True)
 
 
 @fast_only
