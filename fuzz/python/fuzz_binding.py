@@ -1629,9 +1629,13 @@ def fuzz_decode(c):
     k = c.tensor("k", shapes["k"], dt)
     v = c.tensor("v", shapes["v"], dt)
     gate_bad = [np.int32, bool, object]
-    g = c.tensor("g", shapes["g"], F32, fill="gate" if not c.flag(12) else "normal",
+    # gates in float32 mostly, else f16 or bf16 (a bf16 model's beta), which both paths
+    # convert; drawn from the input's generator, so the corpus keeps its shapes and flags
+    gdt = [F32, F32] + FLOATS[1:]
+    gdt = gdt[int(c.rng.integers(len(gdt)))]
+    g = c.tensor("g", shapes["g"], gdt, fill="gate" if not c.flag(12) else "normal",
                  bad_dtypes=gate_bad)
-    beta = c.tensor("beta", shapes["beta"], F32, fill="beta", bad_dtypes=gate_bad)
+    beta = c.tensor("beta", shapes["beta"], gdt, fill="beta", bad_dtypes=gate_bad)
     state, idx = make_state_and_slots(c, N, HV, K, V, written=True)
     kw = {}
     if idx is not None:
