@@ -1905,6 +1905,72 @@ def fuzz_threads(c):
         flywheel.set_num_threads(1)
 
 
+def fuzz_conv_update(c):
+    """causal_conv1d_update (transformers' decode step of the conv; the compiled fast path
+    takes most valid calls): (a)-(c) on every input; a call that succeeds on plain operands
+    (the shapes asked for, float arrays, moderate values, no cache_seqlens or slot indices)
+    is checked against float64. Which problems must be refused is not modeled here
+    (fuzz_conv.c does that for the C API)."""
+    B, D, L = c.dim((2, 1, 3, 0)), c.dim((8, 3, 16, 1, 0)), c.dim((1, 1, 2, 3))
+    W = c.dim((4, 2, 3, 1))
+    S = W - 1 + c.dim((0, 1, 0, 2))
+    slots = B + c.dim((0, 1, 2))
+    dt = c.pick(FLOATS)
+    two = L == 1 and c.flag(3)
+    xs = [B, D] if two else [B, D, L]
+    shapes = {"x": list(xs), "conv_state": [slots, D, S], "weight": [D, W], "bias": [D],
+              "out": list(xs)}
+    mutate_shapes(c, shapes)
+    x = c.tensor("x", shapes["x"], dt)
+    st = c.tensor("conv_state", shapes["conv_state"], dt if not c.flag(4) else c.pick(FLOATS),
+                  written=True, fill="state")
+    w = c.tensor("weight", shapes["weight"], c.pick(FLOATS), fill="state")
+    kw = {}
+    if c.flag(2):
+        kw["bias"] = c.tensor("bias", shapes["bias"], c.pick(FLOATS), fill="state")
+    if c.flag(2):
+        kw["activation"] = c.pick(["silu", "swish", None, "gelu", 3])
+    if c.flag(4):
+        kw["cache_seqlens"] = c.index("cache_seqlens", [c.n(0, 9) for _ in range(B)])
+    if c.flag(4):
+        kw["conv_state_indices"] = c.index(
+            "conv_state_indices", [int(i) for i in c.rng.permutation(slots)[:B]])
+    if c.flag(4):
+        kw["out"] = c.tensor("out", shapes["out"], dt, written=True)
+    if c.flag(8):
+        kw["isa"] = c.pick(ISAS)
+    old = small_copy(st)
+    res, exc, _ = run_call(c, flywheel.causal_conv1d_update, (x, st, w), kw)
+    if exc is not None:
+        return
+    plain = {"x": (x, xs), "conv_state": (st, [slots, D, S]), "weight": (w, [D, W])}
+    for n in ("bias", "out"):
+        if kw.get(n) is not None:
+            plain[n] = (kw[n], [D] if n == "bias" else xs)
+    if "cache_seqlens" in kw or "conv_state_indices" in kw or old is None or \
+            not all(isinstance(a, np.ndarray) and a.dtype in FLOATS and list(a.shape) == want
+                    and all(st_ != 0 or m <= 1 for st_, m in zip(a.strides, a.shape))
+                    for a, want in plain.values()) or \
+            not moderate(c, *[a for a, _ in plain.values()]):
+        return
+    if res.shape != x.shape or res.dtype != x.dtype:
+        raise Finding(f"conv update out {res.shape} {res.dtype}, x is {x.shape} {x.dtype}")
+    x3 = as64(x).reshape(B, D, L)
+    win = np.concatenate([old[:B], x3], axis=2)          # [B, D, S + L]
+    y = np.zeros((B, D, L))
+    for t in range(L):
+        y[:, :, t] = np.einsum("bdk,dk->bd", win[:, :, S + t - (W - 1):S + t + 1], as64(w))
+    if kw.get("bias") is not None:
+        y += as64(kw["bias"])[None, :, None]
+    if kw.get("activation") in ("silu", "swish"):
+        y = y / (1.0 + np.exp(-y))
+    tol = {F32: 1e-4, F16: 4e-3}.get(x.dtype, 3e-2)
+    big = (lambda a: float(np.abs(a).max()) if a.size else 0.0)
+    compare("conv update out", res.reshape(B, D, L), y, tol, 1.0 + big(y))
+    stol = {F32: 1e-6, F16: 1e-3}.get(st.dtype, 8e-3)
+    compare("conv update state", as64(st)[:B], win[:, :, L:], stol, 1.0 + big(win))
+
+
 def fuzz_misc(c):
     tables = flywheel.isa_tables()
     if tables != SUPPORTED_ISA or (flywheel.default_isa() not in tables + [None]):
@@ -1912,12 +1978,12 @@ def fuzz_misc(c):
 
 
 CALLS = [fuzz_dense, fuzz_varlen, fuzz_kvcache, fuzz_prefill, fuzz_decode, fuzz_verify_commit,
-         fuzz_threads, fuzz_misc]
+         fuzz_conv_update, fuzz_threads, fuzz_misc]
 
 
 def TestOneInput(data):
     c = Case(data)
-    call = c.pick(CALLS[:6]) if not c.flag(30) else c.pick(CALLS[6:])
+    call = c.pick(CALLS[:7]) if not c.flag(30) else c.pick(CALLS[7:])
     try:
         call(c)
     except (ValueError, MemoryError):
@@ -1948,8 +2014,8 @@ def make_corpus(path):
     some it refuses (the fuzzer mutates from there). Deterministic."""
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(2024)
-    want = {f.__name__: [2, 2] for f in CALLS[:6]}  # [accepted, refused] still wanted
-    want.update({f.__name__: [1, 0] for f in CALLS[6:]})
+    want = {f.__name__: [2, 2] for f in CALLS[:7]}  # [accepted, refused] still wanted
+    want.update({f.__name__: [1, 0] for f in CALLS[7:]})
     tries = 0
     while any(a or r for a, r in want.values()) and tries < 200000:
         tries += 1
