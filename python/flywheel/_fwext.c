@@ -249,6 +249,12 @@ static int get_arr(PyObject *o, arr *a)
             run *= d->shape[i];
             if (t->stride[i] < 0)
                 rc = DECLINE; /* numpy would copy it */
+            /* An empty array goes the Python way: its exporter's strides may not be the
+             * array's (numpy exports an empty view whose byte strides are not whole
+             * elements, which the Python path refuses to merge; found by the binding
+             * fuzzer), and an empty call has nothing to gain here. */
+            if (d->shape[i] == 0)
+                rc = DECLINE;
         }
         a->dtype = code;
         /* the data stays alive with `o`, which the caller holds for the whole call */

@@ -140,6 +140,14 @@ def _numpy_exports_bfloat16():
     return True
 
 
+def _bf16_exports():
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return _numpy_exports_bfloat16()
+
+
 def _exportable(family, dtype):
     """Whether the compiled path takes the call: all of them but numpy bfloat16 arrays where
     numpy cannot export them (those calls go the ctypes way)."""
@@ -430,6 +438,17 @@ def _declined_cases():
             q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32),
             np.zeros((2, 2, 8, 8), np.float32), np.array([1, 1], np.int32)),
     }
+    if _bf16_exports():
+        import ml_dtypes
+        bf = ml_dtypes.bfloat16
+        # an empty bf16 out whose byte strides are not whole elements: numpy exports it (as
+        # whole elements that merge), the Python path refuses to merge its [b, sq] (found
+        # by the binding fuzzer: the fast path ran the empty call)
+        cases["kvcache empty out, odd strides"] = lambda: flywheel.flash_attn_with_kvcache(
+            np.zeros((0, 2, 2, 8), bf), np.zeros((1, 6, 2, 8), bf), np.zeros((1, 6, 2, 8), bf),
+            cache_seqlens=np.zeros(0, np.int32),
+            out=np.ndarray((0, 2, 2, 8), bf, buffer=np.zeros(64, np.uint8),
+                           strides=(217, 108, 27, 3)))
     if torch is not None:
         tq = torch.from_numpy(q).requires_grad_()
         cases["torch q with numpy k"] = lambda: flywheel.flash_attn_func(tq.detach(), kv, kv)
