@@ -11,9 +11,9 @@
  * takes only the common, fully valid case: torch CPU tensors or numpy arrays seen through
  * DLPack without copies, int32 index arrays, plain numbers, the options that need no Python
  * work. Anything else -- another type or dtype, a layout the Python path would copy, a
- * read-only array (numpy refuses to export one), a tensor that requires grad (grad mode on), a value out of
- * range, and any status other than FW_OK from the library, which writes nothing when it
- * refuses -- returns NotImplemented and the Python path runs the call as before, with its
+ * read-only array (numpy refuses to export one), an empty array, a tensor that requires grad
+ * (grad mode on), a value out of range, and any status other than FW_OK from the library,
+ * which writes nothing when it refuses -- returns NotImplemented and the Python path runs the call as before, with its
  * copies, conversions and error messages. So results and errors are the Python path's by
  * construction; python/tests/test_fastpath.py checks both paths give the same bits and that
  * the fast path really runs.
@@ -693,9 +693,6 @@ done:
 
 /* ------------------------------------------------------------- GDN decode -- */
 
-/* gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, l2norm, threads,
- *   out) -> out (v's shape); q/k [N, H, K] or [N, 1, H, K], v [N, HV, V] or [N, 1, HV, V],
- *   g/beta [N, HV] or [N, 1, HV] float32, state [slots, HV, K, V] contiguous float32 or bf16 */
 /* An IEEE half's value as float32 (exact; a NaN keeps its payload, as numpy's conversion). */
 static float half_f32(uint16_t h)
 {
@@ -715,6 +712,9 @@ static float half_f32(uint16_t h)
     return f;
 }
 
+/* the most elements of a gate operand converted here (4 MiB of float32) */
+#define GATE_MAX ((int64_t)1 << 20)
+
 /* A gate operand (g or beta) in float32 for the library: float32 as it lies; bf16 or f16
  * converted (exactly) into a new contiguous array, *buf (PyMem_Free it), as the Python path's
  * to_numpy_f32 does. One to four dims. */
@@ -729,7 +729,8 @@ static int gate_f32(arr *x, float **buf)
     for (int i = 0; i < t->ndim; i++) {
         shape[4 - t->ndim + i] = t->shape[i];
         stride[4 - t->ndim + i] = t->stride[i];
-        count *= t->shape[i];
+        if (t->shape[i] > GATE_MAX || (count *= t->shape[i]) > GATE_MAX)
+            return DECLINE; /* a huge (zero-stride) view: the Python path's */
     }
     float *f = *buf = PyMem_Malloc((size_t)(count > 0 ? count : 1) * sizeof(float));
     if (!f) {
@@ -759,6 +760,10 @@ static int gate_f32(arr *x, float **buf)
     return OK;
 }
 
+/* gated_delta_rule_decode(q, k, v, g, beta, state, state_indices, scale, l2norm, threads,
+ *   out) -> out (v's shape); q/k [N, H, K] or [N, 1, H, K], v [N, HV, V] or [N, 1, HV, V],
+ *   g/beta [N, HV] or [N, 1, HV] float32, bf16 or f16 (KDA's g [N, HV, K]), state [slots,
+ *   HV, K, V] contiguous float32 or bf16 */
 static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
