@@ -1040,15 +1040,12 @@ static PyObject *conv_update(PyObject *self, PyObject *const *a, Py_ssize_t n)
     st.conv_params_init(&p);
     if (a[4] == Py_None)
         p.activation = FW_ACT_NONE;
+    /* (two strs: PyUnicode_Compare cannot fail) */
     else if (PyUnicode_Check(a[4]) && (PyUnicode_Compare(a[4], st.s_silu) == 0 ||
                                        PyUnicode_Compare(a[4], st.s_swish) == 0))
         p.activation = FW_ACT_SILU;
     else
         TRY(DECLINE);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        TRY(DECLINE);
-    }
     if (a[6] != Py_None)
         TRY(get_indices(a[6], B, &idx));
     else if (cs.t.shape[0] < B)
@@ -1084,7 +1081,8 @@ done:
 
 /* init(abi, fw_attn_fwd, fw_attn_varlen_fwd, fw_attn_kvcache_fwd, fw_gdn_decode,
  *   fw_attn_params_init, fw_gdn_params_init, fw_gdn_layer, fw_gdn_layer_params_init,
- *   fw_gdn_decode_pool, fw_conv1d_fwd, fw_conv1d_params_init): the library's ABI version and the addresses of its functions, from the ctypes binding.
+ *   fw_gdn_decode_pool, fw_conv1d_fwd, fw_conv1d_params_init): the library's ABI version
+ * and the addresses of its functions, from the ctypes binding.
  * ImportError when the ABI differs from the header this was compiled with. */
 static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
