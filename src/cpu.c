@@ -2,6 +2,7 @@
  * the default table. */
 #define _GNU_SOURCE 1 /* syscall() */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -213,7 +214,7 @@ const char *fw_isa_default(void)
 
 void fw_kernels_fill(fw_kernels *t, const fw_kernels *base)
 {
-#define FW_FILL(f) if (!t->f) t->f = base->f;
+#define FW_FILL(sub, f) if (!t->sub.f) t->sub.f = base->sub.f;
     FW_KERNEL_ENTRIES(FW_FILL)
 #undef FW_FILL
 }
@@ -238,21 +239,34 @@ static const fw_kernels *table(int i)
     return &resolved[i];
 }
 
+/* "portable, avx2, ..." of the registered tables, into buf. */
+static const char *table_names(char *buf, size_t n)
+{
+    buf[0] = 0;
+    for (int i = 0; i < NTABLES; i++) {
+        const size_t len = strlen(buf);
+        snprintf(buf + len, n - len, "%s%s", i ? ", " : "", tables[i].k->name);
+    }
+    return buf;
+}
+
 const fw_kernels *fw_kernels_get(const char *name)
 {
+    char names[256];
     if (!name) {
         int d = detect();
         if (d < 0) {
             fw_fail(FW_ERR_UNSUPPORTED,
-                    "FLYWHEEL_ISA=%s names no kernel table this CPU runs (tables: portable, avx2, "
-                    "avx512, avx512bf16, amx)", env_name);
+                    "FLYWHEEL_ISA=%s names no kernel table this CPU runs (tables: %s)", env_name,
+                    table_names(names, sizeof names));
             return NULL;
         }
         return table(d);
     }
     const entry *e = find(name);
     if (!e) {
-        fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: portable, avx2, avx512, avx512bf16, amx)", name);
+        fw_fail(FW_ERR_UNSUPPORTED, "unknown kernel table \"%s\" (tables: %s)", name,
+                table_names(names, sizeof names));
         return NULL;
     }
     if (!supported(e)) {
@@ -272,7 +286,7 @@ typedef struct {
 static void peak_item(void *ctx, int64_t item, int tid)
 {
     peak_ctx *p = ctx;
-    p->gflops[item] = p->bf16 ? p->k->peak_bf16(p->seconds) : p->k->peak(p->seconds);
+    p->gflops[item] = p->bf16 ? p->k->peak.bf16(p->seconds) : p->k->peak.f32(p->seconds);
     (void)tid;
 }
 
@@ -333,7 +347,7 @@ typedef struct {
 static void bw_item(void *ctx, int64_t item, int tid)
 {
     bw_ctx *b = ctx;
-    b->sink[item] = b->k->stream_sum(b->buf + (size_t)item * b->per, b->per);
+    b->sink[item] = b->k->peak.stream_sum(b->buf + (size_t)item * b->per, b->per);
     (void)tid;
 }
 

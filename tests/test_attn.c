@@ -972,7 +972,7 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
     uint32_t *QW = malloc(sizeof(uint32_t) * (size_t)(R * dw)), PW[FW_DEC_ROWS * FW_DEC_KEYS / 2];
     uint16_t *V = malloc(sizeof(uint16_t) * (size_t)(nk * dv));
     for (int j = 0; j < nk; j++)
-        kt->to_f32(rows[j], dt, 1, d, 1.0f, Kf + (size_t)j * d);
+        kt->cvt.to_f32(rows[j], dt, 1, d, 1.0f, Kf + (size_t)j * d);
     for (int i = 0; i < R * d; i++)
         Q[i] = (float)rng_normal();
     for (int pass = 0; pass < 1 + (dt == FW_BF16); pass++) {
@@ -981,13 +981,13 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
             S[i] = NAN;
         if (pass) {
             for (int r = 0; r < R; r++)
-                kt->pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
-            kt->dec_qk_rows_bf16(R, nk, d, QW, rows, scale, NULL, 0, S);
+                kt->mm.pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
+            kt->dec.qk_rows_bf16(R, nk, d, QW, rows, scale, NULL, 0, S);
             float *S2 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
             const void *next[FW_DEC_KEYS];
             for (int j = 0; j < nk; j++)
                 next[j] = rows[nk - 1 - j];
-            kt->dec_qk_rows_bf16(R, nk, d, QW, rows, scale, next, nk - nk % 3, S2);
+            kt->dec.qk_rows_bf16(R, nk, d, QW, rows, scale, next, nk - nk % 3, S2);
             case_check(memcmp(S, S2, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0,
                        "dec_qk_rows_bf16 R %d nk %d d %d: prefetching the next tile changed S", R, nk, d);
             free(S2);
@@ -998,9 +998,9 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
             const int nn = nk - nk % 3;
             for (int j = 0; j < nk; j++)
                 next[j] = rows[nk - 1 - j];
-            kt->dec_qk_rows(R, nk, d, Q, rows, dt, next, nn, S);
+            kt->dec.qk_rows(R, nk, d, Q, rows, dt, next, nn, S);
             float *S2 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
-            kt->dec_qk_rows(R, nk, d, Q, rows, dt, NULL, 0, S2);
+            kt->dec.qk_rows(R, nk, d, Q, rows, dt, NULL, 0, S2);
             case_check(memcmp(S, S2, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0,
                        "dec_qk_rows %s R %d nk %d d %d: prefetching the next tile changed S", dtn(dt), R, nk, d);
             free(S2);
@@ -1029,16 +1029,16 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
         memcpy(O2, O0, sizeof(float) * (size_t)(R * dv));
         for (int j = 0; j < nk; j++)
             next[j] = vrows[nk - 1 - j];
-        kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, next, nk - nk % 2, PW, O2);
-        kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, NULL, 0, PW, O);
+        kt->dec.pv_bf16(R, nk, dv, S, vrows, FW_BF16, next, nk - nk % 2, PW, O2);
+        kt->dec.pv_bf16(R, nk, dv, S, vrows, FW_BF16, NULL, 0, PW, O);
         case_check(memcmp(O, O2, sizeof(float) * (size_t)(R * dv)) == 0,
                    "dec_pv_bf16 R %d nk %d dv %d: prefetching the next tile changed O", R, nk, dv);
         /* and dec_pv (f32 products) on the same bf16 rows (AVX2's even / odd path) */
         float *O3 = malloc(sizeof(float) * (size_t)(R * dv));
         memcpy(O2, O0, sizeof(float) * (size_t)(R * dv));
         memcpy(O3, O0, sizeof(float) * (size_t)(R * dv));
-        kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, next, nk - nk % 2, O2);
-        kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, NULL, 0, O3);
+        kt->dec.pv(R, nk, dv, S, vrows, FW_BF16, next, nk - nk % 2, O2);
+        kt->dec.pv(R, nk, dv, S, vrows, FW_BF16, NULL, 0, O3);
         case_check(memcmp(O3, O2, sizeof(float) * (size_t)(R * dv)) == 0,
                    "dec_pv bf16 rows R %d nk %d dv %d: prefetching the next tile changed O", R, nk, dv);
         free(O2);
@@ -1073,8 +1073,8 @@ static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int d
     const int dw = (d + 1) / 2, ldkw = dw + 3, nw = (nk + 1) / 2;
     const float scale = 0.7f;
     uint32_t *K = malloc(sizeof(uint32_t) * (size_t)nk * ldkw), *QW = malloc(sizeof(uint32_t) * (size_t)dw * M);
-    uint32_t *PW = malloc(sizeof(uint32_t) * (size_t)nw * M), *VT = malloc(kt->panel_bytes(nk, dv));
-    uint32_t *VT1 = malloc(kt->panel_bytes(nk, 1));
+    uint32_t *PW = malloc(sizeof(uint32_t) * (size_t)nw * M), *VT = malloc(kt->mm.panel_bytes(nk, dv));
+    uint32_t *VT1 = malloc(kt->mm.panel_bytes(nk, 1));
     float *ST = malloc(sizeof(float) * (size_t)nk * M), *ST1 = malloc(sizeof(float) * (size_t)M);
     float *bias = malloc(sizeof(float) * (size_t)M), *X = malloc(sizeof(float) * (size_t)nk * dv);
     float *P = malloc(sizeof(float) * (size_t)nk * M), *X1 = malloc(sizeof(float) * (size_t)nk);
@@ -1096,8 +1096,8 @@ static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int d
     for (int i = 0; i < dv * M; i++)
         O0[i] = OT[i] = (float)rng_normal();
     for (int w = 0; w < nw; w++)
-        kt->pack_pairs(P + (size_t)2 * w * M, 2 * w + 1 < nk ? P + (size_t)(2 * w + 1) * M : NULL, M, PW + (size_t)w * M);
-    memset(VT, 0xff, kt->panel_bytes(nk, dv));
+        kt->mm.pack_pairs(P + (size_t)2 * w * M, 2 * w + 1 < nk ? P + (size_t)(2 * w + 1) * M : NULL, M, PW + (size_t)w * M);
+    memset(VT, 0xff, kt->mm.panel_bytes(nk, dv));
     /* bf16 rows pack to the bits of f32 rows of the same values */
     uint16_t *X16 = malloc(sizeof(uint16_t) * (size_t)nk * dv);
     float *Xr = malloc(sizeof(float) * (size_t)nk * dv);
@@ -1105,23 +1105,23 @@ static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int d
         X16[i] = fw_f32_to_bf16(X[i]);
         Xr[i] = fw_bf16_to_f32(X16[i]);
     }
-    kt->pack_vw(X16, FW_BF16, nk, dv, VT);
-    uint32_t *VT16 = malloc(kt->panel_bytes(nk, dv));
-    memcpy(VT16, VT, kt->panel_bytes(nk, dv));
-    memset(VT, 0xff, kt->panel_bytes(nk, dv));
-    kt->pack_vw(Xr, FW_F32, nk, dv, VT);
-    case_check(memcmp(VT16, VT, kt->panel_bytes(nk, dv)) == 0, "pack_vw nk %d dv %d: bf16 rows pack to other bits "
+    kt->mm.pack_vw(X16, FW_BF16, nk, dv, VT);
+    uint32_t *VT16 = malloc(kt->mm.panel_bytes(nk, dv));
+    memcpy(VT16, VT, kt->mm.panel_bytes(nk, dv));
+    memset(VT, 0xff, kt->mm.panel_bytes(nk, dv));
+    kt->mm.pack_vw(Xr, FW_F32, nk, dv, VT);
+    case_check(memcmp(VT16, VT, kt->mm.panel_bytes(nk, dv)) == 0, "pack_vw nk %d dv %d: bf16 rows pack to other bits "
                "than f32 rows of the same values", nk, dv);
     free(X16); free(Xr); free(VT16);
-    memset(VT, 0xff, kt->panel_bytes(nk, dv));
-    kt->pack_vw(X, FW_F32, nk, dv, VT);
-    kt->qk_bf16(nk, dw, M, K, ldkw, QW, scale, bias, ST);
-    kt->pv_bf16(nw, dv, M, VT, PW, OT);
+    memset(VT, 0xff, kt->mm.panel_bytes(nk, dv));
+    kt->mm.pack_vw(X, FW_F32, nk, dv, VT);
+    kt->mm.qk_bf16(nk, dw, M, K, ldkw, QW, scale, bias, ST);
+    kt->mm.pv_bf16(nw, dv, M, VT, PW, OT);
     const double u = 1.0 / (1 << 23);
     double worst = 0;
     int same = 1;
     for (int j = 0; j < nk; j++) {
-        kt->qk_bf16(1, dw, M, K + (size_t)j * ldkw, ldkw, QW, scale, bias, ST1);
+        kt->mm.qk_bf16(1, dw, M, K + (size_t)j * ldkw, ldkw, QW, scale, bias, ST1);
         for (int m = 0; m < M; m++) {
             double s = 0, a = 0;
             for (int w = 0; w < dw; w++)
@@ -1141,9 +1141,9 @@ static void bf16_products_case(const fw_kernels *kt, int nk, int d, int M, int d
     for (int c = 0; c < dv; c++) {
         for (int j = 0; j < nk; j++)
             X1[j] = X[j * dv + c];
-        kt->pack_vw(X1, FW_F32, nk, 1, VT1);
+        kt->mm.pack_vw(X1, FW_F32, nk, 1, VT1);
         memcpy(OT1, O0 + (size_t)c * M, sizeof(float) * (size_t)M);
-        kt->pv_bf16(nw, 1, M, VT1, PW, OT1);
+        kt->mm.pv_bf16(nw, 1, M, VT1, PW, OT1);
         for (int m = 0; m < M; m++) {
             double s = O0[c * M + m], a = fabs(s);
             for (int j = 0; j < nk; j++) {
@@ -1191,10 +1191,10 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
     for (int i = 0; i < R * d; i++)
         Q[i] = (float)rng_normal();
     for (int r = 0; r < R; r++)
-        kt->pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
+        kt->mm.pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
     for (int i = 0; i < R * FW_DEC_KEYS; i++)
         S[i] = NAN;
-    kt->dec_qk_rows_bf16(R, nk, d, QW, rows, 0.5f, NULL, 0, S);
+    kt->dec.qk_rows_bf16(R, nk, d, QW, rows, 0.5f, NULL, 0, S);
     const double u = 1.0 / (1 << 23);
     for (int j = 0; j < nk; j++)
         for (int k = 0; k < d; k++)
@@ -1208,7 +1208,7 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
             S[r * FW_DEC_KEYS + j] = j < nk ? (float)rng_uniform() : 0.0f;
     for (int i = 0; i < R * dv; i++)
         O[i] = O0[i] = (float)rng_normal();
-    kt->dec_pv_bf16(R, nk, dv, S, vrows, FW_BF16, NULL, 0, PW, O);
+    kt->dec.pv_bf16(R, nk, dv, S, vrows, FW_BF16, NULL, 0, PW, O);
     worst = 0;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < dv; c++) {
@@ -1234,7 +1234,7 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
     }
     float *O32 = malloc(sizeof(float) * (size_t)(R * dv));
     memcpy(O32, O0, sizeof(float) * (size_t)(R * dv));
-    kt->dec_pv_bf16(R, nk, dv, S, v32, FW_F32, v32, nk, PW, O32);
+    kt->dec.pv_bf16(R, nk, dv, S, v32, FW_F32, v32, nk, PW, O32);
     case_check(memcmp(O32, O, sizeof(float) * (size_t)(R * dv)) == 0, "dec_pv_bf16 R %d nk %d dv %d: f32 rows of the "
                "same values give other bits than bf16 rows", R, nk, dv);
     free(V32); free(O32);
@@ -1281,7 +1281,7 @@ static void test_micro_kernels(void)
                 for (int i = 0; i < M; i++) bias[i] = (float)rng_normal();
                 for (int i = 0; i < nk * dv; i++) V[i] = (float)rng_normal();
                 for (int i = 0; i < dv * M; i++) OT[i] = (float)rng_normal();
-                kt->qk(nk, d, M, K, d, QT, bias, ST);
+                kt->mm.qk(nk, d, M, K, d, QT, bias, ST);
                 double worst = 0;
                 for (int j = 0; j < nk; j++)
                     for (int m = 0; m < M; m++) {
@@ -1301,7 +1301,7 @@ static void test_micro_kernels(void)
                             s += (double)V[j * dv + c] * ST[j * M + m];
                         want[c * M + m] = s;
                     }
-                kt->pv(nk, dv, M, V, dv, ST, OT);
+                kt->mm.pv(nk, dv, M, V, dv, ST, OT);
                 worst = 0;
                 for (int i = 0; i < dv * M; i++)
                     worst = worse(worst, fabs(OT[i] - want[i]) / (1e-5 * (1 + fabs(want[i])) * (nk + 1)));
@@ -1322,7 +1322,7 @@ static void test_micro_kernels(void)
                 memcpy(S0, ST, sizeof(float) * nk * M);
                 for (int m = 0; m < M; m++) { a[m] = 0; l[m] = 0; }
                 fw_softmax_args sa = {nk, M, ST, a, l, NULL, NULL, 1, 0, NULL, 0, pend};
-                int r = kt->softmax(&sa);
+                int r = kt->attn.softmax(&sa);
                 case_check(r == 0, "softmax replayed a bounded tile");
                 for (int i = 0; i < nk * M; i++) {
                     double want = exp2((double)S0[i]);
@@ -1337,7 +1337,7 @@ static void test_micro_kernels(void)
             ST[5 * M] = 80.0f;
             for (int m = 0; m < M; m++) { a[m] = 3; l[m] = 1; }
             fw_softmax_args sb = {nk, M, ST, a, l, NULL, NULL, 1, 0, NULL, 0, pend};
-            case_check(kt->softmax(&sb) == 1, "an overflowing tile was not flagged");
+            case_check(kt->attn.softmax(&sb) == 1, "an overflowing tile was not flagged");
             case_check(a[0] == 3 && l[0] == 1, "a failing tile committed its state");
             free(ST); free(a); free(l); free(pend);
         }
@@ -1362,12 +1362,12 @@ static void test_micro_kernels(void)
                         else ((uint16_t *)rows[j])[k * kdim] = fw_f32_to_f16(x);
                     }
                 }
-                kt->pack_kt(rows, (fw_dtype)dt, kdim, nk, d, Kt);
+                kt->dec.pack_kt(rows, (fw_dtype)dt, kdim, nk, d, Kt);
                 int same = 1;
                 for (int j = 0; j < nk; j++)
                     for (int k = 0; k < d; k++) {
                         float want;
-                        kt->to_f32((const char *)rows[j] + (size_t)(k * kdim) * es, (fw_dtype)dt, 1, 1, 1.0f, &want);
+                        kt->cvt.to_f32((const char *)rows[j] + (size_t)(k * kdim) * es, (fw_dtype)dt, 1, 1, 1.0f, &want);
                         same &= Kt[k * FW_DEC_KEYS + j] == want;
                     }
                 case_check(same, "pack_kt %s nk %d d %d kdim %lld is not the transpose", dtn((fw_dtype)dt), nk, d,
@@ -1387,15 +1387,15 @@ static void test_micro_kernels(void)
                     uint32_t *Wc = malloc(sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS);
                     memset(Kc, 0x55, sizeof(float) * (size_t)d * FW_DEC_KEYS);
                     memset(Wc, 0x55, sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS);
-                    kt->pack_kt_cols(cols, (fw_dtype)dt, ld, nk, d, Kc);
-                    kt->pack_kt_bf16(rows, (fw_dtype)dt, kdim, nk, d, Wr);
-                    kt->pack_kt_cols_bf16(cols, (fw_dtype)dt, ld, nk, d, Wc);
+                    kt->dec.pack_kt_cols(cols, (fw_dtype)dt, ld, nk, d, Kc);
+                    kt->dec.pack_kt_bf16(rows, (fw_dtype)dt, kdim, nk, d, Wr);
+                    kt->dec.pack_kt_cols_bf16(cols, (fw_dtype)dt, ld, nk, d, Wc);
                     case_check(memcmp(Kc, Kt, sizeof(float) * (size_t)d * FW_DEC_KEYS) == 0,
                                "pack_kt_cols %s nk %d d %d differs from pack_kt", dtn((fw_dtype)dt), nk, d);
                     case_check(memcmp(Wc, Wr, sizeof(uint32_t) * (size_t)dw * FW_DEC_KEYS) == 0,
                                "pack_kt_cols_bf16 %s nk %d d %d differs from pack_kt_bf16", dtn((fw_dtype)dt), nk, d);
                     float *Kr = malloc(sizeof(float) * (size_t)(nk * d)); /* and back to key rows */
-                    kt->cols_to_rows(cols, (fw_dtype)dt, ld, nk, d, Kr);
+                    kt->dec.cols_to_rows(cols, (fw_dtype)dt, ld, nk, d, Kr);
                     int back = 1;
                     for (int j = 0; j < nk; j++)
                         for (int k = 0; k < d; k++)
@@ -1406,11 +1406,11 @@ static void test_micro_kernels(void)
                 for (int i = 0; i < R * d; i++) Q[i] = (float)rng_normal();
                 for (int i = 0; i < nk * dv; i++) V[i] = (float)rng_normal();
                 memset(S, 0, sizeof(float) * (size_t)(R * FW_DEC_KEYS));
-                kt->dec_qk(R, nk, d, Q, Kt, FW_DEC_KEYS, NULL, S);
+                kt->dec.qk(R, nk, d, Q, Kt, FW_DEC_KEYS, NULL, S);
                 {   /* prefetching a next panel (here: this one) gives the same bits */
                     float *S2 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
                     memcpy(S2, S, sizeof(float) * (size_t)(R * FW_DEC_KEYS));
-                    kt->dec_qk(R, nk, d, Q, Kt, FW_DEC_KEYS, Kt, S);
+                    kt->dec.qk(R, nk, d, Q, Kt, FW_DEC_KEYS, Kt, S);
                     case_check(memcmp(S, S2, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0,
                                "dec_qk R %d nk %d d %d: prefetching the next panel changed S", R, nk, d);
                     free(S2);
@@ -1434,8 +1434,8 @@ static void test_micro_kernels(void)
                     float *O2 = calloc((size_t)(R * dv), sizeof(float));
                     for (int j = 0; j < nk; j++)
                         next[j] = vrows[nk - 1 - j];
-                    kt->dec_pv(R, nk, dv, S, vrows, FW_F32, next, nk - nk % 2, O2);
-                    kt->dec_pv(R, nk, dv, S, vrows, FW_F32, NULL, 0, O);
+                    kt->dec.pv(R, nk, dv, S, vrows, FW_F32, next, nk - nk % 2, O2);
+                    kt->dec.pv(R, nk, dv, S, vrows, FW_F32, NULL, 0, O);
                     case_check(memcmp(O, O2, sizeof(float) * (size_t)(R * dv)) == 0,
                                "dec_pv R %d nk %d dv %d: prefetching the next tile changed O", R, nk, dv);
                     free(O2);
@@ -1460,14 +1460,14 @@ static void test_micro_kernels(void)
                 f[i] = (float)(rng_normal() * exp(8 * rng_normal()));
             f[3] = INFINITY; f[4] = -0.0f; f[5] = NAN; f[6] = 1e-7f; f[7] = 65519.0f;
             for (int dt = FW_BF16; dt <= FW_F16; dt++) {
-                kt->from_f32(f, 100, hb, (fw_dtype)dt, 1);
+                kt->cvt.from_f32(f, 100, hb, (fw_dtype)dt, 1);
                 int same = 1;
                 for (int i = 0; i < 100; i++) {
                     uint16_t want = dt == FW_BF16 ? fw_f32_to_bf16(f[i]) : fw_f32_to_f16(f[i]);
                     same &= hb[i] == want || (f[i] != f[i] && ((hb[i] & 0x7fff) > (dt == FW_BF16 ? 0x7f80 : 0x7c00)));
                 }
                 case_check(same, "from_f32 %s differs from the scalar rounding", dtn((fw_dtype)dt));
-                kt->to_f32(hb, (fw_dtype)dt, 1, 100, 2.0f, g);
+                kt->cvt.to_f32(hb, (fw_dtype)dt, 1, 100, 2.0f, g);
                 same = 1;
                 for (int i = 0; i < 100; i++) {
                     float want = 2.0f * (dt == FW_BF16 ? fw_bf16_to_f32(hb[i]) : fw_f16_to_f32(hb[i]));
@@ -1532,19 +1532,19 @@ static void test_partial_tables(void)
             continue;
         const fw_kernels *t = fw_kernels_get(fw_isa_name(it));
         case_begin("kernel table %s: resolved whole; a partial one filled from portable", t->name);
-#define FW_NONNULL(f) case_check(t->f != NULL, "entry " #f " is NULL");
+#define FW_NONNULL(sub, f) case_check(t->sub.f != NULL, "entry " #sub "." #f " is NULL");
         FW_KERNEL_ENTRIES(FW_NONNULL)
 #undef FW_NONNULL
         fw_kernels part;
         memset(&part, 0, sizeof part);
         part.name = t->name;
         part.vl = t->vl;
-        part.dec_qk = t->dec_qk;
-        part.dec_qk_bf16 = t->dec_qk_bf16;
+        part.dec.qk = t->dec.qk;
+        part.dec.qk_bf16 = t->dec.qk_bf16;
         fw_kernels_fill(&part, port);
-        case_check(part.dec_qk == t->dec_qk && part.dec_qk_bf16 == t->dec_qk_bf16 &&
-                       part.pack_kt == port->pack_kt && part.pack_kt_bf16 == port->pack_kt_bf16 &&
-                       part.qk == port->qk && part.gdn_step4 == port->gdn_step4,
+        case_check(part.dec.qk == t->dec.qk && part.dec.qk_bf16 == t->dec.qk_bf16 &&
+                       part.dec.pack_kt == port->dec.pack_kt && part.dec.pack_kt_bf16 == port->dec.pack_kt_bf16 &&
+                       part.mm.qk == port->mm.qk && part.gdn.step4 == port->gdn.step4,
                    "fill replaced a given entry or left a missing one");
         enum { R = 3, D = 72, DW = D / 2 };
         static uint16_t keys[FW_DEC_KEYS][D];
@@ -1559,7 +1559,7 @@ static void test_partial_tables(void)
         for (int i = 0; i < R * D; i++)
             Q[i] = (float)rng_normal();
         for (int r = 0; r < R; r++)
-            port->pack_row_pairs(Q + r * D, D, QW + r * DW);
+            port->mm.pack_row_pairs(Q + r * D, D, QW + r * DW);
         static const int nks[] = {1, 37, 64};
         for (int n = 0; n < 3; n++) {
             const int nk = nks[n];
@@ -1576,11 +1576,11 @@ static void test_partial_tables(void)
                     memset(KtW, 0xff, sizeof KtW);
                     memset(S, 0, sizeof S0);
                     if (bf) {
-                        pk->pack_kt_bf16(rows16, FW_BF16, 1, nk, D, KtW);
-                        t->dec_qk_bf16(R, nk, DW, QW, KtW, 0.5f, S);
+                        pk->dec.pack_kt_bf16(rows16, FW_BF16, 1, nk, D, KtW);
+                        t->dec.qk_bf16(R, nk, DW, QW, KtW, 0.5f, S);
                     } else {
-                        pk->pack_kt(rows32, FW_F32, 1, nk, D, Kt);
-                        t->dec_qk(R, nk, D, Q, Kt, FW_DEC_KEYS, NULL, S);
+                        pk->dec.pack_kt(rows32, FW_F32, 1, nk, D, Kt);
+                        t->dec.qk(R, nk, D, Q, Kt, FW_DEC_KEYS, NULL, S);
                     }
                 }
                 int same = 1;

@@ -318,8 +318,8 @@ static void test_conv_silu_half(void)
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("conv1d: SiLU to half precision within 1.4e-4 of SiLU [%s]", kt->name);
         const void *taps[1] = {x};
-        kt->conv1d_row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, 1, ya, FW_F32);
-        kt->conv1d_row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, FW_SILU_HALF, yb, FW_F32);
+        kt->conv.row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, 1, ya, FW_F32);
+        kt->conv.row(1, taps, FW_F32, one, N, zero, NULL, FW_F32, N, FW_SILU_HALF, yb, FW_F32);
         double worst = 0;
         int same_specials = 1;
         for (int i = 0; i < N; i++) {
@@ -359,7 +359,7 @@ static void test_conv_streamed(void)
         rng_seed(31 + (uint64_t)ci);
         for (size_t i = 0; i < nx; i++) {
             const float v = (float)rng_normal();
-            fw_kernels_get(NULL)->from_f32(&v, 1, x + i * es, dt, 1);
+            fw_kernels_get(NULL)->cvt.from_f32(&v, 1, x + i * es, dt, 1);
         }
         for (int64_t i = 0; i < D * W; i++)
             w[i] = (float)(0.5 * rng_normal());
@@ -518,7 +518,7 @@ static void test_conv_rows_kernel(void)
                             const size_t es = fw_dtype_size(dt), ys = fw_dtype_size(ydt);
                             for (int i = 0; i < (R + WMAX) * N; i++) {
                                 const float v = (float)rng_normal();
-                                kt->from_f32(&v, 1, x + (size_t)i * es, dt, 1);
+                                kt->cvt.from_f32(&v, 1, x + (size_t)i * es, dt, 1);
                             }
                             const void *rows[R + WMAX];
                             void *yr[R];
@@ -528,14 +528,14 @@ static void test_conv_rows_kernel(void)
                             const size_t off = st == 2 ? ys : st == 3 ? 32 : 0;
                             for (int r = 0; r < R; r++) {
                                 yr[r] = ya + (size_t)r * NP * ys + off;
-                                kt->conv1d_row(W, rows + r, dt, wt, N, bias, NULL, FW_F32, n, silu,
+                                kt->conv.row(W, rows + r, dt, wt, N, bias, NULL, FW_F32, n, silu,
                                                yb + (size_t)r * NP * ys + off, ydt);
                             }
                             for (int one = 0; one < 3; one++) { /* passes (fw_conv_pass_rows); a row at a
                                                                  * time, in one call or a call a row */
                                 memset(ya, 0xA5, sizeof ya);
                                 for (int r = 0; r < R; r += one == 2 ? 1 : R)
-                                    kt->conv1d_rows(W, one == 2 ? 1 : R, one ? 1 : 64, rows + r, dt, wt, N, bias, n,
+                                    kt->conv.rows(W, one == 2 ? 1 : R, one ? 1 : 64, rows + r, dt, wt, N, bias, n,
                                                     silu, yr + r, ydt, st > 0);
                                 case_check(!memcmp(ya, yb, sizeof ya), "W %d, %s taps, %s out, silu %d, %d channels, "
                                            "%s, %s: the rows differ", W, fw_dtype_name(dt), fw_dtype_name(ydt), silu, n,
@@ -591,9 +591,9 @@ static void test_conv_weights_kernel(void)
                     }
                     for (int d = 0; d < D; d++)
                         for (int k = 0; k < W; k++) /* one element at a time: the library's scalar conversion */
-                            kt->to_f32(w + ((size_t)d * W + k) * es, dt, 1, 1, 1.0f, want + (size_t)k * D + d);
+                            kt->cvt.to_f32(w + ((size_t)d * W + k) * es, dt, 1, 1, 1.0f, want + (size_t)k * D + d);
                     memset(got, 0xA5, sizeof got);
-                    kt->conv_weights(W, D, w, dt, got);
+                    kt->conv.weights(W, D, w, dt, got);
                     case_check(!memcmp(got, want, sizeof(float) * (size_t)(D * W)), "%s, W %d, %d channels: differs",
                                fw_dtype_name(dt), W, D);
                     case_check(((const unsigned char *)got)[sizeof(float) * (size_t)(D * W)] == 0xA5,

@@ -301,7 +301,7 @@ static void test_inverse_stability(void)
             }
         case_check(cmin > 0.85, "keys are not correlated enough (min cosine %.2f)", cmin);
         for (int method = 0; method < 2; method++) {
-            (method ? kt->tri_inv_blocked : kt->tri_inv_fwd)(A, 64, L, X, 64);
+            (method ? kt->gdn.tri_inv_blocked : kt->gdn.tri_inv_fwd)(A, 64, L, X, 64);
             double e = 0;
             for (int i = 0; i < L; i++)
                 for (int j = 0; j <= i; j++)
@@ -342,7 +342,7 @@ static void test_decode_step(void)
         double kq = 0;
         for (int x = 0; x < DK; x++)
             kq += (double)k[x] * q[x];
-        kt->gdn_dec_cols(h, FW_F32, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, o);
+        kt->gdn.dec_cols(h, FW_F32, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, o);
         /* the two reads alone (ReplaySSM's), of the same h and of its bf16 copy */
         static float ra[LDH], rb[LDH], xa[LDH], xb[LDH];
         static uint16_t hb[DK * LDH];
@@ -350,8 +350,8 @@ static void test_decode_step(void)
             ra[c] = rb[c] = xa[c] = xb[c] = 7.0f;
         for (int i = 0; i < DK * LDH; i++)
             hb[i] = fw_f32_to_bf16(h0[i]);
-        kt->gdn_dec_reads(h0, FW_F32, LDH, DK, c0, c1, q, k, al, ra, rb);
-        kt->gdn_dec_reads(hb, FW_BF16, LDH, DK, c0, c1, q, k, al, xa, xb);
+        kt->gdn.dec_reads(h0, FW_F32, LDH, DK, c0, c1, q, k, al, ra, rb);
+        kt->gdn.dec_reads(hb, FW_BF16, LDH, DK, c0, c1, q, k, al, xa, xb);
         double eo = 0, eh = 0, er = 0;
         int outside = 1;
         for (int c = 0; c < LDH; c++) {
@@ -390,8 +390,8 @@ static void test_decode_step(void)
             hw[i] = fw_bf16_to_f32(hs[i] = hb[i]);
         for (int c = 0; c < LDH; c++)
             ow[c] = ob[c] = 7.0f;
-        kt->gdn_dec_cols(hw, FW_F32, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, ow);
-        kt->gdn_dec_cols(hs, FW_BF16, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, ob);
+        kt->gdn.dec_cols(hw, FW_F32, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, ow);
+        kt->gdn.dec_cols(hs, FW_BF16, LDH, DK, c0, c1, q, k, v, al, beta, (float)kq, ob);
         int same_o = memcmp(ow, ob, sizeof ow) == 0, same_h = 1;
         for (int i = 0; i < DK * LDH; i++)
             same_h &= hs[i] == (i % LDH >= c0 && i % LDH < c1 ? fw_f32_to_bf16(hw[i]) : hb[i]);
@@ -802,7 +802,7 @@ static void test_kda_gate_kernel(void)
         for (int form = 0; form < 2; form++) {
             case_begin("kda: the gate kernel against double [%s, %s gate]", kt->name, form ? "sigmoid" : "softplus");
             const float ea = 1.7f, lb = form ? -5.0f : 0.0f;
-            kt->kda_gates(N, a, bias, ea, lb, g2);
+            kt->gdn.kda_gates(N, a, bias, ea, lb, g2);
             double worst = 0;
             for (int i = 0; i < N; i++) {
                 const float yf = a[i] + bias[i], uf = ea * yf;
@@ -842,11 +842,11 @@ static void test_kda_scale_kernel(void)
                 const double *z = form == 1 ? NULL : g0;
                 for (int i = 0; i < n; i++)
                     e[i] = (float)(g1[i] - (z ? z[i] : 0.0));
-                kt->exp2_scale(n, form == 2 ? NULL : x, e, NULL, ax);
-                kt->exp2_scale(n, y, e, NULL, ay);
+                kt->gdn.exp2_scale(n, form == 2 ? NULL : x, e, NULL, ax);
+                kt->gdn.exp2_scale(n, y, e, NULL, ay);
                 memset(bx, 0xA5, sizeof bx);
                 memset(by, 0xA5, sizeof by);
-                kt->exp2d_scale2(n, g1, z, form == 2 ? NULL : x, bx, form == 2 ? NULL : y, form == 2 ? NULL : by);
+                kt->gdn.exp2d_scale2(n, g1, z, form == 2 ? NULL : x, bx, form == 2 ? NULL : y, form == 2 ? NULL : by);
                 case_check(!memcmp(ax, bx, sizeof(float) * (size_t)n), "n %d, form %d: first operand differs", n, form);
                 if (form < 2)
                     case_check(!memcmp(ay, by, sizeof(float) * (size_t)n), "n %d, form %d: second operand differs", n,

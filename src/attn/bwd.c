@@ -4,7 +4,7 @@
  *
  * FlashAttention-2's algorithm on the forward's tile layout turned around: vectors run along
  * the 64 keys of a K/V tile, so every product is one of the forward's two micro-kernels
- * (kern/attn_kern.h) and nothing is transposed per tile. For a q tile of R rows (the G heads
+ * (kern/mm_kern.h) and nothing is transposed per tile. For a q tile of R rows (the G heads
  * of a GQA group stacked, as in the forward) and a key tile:
  *   S  [R][64] = Q K^T        qk, K packed transposed once per block (KT [d][64])
  *   dP [R][64] = dO V^T       qk, VT [dv][64]
@@ -159,16 +159,16 @@ static bws ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int plain, int b
     /* bf16 products: per block K^T, V^T words and K key pairs; per q tile Q, dO words and row
      * pairs; per key tile P, dS row pairs and dS words (sized by the table) */
     const size_t b = bf16 ? 1 : 0, nt = B / BK;
-    w.vtw = w.ktw + up64(b * nt * kt->panel_bytes((int)d, (int)BK));
-    w.kw2 = w.vtw + up64(b * nt * kt->panel_bytes((int)dv, (int)BK));
-    w.qw = w.kw2 + up64(b * nt * kt->panel_bytes((int)BK, (int)dp));
-    w.dow = w.qw + up64(b * R * kt->panel_bytes((int)d, 1));
-    w.qp = w.dow + up64(b * R * kt->panel_bytes((int)dv, 1));
-    w.dop = w.qp + up64(b * kt->panel_bytes((int)R, (int)d));
-    w.pw = w.dop + up64(b * kt->panel_bytes((int)R, (int)dv));
-    w.dsp = w.pw + up64(b * kt->panel_bytes((int)R, (int)BK));
-    w.dsw = w.dsp + up64(b * kt->panel_bytes((int)R, (int)BK));
-    w.total = w.dsw + up64(b * R * kt->panel_bytes((int)BK, 1));
+    w.vtw = w.ktw + up64(b * nt * kt->mm.panel_bytes((int)d, (int)BK));
+    w.kw2 = w.vtw + up64(b * nt * kt->mm.panel_bytes((int)dv, (int)BK));
+    w.qw = w.kw2 + up64(b * nt * kt->mm.panel_bytes((int)BK, (int)dp));
+    w.dow = w.qw + up64(b * R * kt->mm.panel_bytes((int)d, 1));
+    w.qp = w.dow + up64(b * R * kt->mm.panel_bytes((int)dv, 1));
+    w.dop = w.qp + up64(b * kt->mm.panel_bytes((int)R, (int)d));
+    w.pw = w.dop + up64(b * kt->mm.panel_bytes((int)R, (int)dv));
+    w.dsp = w.pw + up64(b * kt->mm.panel_bytes((int)R, (int)BK));
+    w.dsw = w.dsp + up64(b * kt->mm.panel_bytes((int)R, (int)BK));
+    w.total = w.dsw + up64(b * R * kt->mm.panel_bytes((int)BK, 1));
     return w;
 }
 
@@ -286,12 +286,12 @@ static void store_kv(const bctx *c, const bitem *it, int64_t k0, int n, const fl
                     row[x] = f * src[j * dim + x];
             const fw_tensor *g = t ? b->dv : b->dk;
             const int64_t *st = t ? b->dvs : b->dks;
-            c->kt->from_f32(row, dim, (void *)fw_elem(g, fw_bwd_off(b, st, it->seq, 1, k0 + j, it->kvh)),
+            c->kt->cvt.from_f32(row, dim, (void *)fw_elem(g, fw_bwd_off(b, st, it->seq, 1, k0 + j, it->kvh)),
                             g->dtype, st[3]);
         }
 }
 
-/* The bf16 products' panels of one thread (pair layout, kern/attn_kern.h). Per block: K^T and
+/* The bf16 products' panels of one thread (pair layout, kern/mm_kern.h). Per block: K^T and
  * V^T as words of two channels per key ([tile][d/2][64], [tile][dv/2][64]), K as two keys
  * interleaved ([tile][32][dp]). Per q tile: Q and dO rows as words ([R][d/2], [R][dv/2]) and
  * as row pairs ([R/2][d], [R/2][dv]). Per key tile: P and dS as row pairs ([R/2][64]), dS rows
@@ -305,7 +305,7 @@ typedef struct {
 static void pack_row_pairs_of(const fw_kernels *kt, const float *x, int R, int n, uint32_t *dst)
 {
     for (int w = 0; 2 * w < R; w++)
-        kt->pack_pairs(x + (size_t)2 * w * n, 2 * w + 1 < R ? x + (size_t)(2 * w + 1) * n : NULL, n,
+        kt->mm.pack_pairs(x + (size_t)2 * w * n, 2 * w + 1 < R ? x + (size_t)(2 * w + 1) * n : NULL, n,
                        dst + (size_t)w * n);
 }
 
@@ -322,25 +322,25 @@ static void tile_products(const bctx *c, const bpanels *bp, int t, int R, const 
     const float *kT = KT + (size_t)t * BK * d, *vT = VT + (size_t)t * BK * dv;
     float *dkT = dKT + (size_t)t * BK * d, *dvT = dVT + (size_t)t * BK * dv;
     if (!c->b->f.bf16) {
-        kt->qk(R, d, BK, Qr, d, kT, zero, S);
-        kt->qk(R, dv, BK, dOr, dv, vT, zero, dP);
-        kt->bwd_ds(R, S, dP, lse2, Dm, lo, hi, c->qs, c->cap2);
-        kt->pv(R, dv, BK, dOr, dv, S, dvT);
-        kt->pv(R, d, BK, Qr, d, dP, dkT);
-        kt->qk(R, BK, dp, dP, BK, Kr + (size_t)t * BK * dp, zero, tmp);
+        kt->mm.qk(R, d, BK, Qr, d, kT, zero, S);
+        kt->mm.qk(R, dv, BK, dOr, dv, vT, zero, dP);
+        kt->bwd.ds(R, S, dP, lse2, Dm, lo, hi, c->qs, c->cap2);
+        kt->mm.pv(R, dv, BK, dOr, dv, S, dvT);
+        kt->mm.pv(R, d, BK, Qr, d, dP, dkT);
+        kt->mm.qk(R, BK, dp, dP, BK, Kr + (size_t)t * BK * dp, zero, tmp);
         return;
     }
     const int dw = bp->dw, dvw = bp->dvw, rw = (R + 1) / 2;
-    kt->qk_bf16(R, dw, BK, bp->qw, dw, bp->ktw + (size_t)t * dw * BK, 1.0f, zero, S);
-    kt->qk_bf16(R, dvw, BK, bp->dow, dvw, bp->vtw + (size_t)t * dvw * BK, 1.0f, zero, dP);
-    kt->bwd_ds(R, S, dP, lse2, Dm, lo, hi, c->qs, c->cap2);
+    kt->mm.qk_bf16(R, dw, BK, bp->qw, dw, bp->ktw + (size_t)t * dw * BK, 1.0f, zero, S);
+    kt->mm.qk_bf16(R, dvw, BK, bp->dow, dvw, bp->vtw + (size_t)t * dvw * BK, 1.0f, zero, dP);
+    kt->bwd.ds(R, S, dP, lse2, Dm, lo, hi, c->qs, c->cap2);
     pack_row_pairs_of(kt, S, R, BK, bp->pw);
-    kt->pv_bf16(rw, dv, BK, bp->dop, bp->pw, dvT);
+    kt->mm.pv_bf16(rw, dv, BK, bp->dop, bp->pw, dvT);
     pack_row_pairs_of(kt, dP, R, BK, bp->dsp);
-    kt->pv_bf16(rw, d, BK, bp->qp, bp->dsp, dkT);
+    kt->mm.pv_bf16(rw, d, BK, bp->qp, bp->dsp, dkT);
     for (int m = 0; m < R; m++)
-        kt->pack_row_pairs(dP + (size_t)m * BK, BK, bp->dsw + (size_t)m * (BK / 2));
-    kt->qk_bf16(R, BK / 2, dp, bp->dsw, BK / 2, bp->kw2 + (size_t)t * (BK / 2) * dp, 1.0f, zero, tmp);
+        kt->mm.pack_row_pairs(dP + (size_t)m * BK, BK, bp->dsw + (size_t)m * (BK / 2));
+    kt->mm.qk_bf16(R, BK / 2, dp, bp->dsw, BK / 2, bp->kw2 + (size_t)t * (BK / 2) * dp, 1.0f, zero, tmp);
 }
 
 /* The tiled item: keys [it->kb, it->ke) of K/V head it->kvh, blocks of FW_ATTN_BWD_KEYS. */
@@ -380,9 +380,9 @@ static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int
         memset(dVT, 0, (size_t)ntile * BK * dv * sizeof(float));
         for (int j = 0; j < nb; j++) {
             float *kr = Kr + (size_t)j * dp;
-            kt->to_f32(fw_elem(p->k, fw_attn_key(p, sq, b0 + j, 0) + kvh * p->ks[1]), p->k->dtype,
+            kt->cvt.to_f32(fw_elem(p->k, fw_attn_key(p, sq, b0 + j, 0) + kvh * p->ks[1]), p->k->dtype,
                        p->ks[2], d, 1.0f, kr);
-            kt->to_f32(fw_elem(p->v, fw_attn_key(p, sq, b0 + j, 1) + kvh * p->vs[1]), p->v->dtype,
+            kt->cvt.to_f32(fw_elem(p->v, fw_attn_key(p, sq, b0 + j, 1) + kvh * p->vs[1]), p->v->dtype,
                        p->vs[2], dv, 1.0f, row);
             float *kt_ = KT + (size_t)(j / BK) * BK * d + j % BK, *vt = VT + (size_t)(j / BK) * BK * dv + j % BK;
             for (int x = 0; x < d; x++)
@@ -416,20 +416,20 @@ static void tile_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, int
                     for (int i = 0; i < bq; i++) {
                         const int m = gi * bq + i;
                         const int64_t h = kvh * G + g0 + gi, pos = pos0 + i;
-                        kt->to_f32(fw_elem(p->q, sq->q0 + pos * p->qs[0] + h * p->qs[1]), p->q->dtype,
+                        kt->cvt.to_f32(fw_elem(p->q, sq->q0 + pos * p->qs[0] + h * p->qs[1]), p->q->dtype,
                                    p->qs[2], d, 1.0f, Qr + (size_t)m * d);
-                        kt->to_f32(fw_elem(b->dout, fw_bwd_off(b, b->dos, it->seq, 0, pos, h)),
+                        kt->cvt.to_f32(fw_elem(b->dout, fw_bwd_off(b, b->dos, it->seq, 0, pos, h)),
                                    b->dout->dtype, b->dos[3], dv, 1.0f, dOr + (size_t)m * dv);
                         lse2[m] = (float)(lse[sq->lse0 + h * p->lse_h + pos * p->lse_r] * FW_LOG2E);
                         Dm[m] = c->D[grow(p, it->seq, pos) * p->hq + h];
                         if (bf16) {
-                            kt->pack_row_pairs(Qr + (size_t)m * d, d, bp.qw + (size_t)m * bp.dw);
-                            kt->pack_row_pairs(dOr + (size_t)m * dv, dv, bp.dow + (size_t)m * bp.dvw);
+                            kt->mm.pack_row_pairs(Qr + (size_t)m * d, d, bp.qw + (size_t)m * bp.dw);
+                            kt->mm.pack_row_pairs(dOr + (size_t)m * dv, dv, bp.dow + (size_t)m * bp.dvw);
                         }
                     }
                 if (bf16) {
-                    kt->pack_vw(Qr, FW_F32, R, d, bp.qp);
-                    kt->pack_vw(dOr, FW_F32, R, dv, bp.dop);
+                    kt->mm.pack_vw(Qr, FW_F32, R, d, bp.qp);
+                    kt->mm.pack_vw(dOr, FW_F32, R, dv, bp.dop);
                 }
                 for (int t = 0; t < ntile; t++) {
                     const int64_t t0 = b0 + (int64_t)t * BK, t1 = fw_min64(b1, t0 + BK);
@@ -480,17 +480,17 @@ static void plain_item(const bctx *c, const bitem *it, const fw_attn_seq *sq, in
             hi = fw_min64(hi, it->ke);
             if (hi <= lo)
                 continue;
-            kt->to_f32(fw_elem(p->q, sq->q0 + pos * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
+            kt->cvt.to_f32(fw_elem(p->q, sq->q0 + pos * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
                        1.0f, q);
-            kt->to_f32(fw_elem(b->dout, fw_bwd_off(b, b->dos, it->seq, 0, pos, h)), b->dout->dtype,
+            kt->cvt.to_f32(fw_elem(b->dout, fw_bwd_off(b, b->dos, it->seq, 0, pos, h)), b->dout->dtype,
                        b->dos[3], dv, 1.0f, o);
             const float l2 = (float)(lse[sq->lse0 + h * p->lse_h + pos * p->lse_r] * FW_LOG2E);
             const float D = c->D[grow(p, it->seq, pos) * p->hq + h];
             memset(dq, 0, (size_t)d * sizeof(float));
             for (int64_t j = lo; j < hi; j++) {
-                kt->to_f32(fw_elem(p->k, fw_attn_key(p, sq, j, 0) + it->kvh * p->ks[1]), p->k->dtype,
+                kt->cvt.to_f32(fw_elem(p->k, fw_attn_key(p, sq, j, 0) + it->kvh * p->ks[1]), p->k->dtype,
                            p->ks[2], d, 1.0f, kr);
-                kt->to_f32(fw_elem(p->v, fw_attn_key(p, sq, j, 1) + it->kvh * p->vs[1]), p->v->dtype,
+                kt->cvt.to_f32(fw_elem(p->v, fw_attn_key(p, sq, j, 1) + it->kvh * p->vs[1]), p->v->dtype,
                            p->vs[2], dv, 1.0f, vr);
                 float s = 0.0f, dp = 0.0f, t = 1.0f;
                 for (int64_t x = 0; x < d; x++)
@@ -586,7 +586,7 @@ static void dq_pass(void *vctx, int64_t idx, int tid)
             }
             for (int64_t x = 0; x < p->d; x++)
                 row[x] *= c->scale;
-            c->kt->from_f32(row, p->d, (void *)fw_elem(b->dq, fw_bwd_off(b, b->dqs, seq, 0, pos, h)),
+            c->kt->cvt.from_f32(row, p->d, (void *)fw_elem(b->dq, fw_bwd_off(b, b->dqs, seq, 0, pos, h)),
                             b->dq->dtype, b->dqs[3]);
         }
 }

@@ -97,11 +97,11 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 const int64_t r = u * R + g * n + i, h = gqa ? u * p->G + g : u;
                 const char *src = fw_elem(p->q, sq->q0 + i * p->qs[0] + h * p->qs[1]);
                 float *qf = bf16 ? qrow : Q + (size_t)r * d;
-                kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, qf);
+                kt->cvt.to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, qf);
                 if (p->rcos)
                     fw_attn_rotate(p, kt, qf, fw_attn_qpos(p, sq, i));
                 if (bf16)
-                    kt->pack_row_pairs(qrow, d, QW + (size_t)r * dw);
+                    kt->mm.pack_row_pairs(qrow, d, QW + (size_t)r * dw);
                 A[r] = -INFINITY;
                 L[r] = 0.0f;
             }
@@ -206,7 +206,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                     kg[i] = (const uint16_t *)p->k->data + fw_attn_tile_elem(p, sq, t0 + 16 * i, kvh, 0, 0);
                 for (int i = 0; 32 * i < nk; i++)
                     vg[i] = (const uint16_t *)p->v->data + fw_attn_tile_elem(p, sq, t0 + 32 * i, kvh, 0, 1);
-                kt->dec_qk_tiles_bf16(R, nk, d, QW + (size_t)u * R * dw, kg, c->qscale, S);
+                kt->dec.qk_tiles_bf16(R, nk, d, QW + (size_t)u * R * dw, kg, c->qscale, S);
             } else {
                 uint16_t *kr = (uint16_t *)Kt, *vr = (uint16_t *)Vf;
                 fw_attn_tile_rows_out(p, sq, t0, nk, kvh, 0, kr);
@@ -215,15 +215,15 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                     rows[j] = kr + (size_t)j * d;
                     vrows[j] = vr + (size_t)j * dv;
                 }
-                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, FW_BF16, NULL, 0, S);
+                kt->dec.qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, FW_BF16, NULL, 0, S);
             }
             if (c->cap2 > 0.0f)
-                kt->softcap(R, FW_DEC_KEYS, S, c->cap2);
-            kt->dec_softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
+                kt->attn.softcap(R, FW_DEC_KEYS, S, c->cap2);
+            kt->dec.softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
             if (bf16)
-                kt->dec_pv_tiles_bf16(R, nk, dv, S, vg, 16 * p->page, PW, Ou);
+                kt->dec.pv_tiles_bf16(R, nk, dv, S, vg, 16 * p->page, PW, Ou);
             else
-                kt->dec_pv(R, nk, dv, S, vrows, FW_BF16, NULL, 0, Ou);
+                kt->dec.pv(R, nk, dv, S, vrows, FW_BF16, NULL, 0, Ou);
         }
         for (int64_t u = ua; u < ub && !p->tiles; u++) {
             const int64_t kvh = gqa ? u : u / p->G;
@@ -298,7 +298,7 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
                 }
             }
             for (int j = 0; j < nk && !vdirect; j++) {
-                kt->to_f32(vrows[j], p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
+                kt->cvt.to_f32(vrows[j], p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
                 vrows[j] = Vf + (size_t)j * dv;
             }
             if (!vdirect) /* (vrows now point at the converted copy) */
@@ -324,39 +324,39 @@ void fw_attn_decode_item(const run_ctx *c, const item *it, const fw_attn_seq *sq
             /* contiguous key rows are read in place (bf16 products: bf16 rows, which already
              * are their pairs); the rest go through a transposed panel */
             if (bf16_rows) {
-                kt->dec_qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, kil ? nrows : NULL, nx, S);
+                kt->dec.qk_rows_bf16(R, nk, d, QW + (size_t)u * R * dw, rows, c->qscale, kil ? nrows : NULL, nx, S);
             } else if (kcols) {
                 if (bf16) {
-                    kt->pack_kt_cols_bf16(rows[0], p->k->dtype, p->ks[2], nk, d, KtW);
-                    kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
+                    kt->dec.pack_kt_cols_bf16(rows[0], p->k->dtype, p->ks[2], nk, d, KtW);
+                    kt->dec.qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
                 } else if (p->k->dtype == FW_F32 && (p->bt || nk == FW_DEC_KEYS)) {
                     /* f32 rows are the panel itself (a page holds whole tiles, junk keys
                      * past nk included, which the softmax's bounds drop) */
-                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, (const float *)rows[0], p->ks[2],
+                    kt->dec.qk(R, nk, d, Q + (size_t)u * R * d, (const float *)rows[0], p->ks[2],
                                kil ? (const float *)nrows[0] : NULL, S);
                 } else {
-                    kt->pack_kt_cols(rows[0], p->k->dtype, p->ks[2], nk, d, Kt);
-                    kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, NULL, S);
+                    kt->dec.pack_kt_cols(rows[0], p->k->dtype, p->ks[2], nk, d, Kt);
+                    kt->dec.qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, NULL, S);
                 }
             } else if (bf16) {
-                kt->pack_kt_bf16(rows, p->k->dtype, p->ks[2], nk, d, KtW);
-                kt->dec_qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
+                kt->dec.pack_kt_bf16(rows, p->k->dtype, p->ks[2], nk, d, KtW);
+                kt->dec.qk_bf16(R, nk, dw, QW + (size_t)u * R * dw, KtW, c->qscale, S);
             } else if (p->ks[2] == 1) {
-                kt->dec_qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, p->k->dtype, kil ? nrows : NULL, nx, S);
+                kt->dec.qk_rows(R, nk, d, Q + (size_t)u * R * d, rows, p->k->dtype, kil ? nrows : NULL, nx, S);
             } else {
-                kt->pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
-                kt->dec_qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, NULL, S);
+                kt->dec.pack_kt(rows, p->k->dtype, p->ks[2], nk, d, Kt);
+                kt->dec.qk(R, nk, d, Q + (size_t)u * R * d, Kt, FW_DEC_KEYS, NULL, S);
             }
             /* (the key vectors the products wrote: dec_qk leaves the rest of S unset, which
              * the softmax never reads; MemorySanitizer over the fuzz corpora) */
             for (int r = 0; r < R && c->cap2 > 0.0f; r++)
-                kt->softcap(1, (nk + kt->vl - 1) / kt->vl * kt->vl, S + (size_t)r * FW_DEC_KEYS, c->cap2);
-            kt->dec_softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
+                kt->attn.softcap(1, (nk + kt->vl - 1) / kt->vl * kt->vl, S + (size_t)r * FW_DEC_KEYS, c->cap2);
+            kt->dec.softmax(R, nk, S, lo, hi, A + u * R, L + u * R, Ou, dv);
             if (bf16)
-                kt->dec_pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nx, PW,
+                kt->dec.pv_bf16(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nx, PW,
                                 Ou);
             else
-                kt->dec_pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nx, Ou);
+                kt->dec.pv(R, nk, dv, S, vrows, vdirect ? p->v->dtype : FW_F32, vil ? nvrows : NULL, nx, Ou);
         }
     }
     c->sink[tid * 16] += touch;

@@ -1,5 +1,5 @@
 /* attn/plain.c: the plain baseline (FW_ATTN_PLAIN): one query row at a time against its keys,
- * one key at a time with online softmax (kern/attn_kern.h, plain_row), f32 products; keys a
+ * one key at a time with online softmax (attn/attn_kern.h, plain_row), f32 products; keys a
  * rotary embedding rotates are converted and rotated one at a time, and keys of a FW_KV_TILES
  * cache copied out one at a time. */
 #include "run.h"
@@ -17,7 +17,7 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
     float *acc = (float *)(w + c->wl.ot);
     const int64_t r0 = it->chunk * FW_ATTN_PLAIN_ROWS, r1 = fw_min64(sq->sq, r0 + FW_ATTN_PLAIN_ROWS);
     for (int64_t r = r0; r < r1; r++) {
-        kt->to_f32(fw_elem(p->q, sq->q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
+        kt->cvt.to_f32(fw_elem(p->q, sq->q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
                    c->qscale, qrow);
         if (p->rcos)
             fw_attn_rotate(p, kt, qrow, fw_attn_qpos(p, sq, r));
@@ -28,12 +28,12 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
             acc[j] = 0.0f;
         /* keys rotated as they are read: one f32 key (and value) row at a time */
         for (int64_t j = lo; j < hi && p->rot_k; j++) {
-            kt->to_f32(fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]), p->k->dtype,
+            kt->cvt.to_f32(fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]), p->k->dtype,
                        p->ks[2], d, 1.0f, krow);
             fw_attn_rotate(p, kt, krow, j);
-            kt->to_f32(fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]), p->v->dtype,
+            kt->cvt.to_f32(fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]), p->v->dtype,
                        p->vs[2], dv, 1.0f, vrow);
-            kt->plain_row(qrow, d, dv, FW_F32, krow, d, 1, vrow, dv, 1, 1, c->cap2, acc, &m, &l,
+            kt->attn.plain_row(qrow, d, dv, FW_F32, krow, d, 1, vrow, dv, 1, 1, c->cap2, acc, &m, &l,
                           scratch);
         }
         if (p->rot_k)
@@ -43,14 +43,14 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
             uint16_t *kw = (uint16_t *)krow, *vw = (uint16_t *)vrow;
             fw_attn_tile_rows_out(p, sq, j, 1, kvh, 0, kw);
             fw_attn_tile_rows_out(p, sq, j, 1, kvh, 1, vw);
-            kt->plain_row(qrow, d, dv, FW_BF16, kw, d, 1, vw, dv, 1, 1, c->cap2, acc, &m, &l, scratch);
+            kt->attn.plain_row(qrow, d, dv, FW_BF16, kw, d, 1, vw, dv, 1, 1, c->cap2, acc, &m, &l, scratch);
         }
         if (p->tiles)
             lo = hi;
         /* runs of keys with a constant row stride: all of them, or one page at a time */
         for (int64_t j = lo; j < hi;) {
             const int64_t e = p->bt ? fw_min64(hi, (j / p->page + 1) * p->page) : hi;
-            kt->plain_row(qrow, d, dv, p->k->dtype, fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]),
+            kt->attn.plain_row(qrow, d, dv, p->k->dtype, fw_elem(p->k, fw_attn_key(p, sq, j, 0) + kvh * p->ks[1]),
                           p->ks[0], p->ks[2], fw_elem(p->v, fw_attn_key(p, sq, j, 1) + kvh * p->vs[1]),
                           p->vs[0], p->vs[2], e - j, c->cap2, acc, &m, &l, scratch);
             j = e;

@@ -3,7 +3,7 @@
  * split decode contexts, and the entry points fw_attn_fwd, fw_attn_varlen_fwd and
  * fw_attn_kvcache_fwd (with the append of the new K/V rows to the cache). Validation is in
  * attn/setup.c, the item kernels in attn/tile.c, attn/decode.c and attn/plain.c, the
- * arithmetic in the kernel table (kern/attn_kern.h).
+ * arithmetic in the kernel table (kern/kernels.h).
  *
  * Work decomposition. A work item is a chunk: up to FW_ATTN_CHUNK_MAX q tiles of one
  * (sequence, K/V head) (attn/tile.c). A decode sequence (fw_attn_is_decode) is one item per
@@ -265,9 +265,9 @@ static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
                                     ((p->cuq[i] + r) * src->stride[0] + h * src->stride[1]) * (int64_t)es;
                     char *b = p->tiles ? (char *)w : (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
                     if (!v && p->rot_append) {
-                        kt->to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
+                        kt->cvt.to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
                         fw_attn_rotate(p, kt, row_f32, p->cache_len[i] + r);
-                        kt->from_f32(row_f32, n, b, dst->dtype, bs);
+                        kt->cvt.from_f32(row_f32, n, b, dst->dtype, bs);
                     } else if (src->stride[2] == 1 && bs == 1)
                         memcpy(b, a, (size_t)n * es);
                     else

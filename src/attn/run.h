@@ -82,7 +82,7 @@ static inline void fw_attn_store_row(const run_ctx *c, const fw_attn_seq *sq, in
     }
     for (int64_t j = 0; j < p->dv; j++)
         o[j] *= inv;
-    c->kt->from_f32(o, p->dv, (void *)fw_elem(p->out, sq->o0 + pos * p->os[0] + h * p->os[1]),
+    c->kt->cvt.from_f32(o, p->dv, (void *)fw_elem(p->out, sq->o0 + pos * p->os[0] + h * p->os[1]),
                     p->out->dtype, p->os[2]);
     if (p->lse)
         ((float *)p->lse->data)[sq->lse0 + h * p->lse_h + pos * p->lse_r] =

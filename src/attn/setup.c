@@ -114,13 +114,13 @@ void fw_attn_rotate(const fw_attn_prob *p, const fw_kernels *kt, float *x, int64
     const fw_tensor *c = p->rcos, *sn = p->rsin;
     const char *cr = fw_elem(c, pos * c->stride[0]), *sr = fw_elem(sn, pos * sn->stride[0]);
     if (c->dtype == FW_F32 && c->stride[1] == 1 && sn->stride[1] == 1) {
-        kt->rope(x, (int)p->rhalf, (const float *)cr, (const float *)sr, p->rinter);
+        kt->rope.rotate(x, (int)p->rhalf, (const float *)cr, (const float *)sr, p->rinter);
         return;
     }
     float cf[FW_MAX_HEAD_DIM / 2], sf[FW_MAX_HEAD_DIM / 2];
-    kt->to_f32(cr, c->dtype, c->stride[1], p->rhalf, 1.0f, cf);
-    kt->to_f32(sr, sn->dtype, sn->stride[1], p->rhalf, 1.0f, sf);
-    kt->rope(x, (int)p->rhalf, cf, sf, p->rinter);
+    kt->cvt.to_f32(cr, c->dtype, c->stride[1], p->rhalf, 1.0f, cf);
+    kt->cvt.to_f32(sr, sn->dtype, sn->stride[1], p->rhalf, 1.0f, sf);
+    kt->rope.rotate(x, (int)p->rhalf, cf, sf, p->rinter);
 }
 
 void fw_attn_tile_rows_out(const fw_attn_prob *p, const fw_attn_seq *s, int64_t j0, int n,

@@ -5,7 +5,7 @@
  * and used by every head of the group. Inside a chunk the K/V tiles are the outer loop and
  * the q tiles the inner one, so the workspace does not grow with the sequence length. Tiles
  * that no row of a q tile can see are skipped by index arithmetic; only tiles some row sees
- * partly are masked. A rotary embedding rotates q rows and K rows as they are converted. The arithmetic is in the kernel table (kern/attn_kern.h).
+ * partly are masked. A rotary embedding rotates q rows and K rows as they are converted. The arithmetic is in the kernel table (kern/kernels.h).
  */
 #include "run.h"
 
@@ -29,11 +29,11 @@ static void tile_qk(const run_ctx *c, const tile_ops *o, int nk, int M, const fl
 {
     const int d = (int)c->p->d, dw = (d + 1) / 2;
     if (c->p->bf16)
-        c->kt->qk_bf16(nk, dw, M, o->KW, dw, o->QW, c->qscale, bias, ST);
+        c->kt->mm.qk_bf16(nk, dw, M, o->KW, dw, o->QW, c->qscale, bias, ST);
     else
-        c->kt->qk(nk, d, M, o->Kf, d, o->QT, bias, ST);
+        c->kt->mm.qk(nk, d, M, o->Kf, d, o->QT, bias, ST);
     if (c->cap2 > 0.0f)
-        c->kt->softcap(nk, M, ST, c->cap2);
+        c->kt->attn.softcap(nk, M, ST, c->cap2);
 }
 
 /* OT += P V over the tile's nk keys; bf16 products round P to bf16 pairs first. */
@@ -41,14 +41,14 @@ static void tile_pv(const run_ctx *c, const tile_ops *o, int nk, int M, const fl
 {
     const int dv = (int)c->p->dv;
     if (!c->p->bf16) {
-        c->kt->pv(nk, dv, M, o->Vf, dv, ST, OT);
+        c->kt->mm.pv(nk, dv, M, o->Vf, dv, ST, OT);
         return;
     }
     const int nw = (nk + 1) / 2;
     for (int w = 0; w < nw; w++)
-        c->kt->pack_pairs(ST + (size_t)2 * w * M, 2 * w + 1 < nk ? ST + (size_t)(2 * w + 1) * M : NULL,
+        c->kt->mm.pack_pairs(ST + (size_t)2 * w * M, 2 * w + 1 < nk ? ST + (size_t)(2 * w + 1) * M : NULL,
                           M, o->PW + (size_t)w * M);
-    c->kt->pv_bf16(nw, dv, M, o->VW, o->PW, OT);
+    c->kt->mm.pv_bf16(nw, dv, M, o->VW, o->PW, OT);
 }
 
 /* Chunk it->chunk of the sequence's q tiles, for K/V head it->head (its G q heads) or, without
@@ -103,7 +103,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
                 const int64_t pos = p0 + (int64_t)r * bq + i;
                 const int m = g * bq + i;
                 const char *src = fw_elem(p->q, sq->q0 + pos * p->qs[0] + (h0 + g) * p->qs[1]);
-                kt->to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, orow);
+                kt->cvt.to_f32(src, p->q->dtype, p->qs[2], d, bf16 ? 1.0f : c->qscale, orow);
                 if (p->rcos)
                     fw_attn_rotate(p, kt, orow, fw_attn_qpos(p, sq, pos));
                 for (int k = 0; k < d; k++)
@@ -124,7 +124,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
         khi = fw_max64(khi, t.hi);
         if (bf16)
             for (int x = 0; x < dw; x++)
-                kt->pack_pairs(qt + (size_t)2 * x * M, 2 * x + 1 < d ? qt + (size_t)(2 * x + 1) * M : NULL,
+                kt->mm.pack_pairs(qt + (size_t)2 * x * M, 2 * x + 1 < d ? qt + (size_t)(2 * x + 1) * M : NULL,
                                M, QW + ((size_t)r * dw + x) * M);
     }
     if (!skip) {
@@ -148,7 +148,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
         /* K and V rows of this tile, converted to f32 once for every q tile and head here;
          * keys stored transposed (vLLM's CPU cache) are transposed back a block at a time */
         if (kcols)
-            kt->cols_to_rows(fw_elem(p->k, fw_attn_key(p, sq, t0, 0) + kvh * p->ks[1]), p->k->dtype, p->ks[2], nk,
+            kt->dec.cols_to_rows(fw_elem(p->k, fw_attn_key(p, sq, t0, 0) + kvh * p->ks[1]), p->k->dtype, p->ks[2], nk,
                              d, Kf);
         for (int j = 0; j < nk && p->tiles; j++) {
             /* FW_KV_TILES (bf16, d even, not rotated): rows copied out of their tiles, into the
@@ -158,8 +158,8 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
             fw_attn_tile_rows_out(p, sq, t0 + j, 1, kvh, 0, kr);
             fw_attn_tile_rows_out(p, sq, t0 + j, 1, kvh, 1, vr);
             if (!bf16) {
-                kt->to_f32(kr, FW_BF16, 1, d, 1.0f, Kf + (size_t)j * d);
-                kt->to_f32(vr, FW_BF16, 1, dv, 1.0f, Vf + (size_t)j * dv);
+                kt->cvt.to_f32(kr, FW_BF16, 1, d, 1.0f, Kf + (size_t)j * d);
+                kt->cvt.to_f32(vr, FW_BF16, 1, dv, 1.0f, Vf + (size_t)j * dv);
             }
         }
         for (int j = 0; j < nk && !p->tiles; j++) {
@@ -169,20 +169,20 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
             if (kraw) /* bf16 rows already are their words: copied, not converted twice */
                 memcpy(kw, fw_elem(p->k, kr), (size_t)d * sizeof(uint16_t));
             else if (!kcols)
-                kt->to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
+                kt->cvt.to_f32(fw_elem(p->k, kr), p->k->dtype, p->ks[2], d, 1.0f, Kf + (size_t)j * d);
             if (vraw)
                 memcpy((uint16_t *)Vf + (size_t)j * dv, fw_elem(p->v, vr), (size_t)dv * sizeof(uint16_t));
             else
-                kt->to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
+                kt->cvt.to_f32(fw_elem(p->v, vr), p->v->dtype, p->vs[2], dv, 1.0f, Vf + (size_t)j * dv);
             if (p->rot_k)
                 fw_attn_rotate(p, kt, Kf + (size_t)j * d, t0 + j);
             if (bf16 && !kraw)
-                kt->from_f32(Kf + (size_t)j * d, d, kw, FW_BF16, 1);
+                kt->cvt.from_f32(Kf + (size_t)j * d, d, kw, FW_BF16, 1);
             if (bf16 && (d & 1))
                 kw[d] = 0;
         }
         if (bf16)
-            kt->pack_vw(Vf, vraw ? FW_BF16 : FW_F32, nk, dv, VW);
+            kt->mm.pack_vw(Vf, vraw ? FW_BF16 : FW_F32, nk, dv, VW);
         /* Ask for the next tile's K and V rows now: they arrive while this tile's products run.
          * Without it the conversion above waited on memory for 10% of the time of a 4K causal
          * bf16 prefill (1 thread; rows 2 KiB apart defeat the hardware prefetcher). */
@@ -223,12 +223,12 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
             tile_qk(c, &ops, nk, M, bias, ST);
             fw_softmax_args sa = {nk, M, ST, A_r, L_r, boundary ? lo : NULL, boundary ? hi : NULL,
                                   folded, online, OT_r, dv, pending};
-            if (kt->softmax(&sa)) {
+            if (kt->attn.softmax(&sa)) {
                 /* the static anchor's bound failed: replay this tile exactly, online */
                 tile_qk(c, &ops, nk, M, zero, ST);
                 sa.folded = 0;
                 sa.online = 1;
-                kt->softmax(&sa);
+                kt->attn.softmax(&sa);
             }
             tile_pv(c, &ops, nk, M, ST, OT_r);
         }

@@ -6,7 +6,7 @@ static size_t up64(size_t x) { return (x + 63) & ~(size_t)63; }
 
 /* Per-thread layout for tiles of M rows (the largest M any sequence length gives) and a
  * decode state for `units` K/V groups of up to FW_DEC_ROWS rows each; with bf16 products
- * also the pair-layout panels of the q tiles, one K/V tile and one P tile (kern/attn_kern.h):
+ * also the pair-layout panels of the q tiles, one K/V tile and one P tile (kern/mm_kern.h):
  * for d = dv = 128, M = 64: 256 + 16 + 16 + 8 KiB. */
 static ws_layout ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int M, int64_t units, int bf16)
 {
@@ -25,10 +25,10 @@ static ws_layout ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int M, int
     w.qw = w.dec + up64((size_t)units * FW_DEC_ROWS * ((size_t)d + dv + 2) * f);
     /* the bf16 panels, sized by the table: q tiles, one K tile, one V tile, one P tile */
     const size_t b = bf16 ? 1 : 0;
-    w.kw = w.qw + up64(b * C * kt->panel_bytes((int)d, M));
-    w.vw = w.kw + up64(b * kt->panel_bytes((int)d, (int)BK));
-    w.pw = w.vw + up64(b * kt->panel_bytes((int)BK, (int)dv));
-    w.total = w.pw + up64(b * kt->panel_bytes((int)BK, M));
+    w.kw = w.qw + up64(b * C * kt->mm.panel_bytes((int)d, M));
+    w.vw = w.kw + up64(b * kt->mm.panel_bytes((int)d, (int)BK));
+    w.pw = w.vw + up64(b * kt->mm.panel_bytes((int)BK, (int)dv));
+    w.total = w.pw + up64(b * kt->mm.panel_bytes((int)BK, M));
     return w;
 }
 

@@ -188,7 +188,7 @@ static void state_row(const conv_ctx *c, const fw_conv1d_state *st, int64_t S, i
     if (!src)
         memset(dst, 0, sizeof(float) * (size_t)nc);
     else
-        c->kt->to_f32(src, st->cache.dtype, st->cache.stride[2], nc, 1.0f, dst);
+        c->kt->cvt.to_f32(src, st->cache.dtype, st->cache.stride[2], nc, 1.0f, dst);
 }
 
 static char *row_at(const fw_tensor *t, int64_t b, int64_t l, int64_t c)
@@ -220,7 +220,7 @@ static void final_rows(const conv_ctx *c, int64_t i, int64_t c0, int64_t nc, int
             const int64_t u = len - p->So + e; /* token of the sequence; negative: before it */
             float *row = buf + (size_t)e * CONV_STATE_CHANNELS;
             if (!raw && u >= 0)
-                c->kt->to_f32(row_at(p->x, b, t0 + u, c1), p->x->dtype, p->x->stride[2], n1, 1.0f, row);
+                c->kt->cvt.to_f32(row_at(p->x, b, t0 + u, c1), p->x->dtype, p->x->stride[2], n1, 1.0f, row);
             else if (!raw)
                 state_row(c, p->init, p->Si, i, p->Si + u, c1, n1, row);
             else {
@@ -237,7 +237,7 @@ static void final_rows(const conv_ctx *c, int64_t i, int64_t c0, int64_t nc, int
             if (raw)
                 memcpy(dst, buf + (size_t)e * CONV_STATE_CHANNELS, (size_t)(n1 * es));
             else
-                c->kt->from_f32(buf + (size_t)e * CONV_STATE_CHANNELS, n1, dst, t->dtype, t->stride[2]);
+                c->kt->cvt.from_f32(buf + (size_t)e * CONV_STATE_CHANNELS, n1, dst, t->dtype, t->stride[2]);
         }
     }
 }
@@ -299,7 +299,7 @@ static void out_item(void *vctx, int64_t it, int tid)
         }
         for (int64_t u = u0; u < u1; u++)
             ys[u - u0] = row_at(p->out, b, t0 + u, c0);
-        kt->conv1d_rows(W, (int)(u1 - u0), c->pass, rows, p->x->dtype, c->wt + c0, p->D, c->bias + c0, nc, c->silu,
+        kt->conv.rows(W, (int)(u1 - u0), c->pass, rows, p->x->dtype, c->wt + c0, p->D, c->bias + c0, nc, c->silu,
                         ys, p->out->dtype, c->stream);
         if (fused_final(c, i))
             final_rows(c, i, c0, nc, tid);
@@ -310,7 +310,7 @@ static void out_item(void *vctx, int64_t it, int tid)
         if (!from_x) {
             float *row = ring + (size_t)((u - u0 + W - 1) % W) * c->cb;
             if (u >= 0)
-                kt->to_f32(row_at(p->x, b, t0 + u, c0), p->x->dtype, p->x->stride[2], nc, 1.0f, row);
+                kt->cvt.to_f32(row_at(p->x, b, t0 + u, c0), p->x->dtype, p->x->stride[2], nc, 1.0f, row);
             else
                 state_row(c, p->init, p->Si, i, p->Si + u, c0, nc, row);
         }
@@ -331,14 +331,14 @@ static void out_item(void *vctx, int64_t it, int tid)
             r = row_at(p->res, b, t0 + u, c0);
             rdt = p->res->dtype;
         } else if (p->res) {
-            kt->to_f32(row_at(p->res, b, t0 + u, c0), p->res->dtype, p->res->stride[2], nc, 1.0f, res);
+            kt->cvt.to_f32(row_at(p->res, b, t0 + u, c0), p->res->dtype, p->res->stride[2], nc, 1.0f, res);
             r = res;
         }
         void *dst = odirect ? (void *)row_at(p->out, b, t0 + u, c0) : (void *)y;
-        kt->conv1d_row(W, taps, from_x ? p->x->dtype : FW_F32, c->wt + c0, p->D, c->bias + c0, r, rdt, nc,
+        kt->conv.row(W, taps, from_x ? p->x->dtype : FW_F32, c->wt + c0, p->D, c->bias + c0, r, rdt, nc,
                        c->silu, dst, odirect ? p->out->dtype : FW_F32);
         if (!odirect)
-            kt->from_f32(y, nc, row_at(p->out, b, t0 + u, c0), p->out->dtype, p->out->stride[2]);
+            kt->cvt.from_f32(y, nc, row_at(p->out, b, t0 + u, c0), p->out->dtype, p->out->stride[2]);
     }
     if (fused_final(c, i))
         final_rows(c, i, c0, nc, tid);
@@ -389,11 +389,11 @@ static int conv_silu_mode(const conv_prob *p, int standalone)
 static void conv_weights(const fw_kernels *kt, const fw_tensor *w, int64_t D, int64_t W, float *wb)
 {
     if (w->stride[1] == 1 && w->stride[0] == W) {
-        kt->conv_weights((int)W, D, w->data, w->dtype, wb);
+        kt->conv.weights((int)W, D, w->data, w->dtype, wb);
         return;
     }
     for (int64_t k = 0; k < W; k++)
-        kt->to_f32(fw_elem(w, k * w->stride[1]), w->dtype, w->stride[0], D, 1.0f, wb + k * D);
+        kt->cvt.to_f32(fw_elem(w, k * w->stride[1]), w->dtype, w->stride[0], D, 1.0f, wb + k * D);
 }
 
 static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_tensor *bias,
@@ -444,7 +444,7 @@ static fw_status conv_fwd(const fw_tensor *x, const fw_tensor *weight, const fw_
     }
     conv_weights(kt, p.w, p.D, p.W, wb);
     if (p.b)
-        kt->to_f32(p.b->data, p.b->dtype, p.b->stride[0], p.D, 1.0f, wb + p.W * p.D);
+        kt->cvt.to_f32(p.b->data, p.b->dtype, p.b->stride[0], p.D, 1.0f, wb + p.W * p.D);
     c.wt = wb;
     c.bias = p.b ? wb + p.W * p.D : (const float *)zero; /* no bias: the zero row */
     fw_parallel(threads, first[p.n], out_item, &c);

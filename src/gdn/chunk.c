@@ -67,7 +67,7 @@ static gdn_ws gdn_plan(const gdn_prob *p, const fw_kernels *kt, int64_t hg)
     TAKE(zero, P);
     TAKE(gam, 4 * C);
     TAKE(hd, (size_t)(hg * p->r * w.pv) * (dk + C) * P); /* per value head of the item and dv panel: h rows, Delta rows */
-#define PANEL(red, cols) (b * kt->panel_bytes((int)(red), (int)(cols)) / sizeof(float))
+#define PANEL(red, cols) (b * kt->mm.panel_bytes((int)(red), (int)(cols)) / sizeof(float))
     TAKE(kw, PANEL(dk, C));
     TAKE(qw, PANEL(dk, C));
     TAKE(ktw, PANEL(dk, C));
@@ -193,7 +193,7 @@ static void prefetch_next(const gdn_ctx *c, chunk_next nx, int part, int parts)
 static void store_out(const gdn_ctx *c, const float *src, int64_t t, int64_t vh, int q, int n)
 {
     const fw_tensor *o = c->p->out;
-    c->kt->from_f32(src, n, (char *)at(o, t, vh) + (size_t)(q * GDN_P * o->stride[2]) * fw_dtype_size(o->dtype),
+    c->kt->cvt.from_f32(src, n, (char *)at(o, t, vh) + (size_t)(q * GDN_P * o->stride[2]) * fw_dtype_size(o->dtype),
                     o->dtype, o->stride[2]);
 }
 
@@ -203,11 +203,11 @@ static void chunk_rows(const gdn_ctx *c, float *K, float *Q, int64_t h, int64_t 
     const gdn_prob *p = c->p;
     const int dk = (int)p->dk;
     for (int i = 0; i < L; i++) {
-        c->kt->to_f32(at(p->k, t0 + i, h), p->k->dtype, p->k->stride[2], dk, 1.0f, K + (size_t)i * dk);
-        c->kt->to_f32(at(p->q, t0 + i, h), p->q->dtype, p->q->stride[2], dk, 1.0f, Q + (size_t)i * dk);
+        c->kt->cvt.to_f32(at(p->k, t0 + i, h), p->k->dtype, p->k->stride[2], dk, 1.0f, K + (size_t)i * dk);
+        c->kt->cvt.to_f32(at(p->q, t0 + i, h), p->q->dtype, p->q->stride[2], dk, 1.0f, Q + (size_t)i * dk);
     }
-    c->kt->rows_l2scale(K, L, dk, 1.0f, p->l2, (float)p->eps);
-    c->kt->rows_l2scale(Q, L, dk, qscale, p->l2, (float)p->eps);
+    c->kt->gdn.rows_l2scale(K, L, dk, 1.0f, p->l2, (float)p->eps);
+    c->kt->gdn.rows_l2scale(Q, L, dk, qscale, p->l2, (float)p->eps);
     if (c->replay)
         for (int i = 0; i < L; i++)
             memcpy(c->rp.key + ((size_t)(t0 + i) * p->H + h) * dk, K + (size_t)i * dk, (size_t)dk * sizeof(float));
@@ -229,8 +229,8 @@ static void chunk_gates(const gdn_ctx *c, float *gam, int64_t vh, int64_t t0, in
         ex[i] = gam[i];
         exl[i] = gam[L - 1] - gam[i];
     }
-    c->kt->exp2_inplace(ex, L);
-    c->kt->exp2_inplace(exl, L);
+    c->kt->gdn.exp2_inplace(ex, L);
+    c->kt->gdn.exp2_inplace(exl, L);
     for (int i = L; i < GDN_C; i++)
         gam[i] = 0.0f;
     if (c->replay)
@@ -253,11 +253,11 @@ static void chunk_rhs(const gdn_ctx *c, float *RHS, const float *K, const float 
             if (q < c->w.pk) {
                 n = panel_cols(dk, q);
                 memcpy(rh, K + (size_t)i * dk + q * P, (size_t)n * sizeof(float));
-                c->kt->rows_l2scale(rh, 1, n, bet[i] * ex[i], 0, 0.0f);
+                c->kt->gdn.rows_l2scale(rh, 1, n, bet[i] * ex[i], 0, 0.0f);
             } else {
                 const int v0 = (q - (int)c->w.pk) * P;
                 n = panel_cols(p->dv, q - (int)c->w.pk);
-                c->kt->to_f32(at(p->v, t0 + i, vh) + (size_t)(v0 * p->v->stride[2]) * fw_dtype_size(p->v->dtype),
+                c->kt->cvt.to_f32(at(p->v, t0 + i, vh) + (size_t)(v0 * p->v->stride[2]) * fw_dtype_size(p->v->dtype),
                               p->v->dtype, p->v->stride[2], n, bet[i], rh);
             }
             for (int x = n; x < P; x++)
@@ -324,34 +324,34 @@ static void kda_chunk_gates(const gdn_ctx *c, float *W, int64_t vh, int64_t t0, 
     }
     for (int i = 0; i < GDN_C; i++)
         gam[i] = 0.0f;
-    kt->exp2_inplace(E, (int64_t)L * dk);
+    kt->gdn.exp2_inplace(E, (int64_t)L * dk);
     const double *Gl = G + (size_t)(L - 1) * dk;
     for (int i = 0; i < L; i++) { /* Q and K share each exponential */
         const size_t r = (size_t)i * dk;
-        kt->exp2d_scale2(dk, G + r, G + (size_t)(i / FW_KDA_BLOCK * FW_KDA_BLOCK) * dk, Q + r, Qb + r, K + r, Kb + r);
-        kt->exp2d_scale2(dk, G + r, NULL, Q + r, Ao + (size_t)i * lda, K + r, K2 + r);
-        kt->exp2d_scale2(dk, Gl, G + r, K + r, Kpp + r, NULL, NULL);
+        kt->gdn.exp2d_scale2(dk, G + r, G + (size_t)(i / FW_KDA_BLOCK * FW_KDA_BLOCK) * dk, Q + r, Qb + r, K + r, Kb + r);
+        kt->gdn.exp2d_scale2(dk, G + r, NULL, Q + r, Ao + (size_t)i * lda, K + r, K2 + r);
+        kt->gdn.exp2d_scale2(dk, Gl, G + r, K + r, Kpp + r, NULL, NULL);
         memset(Am + (size_t)i * GDN_C, 0, GDN_C * sizeof(float));
         memset(Ao + (size_t)i * lda + dk, 0, GDN_C * sizeof(float));
     }
-    kt->exp2d_scale2(dk, Gl, NULL, NULL, W + w->dl, NULL, NULL);
+    kt->gdn.exp2d_scale2(dk, Gl, NULL, NULL, W + w->dl, NULL, NULL);
     for (int b = FW_KDA_BLOCK; b < L; b += FW_KDA_BLOCK) {
         const int R = L - b < FW_KDA_BLOCK ? L - b : FW_KDA_BLOCK;
         const void *rows[GDN_C];
         for (int j = 0; j < b; j++) {
-            kt->exp2d_scale2(dk, G + (size_t)b * dk, G + (size_t)j * dk, K + (size_t)j * dk, Kr + (size_t)j * dk, NULL,
+            kt->gdn.exp2d_scale2(dk, G + (size_t)b * dk, G + (size_t)j * dk, K + (size_t)j * dk, Kr + (size_t)j * dk, NULL,
                              NULL);
             rows[j] = Kr + (size_t)j * dk;
         }
-        kt->dec_qk_rows(R, b, dk, Qb + (size_t)b * dk, rows, FW_F32, NULL, 0, Sq);
-        kt->dec_qk_rows(R, b, dk, Kb + (size_t)b * dk, rows, FW_F32, NULL, 0, Sk);
+        kt->dec.qk_rows(R, b, dk, Qb + (size_t)b * dk, rows, FW_F32, NULL, 0, Sq);
+        kt->dec.qk_rows(R, b, dk, Kb + (size_t)b * dk, rows, FW_F32, NULL, 0, Sk);
         for (int r = 0; r < R; r++)
             for (int j = 0; j < b; j++) {
                 Am[(size_t)(b + r) * GDN_C + j] = bet[b + r] * Sk[(size_t)r * GDN_C + j];
                 Ao[(size_t)(b + r) * lda + dk + j] = Sq[(size_t)r * GDN_C + j];
             }
     }
-    kt->kda_diag(L, dk, Q, K, E, bet, Am, GDN_C, Ao + dk, lda);
+    kt->gdn.kda_diag(L, dk, Q, K, E, bet, Am, GDN_C, Ao + dk, lda);
 }
 
 /* The state rows of one dv panel (HD, dk rows of 64) decayed over the chunk: by 2^g_last, or
@@ -361,17 +361,17 @@ static void decay_state(const gdn_ctx *c, const float *W, float *HD, float ex_la
     const int dk = (int)c->p->dk;
     if (c->p->kda)
         for (int x = 0; x < dk; x++)
-            c->kt->rows_l2scale(HD + (size_t)x * GDN_P, 1, GDN_P, W[c->w.dl + (size_t)x], 0, 0.0f);
+            c->kt->gdn.rows_l2scale(HD + (size_t)x * GDN_P, 1, GDN_P, W[c->w.dl + (size_t)x], 0, 0.0f);
     else
-        c->kt->rows_l2scale(HD, dk, GDN_P, ex_last, 0, 0.0f);
+        c->kt->gdn.rows_l2scale(HD, dk, GDN_P, ex_last, 0, 0.0f);
 }
 
 static void chunk_inverse(const gdn_ctx *c, const float *Am, int L, float *Ti)
 {
     if (c->flags & FW_GDN_FWD_SUBST)
-        c->kt->tri_inv_fwd(Am, GDN_C, L, Ti, GDN_C);
+        c->kt->gdn.tri_inv_fwd(Am, GDN_C, L, Ti, GDN_C);
     else
-        c->kt->tri_inv_blocked(Am, GDN_C, L, Ti, GDN_C);
+        c->kt->gdn.tri_inv_blocked(Am, GDN_C, L, Ti, GDN_C);
 }
 
 /* One chunk of tokens [t0, t0 + L) of q/k head h for its r value heads (the item's value
@@ -394,10 +394,10 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t e0, int64_t
         for (int i = 0; i < L; i++)
             krows[i] = K + (size_t)i * dk;
         /* K^T [dk][64] by the decode kernels' transposing pack (FW_DEC_KEYS == GDN_C), zero past L */
-        kt->pack_kt(krows, FW_F32, 1, L, dk, Kt);
+        kt->dec.pack_kt(krows, FW_F32, 1, L, dk, Kt);
         /* the Gram matrices, once for all value heads of this q/k head */
-        kt->qk(L, dk, GDN_C, K, dk, Kt, zero, KK);
-        kt->qk(L, dk, GDN_C, Q, dk, Kt, zero, QK);
+        kt->mm.qk(L, dk, GDN_C, K, dk, Kt, zero, KK);
+        kt->mm.qk(L, dk, GDN_C, Q, dk, Kt, zero, QK);
     }
     for (int64_t e = 0; e < p->r; e++) {
         const int64_t vh = h * p->r + e;
@@ -406,17 +406,17 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t e0, int64_t
         } else {
             chunk_gates(c, gam, vh, t0, L);
             /* A (strictly lower) and QK o Gamma o M (lower with the diagonal) */
-            kt->gdn_gates(L, gam, bet, KK, QK, Am, Ao + dk, dk + GDN_C);
+            kt->gdn.gates(L, gam, bet, KK, QK, Am, Ao + dk, dk + GDN_C);
             for (int i = 0; i < L; i++) {
                 float *ao = Ao + (size_t)i * (dk + GDN_C);
                 memcpy(ao, Q + (size_t)i * dk, (size_t)dk * sizeof(float));
-                kt->rows_l2scale(ao, 1, dk, ex[i], 0, 0.0f);
+                kt->gdn.rows_l2scale(ao, 1, dk, ex[i], 0, 0.0f);
             }
         }
         chunk_rhs(c, RHS, p->kda ? W + w->k2 : K, gam, vh, t0, L);
         chunk_inverse(c, Am, L, Ti);
         for (int q = 0; q < np; q++) /* [W | U] = T RHS, a panel at a time */
-            kt->qk(L, L, P, Ti, GDN_C, RHS + (size_t)q * GDN_C * P, zero, WU + (size_t)q * GDN_C * P);
+            kt->mm.qk(L, L, P, Ti, GDN_C, RHS + (size_t)q * GDN_C * P, zero, WU + (size_t)q * GDN_C * P);
         for (int i = 0; i < L; i++) /* W row-major */
             for (int q = 0; q < w->pk; q++)
                 memcpy(Wr + (size_t)i * dk + q * P, WU + ((size_t)q * GDN_C + i) * P,
@@ -424,10 +424,10 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t e0, int64_t
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e0 + e, q), *D = HD + (size_t)dk * P;
             prefetch_next(c, nx, (int)e * (int)w->pv + q, (int)(p->r * w->pv));
-            kt->qk(L, dk, P, Wr, dk, HD, zero, Wh); /* W h */
+            kt->mm.qk(L, dk, P, Wr, dk, HD, zero, Wh); /* W h */
             chunk_delta(c, D, WU + ((size_t)(w->pk + q) * GDN_C) * P, Wh, vh, t0, L, q);
             /* O = [2^g Q^ | QK o Gamma o M] [h ; Delta], this panel's columns */
-            kt->qk(L, dk + L, P, Ao, dk + GDN_C, HD, zero, Wh);
+            kt->mm.qk(L, dk + L, P, Ao, dk + GDN_C, HD, zero, Wh);
             for (int r = 0; r < L; r++)
                 store_out(c, Wh + (size_t)r * P, t0 + r, vh, q, panel_cols(p->dv, q));
         }
@@ -438,12 +438,12 @@ static void gdn_chunk(const gdn_ctx *c, float *W, int64_t h, int64_t e0, int64_t
         if (!p->kda) {
             memcpy(Kpp, K, (size_t)L * dk * sizeof(float));
             for (int i = 0; i < L; i++)
-                kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
+                kt->gdn.rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
         }
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e0 + e, q);
             decay_state(c, W, HD, ex[L - 1]);
-            kt->pv(L, dk, P, Kpp, dk, HD + (size_t)dk * P, HD);
+            kt->mm.pv(L, dk, P, Kpp, dk, HD + (size_t)dk * P, HD);
         }
     }
 }
@@ -485,66 +485,66 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t e0, in
     if (!p->kda) {
         const void *krows[GDN_C];
         for (int i = 0; i < L; i++) {
-            kt->pack_row_pairs(K + (size_t)i * dk, dk, Kw + (size_t)i * dkw);
-            kt->pack_row_pairs(Q + (size_t)i * dk, dk, Qw + (size_t)i * dkw);
+            kt->mm.pack_row_pairs(K + (size_t)i * dk, dk, Kw + (size_t)i * dkw);
+            kt->mm.pack_row_pairs(Q + (size_t)i * dk, dk, Qw + (size_t)i * dkw);
             krows[i] = Kw + (size_t)i * dkw;
         }
         /* Kb^T [dkw][64] words, zero past L: Kb's rows are already their words, moved as bf16 rows */
-        kt->pack_kt_bf16(krows, FW_BF16, 1, L, dk, KtW);
-        kt->qk_bf16(L, dkw, GDN_C, Kw, dkw, KtW, 1.0f, zero, KK);
-        kt->qk_bf16(L, dkw, GDN_C, Qw, dkw, KtW, 1.0f, zero, QK);
+        kt->dec.pack_kt_bf16(krows, FW_BF16, 1, L, dk, KtW);
+        kt->mm.qk_bf16(L, dkw, GDN_C, Kw, dkw, KtW, 1.0f, zero, KK);
+        kt->mm.qk_bf16(L, dkw, GDN_C, Qw, dkw, KtW, 1.0f, zero, QK);
     }
     for (int64_t e = 0; e < p->r; e++) {
         const int64_t vh = h * p->r + e;
         if (p->kda) {
             kda_chunk_gates(c, W, vh, t0, L, Am, G);
             for (int i = 0; i < L; i++) /* (2^G o Q^)b, this value head's */
-                kt->pack_row_pairs(G + (size_t)i * ldg, dk, Qw + (size_t)i * dkw);
+                kt->mm.pack_row_pairs(G + (size_t)i * ldg, dk, Qw + (size_t)i * dkw);
         } else {
             chunk_gates(c, gam, vh, t0, L);
-            kt->gdn_gates(L, gam, bet, KK, QK, Am, G, GDN_C);
+            kt->gdn.gates(L, gam, bet, KK, QK, Am, G, GDN_C);
         }
         chunk_rhs(c, RHS, p->kda ? W + w->k2 : K, gam, vh, t0, L);
         chunk_inverse(c, Am, L, Ti);
         for (int i = 0; i < L; i++) {
-            kt->pack_row_pairs(Ti + (size_t)i * GDN_C, L, Tw + (size_t)i * GDN_W);
-            kt->pack_row_pairs(Gq + (size_t)i * ldg, L, Gw + (size_t)i * GDN_W);
+            kt->mm.pack_row_pairs(Ti + (size_t)i * GDN_C, L, Tw + (size_t)i * GDN_W);
+            kt->mm.pack_row_pairs(Gq + (size_t)i * ldg, L, Gw + (size_t)i * GDN_W);
         }
         for (int q = 0; q < np; q++) { /* [W | U] = Tb RHSb, a panel at a time */
             const float *R = RHS + (size_t)q * GDN_C * P;
             uint32_t *Rq = RW + (size_t)q * GDN_W * P;
             for (int x = 0; x < Lw; x++)
-                kt->pack_pairs(R + (size_t)(2 * x) * P, 2 * x + 1 < L ? R + (size_t)(2 * x + 1) * P : NULL, P,
+                kt->mm.pack_pairs(R + (size_t)(2 * x) * P, 2 * x + 1 < L ? R + (size_t)(2 * x + 1) * P : NULL, P,
                                Rq + (size_t)x * P);
-            kt->qk_bf16(L, Lw, P, Tw, GDN_W, Rq, 1.0f, zero, WU + (size_t)q * GDN_C * P);
+            kt->mm.qk_bf16(L, Lw, P, Tw, GDN_W, Rq, 1.0f, zero, WU + (size_t)q * GDN_C * P);
         }
         for (int i = 0; i < L; i++) { /* Wb rows */
             for (int q = 0; q < w->pk; q++)
                 memcpy(Wr + (size_t)i * dk + q * P, WU + ((size_t)q * GDN_C + i) * P,
                        (size_t)panel_cols(dk, q) * sizeof(float));
-            kt->pack_row_pairs(Wr + (size_t)i * dk, dk, Ww + (size_t)i * dkw);
+            kt->mm.pack_row_pairs(Wr + (size_t)i * dk, dk, Ww + (size_t)i * dkw);
         }
         if (update) { /* (2^(g_last - g) K^)b in pairs of tokens: the A operand of the update
                        * (KDA's Kpp is already decayed per channel) */
             for (int i = 0; i < L && !p->kda; i++) {
                 memcpy(Kpp + (size_t)i * dk, K + (size_t)i * dk, (size_t)dk * sizeof(float));
-                kt->rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
+                kt->gdn.rows_l2scale(Kpp + (size_t)i * dk, 1, dk, exl[i], 0, 0.0f);
             }
-            kt->pack_vw(Kpp, FW_F32, L, dk, KPw);
+            kt->mm.pack_vw(Kpp, FW_F32, L, dk, KPw);
         }
         for (int q = 0; q < w->pv; q++) {
             float *HD = hd_panel(c, W, e0 + e, q), *D = HD + (size_t)dk * P;
             prefetch_next(c, nx, (int)e * (int)w->pv + q, (int)(p->r * w->pv));
             for (int x = 0; x < dkw; x++) /* hb */
-                kt->pack_pairs(HD + (size_t)(2 * x) * P, 2 * x + 1 < dk ? HD + (size_t)(2 * x + 1) * P : NULL, P,
+                kt->mm.pack_pairs(HD + (size_t)(2 * x) * P, 2 * x + 1 < dk ? HD + (size_t)(2 * x + 1) * P : NULL, P,
                                Hw + (size_t)x * P);
-            kt->qk_bf16(L, dkw, P, Ww, dkw, Hw, 1.0f, zero, Wh); /* Wb hb */
+            kt->mm.qk_bf16(L, dkw, P, Ww, dkw, Hw, 1.0f, zero, Wh); /* Wb hb */
             chunk_delta(c, D, WU + ((size_t)(w->pk + q) * GDN_C) * P, Wh, vh, t0, L, q);
             for (int x = 0; x < Lw; x++)
-                kt->pack_pairs(D + (size_t)(2 * x) * P, 2 * x + 1 < L ? D + (size_t)(2 * x + 1) * P : NULL, P,
+                kt->mm.pack_pairs(D + (size_t)(2 * x) * P, 2 * x + 1 < L ? D + (size_t)(2 * x + 1) * P : NULL, P,
                                Dw + (size_t)x * P);
-            kt->qk_bf16(L, dkw, P, Qw, dkw, Hw, 1.0f, zero, X);   /* Qb hb (KDA: (2^G o Q^)b hb) */
-            kt->qk_bf16(L, Lw, P, Gw, GDN_W, Dw, 1.0f, zero, Wh); /* Gb Deltab */
+            kt->mm.qk_bf16(L, dkw, P, Qw, dkw, Hw, 1.0f, zero, X);   /* Qb hb (KDA: (2^G o Q^)b hb) */
+            kt->mm.qk_bf16(L, Lw, P, Gw, GDN_W, Dw, 1.0f, zero, Wh); /* Gb Deltab */
             for (int r = 0; r < L; r++) {
                 float *o = Wh + (size_t)r * P;
                 const float *xr = X + (size_t)r * P;
@@ -554,7 +554,7 @@ static void gdn_chunk_bf16(const gdn_ctx *c, float *W, int64_t h, int64_t e0, in
             }
             if (update) { /* h <- 2^g_last h + (2^(g_last - g) K^)b^T Deltab */
                 decay_state(c, W, HD, ex[L - 1]);
-                kt->pv_bf16(Lw, dk, P, KPw, Dw, HD);
+                kt->mm.pv_bf16(Lw, dk, P, KPw, Dw, HD);
             }
         }
     }
@@ -577,7 +577,7 @@ static void load_state(const gdn_ctx *c, float *W, int64_t e, const void *src)
         const int64_t n = src ? fw_min64(GDN_P, p->dv - q * GDN_P) : 0;
         for (int64_t x = 0; x < p->dk; x++) {
             if (n)
-                c->kt->to_f32(state_at(src, c->idt, x * p->dv + q * GDN_P), c->idt, 1, n, 1.0f, HD + x * GDN_P);
+                c->kt->cvt.to_f32(state_at(src, c->idt, x * p->dv + q * GDN_P), c->idt, 1, n, 1.0f, HD + x * GDN_P);
             for (int64_t y = n; y < GDN_P; y++)
                 HD[x * GDN_P + y] = 0.0f;
         }
@@ -591,7 +591,7 @@ static void store_state(const gdn_ctx *c, float *W, int64_t e, void *dst)
         const float *HD = hd_panel(c, W, e, q);
         const int64_t n = fw_min64(GDN_P, p->dv - q * GDN_P);
         for (int64_t x = 0; x < p->dk; x++)
-            c->kt->from_f32(HD + x * GDN_P, n, state_at(dst, c->fdt, x * p->dv + q * GDN_P), c->fdt, 1);
+            c->kt->cvt.from_f32(HD + x * GDN_P, n, state_at(dst, c->fdt, x * p->dv + q * GDN_P), c->fdt, 1);
     }
 }
 
@@ -648,29 +648,29 @@ static void recurrent_item(void *vctx, int64_t idx, int tid)
           *tmp = o + dv, *dec = W + c->w.kpp;
     const void *h0 = init_of(c, seq, vh);
     if (h0)
-        kt->to_f32(h0, c->idt, 1, p->dk * p->dv, 1.0f, hst);
+        kt->cvt.to_f32(h0, c->idt, 1, p->dk * p->dv, 1.0f, hst);
     else
         memset(hst, 0, sizeof(float) * (size_t)(p->dk * p->dv));
     for (int64_t t = p->cu[seq]; t < p->cu[seq + 1]; t++) {
         load_qk(kt, p, p->q, t, h, p->scale, q);
         load_qk(kt, p, p->k, t, h, 1.0, k);
-        kt->to_f32(at(p->v, t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
+        kt->cvt.to_f32(at(p->v, t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
         const float beta = gate_beta(p, t, vh);
         gate_decays(kt, p, t, vh, dec, dec + dk);
         if (c->flags & FW_GDN_RECURRENT) {
-            kt->gdn_step4(hst, dv, dk, dv, q, k, v, dec, beta, o, tmp);
+            kt->gdn.step4(hst, dv, dk, dv, q, k, v, dec, beta, o, tmp);
         } else {
             float kq = 0;
             for (int x = 0; x < dk; x++)
                 kq += k[x] * q[x];
             for (int c0 = 0; c0 < dv; c0 += 64)
-                kt->gdn_dec_cols(hst, FW_F32, dv, dk, c0, (int)fw_min64(dv, c0 + 64), q, k, v, dec, beta, kq, o);
+                kt->gdn.dec_cols(hst, FW_F32, dv, dk, c0, (int)fw_min64(dv, c0 + 64), q, k, v, dec, beta, kq, o);
         }
-        kt->from_f32(o, dv, (void *)at(p->out, t, vh), p->out->dtype, p->out->stride[2]);
+        kt->cvt.from_f32(o, dv, (void *)at(p->out, t, vh), p->out->dtype, p->out->stride[2]);
     }
     void *dst = final_of(c, seq, vh);
     if (dst)
-        kt->from_f32(hst, p->dk * p->dv, dst, c->fdt, 1);
+        kt->cvt.from_f32(hst, p->dk * p->dv, dst, c->fdt, 1);
 }
 
 /* Allocate per-thread workspace and run the chunked items (or the recurrent ones) over c's

@@ -46,13 +46,13 @@ static void decode_item(void *vctx, int64_t it, int tid)
     }
     load_qk(c->kt, p, p->q, i, vh / p->r, p->scale, q);
     load_qk(c->kt, p, p->k, i, vh / p->r, 1.0, k);
-    c->kt->to_f32(at(p->v, i, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
+    c->kt->cvt.to_f32(at(p->v, i, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, v);
     float kq = 0;
     for (int x = 0; x < dk; x++)
         kq += k[x] * q[x];
     gate_decays(c->kt, p, i, vh, dec, dec + dk);
-    c->kt->gdn_dec_cols(h, c->sdt, dv, dk, c0, c1, q, k, v, dec, gate_beta(p, i, vh), kq, o);
-    c->kt->from_f32(o + c0, c1 - c0,
+    c->kt->gdn.dec_cols(h, c->sdt, dv, dk, c0, c1, q, k, v, dec, gate_beta(p, i, vh), kq, o);
+    c->kt->cvt.from_f32(o + c0, c1 - c0,
                     (char *)at(p->out, i, vh) + (int64_t)c0 * p->out->stride[2] * (int64_t)fw_dtype_size(p->out->dtype),
                     p->out->dtype, p->out->stride[2]);
 }

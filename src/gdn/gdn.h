@@ -195,15 +195,15 @@ static inline void kda_log2_decays(const fw_kernels *kt, const gdn_prob *p, int6
                                    float *bias)
 {
     if (!p->a_log) {
-        kt->to_f32(at(p->g, t, vh), FW_F32, p->g->stride[2], p->dk, (float)FW_LOG2E, g2);
+        kt->cvt.to_f32(at(p->g, t, vh), FW_F32, p->g->stride[2], p->dk, (float)FW_LOG2E, g2);
         return;
     }
     const float ea = expf((float)fw_load_f64(p->a_log, vh * p->a_log->stride[0]));
     const int per_channel = p->dt_bias && p->dt_bias->shape[0] != p->HV;
     for (int64_t x = 0; p->dt_bias && x < p->dk; x++)
         bias[x] = (float)fw_load_f64(p->dt_bias, (per_channel ? vh * p->dk + x : vh) * p->dt_bias->stride[0]);
-    kt->to_f32(at(p->g, t, vh), p->g->dtype, p->g->stride[2], p->dk, 1.0f, g2);
-    kt->kda_gates((int)p->dk, g2, p->dt_bias ? bias : NULL, ea, p->lower_bound, g2);
+    kt->cvt.to_f32(at(p->g, t, vh), p->g->dtype, p->g->stride[2], p->dk, 1.0f, g2);
+    kt->gdn.kda_gates((int)p->dk, g2, p->dt_bias ? bias : NULL, ea, p->lower_bound, g2);
 }
 
 /* The decays exp(g) of the dk state rows of token t, value head vh, into d: one value for all
@@ -218,7 +218,7 @@ static inline void gate_decays(const fw_kernels *kt, const gdn_prob *p, int64_t 
         return;
     }
     kda_log2_decays(kt, p, t, vh, d, scratch);
-    kt->exp2_inplace(d, p->dk);
+    kt->gdn.exp2_inplace(d, p->dk);
 }
 
 /* q^ (scaled) or k^ of token t, head h, as f32: l2-normalised when asked (p->eps inside the
@@ -226,8 +226,8 @@ static inline void gate_decays(const fw_kernels *kt, const gdn_prob *p, int64_t 
 static inline void load_qk(const fw_kernels *kt, const gdn_prob *p, const fw_tensor *x, int64_t t,
                            int64_t h, double scale, float *dst)
 {
-    kt->to_f32(at(x, t, h), x->dtype, x->stride[2], p->dk, 1.0f, dst);
-    kt->rows_l2scale(dst, 1, (int)p->dk, (float)scale, p->l2, (float)p->eps);
+    kt->cvt.to_f32(at(x, t, h), x->dtype, x->stride[2], p->dk, 1.0f, dst);
+    kt->gdn.rows_l2scale(dst, 1, (int)p->dk, (float)scale, p->l2, (float)p->eps);
 }
 
 /* The replay buffer of verify and commit: replay[0] tags its layout (GDN_REPLAY_TAG or

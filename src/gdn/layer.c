@@ -209,7 +209,7 @@ static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
             if (r < 0)
                 memset(dst, 0, sizeof(float) * (size_t)dim);
             else
-                kt->to_f32((const char *)conv->data + (r * conv->stride[0] + j * cs1) * ces, conv->dtype, cs2, (int)dim,
+                kt->cvt.to_f32((const char *)conv->data + (r * conv->stride[0] + j * cs1) * ces, conv->dtype, cs2, (int)dim,
                            1.0f, dst);
         }
     for (int64_t i = 0; i < n; i++) /* conv checkpoints: after token t, rows t+1 .. t+K-1 of [init | window] */
@@ -219,11 +219,11 @@ static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
                 const float *src = init + (i * km + c) * dim;
                 if (c >= km) {
                     const int64_t qr = L->qsl[s0 + i] + c - km;
-                    kt->to_f32((const char *)qkv->data + qr * qkv->stride[0] * es, qkv->dtype, qkv->stride[1], (int)dim,
+                    kt->cvt.to_f32((const char *)qkv->data + qr * qkv->stride[0] * es, qkv->dtype, qkv->stride[1], (int)dim,
                                1.0f, row);
                     src = row;
                 }
-                kt->from_f32(src, (int)dim,
+                kt->cvt.from_f32(src, (int)dim,
                              (char *)conv->data + ((L->wr[s0 + i] + t) * conv->stride[0] + j * cs1) * ces, conv->dtype, cs2);
             }
     free(init);
@@ -263,9 +263,9 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
             fw_tensor av = L->kda ? gdn_rows_view(L->a, r, 1, 0, L->nv, L->dk) : gdn_rows2(L->a, r, 1);
             const int64_t as = L->kda ? av.stride[2] : av.stride[1];
             for (int64_t h = 0; h < (L->kda ? L->nv : 1); h++)
-                kt->to_f32(fw_elem(&av, h * (L->kda ? av.stride[1] : 0)), av.dtype, as, (int)(L->kda ? L->dk : L->nv),
+                kt->cvt.to_f32(fw_elem(&av, h * (L->kda ? av.stride[1] : 0)), av.dtype, as, (int)(L->kda ? L->dk : L->nv),
                            1.0f, (float *)ar + na * ga + h * (L->kda ? L->dk : 0));
-            kt->to_f32(fw_elem(L->b, r * L->b->stride[0]), L->b->dtype, L->b->stride[1], (int)L->nv, 1.0f,
+            kt->cvt.to_f32(fw_elem(L->b, r * L->b->stride[0]), L->b->dtype, L->b->stride[1], (int)L->nv, 1.0f,
                        (float *)br + na * L->nv);
             rdv[na] = t ? L->wr[s0 + i] + (int32_t)t - 1 : L->ridx[s0 + i];
             wrv[na] = L->wr[s0 + i] + (int32_t)t;
@@ -285,8 +285,8 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
                             L->caches->recurrent_dtype};
         s = fw_gdn_decode_pool(&q, &k, &v, &tg, &tb, &pool, &o, &L->gp);
         for (int64_t j = 0; j < na && !s; j++) { /* the out rows (out may be strided) */
-            kt->to_f32(orow + j * nvdv * oes, L->out->dtype, 1, (int)nvdv, 1.0f, otmp);
-            kt->from_f32(otmp, (int)nvdv, (char *)L->out->data + who[j] * L->out->stride[0] * oes, L->out->dtype,
+            kt->cvt.to_f32(orow + j * nvdv * oes, L->out->dtype, 1, (int)nvdv, 1.0f, otmp);
+            kt->cvt.from_f32(otmp, (int)nvdv, (char *)L->out->data + who[j] * L->out->stride[0] * oes, L->out->dtype,
                          L->out->stride[1]);
         }
     }

@@ -116,7 +116,7 @@ void gdn_replay_shadow(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_
     const float *st = (const float *)L->caches->recurrent + slot * L->caches->recurrent_stride;
     for (int64_t h = 0; h < L->nv; h++)
         for (int64_t x = 0; x < L->dk; x++)
-            kt->from_f32(st + (h * L->dk + x) * L->dv, L->dv,
+            kt->cvt.from_f32(st + (h * L->dk + x) * L->dv, L->dv,
                          (char *)fw_elem(sh, slot * sh->stride[0] + h * sh->stride[1] + x * sh->stride[2]), FW_BF16,
                          sh->stride[3]);
 }
@@ -157,13 +157,13 @@ static const char *rec_at(const rp_ctx *c, int64_t slot, int64_t row, int64_t co
 static void rec_load(const rp_ctx *c, int64_t slot, int64_t row, int64_t col, int64_t n, float *dst)
 {
     const fw_tensor *r = &c->P->R->records;
-    c->kt->to_f32(rec_at(c, slot, row, col), r->dtype, r->stride[2], n, 1.0f, dst);
+    c->kt->cvt.to_f32(rec_at(c, slot, row, col), r->dtype, r->stride[2], n, 1.0f, dst);
 }
 
 static void rec_store(const rp_ctx *c, int64_t slot, int64_t row, int64_t col, int64_t n, const float *src)
 {
     const fw_tensor *r = &c->P->R->records;
-    c->kt->from_f32(src, n, (char *)rec_at(c, slot, row, col), r->dtype, r->stride[2]);
+    c->kt->cvt.from_f32(src, n, (char *)rec_at(c, slot, row, col), r->dtype, r->stride[2]);
 }
 
 /* The scratch of one worker (floats): where each part starts, in the order replay_item names
@@ -235,7 +235,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
             memcpy(Q + (2 * t + 1) * dk, qn + t * dk, sizeof(float) * (size_t)dk);
         }
         for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-            kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, krow + j0, rdt, NULL, 0,
+            kt->dec.qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, krow + j0, rdt, NULL, 0,
                             S + (j0 / KS) * R * KS);
     }
     const float *ckpt = rd >= 0 ? (const float *)L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
@@ -280,7 +280,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
                 hld = sh->stride[2];
             } else {
                 for (int64_t x = 0; x < dk; x++)
-                    kt->to_f32(h0 + x * sh->stride[2] * 2, FW_BF16, sh->stride[3], dv, 1.0f, Sf + x * dv);
+                    kt->cvt.to_f32(h0 + x * sh->stride[2] * 2, FW_BF16, sh->stride[3], dv, 1.0f, Sf + x * dv);
                 hsrc = Sf;
             }
         }
@@ -290,10 +290,10 @@ static void replay_item(void *vctx, int64_t it, int tid)
             if (ckpt) {
                 for (int64_t x = 0; x < gw; x++)
                     e[x] = (Gt ? Gt[x] : 0.0f) + gn[t * gw + x];
-                kt->exp2_inplace(e, gw); /* one decay for GDN, one per channel for KDA */
+                kt->gdn.exp2_inplace(e, gw); /* one decay for GDN, one per channel for KDA */
                 for (int64_t x = 0; x < dk; x++)
                     d[x] = e[L->kda ? x : 0];
-                kt->gdn_dec_reads(hsrc ? hsrc : ckpt + head, hdt, hld, (int)dk, 0, (int)dv, qn + t * dk, kn + t * dk, d,
+                kt->gdn.dec_reads(hsrc ? hsrc : ckpt + head, hdt, hld, (int)dk, 0, (int)dv, qn + t * dk, kn + t * dk, d,
                                   a, b);
             } else {
                 memset(a, 0, sizeof(float) * (size_t)(2 * dv));
@@ -303,13 +303,13 @@ static void replay_item(void *vctx, int64_t it, int tid)
         if (Lc) {
             if (L->kda) { /* per channel: the keys decayed to the last record, the tokens' from it */
                 for (int64_t j = 0; j < Lc; j++)
-                    kt->exp2_scale((int)dk, Kr + j * dk, Gt, gr + j * gw, Kd + j * dk);
+                    kt->gdn.exp2_scale((int)dk, Kr + j * dk, Gt, gr + j * gw, Kd + j * dk);
                 for (int64_t t = 0; t < n; t++) {
-                    kt->exp2_scale((int)dk, kn + t * dk, gn + t * gw, NULL, Q + 2 * t * dk);
-                    kt->exp2_scale((int)dk, qn + t * dk, gn + t * gw, NULL, Q + (2 * t + 1) * dk);
+                    kt->gdn.exp2_scale((int)dk, kn + t * dk, gn + t * gw, NULL, Q + 2 * t * dk);
+                    kt->gdn.exp2_scale((int)dk, qn + t * dk, gn + t * gw, NULL, Q + (2 * t + 1) * dk);
                 }
                 for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-                    kt->dec_qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, kdrow + j0, FW_F32, NULL, 0,
+                    kt->dec.qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, kdrow + j0, FW_F32, NULL, 0,
                                     Pm + (j0 / KS) * R * KS);
             } else {
                 for (int64_t j = 0; j < Lc; j++)
@@ -321,7 +321,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
                     }
             }
             for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-                kt->dec_pv((int)R, (int)fw_min64(KS, Lc - j0), (int)dv, Pm + (j0 / KS) * R * KS, urow + j0, rdt, NULL,
+                kt->dec.pv((int)R, (int)fw_min64(KS, Lc - j0), (int)dv, Pm + (j0 / KS) * R * KS, urow + j0, rdt, NULL,
                            0, O);
         }
         /* token by token: this step's earlier tokens, then u_t = beta (v - k_t S_t) and
@@ -333,7 +333,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
                 const float *kj = kn + j * dk, *uj = un + j * dv, *g0 = gn + j * gw;
                 float ck, cq;
                 if (L->kda) {
-                    kt->exp2_scale((int)dk, kj, gt, g0, row);
+                    kt->gdn.exp2_scale((int)dk, kj, gt, g0, row);
                     ck = dotf(kt_, row, dk);
                     cq = dotf(qt, row, dk);
                 } else {
@@ -347,13 +347,13 @@ static void replay_item(void *vctx, int64_t it, int tid)
                 }
             }
             const float beta = gate_beta(p, r0 + t, vh), qk = dotf(qt, kt_, dk);
-            kt->to_f32(at(p->v, r0 + t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, row);
+            kt->cvt.to_f32(at(p->v, r0 + t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, row);
             float *ut = un + t * dv;
             for (int64_t y = 0; y < dv; y++) {
                 ut[y] = beta * (row[y] - a[y]);
                 b[y] += qk * ut[y];
             }
-            kt->from_f32(b, dv, (char *)at(p->out, r0 + t, vh), p->out->dtype, p->out->stride[2]);
+            kt->cvt.from_f32(b, dv, (char *)at(p->out, r0 + t, vh), p->out->dtype, p->out->stride[2]);
         }
         /* a flush folds the committed records into the checkpoint of the write slot:
          * 2^Gt S + Kt U, Kt [dk][Lc] the keys decayed to the last record, by the table's qk
@@ -373,11 +373,11 @@ static void replay_item(void *vctx, int64_t it, int tid)
                         Kt[x * Lc + j] = tmp[x];
                 }
                 memset(zero, 0, sizeof(float) * (size_t)dvp);
-                kt->qk((int)dk, (int)Lc, (int)dvp, Kt, Lc, ur, zero, ST);
+                kt->mm.qk((int)dk, (int)Lc, (int)dvp, Kt, Lc, ur, zero, ST);
             }
             for (int64_t x = 0; x < gw; x++)
                 e[x] = Gt ? Gt[x] : 0.0f;
-            kt->exp2_inplace(e, gw);
+            kt->gdn.exp2_inplace(e, gw);
             for (int64_t x = 0; x < dk; x++) {
                 const float et = e[L->kda ? x : 0];
                 for (int64_t y = 0; y < dv; y++)
@@ -386,7 +386,7 @@ static void replay_item(void *vctx, int64_t it, int tid)
             }
             const fw_tensor *sh = &P->R->shadow;
             for (int64_t x = 0; x < dk; x++)
-                kt->from_f32(out_state + head + x * dv, dv,
+                kt->cvt.from_f32(out_state + head + x * dv, dv,
                              (char *)fw_elem(sh, wr * sh->stride[0] + vh * sh->stride[1] + x * sh->stride[2]), FW_BF16,
                              sh->stride[3]);
         }

@@ -7,7 +7,7 @@
  *
  * A tile holds 16 rows of 64 bytes: 16 x 32 bf16 (16 words of the pair layout) or 16 x 16
  * f32. tdpbf16ps C += A B takes A [16][16 words] row-major and B [16 words][16] with each
- * row's 16 lanes one word (the pair layout's panels, attn_kern.h), and sums the 32 exact
+ * row's 16 lanes one word (the pair layout's panels, kern/mm_kern.h), and sums the 32 exact
  * bf16 products of an element in f32 with round-to-nearest-even, bf16 denormal inputs read
  * as zero (as vdpbf16ps does). So:
  *   qk_bf16: ST[j][m]  (C)  = K rows [j][w] (A, as the driver keeps them) x QW [w][m] (B)
@@ -623,13 +623,8 @@ const fw_kernels fw_kernels_amx = {
     .vl = VL,
     .bk = 128,
     .native_bf16 = FW_BF16_TILES,
-    .pack_vw = pack_vw,
-    .qk_bf16 = qk_bf16,
-    .pv_bf16 = pv_bf16,
-    .dec_qk_rows_bf16 = dec_qk_rows_bf16,
-    .dec_pv_bf16 = dec_pv_bf16,
-    .dec_qk_tiles_bf16 = dec_qk_tiles_bf16,
-    .dec_pv_tiles_bf16 = dec_pv_tiles_bf16,
-    .panel_bytes = panel_bytes,
-    .peak_bf16 = peak_bf16,
+    .mm = {.pack_vw = pack_vw, .qk_bf16 = qk_bf16, .pv_bf16 = pv_bf16, .panel_bytes = panel_bytes},
+    .dec = {.qk_rows_bf16 = dec_qk_rows_bf16, .pv_bf16 = dec_pv_bf16,
+            .qk_tiles_bf16 = dec_qk_tiles_bf16, .pv_tiles_bf16 = dec_pv_tiles_bf16},
+    .peak = {.bf16 = peak_bf16},
 };

@@ -1,5 +1,5 @@
-/* avx2.c: the avx2 kernel table (see attn_kern.h); compiled with only this ISA's flags. */
+/* avx2.c: the avx2 kernel table (kern/table.h); compiled with only this ISA's flags. */
 #include "../internal.h"
 #include "isa_avx2.h"
 #define FW_TABLE fw_kernels_avx2
-#include "attn_kern.h"
+#include "table.h"

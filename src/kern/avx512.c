@@ -1,5 +1,5 @@
-/* avx512.c: the avx512 kernel table (see attn_kern.h); compiled with only this ISA's flags. */
+/* avx512.c: the avx512 kernel table (kern/table.h); compiled with only this ISA's flags. */
 #include "../internal.h"
 #include "isa_avx512.h"
 #define FW_TABLE fw_kernels_avx512
-#include "attn_kern.h"
+#include "table.h"

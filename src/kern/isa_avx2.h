@@ -171,10 +171,10 @@ static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
 
 static inline void vstream_fence(void) { _mm_sfence(); }
 
-/* No one-store form of a vector pair (vstore2_as in attn_kern.h stores them one by one). */
+/* No one-store form of a vector pair (vstore2_as in conv/conv_kern.h stores them one by one). */
 static inline int vstore2_native(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt) { return 0; }
 
-/* ---- bf16 pairs (see "bf16 products" in attn_kern.h), emulated with f32 FMAs. */
+/* ---- bf16 pairs (see "bf16 products" in kern/mm_kern.h), emulated with f32 FMAs. */
 static inline vf vbcast_word(const uint32_t *p) { return _mm256_castsi256_ps(_mm256_set1_epi32((int)*p)); }
 
 static inline vf vdpbf(vf acc, vf a, vf b)

@@ -52,7 +52,7 @@ static inline vf vmaskz(vm m, vf a) { return _mm512_maskz_mov_ps(m, a); }
  * rounded to bf16 or f16: x = floor(x) + f, f in [0, 1) in one vreduceps (0 for +-inf, NaN
  * kept), 2^f by vexp2_half_poly's polynomial moved to [0, 1) (sqrt(2) p(f - 1/2) expanded:
  * the same 2^-13.7 relative error), and scalef, which takes floor(x) itself: one operation
- * fewer than rounding x and subtracting (the conv's SiLU, attn_kern.h vsilu). */
+ * fewer than rounding x and subtracting (the conv's SiLU, conv/conv_kern.h vsilu). */
 static inline vf vexp2_to(vf x, const int half)
 {
     if (half) {
@@ -195,7 +195,7 @@ static inline void vstream_as(void *dst, fw_dtype dt, int64_t i, vf x)
 
 static inline void vstream_fence(void) { _mm_sfence(); }
 
-/* ---- bf16 pairs (see "bf16 products" in attn_kern.h): a vf holding VL 32-bit words, each
+/* ---- bf16 pairs (see "bf16 products" in kern/mm_kern.h): a vf holding VL 32-bit words, each
  * two bf16 of adjacent reduction elements, the even one in the low half. */
 
 /* One word broadcast to every lane. */
@@ -240,7 +240,7 @@ static inline vf vbf16_row(vf lo, vf hi)
 }
 #endif
 
-/* vstore2_as's one-store form of a vector pair (attn_kern.h), 1 where it stored them: with
+/* vstore2_as's one-store form of a vector pair (conv/conv_kern.h), 1 where it stored them: with
  * AVX512_BF16, a bf16 pair is one vcvtne2ps2bf16 and one store in place of two conversions
  * (each two operations on Intel) and two stores; the same bits. */
 static inline int vstore2_native(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt)

@@ -155,7 +155,7 @@ static inline void vstore_rows(float *dst, int64_t ld, vf t)
 }
 static inline float vhsum(vf x) { return x; }
 
-/* ---- bf16 pairs (see "bf16 products" in attn_kern.h): one word, moved as a float's bits. */
+/* ---- bf16 pairs (see "bf16 products" in kern/mm_kern.h): one word, moved as a float's bits. */
 static inline vf vbcast_word(const uint32_t *p) { return vload_bits(p); }
 static inline vf vdpbf(vf acc, vf a, vf b)
 {

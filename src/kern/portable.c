@@ -1,5 +1,5 @@
-/* portable.c: the portable kernel table (see attn_kern.h); compiled with only this ISA's flags. */
+/* portable.c: the portable kernel table (kern/table.h); compiled with only this ISA's flags. */
 #include "../internal.h"
 #include "isa_portable.h"
 #define FW_TABLE fw_kernels_portable
-#include "attn_kern.h"
+#include "table.h"
