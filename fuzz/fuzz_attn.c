@@ -130,7 +130,7 @@ static void check_backward(fz_in *in, const fz_tensor *q, const fz_tensor *k, co
         const int64_t *shp[3] = {qs, ks, vs};
         const int64_t n[3] = {fz_numel(&dq.t), fz_numel(&dk.t), fz_numel(&dv.t)}, all = n[0] + n[1] + n[2];
         /* exact, and with the roundings of bf16 products when the call used them */
-        const int bf16 = !(p.flags & FW_ATTN_PLAIN) && fw_attn_bf16_products(p.isa, q->t.dtype, p.precision);
+        const int bf16 = !(p.flags & FW_ATTN_PLAIN) && fw_bf16_products(p.isa, q->t.dtype, p.precision);
         double *ex = calloc((size_t)(2 * all) + 1, sizeof(double)), *sr = ex + all;
         for (int pass = 0; pass < 1 + bf16; pass++) {
             fw_tensor r[3];
@@ -344,7 +344,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fw_tensor eo = fw_tensor_contiguous(ex, FW_F64, nd, os), el = fw_tensor_contiguous(ex + no, FW_F64, nd - 1, ls);
         fw_tensor ro = fw_tensor_contiguous(sr, FW_F64, nd, os), rl = fw_tensor_contiguous(sr + no, FW_F64, nd - 1, ls);
         fw_attn_params rp = pc.p;
-        const int bf16 = !(rp.flags & FW_ATTN_PLAIN) && fw_attn_bf16_products(rp.isa, dt, rp.precision);
+        const int bf16 = !(rp.flags & FW_ATTN_PLAIN) && fw_bf16_products(rp.isa, dt, rp.precision);
         rp.precision = FW_PREC_F32;
         fw_status r1 = varlen ? fw_attn_varlen_ref(&q.t, &k.t, &v.t, cuq, cuk, batch, &eo, &el, &rp, 0, INT64_MAX)
                               : fw_attn_ref(&q.t, &k.t, &v.t, &eo, &el, &rp, 0, INT64_MAX);

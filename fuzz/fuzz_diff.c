@@ -120,7 +120,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     rp.precision = FW_PREC_F32;
     FZ_CHECK(fw_attn_varlen_ref(&tq_, &tk_, &tv_, cuq, cuk, B, &eo, &el, &rp, 0, INT64_MAX) == FW_OK,
              "reference: %s", fw_last_error());
-    const int bf16 = fw_attn_bf16_products(p.isa, dt, p.precision);
+    const int bf16 = fw_bf16_products(p.isa, dt, p.precision);
     if (bf16) {
         rp.precision = FW_PREC_BF16;
         FZ_CHECK(fw_attn_varlen_ref(&tq_, &tk_, &tv_, cuq, cuk, B, &ro, &rl, &rp, 0, INT64_MAX) == FW_OK,

@@ -190,7 +190,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     bad |= draw_inputs(&in, &x, dt, odt, T, H, HV, dk, dv, p.l2norm_qk, fz_chance(&in, 3));
     const int kda = x.g.t.ndim == 3; /* after draw_inputs: a wrong rank may switch the form */
     const int bf16 = !(p.flags & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)) &&
-                     fw_attn_bf16_products(p.isa, dt, p.precision) && op != 4;
+                     fw_bf16_products(p.isa, dt, p.precision) && op != 4;
     const int values = x.vq != FZ_HUGE && x.vk != FZ_HUGE && x.vv != FZ_HUGE;
     /* README, "NaN and inf": a NaN or inf in k or v reaches every later output of its value
      * heads (from its chunk's start on the chunked pass); inf arithmetic may end as inf or NaN */

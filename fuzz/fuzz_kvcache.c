@@ -304,7 +304,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fw_tensor ro = fw_tensor_contiguous(sr, FW_F64, 3, os), rl = fw_tensor_contiguous(sr + no, FW_F64, 2, ls);
     fw_attn_params rp = p;
     rp.precision = FW_PREC_F32;
-    const int bf16 = !(p.flags & FW_ATTN_PLAIN) && fw_attn_bf16_products(p.isa, qdt, p.precision);
+    const int bf16 = !(p.flags & FW_ATTN_PLAIN) && fw_bf16_products(p.isa, qdt, p.precision);
     fw_status rs = bad ? FW_ERR_ARG
                        : fw_attn_kvcache_ref(&q.t, knp, vnp, cuq_arg, batch, &cache, &eo, with_lse ? &el : NULL, &rp);
     if (rs == FW_OK && bf16) {

@@ -103,7 +103,7 @@ const char *fw_isa_name(int i) { return i >= 0 && i < NTABLES ? tables[i].k->nam
 
 /* Whether this CPU runs each table, asked once: CPUID traps to the hypervisor in a virtual
  * machine (13.8 us an instruction on this project's Intel VM, 2026-12-02), and every bf16
- * attention call asked again for its table (fw_attn_bf16_products): five CPUIDs, 31% of a
+ * attention call asked again for its table (fw_bf16_products): five CPUIDs, 31% of a
  * 1K-context decode call's time. */
 static int support[NTABLES];
 static pthread_once_t support_once = PTHREAD_ONCE_INIT;
@@ -176,6 +176,13 @@ int fw_isa_native_bf16(const char *name)
     if (!k)
         return 0;
     return k->native_bf16 == FW_BF16_TILES || (k->native_bf16 == FW_BF16_DOT && fw_bf16_dot_native(fw_cpu_vendor()));
+}
+
+int fw_bf16_products(const char *isa, fw_dtype q, int32_t precision)
+{
+    if (precision != FW_PREC_AUTO || q != FW_BF16)
+        return precision == FW_PREC_BF16;
+    return fw_isa_native_bf16(isa);
 }
 
 /* Detection result: an index into tables, or -1 if FLYWHEEL_ISA named a table this CPU cannot

@@ -14,6 +14,19 @@
 #define FW_MAX_THREADS 256   /* threads: 0 (all CPUs) .. this; also caps the pool (threads.c) */
 #define FW_MAX_PAGE_SIZE 65536 /* KV-cache page size: any from 1 to this (vLLM's hybrid models: 1152) */
 
+/* log2(e) and ln(2): the kernels compute exponentials as powers of 2 */
+#define FW_LOG2E 1.4426950408889634
+#define FW_LN2 0.6931471805599453
+
+/* Whether a call with q of dtype `q` and params->precision `precision` on the kernel table
+ * named `isa` (NULL: the default) uses bf16 products: when asked, or by default for bf16 q on
+ * a table with a native bf16 dot product. The other tables emulate the pair products with
+ * f32 FMAs plus the bit work to split the pairs, which is slower than f32 products on the
+ * same bf16 inputs (measured on a Zen 1, avx2: attention 0.74x, GDN prefill 0.77x) and less
+ * accurate, so their default is f32 products. Attention, GDN and KDA and the references
+ * all resolve it here. */
+int fw_bf16_products(const char *isa, fw_dtype q, int32_t precision);
+
 /* The input dtypes the drivers take (a mask of 1 << fw_dtype, for fw_check_tensor). */
 #define FW_DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))
 

@@ -5,9 +5,6 @@
 
 #include "../internal.h"
 
-#define FW_LOG2E 1.4426950408889634
-#define FW_LN2 0.6931471805599453
-
 /* One attention problem after validation: dense batches and varlen batches look alike here.
  * Offsets and strides are in elements. */
 typedef struct fw_attn_prob {
@@ -43,14 +40,6 @@ typedef struct fw_attn_prob {
     int rot_append;                     /* new keys rotated as they are appended (KV cache) */
     int rot_q_fixed;                    /* every query at position sk - sq (KV cache, no mask) */
 } fw_attn_prob;
-
-/* Whether a call with q of dtype `q` and params->precision `precision` on the kernel table
- * named `isa` (NULL: the default) uses bf16 products: when asked, or by default for bf16 q on
- * a table with a native bf16 dot product. The other tables emulate the pair products with
- * f32 FMAs plus the bit work to split the pairs, which is slower than f32 products on the
- * same bf16 inputs (measured on a Zen 1, avx2: attention 0.74x, GDN prefill 0.77x) and less
- * accurate, so their default is f32 products. The references resolve it the same way. */
-int fw_attn_bf16_products(const char *isa, fw_dtype q, int32_t precision);
 
 /* One sequence of the batch: where its rows start and how many there are. */
 typedef struct {

@@ -219,7 +219,7 @@ fw_status fw_attn_bwd_workspace_size(const fw_tensor *q, const fw_tensor *k, con
     const int64_t rows = o ? q->shape[0] * q->shape[1] : q->shape[0];
     const int64_t nb = o ? q->shape[0] : batch, sk = o ? k->shape[1] : k->shape[0];
     bplan pl;
-    const int bf16 = fw_attn_bf16_products(kt->name, q->dtype, params ? params->precision : FW_PREC_AUTO);
+    const int bf16 = fw_bf16_products(kt->name, q->dtype, params ? params->precision : FW_PREC_AUTO);
     if ((s = plan(kt, rows, hq, hkv, d, dv, nb, sk, bf16, params, &pl)))
         return s;
     *bytes = pl.total;

@@ -142,13 +142,6 @@ void fw_attn_tile_rows_out(const fw_attn_prob *p, const fw_attn_seq *s, int64_t 
     }
 }
 
-int fw_attn_bf16_products(const char *isa, fw_dtype q, int32_t precision)
-{
-    if (precision != FW_PREC_AUTO || q != FW_BF16)
-        return precision == FW_PREC_BF16;
-    return fw_isa_native_bf16(isa);
-}
-
 /* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
  * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0; a negative
  * side is unbounded, flash-attn's rule) and the product precision. */
@@ -164,7 +157,7 @@ static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_at
     p->causal = params->causal;
     p->wl = params->window_left < 0 ? -1 : params->window_left; /* any negative: unbounded */
     p->wr = params->causal ? 0 : params->window_right < 0 ? -1 : params->window_right;
-    p->bf16 = fw_attn_bf16_products(params->isa, p->q->dtype, params->precision);
+    p->bf16 = fw_bf16_products(params->isa, p->q->dtype, params->precision);
     /* the kernels fold the scale into one f32 multiplier of the scores, scale x log2(e), or
      * scale / softcap with a softcap (and the softcap into softcap x log2(e)): each must be a
      * finite float, else finite inputs would give inf - inf (found by the atheris harness) */

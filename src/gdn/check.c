@@ -98,7 +98,7 @@ fw_status fw_gdn_check(gdn_prob *p, const fw_tensor *q, const fw_tensor *k, cons
     p->scale = params && params->scale != 0.0f ? (double)params->scale : 1.0 / sqrt((double)dk);
     p->l2 = params ? params->l2norm_qk : 0;
     p->eps = params && params->l2norm_eps > 0.0f ? (double)params->l2norm_eps : 1e-6;
-    p->bf16 = fw_attn_bf16_products(params ? params->isa : NULL, q->dtype, params ? params->precision : FW_PREC_AUTO);
+    p->bf16 = fw_bf16_products(params ? params->isa : NULL, q->dtype, params ? params->precision : FW_PREC_AUTO);
     p->a_log = raw_g ? params->a_log : NULL;
     p->dt_bias = raw_g ? params->dt_bias : NULL;
     p->beta_sigmoid = raw_b;
@@ -258,8 +258,7 @@ fw_status fw_gdn_check_gates(const fw_tensor *g, const fw_tensor *beta, int64_t 
 }
 
 typedef struct {
-    int32_t slot;
-    int64_t seq;
+    int64_t slot, seq;
 } slot_seq;
 
 static int cmp_slot_seq(const void *x, const void *y)
@@ -307,6 +306,51 @@ fw_status fw_gdn_check_slots(const int32_t *idx, int64_t n, int64_t slots, const
             st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld share state slot %d", (long long)sorted[i - 1].seq,
                          (long long)sorted[i].seq, (int)sorted[i].slot);
     free(sorted);
+    return st;
+}
+
+fw_status gdn_check_window_slots(int64_t n, int64_t de, const int32_t *qsl, const int32_t *rd, const int32_t *wr,
+                                    int64_t slots)
+{
+    const int64_t total = (n > 0 ? (int64_t)qsl[de] - qsl[0] : 0) + (n - de);
+    slot_seq *w = malloc(sizeof *w * (size_t)(total > 0 ? total : 1));
+    if (!w)
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld slot entries to check", (long long)total);
+    int64_t m = 0;
+    fw_status st = FW_OK;
+    for (int64_t i = 0; i < n && !st; i++) {
+        const int64_t cnt = i < de ? qsl[i + 1] - qsl[i] : 1;
+        if (rd[i] >= slots)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %lld (read_state_indices + read_offsets); the "
+                         "caches have %lld", (long long)i, (long long)rd[i], (long long)slots);
+        else if (wr[i] + cnt > slots)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld writes slots %d..%lld; the caches have %lld", (long long)i,
+                         (int)wr[i], (long long)(wr[i] + cnt - 1), (long long)slots);
+        for (int64_t t = 0; t < cnt && !st; t++)
+            w[m++] = (slot_seq){wr[i] + t, i};
+    }
+    if (!st)
+        qsort(w, (size_t)m, sizeof *w, cmp_slot_seq);
+    for (int64_t j = 1; j < m && !st; j++)
+        if (w[j].slot == w[j - 1].slot)
+            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write slot %lld", (long long)w[j - 1].seq,
+                         (long long)w[j].seq, (long long)w[j].slot);
+    for (int64_t i = 0; i < n && !st; i++) {
+        if (rd[i] < 0)
+            continue;
+        int64_t lo = 0, hi = m;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (w[mid].slot < rd[i])
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < m && w[lo].slot == rd[i] && w[lo].seq != i)
+            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %d, which sequence %lld writes in the same call",
+                         (long long)i, (int)rd[i], (long long)w[lo].seq);
+    }
+    free(w);
     return st;
 }
 

@@ -3,7 +3,7 @@
 #ifndef FW_GDN_H
 #define FW_GDN_H
 
-#include "../attn/attn.h" /* FW_LOG2E, fw_attn_bf16_products */
+#include "../attn/attn.h" /* FW_LOG2E, fw_bf16_products */
 
 #define GDN_C 64 /* chunk length */
 

@@ -113,61 +113,6 @@ static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, i
  * writes slots wr[i] .. wr[i] + n_i - 1, the others wr[i]; each reads rd[i] (negative: none).
  * Every slot in [0, slots), no slot written twice, none read by one sequence and written by
  * another (a window may write the slot it reads: it reads it first). */
-typedef struct {
-    int64_t slot, seq;
-} slot_of_seq;
-
-static int by_slot_seq(const void *x, const void *y)
-{
-    const slot_of_seq *a = x, *b = y;
-    return a->slot != b->slot ? (a->slot < b->slot ? -1 : 1) : (a->seq > b->seq) - (a->seq < b->seq);
-}
-
-fw_status gdn_check_window_slots(int64_t n, int64_t de, const int32_t *qsl, const int32_t *rd, const int32_t *wr,
-                                    int64_t slots)
-{
-    const int64_t total = (n > 0 ? (int64_t)qsl[de] - qsl[0] : 0) + (n - de);
-    slot_of_seq *w = malloc(sizeof *w * (size_t)(total > 0 ? total : 1));
-    if (!w)
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld slot entries to check", (long long)total);
-    int64_t m = 0;
-    fw_status st = FW_OK;
-    for (int64_t i = 0; i < n && !st; i++) {
-        const int64_t cnt = i < de ? qsl[i + 1] - qsl[i] : 1;
-        if (rd[i] >= slots)
-            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %lld (read_state_indices + read_offsets); the "
-                         "caches have %lld", (long long)i, (long long)rd[i], (long long)slots);
-        else if (wr[i] + cnt > slots)
-            st = fw_fail(FW_ERR_INDEX, "sequence %lld writes slots %d..%lld; the caches have %lld", (long long)i,
-                         (int)wr[i], (long long)(wr[i] + cnt - 1), (long long)slots);
-        for (int64_t t = 0; t < cnt && !st; t++)
-            w[m++] = (slot_of_seq){wr[i] + t, i};
-    }
-    if (!st)
-        qsort(w, (size_t)m, sizeof *w, by_slot_seq);
-    for (int64_t j = 1; j < m && !st; j++)
-        if (w[j].slot == w[j - 1].slot)
-            st = fw_fail(FW_ERR_INDEX, "sequences %lld and %lld both write slot %lld", (long long)w[j - 1].seq,
-                         (long long)w[j].seq, (long long)w[j].slot);
-    for (int64_t i = 0; i < n && !st; i++) {
-        if (rd[i] < 0)
-            continue;
-        int64_t lo = 0, hi = m;
-        while (lo < hi) {
-            const int64_t mid = (lo + hi) / 2;
-            if (w[mid].slot < rd[i])
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo < m && w[lo].slot == rd[i] && w[lo].seq != i)
-            st = fw_fail(FW_ERR_INDEX, "sequence %lld reads slot %d, which sequence %lld writes in the same call",
-                         (long long)i, (int)rd[i], (long long)w[lo].seq);
-    }
-    free(w);
-    return st;
-}
-
 void fw_gdn_layer_zero_tail(const gdn_layer_prob *L)
 {
     for (int64_t t = L->used; t < L->T; t++)

@@ -102,7 +102,7 @@ fw_status gdn_replay_check(const gdn_layer_prob *L, const fw_gdn_batch *batch, c
         return s;
     }
     P->R = R;
-    P->shadow_reads = fw_attn_bf16_products(L->gp.isa, L->qkv->dtype, L->gp.precision);
+    P->shadow_reads = fw_bf16_products(L->gp.isa, L->qkv->dtype, L->gp.precision);
     P->window = window;
     P->koff = L->nv * L->dv;
     P->goff = P->koff + L->nkq * L->dk;
