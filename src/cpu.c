@@ -170,12 +170,21 @@ int fw_conv_pass_rows(const char *vendor_id)
     return vendor_id && strcmp(vendor_id, "AuthenticAMD") == 0 ? 1 : 64;
 }
 
-int fw_isa_native_bf16(const char *name)
+/* A table with a native bf16 dot product (AMX tiles, or vdpbf16ps where it runs at twice the
+ * FMA rate). */
+static int native_bf16(const fw_kernels *k)
 {
-    const fw_kernels *k = fw_kernels_get(name);
-    if (!k)
-        return 0;
-    return k->native_bf16 == FW_BF16_TILES || (k->native_bf16 == FW_BF16_DOT && fw_bf16_dot_native(fw_cpu_vendor()));
+    return k && (k->native_bf16 == FW_BF16_TILES ||
+                 (k->native_bf16 == FW_BF16_DOT && fw_bf16_dot_native(fw_cpu_vendor())));
+}
+
+int fw_isa_native_bf16(const char *name) { return native_bf16(fw_kernels_get(name)); }
+
+int fw_kernels_bf16_products(const fw_kernels *kt, fw_dtype q, int32_t precision)
+{
+    if (precision != FW_PREC_AUTO || q != FW_BF16)
+        return precision == FW_PREC_BF16;
+    return native_bf16(kt);
 }
 
 int fw_bf16_products(const char *isa, fw_dtype q, int32_t precision)

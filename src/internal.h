@@ -40,6 +40,9 @@ void fw_clear_error(void);
 
 #include "kern/kernels.h"
 
+/* fw_bf16_products' rule on a table already looked up (NULL: none, so no native bf16). */
+int fw_kernels_bf16_products(const fw_kernels *kt, fw_dtype q, int32_t precision);
+
 /* ---------------------------------------------------------------- threads -- */
 
 /* fn(ctx, item, tid) for every item in [0, n) on up to `threads` workers, tid 0 ..

@@ -31,6 +31,8 @@ typedef struct fw_attn_prob {
     double softcap;                     /* 0 = off */
     int causal;
     int64_t wl, wr;                     /* -1 = unbounded; causal sets wr = 0 */
+    const fw_kernels *kt;               /* the call's kernel table (NULL: the reference's, or
+                                         * one this CPU cannot run: the call fails) */
     int bf16;                           /* bf16 products (params->precision resolved) */
     /* rotary embedding (params->rotary_*): rcos NULL = none */
     const fw_tensor *rcos, *rsin;

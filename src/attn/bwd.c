@@ -219,7 +219,7 @@ fw_status fw_attn_bwd_workspace_size(const fw_tensor *q, const fw_tensor *k, con
     const int64_t rows = o ? q->shape[0] * q->shape[1] : q->shape[0];
     const int64_t nb = o ? q->shape[0] : batch, sk = o ? k->shape[1] : k->shape[0];
     bplan pl;
-    const int bf16 = fw_bf16_products(kt->name, q->dtype, params ? params->precision : FW_PREC_AUTO);
+    const int bf16 = fw_kernels_bf16_products(kt, q->dtype, params ? params->precision : FW_PREC_AUTO);
     if ((s = plan(kt, rows, hq, hkv, d, dv, nb, sk, bf16, params, &pl)))
         return s;
     *bytes = pl.total;
@@ -606,7 +606,7 @@ static int cmp_item(const void *x, const void *y)
 static fw_status run(const fw_attn_bwd_prob *b, const fw_attn_params *params)
 {
     const fw_attn_prob *p = &b->f;
-    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
+    const fw_kernels *kt = p->kt; /* looked up once, by the setup */
     if (!kt)
         return FW_ERR_UNSUPPORTED;
     bctx c;

@@ -95,127 +95,156 @@ static void run_item(void *vctx, int64_t idx, int tid)
         fw_attn_tile_item(c, it, &sq, tid);
 }
 
-static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
+/* The call's plan, made once: the resolved flags and scales (in the run_ctx the items read),
+ * each sequence's tile rows, and the counts the allocations need. */
+typedef struct {
+    int threads, plain;
+    int64_t heads;   /* items per (sequence, chunk): K/V heads, or q heads unpacked */
+    int64_t units;   /* decode: K/V heads (or q heads unpacked) of one item's workspace */
+    int64_t groups;  /* decode: items per split (fw_attn_dec_groups) */
+    int64_t n, nmerge, npart; /* work items, split decodes to merge, their partial floats */
+    int *bq, *M;     /* [batch]: each sequence's tile rows (fw_attn_tile_rows) */
+    size_t need;     /* workspace bytes */
+} run_plan;
+
+static fw_status plan_call(const fw_attn_prob *p, const fw_attn_params *params, run_ctx *c, run_plan *pl)
 {
     const uint32_t flags = params ? params->flags : 0;
-    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
-    if (!kt)
-        return FW_ERR_UNSUPPORTED;
-    const int threads = fw_threads(params ? params->threads : 0);
-    const int plain = (flags & FW_ATTN_PLAIN) != 0;
-    run_ctx c;
-    memset(&c, 0, sizeof c);
-    c.p = p;
-    c.kt = kt;
-    c.flags = flags;
+    memset(c, 0, sizeof *c);
+    memset(pl, 0, sizeof *pl);
+    c->p = p;
+    c->kt = p->kt;
+    c->flags = flags;
     /* the decode prefetch's default, resolved once per call: by the CPU's vendor */
     if (!(flags & (FW_ATTN_DEC_PREFETCH | FW_ATTN_NO_DEC_PREFETCH)) && fw_dec_prefetch(fw_cpu_vendor()))
-        c.flags |= FW_ATTN_DEC_PREFETCH;
-    c.G = (int)((flags & FW_ATTN_NO_GQA_PACK) ? 1 : p->G);
-    c.cap2 = p->softcap > 0 ? (float)(p->softcap * FW_LOG2E) : 0.0f;
+        c->flags |= FW_ATTN_DEC_PREFETCH;
+    c->G = (int)((flags & FW_ATTN_NO_GQA_PACK) ? 1 : p->G);
+    c->cap2 = p->softcap > 0 ? (float)(p->softcap * FW_LOG2E) : 0.0f;
     /* scores come out in log2 units (or divided by the softcap): f32 products fold this
      * into q; bf16 products apply it to the f32 scores */
-    c.qscale = (float)(p->softcap > 0 ? p->scale / p->softcap : p->scale * FW_LOG2E);
-    const int64_t heads = (plain || (flags & FW_ATTN_NO_GQA_PACK)) ? p->hq : p->hkv;
+    c->qscale = (float)(p->softcap > 0 ? p->scale / p->softcap : p->scale * FW_LOG2E);
+    pl->threads = fw_threads(params ? params->threads : 0);
+    pl->plain = (flags & FW_ATTN_PLAIN) != 0;
+    pl->heads = (pl->plain || (flags & FW_ATTN_NO_GQA_PACK)) ? p->hq : p->hkv;
+    pl->units = fw_attn_ws_units(p->hq, p->hkv, flags);
+    if (!(pl->bq = malloc(2 * sizeof(int) * (size_t)(p->batch > 0 ? p->batch : 1))))
+        return fw_fail(FW_ERR_NOMEM, "cannot allocate the tile plan of %lld sequences", (long long)p->batch);
+    pl->M = pl->bq + p->batch;
 
     /* the work list: q tiles of each sequence's own size, grouped into chunks; a decode
      * sequence (fw_attn_is_decode: G x n <= FW_DEC_ROWS rows per K/V head) is one item per key
      * split instead, all heads together, or its heads in groups when the items are fewer
      * than the threads (fw_attn_dec_groups) */
-    int64_t total_tiles = 0, n = 0, nd = 0, nmerge = 0, npart = 0;
-    const int64_t units = fw_attn_ws_units(p->hq, p->hkv, flags);
+    int64_t total_tiles = 0, nd = 0;
     for (int64_t i = 0; i < p->batch; i++) {
-        int bq, M;
-        fw_attn_tile_rows(c.G, kt->vl, fw_attn_seq_get(p, i).sq, &bq, &M);
-        total_tiles += fw_ceil_div(fw_attn_seq_get(p, i).sq, bq) * heads;
+        const int64_t sq = fw_attn_seq_get(p, i).sq;
+        fw_attn_tile_rows(c->G, c->kt->vl, sq, &pl->bq[i], &pl->M[i]);
+        total_tiles += fw_ceil_div(sq, pl->bq[i]) * pl->heads;
     }
-    c.chunk = fw_attn_chunk_tiles(total_tiles, threads);
+    c->chunk = fw_attn_chunk_tiles(total_tiles, pl->threads);
     for (int64_t i = 0; i < p->batch; i++) {
         const fw_attn_seq s = fw_attn_seq_get(p, i);
-        int bq, M;
-        fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
-        if (!plain && fw_attn_decode_seq(p, c.G, s.sq)) {
-            const int64_t ns = fw_attn_kv_splits(s.sk, units);
+        if (!pl->plain && fw_attn_decode_seq(p, c->G, s.sq)) {
+            const int64_t ns = fw_attn_kv_splits(s.sk, pl->units);
             nd += ns;
             if (ns > 1) {
-                nmerge++;
-                npart += ns * units * c.G * s.sq * (p->dv + 2);
+                pl->nmerge++;
+                pl->npart += ns * pl->units * c->G * s.sq * (p->dv + 2);
             }
         } else {
-            n += fw_ceil_div(s.sq, plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c.chunk * bq) * heads;
+            pl->n += fw_ceil_div(s.sq, pl->plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c->chunk * pl->bq[i]) * pl->heads;
         }
     }
-    const int64_t ng = fw_attn_dec_groups(units, n + nd, threads);
-    n += nd * ng;
-    if (n == 0)
-        return FW_OK;
-    c.wl = fw_attn_ws_layout(p->hq, p->hkv, p->d, p->dv, kt, flags, p->bf16);
-    const size_t need = fw_attn_ws_bytes(&c.wl, threads);
-    if (params && params->workspace && params->workspace_bytes < need)
+    pl->groups = fw_attn_dec_groups(pl->units, pl->n + nd, pl->threads);
+    pl->n += nd * pl->groups;
+    if (pl->n == 0)
+        return FW_OK; /* nothing to run: no workspace asked for */
+    c->wl = fw_attn_ws_layout(p->hq, p->hkv, p->d, p->dv, c->kt, flags, p->bf16);
+    pl->need = fw_attn_ws_bytes(&c->wl, pl->threads);
+    if (params && params->workspace && params->workspace_bytes < pl->need)
         return fw_fail(FW_ERR_WORKSPACE, "workspace has %zu bytes; this call needs %zu",
-                       params->workspace_bytes, need);
-    if ((uint64_t)n > SIZE_MAX / sizeof(item) || (uint64_t)npart > SIZE_MAX / sizeof(float))
-        return fw_fail(FW_ERR_OVERFLOW, "%lld work items overflow size_t", (long long)n);
-    c.items = malloc((size_t)n * sizeof(item));
-    merge_item *merges = nmerge ? malloc((size_t)nmerge * sizeof(merge_item)) : NULL;
-    c.part = npart ? malloc((size_t)npart * sizeof(float)) : NULL;
-    void *own = NULL;
-    char *ws = params && params->workspace ? params->workspace : (own = malloc(need));
-    if (!c.items || !ws || (nmerge && (!merges || !c.part))) {
-        free(c.items);
-        free(merges);
-        free(c.part);
-        free(own);
-        return fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes of workspace, %lld work items and "
-                       "%lld split partials", need, (long long)n, (long long)npart);
-    }
-    c.ws = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
-    unsigned sink[FW_MAX_THREADS * 16];
-    c.sink = sink;
-    c.ws_stride = c.wl.total;
-    n = nmerge = npart = 0;
-    for (int64_t i = 0; i < p->batch; i++) {
-        const fw_attn_seq s = fw_attn_seq_get(p, i);
-        int bq, M;
-        fw_attn_tile_rows(c.G, kt->vl, s.sq, &bq, &M);
-        if (!plain && fw_attn_decode_seq(p, c.G, s.sq)) {
-            const int64_t ns = fw_attn_kv_splits(s.sk, units), keys = fw_attn_kv_split_keys(s.sk, units);
-            const int64_t rows = units * c.G * s.sq;
-            if (ns > 1) {
-                merge_item mi = {i, ns, npart};
-                merges[nmerge++] = mi;
-            }
-            for (int64_t sp = 0; sp < ns; sp++)
-                for (int64_t g = 0; g < ng; g++) {
-                    item e = {i, g, ng, sp * keys, ns > 1 ? (sp + 1) * keys : INT64_MAX,
-                              ns > 1 ? npart + sp * rows * (p->dv + 2) : -1,
-                              fw_ceil_div(units, ng) * fw_min64(keys, s.sk) + FW_ATTN_BK};
-                    c.items[n++] = e;
-                }
-            npart += ns > 1 ? ns * rows * (p->dv + 2) : 0;
-            continue;
+                       params->workspace_bytes, pl->need);
+    if ((uint64_t)pl->n > SIZE_MAX / sizeof(item) || (uint64_t)pl->npart > SIZE_MAX / sizeof(float))
+        return fw_fail(FW_ERR_OVERFLOW, "%lld work items overflow size_t", (long long)pl->n);
+    return FW_OK;
+}
+
+/* The items of sequence i (and its merge, for a split decode) as the plan counted them. */
+static void sequence_items(const run_ctx *c, const run_plan *pl, int64_t i, int64_t *n,
+                           merge_item *merges, int64_t *nmerge, int64_t *npart)
+{
+    const fw_attn_prob *p = c->p;
+    const fw_attn_seq s = fw_attn_seq_get(p, i);
+    if (!pl->plain && fw_attn_decode_seq(p, c->G, s.sq)) {
+        const int64_t ns = fw_attn_kv_splits(s.sk, pl->units), keys = fw_attn_kv_split_keys(s.sk, pl->units);
+        const int64_t rows = pl->units * c->G * s.sq, ng = pl->groups;
+        if (ns > 1) {
+            merge_item mi = {i, ns, *npart};
+            merges[(*nmerge)++] = mi;
         }
-        const int64_t span = plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c.chunk * bq;
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t ch = 0; ch * span < s.sq; ch++) {
-                /* cost: the keys the chunk's last row sees times its rows */
-                int64_t rows = fw_min64(span, s.sq - ch * span), lo, hi;
-                fw_attn_visible(p, s.sq, s.sk, ch * span + rows - 1, &lo, &hi);
-                item e = {i, h, ch, 0, INT64_MAX, -1, rows * fw_max64(1, hi - lo + FW_ATTN_BK)};
-                c.items[n++] = e;
+        for (int64_t sp = 0; sp < ns; sp++)
+            for (int64_t g = 0; g < ng; g++) {
+                item e = {i, g, ng, sp * keys, ns > 1 ? (sp + 1) * keys : INT64_MAX,
+                          ns > 1 ? *npart + sp * rows * (p->dv + 2) : -1,
+                          fw_ceil_div(pl->units, ng) * fw_min64(keys, s.sk) + FW_ATTN_BK, 0, 0};
+                c->items[(*n)++] = e;
             }
+        *npart += ns > 1 ? ns * rows * (p->dv + 2) : 0;
+        return;
     }
-    qsort(c.items, (size_t)n, sizeof(item), cmp_item);
-    fw_parallel(threads, n, run_item, &c);
-    if (nmerge) {
-        merge_ctx mc = {&c, merges};
-        fw_parallel(threads, nmerge, merge_fn, &mc);
+    const int64_t span = pl->plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c->chunk * pl->bq[i];
+    for (int64_t h = 0; h < pl->heads; h++)
+        for (int64_t ch = 0; ch * span < s.sq; ch++) {
+            /* cost: the keys the chunk's last row sees times its rows */
+            int64_t rows = fw_min64(span, s.sq - ch * span), lo, hi;
+            fw_attn_visible(p, s.sq, s.sk, ch * span + rows - 1, &lo, &hi);
+            item e = {i, h, ch, 0, INT64_MAX, -1, rows * fw_max64(1, hi - lo + FW_ATTN_BK), pl->bq[i],
+                      pl->M[i]};
+            c->items[(*n)++] = e;
+        }
+}
+
+/* Plan, allocate, list the items longest first, run them and merge the split decodes. */
+static fw_status run(const fw_attn_prob *p, const fw_attn_params *params)
+{
+    if (!p->kt)
+        return FW_ERR_UNSUPPORTED; /* fw_kernels_get said why, in the setup */
+    run_ctx c;
+    run_plan pl;
+    fw_status s = plan_call(p, params, &c, &pl);
+    if (s || pl.n == 0) {
+        free(pl.bq);
+        return s;
+    }
+    c.items = malloc((size_t)pl.n * sizeof(item));
+    merge_item *merges = pl.nmerge ? malloc((size_t)pl.nmerge * sizeof(merge_item)) : NULL;
+    c.part = pl.npart ? malloc((size_t)pl.npart * sizeof(float)) : NULL;
+    void *own = NULL;
+    char *ws = params && params->workspace ? params->workspace : (own = malloc(pl.need));
+    if (c.items && ws && (!pl.nmerge || (merges && c.part))) {
+        c.ws = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+        unsigned sink[FW_MAX_THREADS * 16];
+        c.sink = sink;
+        c.ws_stride = c.wl.total;
+        int64_t n = 0, nmerge = 0, npart = 0;
+        for (int64_t i = 0; i < p->batch; i++)
+            sequence_items(&c, &pl, i, &n, merges, &nmerge, &npart);
+        qsort(c.items, (size_t)n, sizeof(item), cmp_item);
+        fw_parallel(pl.threads, n, run_item, &c);
+        if (nmerge) {
+            merge_ctx mc = {&c, merges};
+            fw_parallel(pl.threads, nmerge, merge_fn, &mc);
+        }
+    } else {
+        s = fw_fail(FW_ERR_NOMEM, "cannot allocate %zu bytes of workspace, %lld work items and "
+                    "%lld split partials", pl.need, (long long)pl.n, (long long)pl.npart);
     }
     free(c.items);
     free(merges);
     free(c.part);
     free(own);
-    return FW_OK;
+    free(pl.bq);
+    return s;
 }
 
 fw_status fw_attn_fwd(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
@@ -292,10 +321,9 @@ fw_status fw_attn_kvcache_fwd(const fw_tensor *q, const fw_tensor *k_new, const 
     if (s)
         return s;
     /* the kernel table must resolve before the cache is touched */
-    const fw_kernels *kt = fw_kernels_get(params ? params->isa : NULL);
-    if (!kt)
+    if (!p.kt)
         return FW_ERR_UNSUPPORTED;
     if (p.append)
-        append_rows(&p, kt);
+        append_rows(&p, p.kt);
     return run(&p, params);
 }

@@ -36,6 +36,7 @@ typedef struct {
     int64_t kb, ke;           /* the keys this item covers: [kb, ke) */
     int64_t part;             /* split items: offset of this split's partials, else -1 */
     int64_t cost;
+    int bq, M;                /* tiled items: q rows per tile, and M (fw_attn_tile_rows) */
 } item;
 
 typedef struct {

@@ -144,8 +144,9 @@ void fw_attn_tile_rows_out(const fw_attn_prob *p, const fw_attn_seq *s, int64_t 
 
 /* The fields both setups derive the same way: lse strides ([hq, total_q] packed, or
  * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0; a negative
- * side is unbounded, flash-attn's rule) and the product precision. */
-static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params)
+ * side is unbounded, flash-attn's rule), the kernel table and the product precision (the
+ * reference resolves the precision by the table's name: it runs on none). */
+static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params, int ref)
 {
     if (lse && p->varlen) {
         p->lse_b = lse->stride[1]; p->lse_h = lse->stride[0]; p->lse_r = lse->stride[1];
@@ -157,7 +158,9 @@ static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_at
     p->causal = params->causal;
     p->wl = params->window_left < 0 ? -1 : params->window_left; /* any negative: unbounded */
     p->wr = params->causal ? 0 : params->window_right < 0 ? -1 : params->window_right;
-    p->bf16 = fw_bf16_products(params->isa, p->q->dtype, params->precision);
+    p->kt = ref ? NULL : fw_kernels_get(params->isa);
+    p->bf16 = ref ? fw_bf16_products(params->isa, p->q->dtype, params->precision)
+                  : fw_kernels_bf16_products(p->kt, p->q->dtype, params->precision);
     /* the kernels fold the scale into one f32 multiplier of the scores, scale x log2(e), or
      * scale / softcap with a softcap (and the softcap into softcap x log2(e)): each must be a
      * finite float, else finite inputs would give inf - inf (found by the atheris harness) */
@@ -272,7 +275,7 @@ fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,
         p->batch = q->shape[0]; p->sq = q->shape[1]; p->sk = k->shape[1];
         p->qb = q->stride[0]; p->kb = k->stride[0]; p->vb = v->stride[0]; p->ob = out->stride[0];
     }
-    return (s = setup_common(p, lse, params)) ? s : setup_rotary(p, params);
+    return (s = setup_common(p, lse, params, ref)) ? s : setup_rotary(p, params);
 }
 
 fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
@@ -494,7 +497,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         p->sq = fw_max64(p->sq, e.sq);
         p->sk = fw_max64(p->sk, e.sk);
     }
-    return (s = setup_common(p, lse, params)) ? s : setup_rotary(p, params);
+    return (s = setup_common(p, lse, params, ref)) ? s : setup_rotary(p, params);
 }
 
 /* ------------------------------------------------------------- heuristics -- */

@@ -58,8 +58,7 @@ void fw_attn_tile_item(const run_ctx *c, const item *it, const fw_attn_seq *sq, 
     const fw_attn_prob *p = c->p;
     const fw_kernels *kt = c->kt;
     const int G = c->G, d = (int)p->d, dv = (int)p->dv;
-    int bq, M;
-    fw_attn_tile_rows(G, kt->vl, sq->sq, &bq, &M);
+    const int bq = it->bq, M = it->M; /* the call's plan (attn/run.c) */
     const int online = (c->flags & FW_ATTN_ONLINE_SOFTMAX) != 0;
     const int skip = !(c->flags & FW_ATTN_NO_TILE_SKIP);
     const int folded = !online && c->cap2 == 0.0f; /* the anchor rides in qk's bias */

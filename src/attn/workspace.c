@@ -90,8 +90,8 @@ fw_status fw_attn_workspace_size(const fw_tensor *q, const fw_tensor *k, const f
         return s;
     const int64_t hq = dims[0], hkv = dims[1], d = dims[2], dv = dims[3];
     const ws_layout w = fw_attn_ws_layout(hq, hkv, d, dv, kt, params ? params->flags : 0,
-                                          fw_bf16_products(kt->name, q->dtype, params ? params->precision
-                                                                                 : FW_PREC_AUTO));
+                                          fw_kernels_bf16_products(kt, q->dtype, params ? params->precision
+                                                                                         : FW_PREC_AUTO));
     *bytes = fw_attn_ws_bytes(&w, fw_threads(params ? params->threads : 0));
     return FW_OK;
 }
