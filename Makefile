@@ -113,7 +113,7 @@ bench-calls: build $(VENV)/.test-deps
 # against flywheel's: prefill 2K and 8K, 32 decode steps, bf16 and f32, logits agreement,
 # flywheel's kernels inside the step against alone (python/e2e.py); results in docs/e2e/.
 # flywheel runs on the OpenMP build ($(BUILD)-omp), which shares torch's pool, as "Threads
-# inside an engine" in the README advises inside torch.
+# inside an engine" in docs/integrations.md advises inside torch.
 e2e: build $(VENV)/.compare-deps
 	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON \
 	  $(PY_CMAKE) >/dev/null
