@@ -1,8 +1,8 @@
 # Thin wrapper over CMake. `make run`: the main job; `make test`: every test (C, then Python);
 # `make compare`: flywheel side by side with its peers; `make compare-cpu`: against zentorch and
 # vLLM's CPU kernels; `make install`: the library, header, CLI, CMake package and pkg-config
-# file under PREFIX. Packaging and portability checks (all run by .ci/run): test-install,
-# test-clang, check-isa, test-baseline.
+# file under PREFIX; `make docs`: the pages under docs/ (MkDocs). Packaging and portability
+# checks (all run by .ci/run): test-install, test-clang, check-isa, test-baseline.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
@@ -31,7 +31,7 @@ PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls \
+.PHONY: all build run test test-c test-python docs test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls \
         bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
@@ -57,6 +57,22 @@ test-python: build $(VENV)/.test-deps
 	$(TREE_ENV) FLYWHEEL_EXPECT_BINDING=compiled $(VENV)/bin/python -m pytest -q python/tests
 	$(TREE_ENV) FLYWHEEL_BINDING=ctypes FLYWHEEL_EXPECT_BINDING=ctypes \
 	  $(VENV)/bin/python -m pytest -q python/tests
+
+# The pages under docs/: MkDocs (pinned in python/requirements-docs.txt, in its own virtual
+# environment, $(DOCS_VENV)) builds them into $(DOCS_SITE) with --strict, so that a broken
+# link or anchor, or a page missing from mkdocs.yml's nav, fails; then every relative link in
+# README.md must resolve (tools/check_links.py).
+DOCS_VENV ?= .venv-docs
+DOCS_SITE ?= $(BUILD)/site
+docs: $(DOCS_VENV)/.docs-deps
+	$(DOCS_VENV)/bin/mkdocs build --strict --site-dir $(abspath $(DOCS_SITE))
+	$(DOCS_VENV)/bin/python tools/check_links.py README.md
+
+$(DOCS_VENV)/.docs-deps: python/requirements-docs.txt
+	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install -q --no-cache-dir -r python/requirements-docs.txt
+	@touch $@
 
 # The peers the tests compare against (python/requirements-test-peers.txt: torch with its CUDA
 # libraries, fla, transformers) take 5.7 GB installed and 8.6 GB while pip installs them
@@ -97,7 +113,7 @@ bench-calls: build $(VENV)/.test-deps
 # against flywheel's: prefill 2K and 8K, 32 decode steps, bf16 and f32, logits agreement,
 # flywheel's kernels inside the step against alone (python/e2e.py); results in docs/e2e/.
 # flywheel runs on the OpenMP build ($(BUILD)-omp), which shares torch's pool, as "Threads
-# inside an engine" in the README advises inside torch.
+# inside an engine" in docs/integrations.md advises inside torch.
 e2e: build $(VENV)/.compare-deps
 	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON \
 	  $(PY_CMAKE) >/dev/null

@@ -8,7 +8,7 @@
  *   paged      the same on paged caches of two page sizes, pages in shuffled order;
  *   held       fw_attn_kvcache_fwd with every key already in the cache (no append).
  * Every result must be within the accuracy bar of the float64 reference (fuzz_util.h), and
- * bit-identical where the README promises it: any thread count on every path (1 vs 3), and
+ * bit-identical where docs/design.md promises it: any thread count on every path (1 vs 3), and
  * paged and contiguous caches holding the same data, whatever the page size. Inputs are
  * moderate or special (NaN / inf), in one dtype, contiguous.
  */

@@ -192,7 +192,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int bf16 = !(p.flags & (FW_GDN_RECURRENT | FW_GDN_FUSED_RECURRENT)) &&
                      fw_bf16_products(p.isa, dt, p.precision) && op != 4;
     const int values = x.vq != FZ_HUGE && x.vk != FZ_HUGE && x.vv != FZ_HUGE;
-    /* README, "NaN and inf": a NaN or inf in k or v reaches every later output of its value
+    /* docs/design.md, "NaN and inf": a NaN or inf in k or v reaches every later output of its value
      * heads (from its chunk's start on the chunked pass); inf arithmetic may end as inf or NaN */
     const int nan_ok = (x.vk == FZ_SPECIAL || x.vv == FZ_SPECIAL ? FZ_WIDER : 0) |
                        (x.vq == FZ_SPECIAL || x.vk == FZ_SPECIAL || x.vv == FZ_SPECIAL ? FZ_ANY_NONFINITE : 0);
@@ -342,7 +342,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                  "commit reference: %s", fw_last_error());
                         /* after bf16 products, commit rebuilds the state in f32 from verify's
                          * deltas, without the chunked pass's roundings of the state and the
-                         * decayed keys: up to one bf16 rounding apart (README; found here
+                         * decayed keys: up to one bf16 rounding apart (docs/linear-attention.md; found here
                          * with dk = dv = 1, where one rounding is the whole error) */
                         compare_state("committed state", state + (int64_t)idx[i] * slot_floats, ri.srs, ri.exs,
                                       slot_floats, values, nan_ok, bf16 ? 0x1p-8 : 0);

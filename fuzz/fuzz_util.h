@@ -93,7 +93,7 @@ void fz_seed(fz_in *in);
  * The kernel's tensor `got` against two float64 references in its row-major order: `sr`, the
  * same-roundings reference, and `ex`, the exact one, unless `values` is 0 (huge inputs, where
  * f32 overflows what float64 holds): where sr is NaN, got must be NaN; where sr is +-inf, got
- * must equal it; where sr is finite, got must be too, and |got - sr| <= 2 max|sr - ex| + slack. `rules` relaxes this where the README allows:
+ * must equal it; where sr is finite, got must be too, and |got - sr| <= 2 max|sr - ex| + slack. `rules` relaxes this where docs/design.md allows:
  *   FZ_WIDER: got may be NaN where sr is finite (a NaN that reaches more rows than the
  *     reference's: a value row through its 64-key tile, a key from its chunk's start);
  *   FZ_ANY_NONFINITE: NaN and +-inf stand for each other (a kernel that evaluates an

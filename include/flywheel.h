@@ -277,11 +277,12 @@ FW_API fw_status fw_attn_varlen_ref(const fw_tensor *q, const fw_tensor *k, cons
  *   dq [b, sq, hq, d], dk [b, sk, hkv, d], dv [b, sk, hkv, dv]: outputs, f32 | bf16 | f16
  *       (each may differ from q); every element is written (a key no query sees gets 0).
  *       They must not overlap each other or any input.
- * Products run in f32 with f32 accumulation whatever the input dtype (params->precision must
- * be FW_PREC_AUTO or FW_PREC_F32); dq sums its key tiles, and dk / dv their query rows, in a
- * fixed order, so the result is bit-identical for any thread count. params->flags takes
- * FW_ATTN_PLAIN (the row-at-a-time baseline) only. Softcap, windows, GQA/MQA and dv != d as in
- * the forward.
+ * Products run in the forward's precision (params->precision: FW_PREC_AUTO gives bf16 inputs
+ * bf16 products where the table has a native bf16 dot product; P and dS are then rounded to
+ * bf16 before their products, as flash-attn's backward does), with f32 accumulation. dq sums
+ * its key tiles, and dk / dv their query rows, in a fixed order, so the result is
+ * bit-identical for any thread count. params->flags takes FW_ATTN_PLAIN (the row-at-a-time
+ * baseline) only. Softcap, windows, GQA/MQA and dv != d as in the forward.
  * Workspace: fw_attn_bwd_workspace_size(); unlike the forward's it grows with the query
  * rows (f32 partial sums of dq, at most 4 copies: O(sq x hq x d), never O(sq x sk)).
  */
@@ -443,9 +444,10 @@ typedef struct fw_gdn_params {
     const char *isa;   /* NULL = fw_isa_default() */
     uint32_t flags;    /* FW_GDN_* algorithm switches; 0 = chunked WY with the blocked inverse */
     int32_t precision; /* fw_precision of the chunked products (prefill, verify); FW_PREC_AUTO:
-                          bf16 products for bf16 q on a table with a native bf16 dot product. Which operands are rounded: README, "Gated
-                          DeltaNet on bf16 products". Decode, commit and the recurrent modes
-                          always run f32 products on the f32 state. */
+                          bf16 products for bf16 q on a table with a native bf16 dot product.
+                          Which operands are rounded: docs/linear-attention.md, "Product
+                          precision". Decode, commit and the recurrent modes always run f32
+                          products on the f32 state. */
     float l2norm_eps;  /* with l2norm_qk: x / sqrt(|x|^2 + eps); 0 = 1e-6 (fla's and
                           transformers'; vLLM's CPU kernels use 1e-5) */
     /* Gates computed inside the kernels (Qwen3-Next's, Kimi Linear's): with a_log ([HV], any
@@ -471,7 +473,7 @@ FW_API void fw_gdn_params_init(fw_gdn_params *p);
  *   (they may be the same buffer). A sequence of length 0 returns its initial state.
  * Chunks of 64 tokens never span two sequences; all exponentials are of differences <= 0.
  * KDA's bf16 products round the operands its per-channel decays are folded into; A and the
- * gated QK stay on f32 products (README, "KDA").
+ * gated QK stay on f32 products (docs/linear-attention.md).
  * Memory: per-thread workspace of O(64 x (dk + dv) + (HV/H) x dk x dv) floats, allocated
  * inside the call (FW_ERR_NOMEM if that fails).
  */
@@ -538,7 +540,7 @@ FW_API fw_status fw_gdn_decode_pool(const fw_tensor *q, const fw_tensor *k, cons
  * its tokens t, a checkpoint of both states to slot state_indices[i] + t (a group of
  * consecutive slots per sequence; the engine keeps the checkpoint of the last accepted
  * token). gated_delta_rule_verify / _commit do the same by replaying kept deltas instead
- * (README, "GDN serving layer": which to choose). */
+ * (docs/linear-attention.md, "Speculative decoding": which to choose). */
 typedef struct fw_gdn_batch {
     int64_t n_seqs;
     const int32_t *query_start_loc, *seq_lens, *state_indices, *read_state_indices;
@@ -700,8 +702,8 @@ FW_API fw_status fw_gdn_commit(const int32_t *cu_seqlens, int64_t n_seqs, const 
 /* Float64 reference: the plain recurrence, token by token, over a packed batch (arguments as
  * fw_gdn_prefill; out may be FW_F64). With bf16 products (params->precision, FW_PREC_AUTO
  * resolved as in the kernels, recurrent flags not set) it is instead the chunked pass in
- * double with the kernel's roundings and no others (README, "Gated DeltaNet on bf16
- * products"); pass FW_PREC_F32 for the exact result of the given inputs. */
+ * double with the kernel's roundings and no others (docs/linear-attention.md, "Product
+ * precision"); pass FW_PREC_F32 for the exact result of the given inputs. */
 FW_API fw_status fw_gdn_ref(const fw_tensor *q, const fw_tensor *k, const fw_tensor *v,
                             const fw_tensor *g, const fw_tensor *beta, const int32_t *cu_seqlens,
                             int64_t n_seqs, const float *initial_state, double *final_state,

@@ -1,5 +1,5 @@
 /*
- * test_nan.c: how NaN and inf travel (README, "NaN and inf"), on every path and table, in both
+ * test_nan.c: how NaN and inf travel (docs/design.md, "NaN and inf"), on every path and table, in both
  * precisions.
  * Attention: a NaN or inf in a query row makes that output row and its lse NaN; a NaN in a key
  * row makes NaN every row that sees the key; every other row stays finite. Paths: the tiled

@@ -8,7 +8,7 @@ read-only), keyword arguments (scales, windows, softcaps, precision and isa stri
 cu_seqlens, cache_seqlens, block tables, states and their slots, ...) and values (NaN, inf,
 huge). The binding's contract, checked on every input:
   (a) the process does not crash (libFuzzer reports signals itself);
-  (b) an exception is one of the README's error rules: TypeError, ValueError (FlywheelError
+  (b) an exception is one of the error rules (docs/python.md): TypeError, ValueError (FlywheelError
       included), NotImplementedError; MemoryError only for problems with a huge dimension.
       Anything else (IndexError, OverflowError, AttributeError, ctypes errors, ...) is a
       finding;

@@ -425,7 +425,7 @@ def use_openmp_threads(threads=None):
     call with threads 0 (set_num_threads' default) runs on, 1 .. 256; None: OpenMP's team size
     now (torch.get_num_threads() in torch). Process-wide, until use_own_threads().
     NotImplementedError where the package was built without an OpenMP runtime. Measured inside
-    vLLM's CPU engine (README, "vLLM's CPU build", 1K prompt): GDN decode steps 1.3-1.7x and
+    vLLM's CPU engine (`make bench-vllm`, 1K prompt): GDN decode steps 1.3-1.7x and
     attention decode steps 1.2-1.4x faster than on the pool."""
     m = _omp_loop()
     n = m.fw_omp_max_threads() if threads is None else threads

@@ -152,7 +152,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     outputs). inverse="fwd_subst" selects the
     forward-substitution triangular inverse. precision of the chunk's products: None or
     "auto" (bf16 for bfloat16 q where flywheel.auto_precision says so, as fla's chunk kernels), "f32" or "bf16" (which operands are
-    rounded: the README's "Gated DeltaNet on bf16 products"). l2norm_eps: the epsilon inside
+    rounded: docs/linear-attention.md, "Product precision"). l2norm_eps: the epsilon inside
     the in-kernel l2 norm's square root (None: 1e-6, fla's; vLLM's CPU kernels use 1e-5).
     Not supported (NotImplementedError): state_v_first, cp_context, other fla keyword arguments.
     """

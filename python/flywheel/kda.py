@@ -10,7 +10,7 @@ The gates may be computed inside the kernels (use_gate_in_kernel): g is then the
 A_log [HV] and dt_bias [HV * K], and the log decay -exp(A_log) softplus(g + dt_bias), or with
 a lower bound (fla's safe gate) lower_bound * sigmoid(exp(A_log) (g + dt_bias)).
 The chunked pass runs bf16 products for bfloat16 q by default (flywheel.auto_precision), as chunk_gated_delta_rule
-(precision=; README, "KDA").
+(precision=; docs/linear-attention.md).
 Dtypes and errors as in flywheel.gated_delta; decode into slot arrays, verify and commit take
 KDA's g through gated_delta_rule_decode / _verify / _commit.
 """
@@ -68,7 +68,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     knobs) are accepted and ignored; chunk_size 32 or 64 is accepted and the kernel's chunk is
     64 (the result is the same recurrence). out, isa, inverse, precision, l2norm_eps: as in
     flywheel.chunk_gated_delta_rule (precision None: flywheel.auto_precision; bf16 products round
-    the operands decayed per channel: the README's "KDA"). Not supported (NotImplementedError): state_v_first,
+    the operands decayed per channel: docs/linear-attention.md). Not supported (NotImplementedError): state_v_first,
     cp_context, return_intermediate_states, other fla keyword arguments.
     """
     _unsupported(kwargs, state_v_first=state_v_first, cp_context=cp_context,

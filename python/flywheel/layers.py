@@ -56,7 +56,7 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
     windows of 1 .. num_spec_tokens + 1 tokens; window i starts from slot
     read_state_indices[i] + read_offsets[i] and writes the conv and recurrent checkpoint after
     each of its tokens t to slot state_indices[i] + t, as the original does
-    (gated_delta_rule_verify / _commit do it by replay instead: README).
+    (gated_delta_rule_verify / _commit do it by replay instead: docs/linear-attention.md).
 
     decode_tile_size, mixed_tile_size and compute_chunk_size are the original's TPU tiling
     and are accepted and ignored; compute_precision too (the original's dots round to bf16

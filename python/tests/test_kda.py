@@ -71,7 +71,7 @@ def test_matches_reference(family, dtype, Tn, heads, fn):
 @pytest.mark.parametrize("Tn", [1, 64, 150])
 @pytest.mark.parametrize("gscale", [0.3, 20.0])
 def test_bf16_products_on_float32_inputs(Tn, gscale):
-    """precision="bf16" rounds the operands decayed per channel (README, "KDA"): within 2 x the
+    """precision="bf16" rounds the operands decayed per channel (docs/linear-attention.md): within 2 x the
     same-roundings reference's error, strong decays included; the products were rounded."""
     H, HV, K, V = 2, 4, 32, 24
     rng = np.random.default_rng(Tn + 11)

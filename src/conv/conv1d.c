@@ -289,7 +289,7 @@ static void out_item(void *vctx, int64_t it, int tid)
     const void *taps[FW_MAX_CONV_WIDTH];
     if (u1 - u0 >= CONV_SLIDE_ROWS && direct && odirect && !p->res && (sdirect || u0 >= W - 1)) {
         /* every tap and output in place: the item's rows in one call, whose width-4 kernel
-         * slides the taps in registers (README, "Causal conv1d": 1.21-1.27x at Qwen3-Next's
+         * slides the taps in registers (measured 1.21-1.27x at Qwen3-Next's
          * 2K prefill) */
         const void *rows[CONV_TOKENS + FW_MAX_CONV_WIDTH];
         void *ys[CONV_TOKENS];

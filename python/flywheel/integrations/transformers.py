@@ -357,7 +357,7 @@ def enable(model=None, reuse_outputs=True, share_threads=True):
     share_threads: run flywheel's parallel loops on torch's OpenMP threads
     (flywheel.use_openmp_threads(torch.get_num_threads()), where the package has its OpenMP
     loop; disable() puts the library's own threads back), so that no second pool competes
-    with torch's for the cores (README, "Threads inside an engine")."""
+    with torch's for the cores (docs/threads.md)."""
     _reuse["on"] = bool(reuse_outputs)
     if share_threads:
         import torch
