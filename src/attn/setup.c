@@ -313,22 +313,13 @@ fw_attn_seq fw_attn_seq_get(const fw_attn_prob *p, int64_t i)
     return s;
 }
 
-fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new,
-                                const fw_tensor *v_new, const int32_t *cuq, int64_t batch,
-                                const fw_kv_cache *cache, const fw_tensor *out,
-                                const fw_tensor *lse, const fw_attn_params *params, int ref)
+/* The KV-cache call's tensors: dtypes, shapes against q and the cache, no aliased outputs. */
+static fw_status kv_check_tensors(const fw_tensor *q, const fw_tensor *k_new, const fw_tensor *v_new,
+                                  const fw_kv_cache *cache, const fw_tensor *out, const fw_tensor *lse, int ref)
 {
-    fw_attn_params defaults;
-    if (!params) {
-        fw_attn_params_init(&defaults);
-        params = &defaults;
-    }
-    memset(p, 0, sizeof *p);
     const unsigned dt_out = FW_DT_IN | (ref ? 1u << FW_F64 : 0u);
-    fw_status s;
-    if (!cache)
-        return fw_fail(FW_ERR_NULL, "cache is NULL: a fw_kv_cache is required");
     const fw_tensor *kc = &cache->k, *vc = &cache->v;
+    fw_status s;
     if ((s = fw_check_tensor(q, "q", 3, FW_DT_IN)) || (s = fw_check_tensor(out, "out", 3, dt_out)) ||
         (s = fw_check_tensor(kc, "cache.k", 4, FW_DT_IN)) || (s = fw_check_tensor(vc, "cache.v", 4, FW_DT_IN)))
         return s;
@@ -376,16 +367,17 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
     if ((s = fw_check_no_alias(out, "out")) || (lse && (s = fw_check_no_alias(lse, "lse"))) ||
         (k_new && ((s = fw_check_no_alias(kc, "cache.k")) || (s = fw_check_no_alias(vc, "cache.v")))))
         return s;
-    if ((s = fw_attn_check_params(params)))
-        return s;
-    if (batch < 0 || batch > INT32_MAX)
-        return fw_fail(FW_ERR_ARG, "batch is %lld; it must be 0..2^31-1", (long long)batch);
-    if ((s = check_cu(cuq, batch, q->shape[0], "cu_seqlens_q")))
-        return s;
-    if (batch > 0 && !cache->seqlens)
-        return fw_fail(FW_ERR_NULL, "cache.seqlens is NULL");
+    return FW_OK;
+}
+
+/* The cache's layout and paging: FW_KV_TILES' requirements, the page size (*shift: its log2,
+ * or -1 when it is not a power of two) and the block table's row stride (*bts). */
+static fw_status kv_check_layout(const fw_kv_cache *cache, int64_t batch, int64_t d, int64_t dv, int64_t *shift,
+                                 int64_t *bts)
+{
+    const fw_tensor *kc = &cache->k, *vc = &cache->v;
     const int paged = cache->block_table != NULL;
-    const int64_t num_pages = kc->shape[0], rows = kc->shape[1];
+    const int64_t rows = kc->shape[1];
     if (paged && (cache->leftpad || cache->batch_idx))
         return fw_fail(FW_ERR_ARG, "cache.%s needs a contiguous cache (block_table NULL), as "
                        "flash-attn's cache_%s does", cache->leftpad ? "leftpad" : "batch_idx",
@@ -408,31 +400,40 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
                            (long long)kc->stride[1], (long long)kc->stride[3], (long long)vc->stride[1],
                            (long long)vc->stride[3]);
     }
-    int64_t shift = 0, bts = 0;
     if (paged) {
         if (rows < 1 || rows > FW_MAX_PAGE_SIZE)
             return fw_fail(FW_ERR_SHAPE, "page_size (cache.k dimension 1) is %lld; it must be 1 to %d",
                            (long long)rows, FW_MAX_PAGE_SIZE);
-        while (((int64_t)1 << shift) < rows)
-            shift++;
-        if (((int64_t)1 << shift) != rows)
-            shift = -1;
-        bts = cache->block_table_stride ? cache->block_table_stride : cache->max_pages;
-        if (cache->max_pages < 1 || bts < cache->max_pages)
+        while (((int64_t)1 << *shift) < rows)
+            (*shift)++;
+        if (((int64_t)1 << *shift) != rows)
+            *shift = -1;
+        *bts = cache->block_table_stride ? cache->block_table_stride : cache->max_pages;
+        if (cache->max_pages < 1 || *bts < cache->max_pages)
             return fw_fail(FW_ERR_ARG, "block table: max_pages %lld must be >= 1 and its row stride %lld "
-                           ">= max_pages", (long long)cache->max_pages, (long long)bts);
+                           ">= max_pages", (long long)cache->max_pages, (long long)*bts);
     } else if (!cache->batch_idx && kc->shape[0] < batch) {
         return fw_fail(FW_ERR_SHAPE, "the contiguous cache holds %lld sequences but batch is %lld",
                        (long long)kc->shape[0], (long long)batch);
     }
-    /* every sequence's context fits, every page it touches exists; no page written twice */
+    return FW_OK;
+}
+
+/* Every sequence's context fits, every entry or page it touches exists, and no entry or page
+ * is written (k_new given) by two sequences. */
+static fw_status kv_check_seqs(const fw_kv_cache *cache, const int32_t *cuq, int64_t batch, int appends,
+                               int64_t bts)
+{
+    const int paged = cache->block_table != NULL;
+    const int64_t num_pages = cache->k.shape[0], rows = cache->k.shape[1];
+    fw_status s = FW_OK;
     unsigned char *written = NULL;
-    if ((paged || cache->batch_idx) && k_new && !(written = calloc((size_t)num_pages + 1, 1)))
+    if ((paged || cache->batch_idx) && appends && !(written = calloc((size_t)num_pages + 1, 1)))
         return fw_fail(FW_ERR_NOMEM, "cannot allocate %lld bytes to check the entries written",
                        (long long)num_pages);
     for (int64_t i = 0; i < batch && !s; i++) {
         const int64_t old = cache->seqlens[i], n = (int64_t)cuq[i + 1] - cuq[i];
-        const int64_t len = old + (k_new ? n : 0);
+        const int64_t len = old + (appends ? n : 0);
         if (old < 0) {
             s = fw_fail(FW_ERR_SEQLENS, "cache.seqlens[%lld] is %lld; it must be >= 0", (long long)i,
                         (long long)old);
@@ -471,9 +472,18 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         }
     }
     free(written);
-    if (s)
-        return s;
+    return s;
+}
 
+
+/* The validated KV-cache call as a problem (the rows of the cache and the new rows). */
+static void kv_fill(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new, const fw_tensor *v_new,
+                    const int32_t *cuq, int64_t batch, const fw_kv_cache *cache, const fw_tensor *out,
+                    const fw_tensor *lse, int64_t shift, int64_t bts)
+{
+    const fw_tensor *kc = &cache->k, *vc = &cache->v;
+    const int paged = cache->block_table != NULL;
+    const int64_t hq = q->shape[1], hkv = kc->shape[2], d = q->shape[2], dv = vc->shape[3], rows = kc->shape[1];
     p->q = q; p->k = kc; p->v = vc; p->out = out; p->lse = lse;
     p->cuq = cuq; p->varlen = 1; p->kvcache = 1; p->append = k_new != NULL;
     p->knew = k_new; p->vnew = v_new;
@@ -497,6 +507,35 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         p->sq = fw_max64(p->sq, e.sq);
         p->sk = fw_max64(p->sk, e.sk);
     }
+}
+
+fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new,
+                                const fw_tensor *v_new, const int32_t *cuq, int64_t batch,
+                                const fw_kv_cache *cache, const fw_tensor *out,
+                                const fw_tensor *lse, const fw_attn_params *params, int ref)
+{
+    fw_attn_params defaults;
+    if (!params) {
+        fw_attn_params_init(&defaults);
+        params = &defaults;
+    }
+    memset(p, 0, sizeof *p);
+    if (!cache)
+        return fw_fail(FW_ERR_NULL, "cache is NULL: a fw_kv_cache is required");
+    fw_status s;
+    if ((s = kv_check_tensors(q, k_new, v_new, cache, out, lse, ref)) || (s = fw_attn_check_params(params)))
+        return s;
+    if (batch < 0 || batch > INT32_MAX)
+        return fw_fail(FW_ERR_ARG, "batch is %lld; it must be 0..2^31-1", (long long)batch);
+    if ((s = check_cu(cuq, batch, q->shape[0], "cu_seqlens_q")))
+        return s;
+    if (batch > 0 && !cache->seqlens)
+        return fw_fail(FW_ERR_NULL, "cache.seqlens is NULL");
+    int64_t shift = 0, bts = 0;
+    if ((s = kv_check_layout(cache, batch, q->shape[2], cache->v.shape[3], &shift, &bts)) ||
+        (s = kv_check_seqs(cache, cuq, batch, k_new != NULL, bts)))
+        return s;
+    kv_fill(p, q, k_new, v_new, cuq, batch, cache, out, lse, shift, bts);
     return (s = setup_common(p, lse, params, ref)) ? s : setup_rotary(p, params);
 }
 
