@@ -33,12 +33,6 @@ static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n, int6
  * sequence cut into windows runs the same chunks. */
 #define LAYER_ROWS 256
 
-
-/* One window: sequences [s0, s1) whole (u1 < 0), or tokens [u0, u1) of sequence s0 alone:
- * the conv from the conv slot (or, past a piece's start, from the rows before it in qkv),
- * its final state written with the sequence's last token, then the decode step or the
- * chunked pass from the recurrent read slot (a later piece: the write slot, where the
- * earlier piece left it). */
 /* The conv part of a window (as layer_window): its rows into L->cbuf, cu its sequences'
  * bounds there. */
 static fw_status window_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int32_t *cu)
@@ -70,6 +64,11 @@ static fw_status window_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1, in
     return fw_conv1d_fwd_cached(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, &y, &L->cp);
 }
 
+/* One window: sequences [s0, s1) whole (u1 < 0), or tokens [u0, u1) of sequence s0 alone:
+ * the conv from the conv slot (or, past a piece's start, from the rows before it in qkv),
+ * its final state written with the sequence's last token, then the decode step or the
+ * chunked pass from the recurrent read slot (a later piece: the write slot, where the
+ * earlier piece left it). */
 static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
 {
     const int piece = u1 >= 0;
@@ -109,10 +108,7 @@ static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, i
                   : fw_gdn_prefill_pool(&q, &k, &v, &tg, &tb, cu, n, &pool, &o, &L->gp);
 }
 
-/* The slots of a step with speculative windows: sequence i < de (a window of n_i tokens)
- * writes slots wr[i] .. wr[i] + n_i - 1, the others wr[i]; each reads rd[i] (negative: none).
- * Every slot in [0, slots), no slot written twice, none read by one sequence and written by
- * another (a window may write the slot it reads: it reads it first). */
+/* out's rows past the last token used, zeroed (params->zero_tail). */
 void fw_gdn_layer_zero_tail(const gdn_layer_prob *L)
 {
     for (int64_t t = L->used; t < L->T; t++)
@@ -120,11 +116,10 @@ void fw_gdn_layer_zero_tail(const gdn_layer_prob *L)
             fw_store_f64(L->out, t * L->out->stride[0] + c * L->out->stride[1], 0.0);
 }
 
-/* Speculative windows [s0, s1) (rows at most LAYER_ROWS): the conv of their rows from the
- * conv read slots; a conv checkpoint per token (the K-1 raw rows ending there, from the read
- * slot's rows saved first, as the window may overwrite its read slot) to slot wr[i] + t; then
- * token by token the fused decode step of the windows that reach position t, from slot
- * rd[i] (t = 0) or wr[i] + t - 1 to slot wr[i] + t, on rows gathered into scratch. */
+/* The conv part of speculative windows [s0, s1) (rows at most LAYER_ROWS): the conv of their
+ * rows from the conv read slots into L->cbuf, and a conv checkpoint per token (the K-1 raw
+ * rows ending there, from the read slot's rows saved first, as the window may overwrite its
+ * read slot) to slot wr[i] + t. */
 static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
 {
     const fw_kernels *kt = fw_kernels_get(L->gp.isa);
@@ -175,6 +170,9 @@ static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
     return FW_OK;
 }
 
+/* Speculative windows [s0, s1) (rows at most LAYER_ROWS): their conv (windows_conv), then
+ * token by token the fused decode step of the windows that reach position t, from slot
+ * rd[i] (t = 0) or wr[i] + t - 1 to slot wr[i] + t, on rows gathered into scratch. */
 static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
 {
     const fw_kernels *kt = fw_kernels_get(L->gp.isa);
