@@ -33,12 +33,6 @@ static fw_status check_vec(const fw_tensor *t, const char *what, int64_t n, int6
  * sequence cut into windows runs the same chunks. */
 #define LAYER_ROWS 256
 
-
-/* One window: sequences [s0, s1) whole (u1 < 0), or tokens [u0, u1) of sequence s0 alone:
- * the conv from the conv slot (or, past a piece's start, from the rows before it in qkv),
- * its final state written with the sequence's last token, then the decode step or the
- * chunked pass from the recurrent read slot (a later piece: the write slot, where the
- * earlier piece left it). */
 /* The conv part of a window (as layer_window): its rows into L->cbuf, cu its sequences'
  * bounds there. */
 static fw_status window_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int32_t *cu)
@@ -70,6 +64,11 @@ static fw_status window_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1, in
     return fw_conv1d_fwd_cached(&x, L->w, L->bias, cu, n, &cin, last ? &cfin : NULL, &y, &L->cp);
 }
 
+/* One window: sequences [s0, s1) whole (u1 < 0), or tokens [u0, u1) of sequence s0 alone:
+ * the conv from the conv slot (or, past a piece's start, from the rows before it in qkv),
+ * its final state written with the sequence's last token, then the decode step or the
+ * chunked pass from the recurrent read slot (a later piece: the write slot, where the
+ * earlier piece left it). */
 static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, int64_t u0, int64_t u1, int decode)
 {
     const int piece = u1 >= 0;
@@ -109,10 +108,7 @@ static fw_status layer_window(const gdn_layer_prob *L, int64_t s0, int64_t s1, i
                   : fw_gdn_prefill_pool(&q, &k, &v, &tg, &tb, cu, n, &pool, &o, &L->gp);
 }
 
-/* The slots of a step with speculative windows: sequence i < de (a window of n_i tokens)
- * writes slots wr[i] .. wr[i] + n_i - 1, the others wr[i]; each reads rd[i] (negative: none).
- * Every slot in [0, slots), no slot written twice, none read by one sequence and written by
- * another (a window may write the slot it reads: it reads it first). */
+/* out's rows past the last token used, zeroed (params->zero_tail). */
 void fw_gdn_layer_zero_tail(const gdn_layer_prob *L)
 {
     for (int64_t t = L->used; t < L->T; t++)
@@ -120,11 +116,10 @@ void fw_gdn_layer_zero_tail(const gdn_layer_prob *L)
             fw_store_f64(L->out, t * L->out->stride[0] + c * L->out->stride[1], 0.0);
 }
 
-/* Speculative windows [s0, s1) (rows at most LAYER_ROWS): the conv of their rows from the
- * conv read slots; a conv checkpoint per token (the K-1 raw rows ending there, from the read
- * slot's rows saved first, as the window may overwrite its read slot) to slot wr[i] + t; then
- * token by token the fused decode step of the windows that reach position t, from slot
- * rd[i] (t = 0) or wr[i] + t - 1 to slot wr[i] + t, on rows gathered into scratch. */
+/* The conv part of speculative windows [s0, s1) (rows at most LAYER_ROWS): the conv of their
+ * rows from the conv read slots into L->cbuf, and a conv checkpoint per token (the K-1 raw
+ * rows ending there, from the read slot's rows saved first, as the window may overwrite its
+ * read slot) to slot wr[i] + t. */
 static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
 {
     const fw_kernels *kt = fw_kernels_get(L->gp.isa);
@@ -175,6 +170,9 @@ static fw_status windows_conv(const gdn_layer_prob *L, int64_t s0, int64_t s1)
     return FW_OK;
 }
 
+/* Speculative windows [s0, s1) (rows at most LAYER_ROWS): their conv (windows_conv), then
+ * token by token the fused decode step of the windows that reach position t, from slot
+ * rd[i] (t = 0) or wr[i] + t - 1 to slot wr[i] + t, on rows gathered into scratch. */
 static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
 {
     const fw_kernels *kt = fw_kernels_get(L->gp.isa);
@@ -239,44 +237,54 @@ static fw_status layer_windows(const gdn_layer_prob *L, int64_t s0, int64_t s1)
     return s;
 }
 
-fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
-                             const fw_tensor *conv_weight, const fw_tensor *conv_bias, const fw_tensor *a_log,
-                             const fw_tensor *dt_bias, const fw_gdn_batch *batch, const fw_gdn_caches *caches,
-                             const fw_tensor *out, const fw_gdn_layer_params *params, int ref)
+/* The head counts and dims of params. */
+static fw_status check_heads(const fw_gdn_layer_params *params)
 {
-    fw_status s;
-    if (!batch || !caches || !params)
-        return fw_fail(FW_ERR_NULL, "%s is NULL", !batch ? "batch" : !caches ? "caches" : "params");
     const int64_t nkq = params->n_kq, nv = params->n_v, dk = params->d_k, dv = params->d_v;
     if (nkq < 1 || nv < 1 || nv % nkq || dk < 1 || dk > FW_MAX_HEAD_DIM || dv < 1 || dv > FW_MAX_HEAD_DIM ||
         nv > FW_MAX_HEADS)
         return fw_fail(FW_ERR_SHAPE, "n_kq %lld, n_v %lld, d_k %lld, d_v %lld: n_v must be a multiple of n_kq "
                        "(at most %d) and the dims 1..%d", (long long)nkq, (long long)nv, (long long)dk,
                        (long long)dv, FW_MAX_HEADS, FW_MAX_HEAD_DIM);
+    return FW_OK;
+}
+
+/* The step's tensors against the heads: ranks and dtypes (out also f64 for the reference),
+ * the gate parameters, the shapes, and out free of self-aliasing. *kda: a is [T, n_v d_k],
+ * a decay per key channel (d_k = 1 is GDN either way). */
+static fw_status check_layer_tensors(const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                                     const fw_tensor *conv_weight, const fw_tensor *a_log, const fw_tensor *dt_bias,
+                                     const fw_tensor *out, const fw_gdn_layer_params *params, int ref, int *kda)
+{
+    const int64_t nkq = params->n_kq, nv = params->n_v, dk = params->d_k, dv = params->d_v;
+    fw_status s;
     if ((s = fw_check_tensor(qkv, "qkv", 2, FW_DT_IN)) || (s = fw_check_tensor(b, "b", 2, FW_DT_IN)) ||
         (s = fw_check_tensor(conv_weight, "conv_weight", 2, FW_DT_IN)) ||
         (s = fw_check_tensor(a, "a", 2, FW_DT_IN)) ||
         (s = fw_check_tensor(out, "out", 2, ref ? FW_DT_IN | 1u << FW_F64 : FW_DT_IN)))
         return s;
-    /* a [T, n_v d_k]: KDA, a decay per key channel (d_k = 1 is GDN either way) */
-    const int kda = dk > 1 && a->shape[1] == nv * dk;
-    if ((s = check_vec(a_log, "a_log", nv, 0)) || (s = check_vec(dt_bias, "dt_bias", nv, kda ? nv * dk : 0)))
+    *kda = dk > 1 && a->shape[1] == nv * dk;
+    if ((s = check_vec(a_log, "a_log", nv, 0)) || (s = check_vec(dt_bias, "dt_bias", nv, *kda ? nv * dk : 0)))
         return s;
     const int64_t T = qkv->shape[0], dim = 2 * nkq * dk + nv * dv;
     if (qkv->shape[1] != dim)
         return fw_fail(FW_ERR_SHAPE, "qkv has %lld columns; [q | k | v] needs 2 n_kq d_k + n_v d_v = %lld",
                        (long long)qkv->shape[1], (long long)dim);
-    if (b->shape[0] != T || b->shape[1] != nv || a->shape[0] != T || (a->shape[1] != nv && !kda))
+    if (b->shape[0] != T || b->shape[1] != nv || a->shape[0] != T || (a->shape[1] != nv && !*kda))
         return fw_fail(FW_ERR_SHAPE, "b must be [T, n_v] = [%lld, %lld] and a [T, n_v] (or, for KDA, [T, n_v d_k] = "
                        "[%lld, %lld])", (long long)T, (long long)nv, (long long)T, (long long)(nv * dk));
     if (out->shape[0] != T || out->shape[1] != nv * dv)
         return fw_fail(FW_ERR_SHAPE, "out must be [T, n_v d_v] = [%lld, %lld]", (long long)T, (long long)(nv * dv));
-    if ((s = fw_check_no_alias(out, "out")))
-        return s;
-    /* the batch */
+    return fw_check_no_alias(out, "out");
+}
+
+/* The batch against qkv's T rows: its distribution, its pointers, query_start_loc, the
+ * speculative windows' bound, and each sequence's tokens. *used: the rows its sequences take. */
+static fw_status check_batch(const fw_gdn_batch *batch, int64_t T, int64_t *used)
+{
+    fw_status s;
     const int64_t n = batch->n_seqs;
     const int32_t *qsl = batch->query_start_loc, *sl = batch->seq_lens, *wr = batch->state_indices;
-    const int32_t *rd = batch->read_state_indices ? batch->read_state_indices : wr;
     const int64_t de = batch->decode_end, pe = batch->prefill_end, me = batch->mixed_end;
     if (n < 0 || n > INT32_MAX)
         return fw_fail(FW_ERR_ARG, "n_seqs is %lld; it must be 0..2^31-1", (long long)n);
@@ -287,10 +295,10 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
         return fw_fail(FW_ERR_NULL, "%s is NULL", !qsl ? "query_start_loc" : !sl ? "seq_lens" : "state_indices");
     if (me > 0 && (s = fw_check_cu_seqlens(qsl, me, -1, "query_start_loc")))
         return s;
-    const int64_t used = me > 0 ? qsl[me] : 0;
-    if (used > T)
+    *used = me > 0 ? qsl[me] : 0;
+    if (*used > T)
         return fw_fail(FW_ERR_SEQLENS, "query_start_loc[%lld] = %lld is past qkv's %lld rows", (long long)me,
-                       (long long)used, (long long)T);
+                       (long long)*used, (long long)T);
     const int64_t spec = batch->num_spec_tokens;
     if (spec < 0 || spec >= LAYER_ROWS)
         return fw_fail(FW_ERR_ARG, "num_spec_tokens is %lld; it must be 0..%d", (long long)spec, LAYER_ROWS - 1);
@@ -307,51 +315,117 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
             return fw_fail(FW_ERR_SEQLENS, "seq_lens[%lld] = %d is less than its %lld new tokens", (long long)i,
                            (int)sl[i], (long long)ql);
     }
-    /* the caches: conv [slots, K-1, dim], the recurrent pool with the same slots */
-    const int64_t K = conv_weight->shape[1];
+    return FW_OK;
+}
+
+/* The conv cache: [slots, K-1, dim]. */
+static fw_status check_conv_cache(const fw_gdn_caches *caches, int64_t K, int64_t dim)
+{
+    fw_status s;
     if ((s = fw_check_tensor(&caches->conv, "conv cache", 3, FW_DT_IN)))
         return s;
-    const int64_t slots = caches->conv.shape[0];
     if (caches->conv.shape[1] != K - 1 || caches->conv.shape[2] != dim)
         return fw_fail(FW_ERR_SHAPE, "the conv cache is [%lld, %lld, %lld]; it must be [slots, K-1, dim] = "
-                       "[slots, %lld, %lld]", (long long)slots, (long long)caches->conv.shape[1],
+                       "[slots, %lld, %lld]", (long long)caches->conv.shape[0], (long long)caches->conv.shape[1],
                        (long long)caches->conv.shape[2], (long long)(K - 1), (long long)dim);
-    /* slots: a new sequence reads none */
-    int32_t *ridx = malloc(sizeof(int32_t) * (size_t)(me > 0 ? me : 1));
-    if (!ridx)
+    return FW_OK;
+}
+
+/* The slot each sequence of a checked batch reads, allocated into *ridx (the caller frees
+ * it): a new sequence reads none (-1), a speculative window its read slot plus its offset. */
+static fw_status read_slots(const fw_gdn_batch *batch, int32_t **ridx)
+{
+    const int64_t me = batch->mixed_end, de = batch->decode_end, spec = batch->num_spec_tokens;
+    const int32_t *qsl = batch->query_start_loc, *sl = batch->seq_lens;
+    const int32_t *rd = batch->read_state_indices ? batch->read_state_indices : batch->state_indices;
+    int32_t *r = *ridx = malloc(sizeof(int32_t) * (size_t)(me > 0 ? me : 1));
+    if (!r)
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the layer's slot lists");
     for (int64_t i = 0; i < me; i++)
-        ridx[i] = sl[i] > qsl[i + 1] - qsl[i] ? rd[i] + (spec && i < de && batch->read_offsets ? batch->read_offsets[i] : 0)
-                                               : -1;
+        r[i] = sl[i] > qsl[i + 1] - qsl[i] ? rd[i] + (spec && i < de && batch->read_offsets ? batch->read_offsets[i] : 0)
+                                            : -1;
+    return FW_OK;
+}
+
+/* The slots read (ridx) and written (state_indices) against the pools: the recurrent pool's
+ * checks (a plain step's; windows write a group of slots each, checked after), and every
+ * sequence writing one. */
+static fw_status check_slots(const fw_gdn_batch *batch, const fw_gdn_caches *caches, const int32_t *ridx,
+                             const fw_gdn_layer_params *params)
+{
+    const int64_t me = batch->mixed_end, spec = batch->num_spec_tokens, slots = caches->conv.shape[0];
+    const int32_t *wr = batch->state_indices;
     fw_gdn_pool pool = {caches->recurrent, slots, caches->recurrent_stride, ridx, wr, caches->recurrent_dtype};
-    s = fw_gdn_check_pool(&pool, spec ? 0 : me, nv, dk, dv);
+    fw_status s = fw_gdn_check_pool(&pool, spec ? 0 : me, params->n_v, params->d_k, params->d_v);
     for (int64_t i = 0; i < me && !s; i++)
         if (wr[i] < 0)
             s = fw_fail(FW_ERR_INDEX, "state_indices[%lld] is %d; every sequence writes a slot", (long long)i, (int)wr[i]);
-    if (!s && spec) /* windows write a group of slots each */
-        s = gdn_check_window_slots(me, de, qsl, ridx, wr, slots);
-    /* the conv's arguments (its slots are the pool's, checked above) */
-    if (!s && (conv_weight->shape[0] != dim || K < 1 || K > FW_MAX_CONV_WIDTH))
-        s = fw_fail(FW_ERR_SHAPE, "conv_weight is [%lld, %lld]; it must be [dim, K] = [%lld, 1..%d]",
-                    (long long)conv_weight->shape[0], (long long)K, (long long)dim, FW_MAX_CONV_WIDTH);
-    if (!s && conv_bias && !(s = fw_check_tensor(conv_bias, "conv_bias", 1, FW_DT_IN)) && conv_bias->shape[0] != dim)
+    if (!s && spec)
+        s = gdn_check_window_slots(me, batch->decode_end, batch->query_start_loc, ridx, wr, slots);
+    return s;
+}
+
+/* The conv's weight [dim, K] and bias [dim] (its slots are the pool's, checked with them). */
+static fw_status check_conv_args(const fw_tensor *conv_weight, const fw_tensor *conv_bias, int64_t dim)
+{
+    fw_status s = FW_OK;
+    const int64_t K = conv_weight->shape[1];
+    if (conv_weight->shape[0] != dim || K < 1 || K > FW_MAX_CONV_WIDTH)
+        return fw_fail(FW_ERR_SHAPE, "conv_weight is [%lld, %lld]; it must be [dim, K] = [%lld, 1..%d]",
+                       (long long)conv_weight->shape[0], (long long)K, (long long)dim, FW_MAX_CONV_WIDTH);
+    if (conv_bias && !(s = fw_check_tensor(conv_bias, "conv_bias", 1, FW_DT_IN)) && conv_bias->shape[0] != dim)
         s = fw_fail(FW_ERR_SHAPE, "conv_bias has %lld entries; it must have dim = %lld",
                     (long long)conv_bias->shape[0], (long long)dim);
-    if (!s)
-        s = fw_check_threads(params->threads);
+    return s;
+}
+
+/* The outputs apart from the inputs: out from every input and the conv cache, the conv cache
+ * from qkv and conv_weight. */
+static fw_status check_overlaps(const fw_tensor *out, const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                                const fw_tensor *conv_weight, const fw_tensor *conv_bias, const fw_gdn_caches *caches)
+{
     const fw_tensor *ins[6] = {qkv, b, a, conv_weight, &caches->conv, conv_bias};
     static const char *names[6] = {"qkv", "b", "a", "conv_weight", "the conv cache", "conv_bias"};
-    for (int i = 0; i < 6 && !s; i++)
+    for (int i = 0; i < 6; i++)
         if (ins[i] && fw_overlap(out, ins[i]))
-            s = fw_fail(FW_ERR_STRIDE, "out overlaps %s; it must be a separate buffer", names[i]);
-    if (!s && (fw_overlap(&caches->conv, qkv) || fw_overlap(&caches->conv, conv_weight)))
-        s = fw_fail(FW_ERR_STRIDE, "the conv cache overlaps qkv or conv_weight");
+            return fw_fail(FW_ERR_STRIDE, "out overlaps %s; it must be a separate buffer", names[i]);
+    if (fw_overlap(&caches->conv, qkv) || fw_overlap(&caches->conv, conv_weight))
+        return fw_fail(FW_ERR_STRIDE, "the conv cache overlaps qkv or conv_weight");
+    return FW_OK;
+}
+
+/* The scalar parameters, the precision and the kernel table. */
+static fw_status check_scalars(const fw_gdn_layer_params *params)
+{
+    if (!isfinite(params->scale) || !(params->l2norm_eps >= 0.0f) || !isfinite(params->l2norm_eps) ||
+        (params->zero_tail != 0 && params->zero_tail != 1) ||
+        (params->beta_activated != 0 && params->beta_activated != 1) ||
+        !(params->lower_bound <= 0.0f) || !isfinite(params->lower_bound))
+        return fw_fail(FW_ERR_ARG, "scale %g, l2norm_eps %g, zero_tail %d, beta_activated %d, lower_bound %g: finite, "
+                       ">= 0, 0 or 1, 0 or 1, finite and <= 0", (double)params->scale, (double)params->l2norm_eps,
+                       (int)params->zero_tail, (int)params->beta_activated, (double)params->lower_bound);
+    if (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16)
+        return fw_fail(FW_ERR_ARG, "precision is %d", (int)params->precision);
+    if (!fw_kernels_get(params->isa))
+        return FW_ERR_UNSUPPORTED;
+    return FW_OK;
+}
+
+/* The conv's parameters: SiLU, the layer's threads and table. */
+static fw_conv1d_params conv_params_of(const fw_gdn_layer_params *params)
+{
     fw_conv1d_params cp;
     fw_conv1d_params_init(&cp);
     cp.activation = FW_ACT_SILU;
     cp.threads = params->threads;
     cp.isa = params->isa;
-    /* the core's parameters: the gates computed in its kernels from the raw a and b */
+    return cp;
+}
+
+/* The core's parameters: the gates computed in its kernels from the raw a and b. */
+static fw_gdn_params core_params_of(const fw_gdn_layer_params *params, const fw_tensor *a_log,
+                                    const fw_tensor *dt_bias)
+{
     fw_gdn_params gp;
     fw_gdn_params_init(&gp);
     gp.scale = params->scale;
@@ -364,19 +438,39 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
     gp.dt_bias = dt_bias;
     gp.lower_bound = params->lower_bound;
     gp.beta_sigmoid = !params->beta_activated;
-    if (!s && (!isfinite(params->scale) || !(params->l2norm_eps >= 0.0f) || !isfinite(params->l2norm_eps) ||
-               (params->zero_tail != 0 && params->zero_tail != 1) ||
-               (params->beta_activated != 0 && params->beta_activated != 1) ||
-               !(params->lower_bound <= 0.0f) || !isfinite(params->lower_bound)))
-        s = fw_fail(FW_ERR_ARG, "scale %g, l2norm_eps %g, zero_tail %d, beta_activated %d, lower_bound %g: finite, "
-                    ">= 0, 0 or 1, 0 or 1, finite and <= 0", (double)params->scale, (double)params->l2norm_eps,
-                    (int)params->zero_tail, (int)params->beta_activated, (double)params->lower_bound);
-    if (!s && (params->precision < FW_PREC_AUTO || params->precision > FW_PREC_BF16))
-        s = fw_fail(FW_ERR_ARG, "precision is %d", (int)params->precision);
-    if (!s && !fw_kernels_get(params->isa))
-        s = FW_ERR_UNSUPPORTED;
-    /* the gates of every row used (they do not depend on the conv): finite, or refused
-     * before anything is written */
+    return gp;
+}
+
+/* Every argument checked, in this order, before anything is written: the heads, the
+ * tensors, the batch, the conv cache, the slots, the conv's weight and bias, the threads, the
+ * overlaps, the scalars, then the gates of every row used (they do not depend on the conv:
+ * finite, or refused). On success L holds the step, with ridx allocated. */
+fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_tensor *b, const fw_tensor *a,
+                             const fw_tensor *conv_weight, const fw_tensor *conv_bias, const fw_tensor *a_log,
+                             const fw_tensor *dt_bias, const fw_gdn_batch *batch, const fw_gdn_caches *caches,
+                             const fw_tensor *out, const fw_gdn_layer_params *params, int ref)
+{
+    fw_status s;
+    if (!batch || !caches || !params)
+        return fw_fail(FW_ERR_NULL, "%s is NULL", !batch ? "batch" : !caches ? "caches" : "params");
+    int kda = 0;
+    if ((s = check_heads(params)) ||
+        (s = check_layer_tensors(qkv, b, a, conv_weight, a_log, dt_bias, out, params, ref, &kda)))
+        return s;
+    const int64_t nkq = params->n_kq, nv = params->n_v, dk = params->d_k, dv = params->d_v;
+    const int64_t T = qkv->shape[0], dim = 2 * nkq * dk + nv * dv;
+    int64_t used = 0;
+    int32_t *ridx;
+    if ((s = check_batch(batch, T, &used)) || (s = check_conv_cache(caches, conv_weight->shape[1], dim)) ||
+        (s = read_slots(batch, &ridx)))
+        return s;
+    if (!(s = check_slots(batch, caches, ridx, params)) && !(s = check_conv_args(conv_weight, conv_bias, dim)) &&
+        !(s = fw_check_threads(params->threads)))
+        s = check_overlaps(out, qkv, b, a, conv_weight, conv_bias, caches);
+    const fw_conv1d_params cp = conv_params_of(params);
+    const fw_gdn_params gp = core_params_of(params, a_log, dt_bias);
+    if (!s)
+        s = check_scalars(params);
     if (!s) {
         fw_tensor tg = kda ? gdn_rows_view(a, 0, used, 0, nv, dk) : gdn_rows2(a, 0, used), tb = gdn_rows2(b, 0, used);
         s = fw_gdn_check_gates(&tg, &tb, nv, dk, &gp);
@@ -385,8 +479,9 @@ fw_status fw_gdn_layer_check(gdn_layer_prob *L, const fw_tensor *qkv, const fw_t
         free(ridx);
         return s;
     }
-    *L = (gdn_layer_prob){qkv, conv_weight, conv_bias, out, a, b, qsl, ridx, wr, caches, NULL, NULL, cp, gp,
-                          nkq, nv, dk, dv, dim, slots, T, used, de, me, spec, kda, params->zero_tail};
+    *L = (gdn_layer_prob){qkv, conv_weight, conv_bias, out, a, b, batch->query_start_loc, ridx, batch->state_indices,
+                          caches, NULL, NULL, cp, gp, nkq, nv, dk, dv, dim, caches->conv.shape[0], T, used,
+                          batch->decode_end, batch->mixed_end, batch->num_spec_tokens, kda, params->zero_tail};
     return FW_OK;
 }
 

@@ -166,7 +166,7 @@ static void rec_store(const rp_ctx *c, int64_t slot, int64_t row, int64_t col, i
     c->kt->cvt.from_f32(src, n, (char *)rec_at(c, slot, row, col), r->dtype, r->stride[2]);
 }
 
-/* The scratch of one worker (floats): where each part starts, in the order replay_item names
+/* The scratch of one worker (floats): where each part starts, in the order item_of names
  * them, each on its own 64 bytes. */
 enum { RP_KR, RP_KD, RP_UR, RP_KT, RP_ST, RP_ZERO, RP_Q, RP_S, RP_PM, RP_O, RP_QN, RP_KN, RP_GR, RP_GN, RP_GNAT,
        RP_UN, RP_SF, RP_ROW, RP_D, RP_E, RP_TMP, RP_PARTS };
@@ -189,214 +189,313 @@ static rp_layout rp_layout_of(const gdn_layer_prob *L, int64_t W, int64_t nmax, 
     return l;
 }
 
+/* One item's decode and key head, its rows and slots, and its worker's scratch (as rp_layout
+ * names it). Gt: the records' total log2 decay (gr's last row, rewritten per value head;
+ * NULL without records: 0). */
+typedef struct {
+    int64_t i, hk, n, r0, Lc, rd, wr, base, R;
+    int inplace; /* the records' rows read in place (contiguous), else as f32 copies */
+    fw_dtype rdt;
+    float *Kr, *Kd, *ur, *Kt, *ST, *zero, *Q, *S, *Pm, *O, *qn, *kn, *gr, *gn, *gnat, *un, *Sf, *row, *d, *e, *tmp;
+    const void **krow, **urow, **kdrow;
+    const float *Gt, *ckpt; /* ckpt: the read slot's f32 checkpoint (NULL: none) */
+    float *out_state;
+} rp_item;
+
+/* Item it (decode s0 + it / n_kq, q/k head it % n_kq) on worker tid: its rows, slots and scratch. */
+static rp_item item_of(const rp_ctx *c, int64_t it, int tid)
+{
+    const gdn_layer_prob *L = c->L;
+    const gdn_replay_plan *P = c->P;
+    const fw_tensor *rec = &P->R->records;
+    const int64_t W = P->window, gw = L->kda ? L->dk : 1;
+    rp_item m;
+    m.i = c->s0 + it / L->nkq;
+    m.hk = it % L->nkq;
+    m.n = L->qsl[m.i + 1] - L->qsl[m.i];
+    m.r0 = L->qsl[m.i] - c->R0;
+    m.Lc = P->len[m.i];
+    m.rd = P->rd[m.i];
+    m.wr = L->wr[m.i];
+    m.base = P->flush[m.i] ? 0 : m.Lc;
+    m.R = 2 * m.n;
+    m.inplace = rec->stride[2] == 1;
+    m.rdt = m.inplace ? rec->dtype : FW_F32;
+    const rp_layout l = rp_layout_of(L, W, c->nmax, c->dvp, c->nblk);
+    float *ws = c->ws + (size_t)tid * c->ws_stride;
+    m.Kr = ws + l.at[RP_KR]; m.Kd = ws + l.at[RP_KD]; m.ur = ws + l.at[RP_UR]; m.Kt = ws + l.at[RP_KT];
+    m.ST = ws + l.at[RP_ST]; m.zero = ws + l.at[RP_ZERO]; m.Q = ws + l.at[RP_Q]; m.S = ws + l.at[RP_S];
+    m.Pm = ws + l.at[RP_PM]; m.O = ws + l.at[RP_O]; m.qn = ws + l.at[RP_QN]; m.kn = ws + l.at[RP_KN];
+    m.gr = ws + l.at[RP_GR]; m.gn = ws + l.at[RP_GN]; m.gnat = ws + l.at[RP_GNAT]; m.un = ws + l.at[RP_UN];
+    m.Sf = ws + l.at[RP_SF]; m.row = ws + l.at[RP_ROW]; m.d = ws + l.at[RP_D]; m.e = ws + l.at[RP_E];
+    m.tmp = ws + l.at[RP_TMP];
+    m.krow = c->ptrs + (size_t)tid * 3 * (size_t)W;
+    m.urow = m.krow + W;
+    m.kdrow = m.urow + W;
+    m.Gt = m.Lc ? m.gr + (m.Lc - 1) * gw : NULL;
+    m.ckpt = m.rd >= 0 ? (const float *)L->caches->recurrent + m.rd * L->caches->recurrent_stride : NULL;
+    m.out_state = (float *)L->caches->recurrent + m.wr * L->caches->recurrent_stride;
+    return m;
+}
+
+/* The key head's rows: the records' keys (krow; Kr their f32 copies where KDA, a copy or a
+ * flush needs them) and the new tokens' normalised q (scaled) and k (qn, kn). */
+static void load_keys(const rp_ctx *c, const rp_item *m)
+{
+    const gdn_prob *p = &c->p;
+    const int64_t dk = c->L->dk, koff = c->P->koff + m->hk * dk;
+    const int need_kr = c->L->kda || !m->inplace || c->P->flush[m->i];
+    for (int64_t j = 0; j < m->Lc; j++) {
+        if (need_kr)
+            rec_load(c, m->rd, j, koff, dk, m->Kr + j * dk);
+        m->krow[j] = m->inplace ? (const void *)rec_at(c, m->rd, j, koff) : m->Kr + j * dk;
+        m->kdrow[j] = m->Kd + j * dk;
+    }
+    for (int64_t t = 0; t < m->n; t++) {
+        load_qk(c->kt, p, p->q, m->r0 + t, m->hk, p->scale, m->qn + t * dk);
+        load_qk(c->kt, p, p->k, m->r0 + t, m->hk, 1.0, m->kn + t * dk);
+    }
+}
+
+/* GDN: the records' keys against [k_t | q_t] (rows 2t, 2t + 1 of Q) into S, block by block
+ * of FW_DEC_KEYS records, once for the head's value heads. */
+static void gdn_record_scores(const rp_ctx *c, const rp_item *m)
+{
+    const int64_t dk = c->L->dk, KS = FW_DEC_KEYS;
+    for (int64_t t = 0; t < m->n; t++) {
+        memcpy(m->Q + 2 * t * dk, m->kn + t * dk, sizeof(float) * (size_t)dk);
+        memcpy(m->Q + (2 * t + 1) * dk, m->qn + t * dk, sizeof(float) * (size_t)dk);
+    }
+    for (int64_t j0 = 0; j0 < m->Lc; j0 += KS)
+        c->kt->dec.qk_rows((int)m->R, (int)fw_min64(KS, m->Lc - j0), (int)dk, m->Q, m->krow + j0, m->rdt, NULL, 0,
+                           m->S + (j0 / KS) * m->R * KS);
+}
+
+/* Value head vh's committed records: their u rows (urow; ur their f32 copies, zero-padded to
+ * dvp, where a copy or a flush needs them), and their log2 decays cumulative over the
+ * records (gr). */
+static void head_records(const rp_ctx *c, const rp_item *m, int64_t vh)
+{
+    const int64_t dv = c->L->dv, dvp = c->dvp, gw = c->L->kda ? c->L->dk : 1, goff = c->P->goff + vh * gw;
+    float *gr = m->gr;
+    for (int64_t j = 0; j < m->Lc; j++) {
+        if (!m->inplace || c->P->flush[m->i]) {
+            rec_load(c, m->rd, j, vh * dv, dv, m->ur + j * dvp);
+            memset(m->ur + j * dvp + dv, 0, sizeof(float) * (size_t)(dvp - dv));
+        }
+        m->urow[j] = m->inplace ? (const void *)rec_at(c, m->rd, j, vh * dv) : m->ur + j * dvp;
+        rec_load(c, m->rd, j, goff, gw, gr + j * gw);
+        for (int64_t x = 0; x < gw; x++)
+            gr[j * gw + x] = (float)(gr[j * gw + x] * FW_LOG2E) + (j ? gr[(j - 1) * gw + x] : 0.0f);
+    }
+}
+
+/* The new tokens' log2 decays of value head vh, cumulative from the last record (gn), and
+ * each token's own natural-log decay, the one its record keeps (gnat). */
+static void head_token_decays(const rp_ctx *c, const rp_item *m, int64_t vh)
+{
+    const gdn_prob *p = &c->p;
+    const int64_t gw = c->L->kda ? c->L->dk : 1;
+    for (int64_t t = 0; t < m->n; t++) {
+        float *gt = m->gn + t * gw;
+        if (c->L->kda)
+            kda_log2_decays(c->kt, p, m->r0 + t, vh, gt, m->tmp);
+        else
+            gt[0] = (float)(gate_g(p, m->r0 + t, vh) * FW_LOG2E);
+        for (int64_t x = 0; x < gw; x++)
+            m->gnat[t * gw + x] = (float)(gt[x] / FW_LOG2E);
+        for (int64_t x = 0; t && x < gw; x++)
+            gt[x] += gt[x - gw];
+    }
+}
+
+/* The checkpoint of value head vh as the decode reads it (m->ckpt non-NULL): with bf16
+ * products its bf16 shadow (in place when its rows are contiguous, else through f32 scratch
+ * Sf), with f32 products the checkpoint itself; *dt and *ld its dtype and row stride. */
+static const void *ckpt_rows(const rp_ctx *c, const rp_item *m, int64_t vh, fw_dtype *dt, int64_t *ld)
+{
+    const int64_t dk = c->L->dk, dv = c->L->dv;
+    *dt = FW_F32;
+    *ld = dv;
+    if (!c->P->shadow_reads)
+        return m->ckpt + vh * dk * dv;
+    const fw_tensor *sh = &c->P->R->shadow;
+    const char *h0 = fw_elem(sh, m->rd * sh->stride[0] + vh * sh->stride[1]);
+    if (sh->stride[3] == 1) {
+        *dt = FW_BF16;
+        *ld = sh->stride[2];
+        return h0;
+    }
+    for (int64_t x = 0; x < dk; x++)
+        c->kt->cvt.to_f32(h0 + x * sh->stride[2] * 2, FW_BF16, sh->stride[3], dv, 1.0f, m->Sf + x * dv);
+    return m->Sf;
+}
+
+/* a_t, b_t (rows 2t, 2t + 1 of O) of value head vh: the checkpoint's reads (k_t and q_t
+ * against it, decayed to token t), or 0 without a checkpoint. */
+static void head_checkpoint_reads(const rp_ctx *c, const rp_item *m, int64_t vh)
+{
+    const int64_t dk = c->L->dk, dv = c->L->dv, gw = c->L->kda ? dk : 1;
+    fw_dtype hdt = FW_F32;
+    int64_t hld = dv;
+    const void *h = m->ckpt ? ckpt_rows(c, m, vh, &hdt, &hld) : NULL;
+    for (int64_t t = 0; t < m->n; t++) {
+        float *a = m->O + 2 * t * dv, *b = a + dv;
+        if (m->ckpt) {
+            for (int64_t x = 0; x < gw; x++)
+                m->e[x] = (m->Gt ? m->Gt[x] : 0.0f) + m->gn[t * gw + x];
+            c->kt->gdn.exp2_inplace(m->e, gw); /* one decay for GDN, one per channel for KDA */
+            for (int64_t x = 0; x < dk; x++)
+                m->d[x] = m->e[c->L->kda ? x : 0];
+            c->kt->gdn.dec_reads(h, hdt, hld, (int)dk, 0, (int)dv, m->qn + t * dk, m->kn + t * dk, m->d, a, b);
+        } else {
+            memset(a, 0, sizeof(float) * (size_t)(2 * dv));
+        }
+    }
+}
+
+/* Adds to a_t, b_t the committed records' reads: the coefficients 2^(G_t - G_j) (k_t . k_j,
+ * q_t . k_j) (Pm) times the records' u rows. GDN scales the scores S; KDA decays the keys
+ * per channel (Kd: the records' to the last record; Q: the tokens' from it) and scores them. */
+static void head_record_reads(const rp_ctx *c, const rp_item *m, int64_t vh)
+{
+    const fw_kernels *kt = c->kt;
+    const int64_t dk = c->L->dk, dv = c->L->dv, gw = c->L->kda ? dk : 1, Lc = m->Lc, R = m->R, KS = FW_DEC_KEYS;
+    if (c->L->kda) {
+        for (int64_t j = 0; j < Lc; j++)
+            kt->gdn.exp2_scale((int)dk, m->Kr + j * dk, m->Gt, m->gr + j * gw, m->Kd + j * dk);
+        for (int64_t t = 0; t < m->n; t++) {
+            kt->gdn.exp2_scale((int)dk, m->kn + t * dk, m->gn + t * gw, NULL, m->Q + 2 * t * dk);
+            kt->gdn.exp2_scale((int)dk, m->qn + t * dk, m->gn + t * gw, NULL, m->Q + (2 * t + 1) * dk);
+        }
+        for (int64_t j0 = 0; j0 < Lc; j0 += KS)
+            kt->dec.qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, m->Q, m->kdrow + j0, FW_F32, NULL, 0,
+                            m->Pm + (j0 / KS) * R * KS);
+    } else {
+        for (int64_t j = 0; j < Lc; j++)
+            for (int64_t t = 0; t < m->n; t++) {
+                const float w = exp2f((m->Gt[0] - m->gr[j]) + m->gn[t]);
+                const int64_t o = (j / KS) * R * KS + j % KS;
+                m->Pm[o + 2 * t * KS] = w * m->S[o + 2 * t * KS];
+                m->Pm[o + (2 * t + 1) * KS] = w * m->S[o + (2 * t + 1) * KS];
+            }
+    }
+    for (int64_t j0 = 0; j0 < Lc; j0 += KS)
+        kt->dec.pv((int)R, (int)fw_min64(KS, Lc - j0), (int)dv, m->Pm + (j0 / KS) * R * KS, m->urow + j0, m->rdt,
+                   NULL, 0, m->O);
+}
+
+/* Token by token for value head vh: a_t, b_t plus this step's earlier tokens, then
+ * u_t = beta (v - a_t) (un) and o_t = b_t + (q_t . k_t) u_t, stored to out. */
+static void head_token_steps(const rp_ctx *c, const rp_item *m, int64_t vh)
+{
+    const gdn_prob *p = &c->p;
+    const fw_kernels *kt = c->kt;
+    const int64_t dk = c->L->dk, dv = c->L->dv, gw = c->L->kda ? dk : 1;
+    float *row = m->row;
+    for (int64_t t = 0; t < m->n; t++) {
+        const float *qt = m->qn + t * dk, *kt_ = m->kn + t * dk, *gt = m->gn + t * gw;
+        float *a = m->O + 2 * t * dv, *b = a + dv;
+        for (int64_t j = 0; j < t; j++) {
+            const float *kj = m->kn + j * dk, *uj = m->un + j * dv, *g0 = m->gn + j * gw;
+            float ck, cq;
+            if (c->L->kda) {
+                kt->gdn.exp2_scale((int)dk, kj, gt, g0, row);
+                ck = dotf(kt_, row, dk);
+                cq = dotf(qt, row, dk);
+            } else {
+                const float w = exp2f(gt[0] - g0[0]);
+                ck = w * dotf(kt_, kj, dk);
+                cq = w * dotf(qt, kj, dk);
+            }
+            for (int64_t y = 0; y < dv; y++) {
+                a[y] += ck * uj[y];
+                b[y] += cq * uj[y];
+            }
+        }
+        const float beta = gate_beta(p, m->r0 + t, vh), qk = dotf(qt, kt_, dk);
+        kt->cvt.to_f32(at(p->v, m->r0 + t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, row);
+        float *ut = m->un + t * dv;
+        for (int64_t y = 0; y < dv; y++) {
+            ut[y] = beta * (row[y] - a[y]);
+            b[y] += qk * ut[y];
+        }
+        kt->cvt.from_f32(b, dv, (char *)at(p->out, m->r0 + t, vh), p->out->dtype, p->out->stride[2]);
+    }
+}
+
+/* A flush of value head vh folds the committed records into the checkpoint of the write
+ * slot, 2^Gt S + Kt U with Kt [dk][Lc] the keys decayed to the last record (by the table's
+ * qk), and writes its bf16 shadow. Rows in order: row x is read before it is written, so the
+ * read slot may be the write slot. */
+static void head_flush(const rp_ctx *c, const rp_item *m, int64_t vh)
+{
+    const fw_kernels *kt = c->kt;
+    const int64_t dk = c->L->dk, dv = c->L->dv, dvp = c->dvp, gw = c->L->kda ? dk : 1, Lc = m->Lc;
+    const size_t head = (size_t)(vh * dk * dv);
+    float *tmp = m->tmp, *row = m->row, *e = m->e;
+    if (Lc) {
+        for (int64_t j = 0; j < Lc; j++) {
+            if (c->L->kda) {
+                memcpy(tmp, m->Kd + j * dk, sizeof(float) * (size_t)dk);
+            } else {
+                const float w = exp2f(m->Gt[0] - m->gr[j]);
+                for (int64_t x = 0; x < dk; x++)
+                    tmp[x] = w * m->Kr[j * dk + x];
+            }
+            for (int64_t x = 0; x < dk; x++)
+                m->Kt[x * Lc + j] = tmp[x];
+        }
+        memset(m->zero, 0, sizeof(float) * (size_t)dvp);
+        kt->mm.qk((int)dk, (int)Lc, (int)dvp, m->Kt, Lc, m->ur, m->zero, m->ST);
+    }
+    for (int64_t x = 0; x < gw; x++)
+        e[x] = m->Gt ? m->Gt[x] : 0.0f;
+    kt->gdn.exp2_inplace(e, gw);
+    for (int64_t x = 0; x < dk; x++) {
+        const float et = e[c->L->kda ? x : 0];
+        for (int64_t y = 0; y < dv; y++)
+            row[y] = (m->ckpt ? et * m->ckpt[head + x * dv + y] : 0.0f) + (Lc ? m->ST[x * dvp + y] : 0.0f);
+        memcpy(m->out_state + head + x * dv, row, sizeof(float) * (size_t)dv);
+    }
+    const fw_tensor *sh = &c->P->R->shadow;
+    for (int64_t x = 0; x < dk; x++)
+        kt->cvt.from_f32(m->out_state + head + x * dv, dv,
+                         (char *)fw_elem(sh, m->wr * sh->stride[0] + vh * sh->stride[1] + x * sh->stride[2]), FW_BF16,
+                         sh->stride[3]);
+}
+
 /* Item: (decode, q/k head) with the value heads that share the head's keys, so that a flush
  * overwriting its slot's first records reads them all first. The records enter through the
  * decode kernels: their keys against [k_t | q_t] (dec_qk_rows), then the coefficients times
- * their u rows (dec_pv), both reading the records in place when their rows are contiguous. */
+ * their u rows (dec_pv), both reading the records in place when their rows are contiguous.
+ * The new tokens' records (u rows and decays per value head, then the keys) are written from
+ * row base of the write slot: 0 after a flush, else after the committed ones. */
 static void replay_item(void *vctx, int64_t it, int tid)
 {
     const rp_ctx *c = vctx;
     const gdn_layer_prob *L = c->L;
-    const gdn_replay_plan *P = c->P;
-    const gdn_prob *p = &c->p;
-    const fw_kernels *kt = c->kt;
-    const fw_tensor *rec = &P->R->records;
-    const int64_t i = c->s0 + it / L->nkq, hk = it % L->nkq, r = L->nv / L->nkq;
-    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, dvp = c->dvp, KS = FW_DEC_KEYS;
-    const int64_t n = L->qsl[i + 1] - L->qsl[i], r0 = L->qsl[i] - c->R0, Lc = P->len[i], W = P->window;
-    const int64_t rd = P->rd[i], wr = L->wr[i], base = P->flush[i] ? 0 : Lc, R = 2 * n;
-    const rp_layout l = rp_layout_of(L, W, c->nmax, dvp, c->nblk);
-    float *ws = c->ws + (size_t)tid * c->ws_stride;
-    float *Kr = ws + l.at[RP_KR], *Kd = ws + l.at[RP_KD], *ur = ws + l.at[RP_UR], *Kt = ws + l.at[RP_KT];
-    float *ST = ws + l.at[RP_ST], *zero = ws + l.at[RP_ZERO], *Q = ws + l.at[RP_Q], *S = ws + l.at[RP_S];
-    float *Pm = ws + l.at[RP_PM], *O = ws + l.at[RP_O], *qn = ws + l.at[RP_QN], *kn = ws + l.at[RP_KN];
-    float *gr = ws + l.at[RP_GR], *gn = ws + l.at[RP_GN], *gnat = ws + l.at[RP_GNAT], *un = ws + l.at[RP_UN];
-    float *Sf = ws + l.at[RP_SF], *row = ws + l.at[RP_ROW], *d = ws + l.at[RP_D], *e = ws + l.at[RP_E];
-    float *tmp = ws + l.at[RP_TMP];
-    const void **krow = c->ptrs + (size_t)tid * 3 * (size_t)W, **urow = krow + W, **kdrow = urow + W;
-    /* the records' rows in place (contiguous), else as f32 copies */
-    const int inplace = rec->stride[2] == 1;
-    const fw_dtype rdt = inplace ? rec->dtype : FW_F32;
-    const int need_kr = L->kda || !inplace || P->flush[i];
-    for (int64_t j = 0; j < Lc; j++) {
-        if (need_kr)
-            rec_load(c, rd, j, P->koff + hk * dk, dk, Kr + j * dk);
-        krow[j] = inplace ? (const void *)rec_at(c, rd, j, P->koff + hk * dk) : Kr + j * dk;
-        kdrow[j] = Kd + j * dk;
-    }
-    for (int64_t t = 0; t < n; t++) {
-        load_qk(kt, p, p->q, r0 + t, hk, p->scale, qn + t * dk);
-        load_qk(kt, p, p->k, r0 + t, hk, 1.0, kn + t * dk);
-    }
-    /* GDN: the records' keys against [k_t | q_t], once for the head's value heads */
-    if (!L->kda && Lc) {
-        for (int64_t t = 0; t < n; t++) {
-            memcpy(Q + 2 * t * dk, kn + t * dk, sizeof(float) * (size_t)dk);
-            memcpy(Q + (2 * t + 1) * dk, qn + t * dk, sizeof(float) * (size_t)dk);
-        }
-        for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-            kt->dec.qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, krow + j0, rdt, NULL, 0,
-                            S + (j0 / KS) * R * KS);
-    }
-    const float *ckpt = rd >= 0 ? (const float *)L->caches->recurrent + rd * L->caches->recurrent_stride : NULL;
-    float *out_state = (float *)L->caches->recurrent + wr * L->caches->recurrent_stride;
-    for (int64_t vh = hk * r; vh < (hk + 1) * r; vh++) {
-        /* the committed records of this head: u rows, and the cumulative log2 decays */
-        for (int64_t j = 0; j < Lc; j++) {
-            if (!inplace || P->flush[i]) {
-                rec_load(c, rd, j, vh * dv, dv, ur + j * dvp);
-                memset(ur + j * dvp + dv, 0, sizeof(float) * (size_t)(dvp - dv));
-            }
-            urow[j] = inplace ? (const void *)rec_at(c, rd, j, vh * dv) : ur + j * dvp;
-            rec_load(c, rd, j, P->goff + vh * gw, gw, gr + j * gw);
-            for (int64_t x = 0; x < gw; x++)
-                gr[j * gw + x] = (float)(gr[j * gw + x] * FW_LOG2E) + (j ? gr[(j - 1) * gw + x] : 0.0f);
-        }
-        const float *Gt = Lc ? gr + (Lc - 1) * gw : NULL; /* total over the records (NULL: 0) */
-        /* the new tokens' log2 decays, cumulative from the last record */
-        for (int64_t t = 0; t < n; t++) {
-            float *gt = gn + t * gw;
-            if (L->kda)
-                kda_log2_decays(kt, p, r0 + t, vh, gt, tmp);
-            else
-                gt[0] = (float)(gate_g(p, r0 + t, vh) * FW_LOG2E);
-            for (int64_t x = 0; x < gw; x++)
-                gnat[t * gw + x] = (float)(gt[x] / FW_LOG2E);
-            for (int64_t x = 0; t && x < gw; x++)
-                gt[x] += gt[x - gw];
-        }
-        const size_t head = (size_t)(vh * dk * dv);
-        /* bf16 products read the checkpoint's bf16 shadow (in place when its rows are
-         * contiguous, else through f32 scratch), f32 products the checkpoint itself */
-        const void *hsrc = NULL;
-        fw_dtype hdt = FW_F32;
-        int64_t hld = dv;
-        if (ckpt && P->shadow_reads) {
-            const fw_tensor *sh = &P->R->shadow;
-            const char *h0 = fw_elem(sh, rd * sh->stride[0] + vh * sh->stride[1]);
-            if (sh->stride[3] == 1) {
-                hsrc = h0;
-                hdt = FW_BF16;
-                hld = sh->stride[2];
-            } else {
-                for (int64_t x = 0; x < dk; x++)
-                    kt->cvt.to_f32(h0 + x * sh->stride[2] * 2, FW_BF16, sh->stride[3], dv, 1.0f, Sf + x * dv);
-                hsrc = Sf;
-            }
-        }
-        /* a_t, b_t (rows 2t, 2t + 1 of O): the checkpoint's reads, decayed to token t */
-        for (int64_t t = 0; t < n; t++) {
-            float *a = O + 2 * t * dv, *b = a + dv;
-            if (ckpt) {
-                for (int64_t x = 0; x < gw; x++)
-                    e[x] = (Gt ? Gt[x] : 0.0f) + gn[t * gw + x];
-                kt->gdn.exp2_inplace(e, gw); /* one decay for GDN, one per channel for KDA */
-                for (int64_t x = 0; x < dk; x++)
-                    d[x] = e[L->kda ? x : 0];
-                kt->gdn.dec_reads(hsrc ? hsrc : ckpt + head, hdt, hld, (int)dk, 0, (int)dv, qn + t * dk, kn + t * dk, d,
-                                  a, b);
-            } else {
-                memset(a, 0, sizeof(float) * (size_t)(2 * dv));
-            }
-        }
-        /* plus the committed records': coefficients 2^(G_t - G_j) (k_t . k_j, q_t . k_j) */
-        if (Lc) {
-            if (L->kda) { /* per channel: the keys decayed to the last record, the tokens' from it */
-                for (int64_t j = 0; j < Lc; j++)
-                    kt->gdn.exp2_scale((int)dk, Kr + j * dk, Gt, gr + j * gw, Kd + j * dk);
-                for (int64_t t = 0; t < n; t++) {
-                    kt->gdn.exp2_scale((int)dk, kn + t * dk, gn + t * gw, NULL, Q + 2 * t * dk);
-                    kt->gdn.exp2_scale((int)dk, qn + t * dk, gn + t * gw, NULL, Q + (2 * t + 1) * dk);
-                }
-                for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-                    kt->dec.qk_rows((int)R, (int)fw_min64(KS, Lc - j0), (int)dk, Q, kdrow + j0, FW_F32, NULL, 0,
-                                    Pm + (j0 / KS) * R * KS);
-            } else {
-                for (int64_t j = 0; j < Lc; j++)
-                    for (int64_t t = 0; t < n; t++) {
-                        const float w = exp2f((Gt[0] - gr[j]) + gn[t]);
-                        const int64_t o = (j / KS) * R * KS + j % KS;
-                        Pm[o + 2 * t * KS] = w * S[o + 2 * t * KS];
-                        Pm[o + (2 * t + 1) * KS] = w * S[o + (2 * t + 1) * KS];
-                    }
-            }
-            for (int64_t j0 = 0; j0 < Lc; j0 += KS)
-                kt->dec.pv((int)R, (int)fw_min64(KS, Lc - j0), (int)dv, Pm + (j0 / KS) * R * KS, urow + j0, rdt, NULL,
-                           0, O);
-        }
-        /* token by token: this step's earlier tokens, then u_t = beta (v - k_t S_t) and
-         * o_t = q_t S_t + (q_t . k_t) u_t */
-        for (int64_t t = 0; t < n; t++) {
-            const float *qt = qn + t * dk, *kt_ = kn + t * dk, *gt = gn + t * gw;
-            float *a = O + 2 * t * dv, *b = a + dv;
-            for (int64_t j = 0; j < t; j++) {
-                const float *kj = kn + j * dk, *uj = un + j * dv, *g0 = gn + j * gw;
-                float ck, cq;
-                if (L->kda) {
-                    kt->gdn.exp2_scale((int)dk, kj, gt, g0, row);
-                    ck = dotf(kt_, row, dk);
-                    cq = dotf(qt, row, dk);
-                } else {
-                    const float w = exp2f(gt[0] - g0[0]);
-                    ck = w * dotf(kt_, kj, dk);
-                    cq = w * dotf(qt, kj, dk);
-                }
-                for (int64_t y = 0; y < dv; y++) {
-                    a[y] += ck * uj[y];
-                    b[y] += cq * uj[y];
-                }
-            }
-            const float beta = gate_beta(p, r0 + t, vh), qk = dotf(qt, kt_, dk);
-            kt->cvt.to_f32(at(p->v, r0 + t, vh), p->v->dtype, p->v->stride[2], dv, 1.0f, row);
-            float *ut = un + t * dv;
-            for (int64_t y = 0; y < dv; y++) {
-                ut[y] = beta * (row[y] - a[y]);
-                b[y] += qk * ut[y];
-            }
-            kt->cvt.from_f32(b, dv, (char *)at(p->out, r0 + t, vh), p->out->dtype, p->out->stride[2]);
-        }
-        /* a flush folds the committed records into the checkpoint of the write slot:
-         * 2^Gt S + Kt U, Kt [dk][Lc] the keys decayed to the last record, by the table's qk
-         * (rows in order: row x is read before it is written, so the read slot may be the
-         * write slot) */
-        if (P->flush[i]) {
-            if (Lc) {
-                for (int64_t j = 0; j < Lc; j++) {
-                    if (L->kda) {
-                        memcpy(tmp, Kd + j * dk, sizeof(float) * (size_t)dk);
-                    } else {
-                        const float w = exp2f(Gt[0] - gr[j]);
-                        for (int64_t x = 0; x < dk; x++)
-                            tmp[x] = w * Kr[j * dk + x];
-                    }
-                    for (int64_t x = 0; x < dk; x++)
-                        Kt[x * Lc + j] = tmp[x];
-                }
-                memset(zero, 0, sizeof(float) * (size_t)dvp);
-                kt->mm.qk((int)dk, (int)Lc, (int)dvp, Kt, Lc, ur, zero, ST);
-            }
-            for (int64_t x = 0; x < gw; x++)
-                e[x] = Gt ? Gt[x] : 0.0f;
-            kt->gdn.exp2_inplace(e, gw);
-            for (int64_t x = 0; x < dk; x++) {
-                const float et = e[L->kda ? x : 0];
-                for (int64_t y = 0; y < dv; y++)
-                    row[y] = (ckpt ? et * ckpt[head + x * dv + y] : 0.0f) + (Lc ? ST[x * dvp + y] : 0.0f);
-                memcpy(out_state + head + x * dv, row, sizeof(float) * (size_t)dv);
-            }
-            const fw_tensor *sh = &P->R->shadow;
-            for (int64_t x = 0; x < dk; x++)
-                kt->cvt.from_f32(out_state + head + x * dv, dv,
-                             (char *)fw_elem(sh, wr * sh->stride[0] + vh * sh->stride[1] + x * sh->stride[2]), FW_BF16,
-                             sh->stride[3]);
-        }
-        for (int64_t t = 0; t < n; t++) {
-            rec_store(c, wr, base + t, vh * dv, dv, un + t * dv);
-            rec_store(c, wr, base + t, P->goff + vh * gw, gw, gnat + t * gw);
+    const int64_t dk = L->dk, dv = L->dv, gw = L->kda ? dk : 1, r = L->nv / L->nkq;
+    const rp_item m = item_of(c, it, tid);
+    load_keys(c, &m);
+    if (!L->kda && m.Lc)
+        gdn_record_scores(c, &m);
+    for (int64_t vh = m.hk * r; vh < (m.hk + 1) * r; vh++) {
+        head_records(c, &m, vh);
+        head_token_decays(c, &m, vh);
+        head_checkpoint_reads(c, &m, vh);
+        if (m.Lc)
+            head_record_reads(c, &m, vh);
+        head_token_steps(c, &m, vh);
+        if (c->P->flush[m.i])
+            head_flush(c, &m, vh);
+        for (int64_t t = 0; t < m.n; t++) {
+            rec_store(c, m.wr, m.base + t, vh * dv, dv, m.un + t * dv);
+            rec_store(c, m.wr, m.base + t, c->P->goff + vh * gw, gw, m.gnat + t * gw);
         }
     }
-    for (int64_t t = 0; t < n; t++)
-        rec_store(c, wr, base + t, P->koff + hk * dk, dk, kn + t * dk);
+    for (int64_t t = 0; t < m.n; t++)
+        rec_store(c, m.wr, m.base + t, c->P->koff + m.hk * dk, dk, m.kn + t * dk);
 }
 
 fw_status gdn_replay_run(const gdn_layer_prob *L, const gdn_replay_plan *P, int64_t s0, int64_t s1)

@@ -28,6 +28,166 @@ static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh
         dst[i] *= s;
 }
 
+/* The scratch of gdn_ref_bf16: the state h and its bf16 hb [dk][dv]; per row i of a chunk
+ * the normalised K^ and Q^ (Kh, Qh), their bf16 (Kb, Qb), Wb and the cumulative log decays
+ * Gc [C][dk]; U and Deltab (Db) [C][dv]; T and Gb [C][C]; one row; the rows' beta. */
+typedef struct {
+    double *h, *hb, *Kh, *Kb, *Qh, *Qb, *Wb, *Gc, *U, *Db, *T, *Gb, *row;
+    double bet[GDN_C];
+} ref_chunk;
+
+static void ref_chunk_free(ref_chunk *w)
+{
+    free(w->h); free(w->hb); free(w->Kh); free(w->Kb); free(w->Qh); free(w->Qb); free(w->Wb); free(w->Gc);
+    free(w->U); free(w->Db); free(w->T); free(w->Gb); free(w->row);
+}
+
+/* 0, or 1 with nothing left allocated. */
+static int ref_chunk_alloc(const gdn_prob *p, ref_chunk *w)
+{
+    const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
+    w->h = malloc(sizeof(double) * (size_t)(dk * dv)); w->hb = malloc(sizeof(double) * (size_t)(dk * dv));
+    w->Kh = malloc(sizeof(double) * (size_t)(C * dk)); w->Kb = malloc(sizeof(double) * (size_t)(C * dk));
+    w->Qh = malloc(sizeof(double) * (size_t)(C * dk)); w->Qb = malloc(sizeof(double) * (size_t)(C * dk));
+    w->Wb = malloc(sizeof(double) * (size_t)(C * dk)); w->Gc = malloc(sizeof(double) * (size_t)(C * dk));
+    w->U = malloc(sizeof(double) * (size_t)(C * dv)); w->Db = malloc(sizeof(double) * (size_t)(C * dv));
+    w->T = malloc(sizeof(double) * (size_t)(C * C)); w->Gb = malloc(sizeof(double) * (size_t)(C * C));
+    w->row = malloc(sizeof(double) * (size_t)(dk > dv ? dk : dv));
+    if (w->h && w->hb && w->Kh && w->Kb && w->Qh && w->Qb && w->Wb && w->Gc && w->U && w->Db && w->T && w->Gb &&
+        w->row)
+        return 0;
+    ref_chunk_free(w);
+    return 1;
+}
+
+/* Rows t0 .. t0 + L - 1 of value head vh (q/k head hh): K^, Q^ and their bf16, the log
+ * decays cumulative from the chunk's start, beta. */
+static void ref_chunk_load(const gdn_prob *p, ref_chunk *w, int64_t t0, int64_t L, int64_t vh, int64_t hh)
+{
+    const int64_t dk = p->dk;
+    for (int64_t i = 0; i < L; i++) {
+        ref_row(p, p->k, t0 + i, hh, w->Kh + i * dk);
+        ref_row(p, p->q, t0 + i, hh, w->Qh + i * dk);
+        for (int64_t x = 0; x < dk; x++) {
+            w->Kb[i * dk + x] = rb(w->Kh[i * dk + x]);
+            w->Qb[i * dk + x] = rb(w->Qh[i * dk + x]);
+            w->Gc[i * dk + x] = (i ? w->Gc[(i - 1) * dk + x] : 0.0) + gate_g_at(p, t0 + i, vh, p->kda ? x : 0);
+        }
+        w->bet[i] = gate_beta(p, t0 + i, vh);
+    }
+}
+
+/* T = (I + A)^-1 by rows, rounded to bf16 (only the L x L block is set), and Gb. */
+static void ref_chunk_inverse(const gdn_prob *p, ref_chunk *w, int64_t L)
+{
+    const int64_t C = GDN_C, dk = p->dk;
+    const double *Ka = p->kda ? w->Kh : w->Kb, *Qa = p->kda ? w->Qh : w->Qb, *Gc = w->Gc;
+    double *T = w->T, *Gb = w->Gb;
+    for (int64_t i = 0; i < L; i++) {
+        double a[GDN_C];
+        for (int64_t j = 0; j <= i; j++) {
+            double kk = 0, qk = 0;
+            for (int64_t x = 0; x < dk; x++) {
+                const double d = p->kda ? exp(Gc[i * dk + x] - Gc[j * dk + x]) : 1.0;
+                kk += Ka[i * dk + x] * Ka[j * dk + x] * d;
+                qk += Qa[i * dk + x] * Ka[j * dk + x] * d;
+            }
+            const double d = p->kda ? 1.0 : exp(Gc[i * dk] - Gc[j * dk]);
+            a[j] = w->bet[i] * d * kk;
+            Gb[i * C + j] = rb(d * qk);
+        }
+        for (int64_t j = i + 1; j < L; j++)
+            Gb[i * C + j] = 0.0;
+        for (int64_t j = 0; j < L; j++) {
+            double v = i == j;
+            for (int64_t m = j; m < i; m++)
+                v -= a[m] * T[m * C + j];
+            T[i * C + j] = j <= i ? v : 0.0;
+        }
+    }
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t j = 0; j < L; j++)
+            T[i * C + j] = rb(T[i * C + j]);
+}
+
+/* [W | U] = Tb [beta e^G o K^ | beta V]b of rows t0 .. t0 + L - 1 of value head vh; Wb. */
+static void ref_chunk_wu(const gdn_prob *p, ref_chunk *w, int64_t t0, int64_t L, int64_t vh)
+{
+    const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
+    double *Wb = w->Wb, *U = w->U, *row = w->row;
+    for (int64_t i = 0; i < L; i++) {
+        for (int64_t x = 0; x < dk; x++)
+            Wb[i * dk + x] = 0;
+        for (int64_t y = 0; y < dv; y++)
+            U[i * dv + y] = 0;
+    }
+    for (int64_t j = 0; j < L; j++) {
+        for (int64_t x = 0; x < dk; x++)
+            row[x] = rb(w->bet[j] * exp(w->Gc[j * dk + x]) * w->Kh[j * dk + x]);
+        for (int64_t i = j; i < L; i++)
+            for (int64_t x = 0; x < dk; x++)
+                Wb[i * dk + x] += w->T[i * C + j] * row[x];
+        for (int64_t y = 0; y < dv; y++)
+            row[y] = rb(w->bet[j] * fw_load_f64(p->v, off3(p->v, t0 + j, vh, y)));
+        for (int64_t i = j; i < L; i++)
+            for (int64_t y = 0; y < dv; y++)
+                U[i * dv + y] += w->T[i * C + j] * row[y];
+    }
+    for (int64_t i = 0; i < L * dk; i++)
+        Wb[i] = rb(Wb[i]);
+}
+
+/* hb = (h)b; Deltab = (U - Wb hb)b; out rows t0 .. t0 + L - 1 of value head vh:
+ * O = scale (qh + Gb Deltab). */
+static void ref_chunk_out(const gdn_prob *p, ref_chunk *w, int64_t t0, int64_t L, int64_t vh)
+{
+    const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
+    double *hb = w->hb, *Db = w->Db, *row = w->row;
+    for (int64_t x = 0; x < dk * dv; x++)
+        hb[x] = rb(w->h[x]);
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t y = 0; y < dv; y++) {
+            double wh = 0;
+            for (int64_t x = 0; x < dk; x++)
+                wh += w->Wb[i * dk + x] * hb[x * dv + y];
+            Db[i * dv + y] = rb(w->U[i * dv + y] - wh);
+        }
+    for (int64_t i = 0; i < L; i++) {
+        if (p->kda) /* (e^G o Q^)b */
+            for (int64_t x = 0; x < dk; x++)
+                row[x] = rb(exp(w->Gc[i * dk + x]) * w->Qh[i * dk + x]);
+        for (int64_t y = 0; y < dv; y++) {
+            double qh = 0, gd = 0;
+            for (int64_t x = 0; x < dk; x++)
+                qh += (p->kda ? row[x] : w->Qb[i * dk + x]) * hb[x * dv + y];
+            if (!p->kda)
+                qh *= exp(w->Gc[i * dk]);
+            for (int64_t j = 0; j <= i; j++)
+                gd += w->Gb[i * C + j] * Db[j * dv + y];
+            fw_store_f64(p->out, off3(p->out, t0 + i, vh, y), p->scale * (qh + gd));
+        }
+    }
+}
+
+/* h <- e^G_last o h + sum_i (e^(G_last - G_i) o K^_i)b^T Deltab_i over the chunk's L rows. */
+static void ref_chunk_state(const gdn_prob *p, ref_chunk *w, int64_t L)
+{
+    const int64_t dk = p->dk, dv = p->dv;
+    const double *Gl = w->Gc + (L - 1) * dk;
+    double *h = w->h;
+    for (int64_t x = 0; x < dk; x++) {
+        const double al = exp(Gl[x]);
+        for (int64_t y = 0; y < dv; y++)
+            h[x * dv + y] *= al;
+    }
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t x = 0; x < dk; x++) {
+            const double kx = rb(exp(Gl[x] - w->Gc[i * dk + x]) * w->Kh[i * dk + x]);
+            for (int64_t y = 0; y < dv; y++)
+                h[x * dv + y] += kx * w->Db[i * dv + y];
+        }
+}
+
 /* Same-roundings reference of the chunked pass on bf16 products: chunks of 64 tokens from each
  * sequence's start, every product in double, and the roundings of gdn_chunk_bf16 (gdn/chunk.c,
  * its comment) and no others. One (sequence, value head) at a time. With G the cumulative log
@@ -38,128 +198,25 @@ static void ref_row(const gdn_prob *p, const fw_tensor *x, int64_t t, int64_t hh
 static fw_status gdn_ref_bf16(const gdn_prob *p, const float *init, double *final)
 {
     const int64_t C = GDN_C, dk = p->dk, dv = p->dv;
-    double *h = malloc(sizeof(double) * (size_t)(dk * dv)), *hb = malloc(sizeof(double) * (size_t)(dk * dv));
-    double *Kh = malloc(sizeof(double) * (size_t)(C * dk)), *Kb = malloc(sizeof(double) * (size_t)(C * dk));
-    double *Qh = malloc(sizeof(double) * (size_t)(C * dk)), *Qb = malloc(sizeof(double) * (size_t)(C * dk));
-    double *Wb = malloc(sizeof(double) * (size_t)(C * dk)), *Gc = malloc(sizeof(double) * (size_t)(C * dk));
-    double *U = malloc(sizeof(double) * (size_t)(C * dv)), *Db = malloc(sizeof(double) * (size_t)(C * dv));
-    double *T = malloc(sizeof(double) * (size_t)(C * C)), *Gb = malloc(sizeof(double) * (size_t)(C * C));
-    double *row = malloc(sizeof(double) * (size_t)(dk > dv ? dk : dv));
-    double bet[GDN_C];
-    if (!h || !hb || !Kh || !Kb || !Qh || !Qb || !Wb || !Gc || !U || !Db || !T || !Gb || !row) {
-        free(h); free(hb); free(Kh); free(Kb); free(Qh); free(Qb); free(Wb); free(Gc); free(U); free(Db);
-        free(T); free(Gb); free(row);
+    ref_chunk w;
+    if (ref_chunk_alloc(p, &w))
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference state");
-    }
-    const double *Ka = p->kda ? Kh : Kb, *Qa = p->kda ? Qh : Qb;
     for (int64_t s = 0; s < p->n; s++)
         for (int64_t vh = 0; vh < p->HV; vh++) {
-            const int64_t hh = vh / p->r;
             for (int64_t x = 0; x < dk * dv; x++)
-                h[x] = init ? init[state_off(p, s, vh) + x] : 0.0;
+                w.h[x] = init ? init[state_off(p, s, vh) + x] : 0.0;
             for (int64_t t0 = p->cu[s]; t0 < p->cu[s + 1]; t0 += C) {
                 const int64_t L = fw_min64(C, p->cu[s + 1] - t0);
-                for (int64_t i = 0; i < L; i++) {
-                    ref_row(p, p->k, t0 + i, hh, Kh + i * dk);
-                    ref_row(p, p->q, t0 + i, hh, Qh + i * dk);
-                    for (int64_t x = 0; x < dk; x++) {
-                        Kb[i * dk + x] = rb(Kh[i * dk + x]);
-                        Qb[i * dk + x] = rb(Qh[i * dk + x]);
-                        Gc[i * dk + x] = (i ? Gc[(i - 1) * dk + x] : 0.0) + gate_g_at(p, t0 + i, vh, p->kda ? x : 0);
-                    }
-                    bet[i] = gate_beta(p, t0 + i, vh);
-                }
-                /* T = (I + A)^-1 by rows, and Gb */
-                for (int64_t i = 0; i < L; i++) {
-                    double a[GDN_C];
-                    for (int64_t j = 0; j <= i; j++) {
-                        double kk = 0, qk = 0;
-                        for (int64_t x = 0; x < dk; x++) {
-                            const double d = p->kda ? exp(Gc[i * dk + x] - Gc[j * dk + x]) : 1.0;
-                            kk += Ka[i * dk + x] * Ka[j * dk + x] * d;
-                            qk += Qa[i * dk + x] * Ka[j * dk + x] * d;
-                        }
-                        const double d = p->kda ? 1.0 : exp(Gc[i * dk] - Gc[j * dk]);
-                        a[j] = bet[i] * d * kk;
-                        Gb[i * C + j] = rb(d * qk);
-                    }
-                    for (int64_t j = i + 1; j < L; j++)
-                        Gb[i * C + j] = 0.0;
-                    for (int64_t j = 0; j < L; j++) {
-                        double v = i == j;
-                        for (int64_t m = j; m < i; m++)
-                            v -= a[m] * T[m * C + j];
-                        T[i * C + j] = j <= i ? v : 0.0;
-                    }
-                }
-                for (int64_t i = 0; i < L; i++) /* (only the L x L block is set) */
-                    for (int64_t j = 0; j < L; j++)
-                        T[i * C + j] = rb(T[i * C + j]);
-                /* [W | U] = Tb [beta e^G o K^ | beta V]b; Wb */
-                for (int64_t i = 0; i < L; i++) {
-                    for (int64_t x = 0; x < dk; x++)
-                        Wb[i * dk + x] = 0;
-                    for (int64_t y = 0; y < dv; y++)
-                        U[i * dv + y] = 0;
-                }
-                for (int64_t j = 0; j < L; j++) {
-                    for (int64_t x = 0; x < dk; x++)
-                        row[x] = rb(bet[j] * exp(Gc[j * dk + x]) * Kh[j * dk + x]);
-                    for (int64_t i = j; i < L; i++)
-                        for (int64_t x = 0; x < dk; x++)
-                            Wb[i * dk + x] += T[i * C + j] * row[x];
-                    for (int64_t y = 0; y < dv; y++)
-                        row[y] = rb(bet[j] * fw_load_f64(p->v, off3(p->v, t0 + j, vh, y)));
-                    for (int64_t i = j; i < L; i++)
-                        for (int64_t y = 0; y < dv; y++)
-                            U[i * dv + y] += T[i * C + j] * row[y];
-                }
-                for (int64_t i = 0; i < L * dk; i++)
-                    Wb[i] = rb(Wb[i]);
-                for (int64_t x = 0; x < dk * dv; x++)
-                    hb[x] = rb(h[x]);
-                /* Deltab = (U - Wb hb)b; O = scale (qh + Gb Deltab) */
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t y = 0; y < dv; y++) {
-                        double wh = 0;
-                        for (int64_t x = 0; x < dk; x++)
-                            wh += Wb[i * dk + x] * hb[x * dv + y];
-                        Db[i * dv + y] = rb(U[i * dv + y] - wh);
-                    }
-                for (int64_t i = 0; i < L; i++) {
-                    if (p->kda) /* (e^G o Q^)b */
-                        for (int64_t x = 0; x < dk; x++)
-                            row[x] = rb(exp(Gc[i * dk + x]) * Qh[i * dk + x]);
-                    for (int64_t y = 0; y < dv; y++) {
-                        double qh = 0, gd = 0;
-                        for (int64_t x = 0; x < dk; x++)
-                            qh += (p->kda ? row[x] : Qb[i * dk + x]) * hb[x * dv + y];
-                        if (!p->kda)
-                            qh *= exp(Gc[i * dk]);
-                        for (int64_t j = 0; j <= i; j++)
-                            gd += Gb[i * C + j] * Db[j * dv + y];
-                        fw_store_f64(p->out, off3(p->out, t0 + i, vh, y), p->scale * (qh + gd));
-                    }
-                }
-                /* h <- e^G_last o h + sum_i (e^(G_last - G_i) o K^_i)b^T Deltab_i */
-                const double *Gl = Gc + (L - 1) * dk;
-                for (int64_t x = 0; x < dk; x++) {
-                    const double al = exp(Gl[x]);
-                    for (int64_t y = 0; y < dv; y++)
-                        h[x * dv + y] *= al;
-                }
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t x = 0; x < dk; x++) {
-                        const double kx = rb(exp(Gl[x] - Gc[i * dk + x]) * Kh[i * dk + x]);
-                        for (int64_t y = 0; y < dv; y++)
-                            h[x * dv + y] += kx * Db[i * dv + y];
-                    }
+                ref_chunk_load(p, &w, t0, L, vh, vh / p->r);
+                ref_chunk_inverse(p, &w, L);
+                ref_chunk_wu(p, &w, t0, L, vh);
+                ref_chunk_out(p, &w, t0, L, vh);
+                ref_chunk_state(p, &w, L);
             }
             if (final)
-                memcpy(final + state_off(p, s, vh), h, sizeof(double) * (size_t)(dk * dv));
+                memcpy(final + state_off(p, s, vh), w.h, sizeof(double) * (size_t)(dk * dv));
         }
-    free(h); free(hb); free(Kh); free(Kb); free(Qh); free(Qb); free(Wb); free(Gc); free(U); free(Db);
-    free(T); free(Gb); free(row);
+    ref_chunk_free(&w);
     return FW_OK;
 }
 
