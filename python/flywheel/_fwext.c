@@ -22,7 +22,8 @@
  *
  * The library is the one the ctypes binding loaded: _lib.py hands init() the addresses of its
  * functions by name (`symbols` below lists the ones it needs), so the extension links to
- * nothing but Python and cannot meet another copy of libflywheel. The GIL is released while the kernel runs.
+ * nothing but Python and cannot meet another copy of libflywheel. The GIL is released while
+ * the kernel runs.
  */
 #define Py_LIMITED_API 0x030A0000
 #define PY_SSIZE_T_CLEAN
@@ -880,7 +881,8 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
         const fw_gdn_pool pool = {state.t.data, S->shape[0], HV * K * V, slots, slots, FW_BF16};
         s = st.fw.gdn_decode_pool(&q.t, &k.t, &v.t, &g.t, &beta.t, &pool, &o.t, &p);
     } else {
-        s = st.fw.gdn_decode(&q.t, &k.t, &v.t, &g.t, &beta.t, state.t.data, S->shape[0], slots, &o.t, &p);
+        s = st.fw.gdn_decode(&q.t, &k.t, &v.t, &g.t, &beta.t, state.t.data, S->shape[0], slots,
+                             &o.t, &p);
     }
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
@@ -908,9 +910,10 @@ static int get_indices(PyObject *o, int64_t n, const int32_t **out)
 
 /* gdn_layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
  *   query_start_loc, state_indices, distribution, seq_lens, read_state_indices, n_kq, n_v,
- *   d_k, d_v, kernel_size, l2norm_eps, zero_initialize_out, threads, out) -> out: fused_conv1d_gdn without
- *   speculative windows, isa or precision, with out given; recurrent_state a float32 slot
- *   array [slots, n_v, d_k, d_v], each slot contiguous. The library checks the rest. */
+ *   d_k, d_v, kernel_size, l2norm_eps, zero_initialize_out, threads, out) -> out:
+ *   fused_conv1d_gdn without speculative windows, isa or precision, with out given;
+ *   recurrent_state a float32 slot array [slots, n_v, d_k, d_v], each slot contiguous. The
+ *   library checks the rest. */
 static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
