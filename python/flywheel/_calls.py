@@ -101,8 +101,8 @@ class Call(NamedTuple):
     out_after: the argument after which the `<name>_out` form takes its outputs (written in
     place: the first is passed to the Python call as out=, the others copied in), None for no
     out form. adapter: the op's CPU kernel is torch_ops' hand-written adapter of that name
-    (for a call whose arguments a tensor cannot carry one to one). backward: the op that
-    computes its gradients (torch_ops holds the autograd formula)."""
+    (for a call whose arguments a tensor cannot carry one to one; no out form then).
+    backward: the op that computes its gradients (torch_ops holds the autograd formula)."""
     name: str
     module: str
     c: Tuple[str, ...] = ()
