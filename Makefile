@@ -176,7 +176,8 @@ test-asan:
 
 # The Python binding on the sanitized library and fast path ($(BUILD)-asan, with Python's
 # headers): the binding, attention and GDN tests, the sanitizer runtimes preloaded into the
-# (uninstrumented) interpreter.
+# (uninstrumented) interpreter; test_calls.py includes the fast path's init refusing an
+# incomplete address table.
 test-asan-python: $(VENV)/.test-deps
 	@cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE=ON \
 	  $(PY_CMAKE) >/dev/null
@@ -185,7 +186,7 @@ test-asan-python: $(VENV)/.test-deps
 	  FLYWHEEL_EXPECT_BINDING=compiled ASAN_OPTIONS=detect_leaks=0 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider python/tests/test_fastpath.py \
-	  python/tests/test_attention.py python/tests/test_gated_delta.py \
+	  python/tests/test_calls.py python/tests/test_attention.py python/tests/test_gated_delta.py \
 	  python/tests/test_binding_args.py python/tests/test_conv.py python/tests/test_layers.py \
 	  python/tests/test_kda.py
 
