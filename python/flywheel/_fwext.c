@@ -7,7 +7,9 @@
  * Engines make thousands of such calls per second.
  *
  * How it stays exactly the binding it speeds up: each public Python function (attention.py,
- * gated_delta.py, layers.py) first offers its arguments to the matching function here. The fast path
+ * gated_delta.py, layers.py, conv.py) first offers its arguments to the matching function here;
+ * which function, the arguments in order and the conditions under which the call is offered
+ * come from the call's description (python/flywheel/_calls.py, `fast=`). The fast path
  * takes only the common, fully valid case: torch CPU tensors or numpy arrays seen through
  * DLPack without copies, int32 index arrays, plain numbers, the options that need no Python
  * work. Anything else -- another type or dtype, a layout the Python path would copy, a
@@ -19,13 +21,15 @@
  * the fast path really runs.
  *
  * The library is the one the ctypes binding loaded: _lib.py hands init() the addresses of its
- * functions, so the extension links to nothing but Python and cannot meet another copy of
- * libflywheel. The GIL is released while the kernel runs.
+ * functions by name (`symbols` below lists the ones it needs), so the extension links to
+ * nothing but Python and cannot meet another copy of libflywheel. The GIL is released while
+ * the kernel runs.
  */
 #define Py_LIMITED_API 0x030A0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -98,7 +102,8 @@ typedef fw_status (*gdn_decode_pool_fn)(const fw_tensor *, const fw_tensor *, co
                                         const fw_tensor *, const fw_tensor *, const fw_gdn_pool *,
                                         const fw_tensor *, const fw_gdn_params *);
 
-static struct {
+/* the library's functions, set by init() */
+struct library {
     attn_fwd_fn attn_fwd;
     attn_varlen_fn attn_varlen;
     attn_kvcache_fn attn_kvcache;
@@ -110,6 +115,28 @@ static struct {
     gdn_decode_pool_fn gdn_decode_pool;
     conv1d_fn conv1d;
     conv_init_fn conv_params_init;
+};
+
+/* each function of struct library by its name in the library */
+static const struct {
+    const char *name;
+    size_t offset;
+} symbols[] = {
+    {"fw_attn_fwd", offsetof(struct library, attn_fwd)},
+    {"fw_attn_varlen_fwd", offsetof(struct library, attn_varlen)},
+    {"fw_attn_kvcache_fwd", offsetof(struct library, attn_kvcache)},
+    {"fw_gdn_decode", offsetof(struct library, gdn_decode)},
+    {"fw_attn_params_init", offsetof(struct library, attn_params_init)},
+    {"fw_gdn_params_init", offsetof(struct library, gdn_params_init)},
+    {"fw_gdn_layer", offsetof(struct library, gdn_layer)},
+    {"fw_gdn_layer_params_init", offsetof(struct library, layer_params_init)},
+    {"fw_gdn_decode_pool", offsetof(struct library, gdn_decode_pool)},
+    {"fw_conv1d_fwd", offsetof(struct library, conv1d)},
+    {"fw_conv1d_params_init", offsetof(struct library, conv_params_init)},
+};
+
+static struct {
+    struct library fw;
     PyObject *torch_tensor; /* torch.Tensor, once torch is imported */
     PyObject *to_dlpack;    /* torch._C._to_dlpack */
     PyObject *torch_empty;  /* torch.empty */
@@ -451,7 +478,7 @@ static int get_int(PyObject *o, long long lo, long long hi, long long *out)
 static int attn_params(PyObject *scale, PyObject *causal, PyObject *window, PyObject *softcap,
                        PyObject *threads, int64_t d, fw_attn_params *p)
 {
-    st.attn_params_init(p);
+    st.fw.attn_params_init(p);
     long long th;
     int rc = get_f32(scale, d > 0 ? (float)(1.0 / sqrt((double)d)) : 0.0f, 0, &p->scale);
     if (rc == OK)
@@ -546,7 +573,7 @@ static PyObject *attn_func(PyObject *self, PyObject *const *a, Py_ssize_t n)
         TRY(get_out(Py_None, a[0], q.torch, ls, 3, 4, 1, 0, &lse, &l));
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = st.attn_fwd(&q.t, &k.t, &v.t, &o.t, want_lse ? &l.t : NULL, &p);
+    s = st.fw.attn_fwd(&q.t, &k.t, &v.t, &o.t, want_lse ? &l.t : NULL, &p);
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
         TRY(DECLINE);
@@ -600,7 +627,7 @@ static PyObject *attn_varlen(PyObject *self, PyObject *const *a, Py_ssize_t n)
         TRY(get_out(Py_None, a[0], q.torch, ls, 2, 4, 1, 0, &lse, &l));
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = st.attn_varlen(&q.t, &k.t, &v.t, cq.t.data, ck.t.data, cq.t.shape[0] - 1, &o.t,
+    s = st.fw.attn_varlen(&q.t, &k.t, &v.t, cq.t.data, ck.t.data, cq.t.shape[0] - 1, &o.t,
                        want_lse ? &l.t : NULL, &p);
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
@@ -682,7 +709,7 @@ static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
     TRY(merge01(&o.t));
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = st.attn_kvcache(&q.t, append ? &kn.t : NULL, append ? &vn.t : NULL, cu, b, &cache, &o.t,
+    s = st.fw.attn_kvcache(&q.t, append ? &kn.t : NULL, append ? &vn.t : NULL, cu, b, &cache, &o.t,
                         NULL, &p);
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
@@ -827,7 +854,7 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
             TRY(DECLINE);
         slots = idx.t.data;
     }
-    st.gdn_params_init(&p);
+    st.fw.gdn_params_init(&p);
     TRY(get_f32(a[7], K > 0 ? (float)(1.0 / sqrt((double)K)) : 0.0f, 0, &p.scale));
     const int l2 = PyObject_IsTrue(a[8]);
     if (l2 < 0) {
@@ -852,9 +879,10 @@ static PyObject *gdn_decode(PyObject *self, PyObject *const *a, Py_ssize_t n)
     Py_BEGIN_ALLOW_THREADS
     if (state.dtype == FW_BF16) {
         const fw_gdn_pool pool = {state.t.data, S->shape[0], HV * K * V, slots, slots, FW_BF16};
-        s = st.gdn_decode_pool(&q.t, &k.t, &v.t, &g.t, &beta.t, &pool, &o.t, &p);
+        s = st.fw.gdn_decode_pool(&q.t, &k.t, &v.t, &g.t, &beta.t, &pool, &o.t, &p);
     } else {
-        s = st.gdn_decode(&q.t, &k.t, &v.t, &g.t, &beta.t, state.t.data, S->shape[0], slots, &o.t, &p);
+        s = st.fw.gdn_decode(&q.t, &k.t, &v.t, &g.t, &beta.t, state.t.data, S->shape[0], slots,
+                             &o.t, &p);
     }
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
@@ -882,9 +910,10 @@ static int get_indices(PyObject *o, int64_t n, const int32_t **out)
 
 /* gdn_layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
  *   query_start_loc, state_indices, distribution, seq_lens, read_state_indices, n_kq, n_v,
- *   d_k, d_v, kernel_size, l2norm_eps, zero_tail, threads, out) -> out: fused_conv1d_gdn without
- *   speculative windows, isa or precision, with out given; recurrent_state a float32 slot
- *   array [slots, n_v, d_k, d_v], each slot contiguous. The library checks the rest. */
+ *   d_k, d_v, kernel_size, l2norm_eps, zero_initialize_out, threads, out) -> out:
+ *   fused_conv1d_gdn without speculative windows, isa or precision, with out given;
+ *   recurrent_state a float32 slot array [slots, n_v, d_k, d_v], each slot contiguous. The
+ *   library checks the rest. */
 static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
@@ -895,8 +924,13 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
     fw_gdn_batch batch;
     fw_gdn_caches caches;
     fw_gdn_layer_params p;
-    long long nkq, nv, dk, dv, ks, zt, th;
+    long long nkq, nv, dk, dv, ks, th;
     int rc = OK;
+    /* zero_initialize_out's truth value first, as the Python call's: one that raises (a numpy
+     * array) raises whatever else the call holds */
+    const int zt = PyObject_IsTrue(a[20]);
+    if (zt < 0)
+        TRY(FAIL);
     if (a[22] == Py_None)
         TRY(DECLINE);
     out = Py_NewRef(a[22]);
@@ -946,14 +980,13 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
     batch.decode_end = d3[0];
     batch.prefill_end = d3[1];
     batch.mixed_end = d3[2];
-    st.layer_params_init(&p);
+    st.fw.layer_params_init(&p);
     p.n_kq = (int32_t)nkq;
     p.n_v = (int32_t)nv;
     p.d_k = (int32_t)dk;
     p.d_v = (int32_t)dv;
     TRY(get_f32(a[19], 0.0f, 0, &p.l2norm_eps));
-    TRY(get_int(a[20], 0, 1, &zt));
-    p.zero_tail = (int32_t)zt;
+    p.zero_tail = zt;
     TRY(get_int(a[21], 0, INT32_MAX, &th));
     p.threads = (int32_t)th;
     TRY(get_float(out, &o, 2));
@@ -963,7 +996,7 @@ static PyObject *gdn_layer(PyObject *self, PyObject *const *a, Py_ssize_t n)
     caches.recurrent_dtype = (fw_dtype)rec.dtype;
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = st.gdn_layer(&qkv.t, &b.t, &ga.t, &w.t, a[6] == Py_None ? NULL : &cb.t, &alog.t, &dtb.t,
+    s = st.fw.gdn_layer(&qkv.t, &b.t, &ga.t, &w.t, a[6] == Py_None ? NULL : &cb.t, &alog.t, &dtb.t,
                      &batch, &caches, &o.t, &p);
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
@@ -1037,7 +1070,7 @@ static PyObject *conv_update(PyObject *self, PyObject *const *a, Py_ssize_t n)
         if (b.dtype == FW_INT32 || b.t.ndim != 1 || b.t.shape[0] != D)
             TRY(DECLINE);
     }
-    st.conv_params_init(&p);
+    st.fw.conv_params_init(&p);
     if (a[4] == Py_None)
         p.activation = FW_ACT_NONE;
     /* (two strs: PyUnicode_Compare cannot fail) */
@@ -1069,7 +1102,7 @@ static PyObject *conv_update(PyObject *self, PyObject *const *a, Py_ssize_t n)
     const fw_conv1d_state in = {cs.t, idx, roff}, fin = {cs.t, idx, roff ? woff : NULL};
     fw_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = st.conv1d(&x.t, &w.t, a[3] != Py_None ? &b.t : NULL, NULL, B, &in, &fin, NULL, &o.t, &p);
+    s = st.fw.conv1d(&x.t, &w.t, a[3] != Py_None ? &b.t : NULL, NULL, B, &in, &fin, NULL, &o.t, &p);
     Py_END_ALLOW_THREADS
     if (s != FW_OK)
         TRY(DECLINE);
@@ -1079,15 +1112,14 @@ done:
 
 /* -------------------------------------------------------------------- module -- */
 
-/* init(abi, fw_attn_fwd, fw_attn_varlen_fwd, fw_attn_kvcache_fwd, fw_gdn_decode,
- *   fw_attn_params_init, fw_gdn_params_init, fw_gdn_layer, fw_gdn_layer_params_init,
- *   fw_gdn_decode_pool, fw_conv1d_fwd, fw_conv1d_params_init): the library's ABI version
- * and the addresses of its functions, from the ctypes binding.
- * ImportError when the ABI differs from the header this was compiled with. */
+/* init(abi, {name: address}): the library's ABI version and the addresses of its functions,
+ * from the ctypes binding (the functions python/flywheel/_calls.py's fast paths name; every
+ * one of `symbols` must be there). ImportError when the ABI differs from the header this was
+ * compiled with or a function is missing. */
 static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 12, "init"))
+    if (!nargs(n, 2, "init"))
         return NULL;
     const long abi = PyLong_AsLong(a[0]);
     if (abi == -1 && PyErr_Occurred())
@@ -1099,27 +1131,29 @@ static PyObject *init(PyObject *self, PyObject *const *a, Py_ssize_t n)
                      FW_ABI_VERSION, abi);
         return NULL;
     }
-    void *f[11];
-    for (int i = 0; i < 11; i++) {
-        f[i] = PyLong_AsVoidPtr(a[i + 1]);
-        if (!f[i]) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "init: a NULL function address");
+    if (!PyDict_Check(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "init: the addresses must be a dict {name: address}");
+        return NULL;
+    }
+    struct library fw;
+    for (size_t i = 0; i < sizeof symbols / sizeof symbols[0]; i++) {
+        PyObject *addr = PyDict_GetItemString(a[1], symbols[i].name); /* borrowed */
+        if (!addr) {
+            PyErr_Format(PyExc_ImportError, "flywheel._fwext needs %s, which the binding did "
+                         "not hand it (python/flywheel/_calls.py names the fast paths' "
+                         "functions)", symbols[i].name);
             return NULL;
         }
+        void *f = PyLong_AsVoidPtr(addr);
+        if (!f) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "init: a NULL address for %s", symbols[i].name);
+            return NULL;
+        }
+        /* POSIX: a function's address from dlsym (ctypes) converts back to its pointer type */
+        memcpy((char *)&fw + symbols[i].offset, &f, sizeof f);
     }
-    /* POSIX: a function's address from dlsym (ctypes) converts back to its pointer type */
-    memcpy(&st.attn_fwd, &f[0], sizeof f[0]);
-    memcpy(&st.attn_varlen, &f[1], sizeof f[1]);
-    memcpy(&st.attn_kvcache, &f[2], sizeof f[2]);
-    memcpy(&st.gdn_decode, &f[3], sizeof f[3]);
-    memcpy(&st.attn_params_init, &f[4], sizeof f[4]);
-    memcpy(&st.gdn_params_init, &f[5], sizeof f[5]);
-    memcpy(&st.gdn_layer, &f[6], sizeof f[6]);
-    memcpy(&st.layer_params_init, &f[7], sizeof f[7]);
-    memcpy(&st.gdn_decode_pool, &f[8], sizeof f[8]);
-    memcpy(&st.conv1d, &f[9], sizeof f[9]);
-    memcpy(&st.conv_params_init, &f[10], sizeof f[10]);
+    st.fw = fw;
     Py_RETURN_NONE;
 }
 

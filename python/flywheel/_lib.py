@@ -1,4 +1,6 @@
-"""ctypes declarations of include/flywheel.h, and the status -> exception mapping.
+"""ctypes declarations of include/flywheel.h (its structs here; its functions' prototypes from
+_calls.C_FUNCTIONS), the compiled fast path's loading and dispatch, and the status -> exception
+mapping.
 
 The shared library is the libflywheel.so installed next to this file by `pip install .`;
 the environment variable FLYWHEEL_LIBRARY names another one (an in-tree build, say). It must
@@ -10,6 +12,8 @@ run at once (the C library is thread-safe).
 
 import ctypes
 import os
+
+from . import _calls
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
@@ -264,6 +268,27 @@ class Conv1dState(ctypes.Structure):
     ]
 
 
+# the C types of _calls.C_FUNCTIONS' declarations
+_C_TYPES = {
+    "status": ctypes.c_int, "int": ctypes.c_int, "int32": ctypes.c_int32,
+    "int64": ctypes.c_int64, "size": ctypes.c_size_t, "double": ctypes.c_double,
+    "str": ctypes.c_char_p, "ptr": ctypes.c_void_p, "tensor": Tensor,
+    "attn_params": AttnParams, "kv_cache": KVCache, "gdn_params": GdnParams,
+    "gdn_pool": GdnPool, "gdn_batch": GdnBatch, "gdn_caches": GdnCaches,
+    "gdn_replay": GdnReplay, "gdn_layer_params": GdnLayerParams,
+    "conv1d_params": Conv1dParams, "conv1d_state": Conv1dState,
+}
+
+
+def c_type(name):
+    """The ctypes type of a type name of _calls.C_FUNCTIONS ("void" is None)."""
+    if name == "void":
+        return None
+    if name.endswith("*"):
+        return ctypes.POINTER(c_type(name[:-1]))
+    return _C_TYPES[name]
+
+
 def _find_library():
     path = os.environ.get("FLYWHEEL_LIBRARY")
     if path:
@@ -288,8 +313,9 @@ def check_abi(library, path):
             f"{path} has no fw_abi_version(): it is older than this flywheel package, which "
             f"needs a library of ABI version {ABI_VERSION}; rebuild it from the same source "
             "tree (`make build`, or `pip install .`)") from None
-    fn.restype = ctypes.c_int
-    fn.argtypes = []
+    res, args = _calls.C_FUNCTIONS["fw_abi_version"]
+    fn.restype = c_type(res)
+    fn.argtypes = [c_type(a) for a in args]
     found = fn()
     if found != ABI_VERSION:
         raise ImportError(
@@ -298,71 +324,23 @@ def check_abi(library, path):
             "(`make build`, or `pip install .`)")
 
 
+def declare(library, path):
+    """Set the restype and argtypes of every function of _calls.C_FUNCTIONS on library;
+    ImportError naming the first one it lacks."""
+    for name, (res, args) in _calls.C_FUNCTIONS.items():
+        try:
+            fn = getattr(library, name)
+        except AttributeError:
+            raise ImportError(f"{path} has no {name}(): it is older than this flywheel "
+                              "package; rebuild it from the same source tree") from None
+        fn.restype = c_type(res)
+        fn.argtypes = [c_type(a) for a in args]
+
+
 _path = _find_library()
 lib = ctypes.CDLL(_path)
 check_abi(lib, _path)
-
-_P = ctypes.POINTER
-_T = _P(Tensor)
-_i64 = ctypes.c_int64
-_vp = ctypes.c_void_p
-_sz = ctypes.c_size_t
-
-_SIGNATURES = {
-    "fw_version": (ctypes.c_char_p, []),
-    "fw_status_string": (ctypes.c_char_p, [ctypes.c_int]),
-    "fw_last_error": (ctypes.c_char_p, []),
-    "fw_isa_count": (ctypes.c_int, []),
-    "fw_isa_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "fw_isa_supported": (ctypes.c_int, [ctypes.c_char_p]),
-    "fw_isa_native_bf16": (ctypes.c_int, [ctypes.c_char_p]),
-    "fw_isa_default": (ctypes.c_char_p, []),
-    "fw_attn_fwd": (ctypes.c_int, [_T, _T, _T, _T, _T, _P(AttnParams)]),
-    "fw_attn_varlen_fwd": (ctypes.c_int, [_T, _T, _T, _vp, _vp, _i64, _T, _T, _P(AttnParams)]),
-    "fw_attn_workspace_size": (ctypes.c_int, [_T, _T, _T, _P(AttnParams), _P(_sz)]),
-    "fw_attn_bwd": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _T, _T, _T, _P(AttnParams)]),
-    "fw_attn_varlen_bwd": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _vp, _vp, _i64, _T, _T, _T,
-                                          _P(AttnParams)]),
-    "fw_attn_kvcache_fwd": (ctypes.c_int, [_T, _T, _T, _vp, _i64, _P(KVCache), _T, _T,
-                                           _P(AttnParams)]),
-    "fw_gdn_prefill": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _vp, _T,
-                                      _P(GdnParams)]),
-    "fw_gdn_decode": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _T, _P(GdnParams)]),
-    "fw_gdn_prefill_pool": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _P(GdnPool), _T,
-                                           _P(GdnParams)]),
-    "fw_gdn_decode_pool": (ctypes.c_int, [_T, _T, _T, _T, _T, _P(GdnPool), _T, _P(GdnParams)]),
-    "fw_gdn_layer": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _T, _P(GdnBatch), _P(GdnCaches), _T,
-                                    _P(GdnLayerParams)]),
-    "fw_gdn_layer_replay": (ctypes.c_int, [_T, _T, _T, _T, _T, _T, _T, _P(GdnBatch),
-                                           _P(GdnCaches), _P(GdnReplay), _T,
-                                           _P(GdnLayerParams)]),
-    "fw_gdn_replay_record_dim": (_i64, [_i64, _i64, _i64, _i64, ctypes.c_int]),
-    "fw_gdn_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
-    "fw_kda_replay_floats": (_sz, [_i64, _i64, _i64, _i64, _i64]),
-    "fw_gdn_verify": (ctypes.c_int, [_T, _T, _T, _T, _T, _vp, _i64, _vp, _i64, _vp, _vp, _sz,
-                                     _T, _P(GdnParams)]),
-    "fw_gdn_commit": (ctypes.c_int, [_vp, _i64, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _vp,
-                                     _vp, _sz, _P(GdnParams)]),
-    "fw_conv1d_fwd": (ctypes.c_int, [_T, _T, _T, _vp, _i64, _P(Conv1dState), _P(Conv1dState), _T,
-                                     _T, _P(Conv1dParams)]),
-    "fw_set_spin_us": (ctypes.c_int, [ctypes.c_int32]),
-    "fw_set_parallel": (ctypes.c_int, [_vp, _vp, ctypes.c_int32]),
-    "fw_get_parallel": (ctypes.c_int, [_P(_vp), _P(_vp), _P(ctypes.c_int32)]),
-    "fw_get_spin_us": (ctypes.c_int32, []),
-    "fw_peak_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,
-                                      _P(ctypes.c_double)]),
-    "fw_peak_bf16_gflops": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int32, ctypes.c_double,
-                                           _P(ctypes.c_double)]),
-    "fw_read_bandwidth": (ctypes.c_int, [ctypes.c_int32, _sz, _P(ctypes.c_double)]),
-}
-for _name, (_res, _args) in _SIGNATURES.items():
-    try:
-        _fn = getattr(lib, _name)
-    except AttributeError:
-        raise ImportError(f"{_path} has no {_name}(): it is older than this flywheel package; "
-                          "rebuild it from the same source tree") from None
-    _fn.restype = _res
-    _fn.argtypes = _args
+declare(lib, _path)
 
 
 def _load_fast_path():
@@ -385,15 +363,36 @@ def _load_fast_path():
             "flywheel._fwext", path))
     ext = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ext)
-    addr = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
-        "fw_attn_fwd", "fw_attn_varlen_fwd", "fw_attn_kvcache_fwd", "fw_gdn_decode",
-        "fw_attn_params_init", "fw_gdn_params_init", "fw_gdn_layer", "fw_gdn_layer_params_init",
-        "fw_gdn_decode_pool", "fw_conv1d_fwd", "fw_conv1d_params_init")]
-    ext.init(lib.fw_abi_version(), *addr)
+    ext.init(lib.fw_abi_version(), {n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+                                    for n in _calls.fast_symbols()})
     return ext, path
 
 
 fast, fast_path_origin = _load_fast_path()
+
+
+# how each kind of Fast condition reads the Python function's local `name`
+_CONDITIONS = {"is None": "L[{!r}] is None", "false": "not L[{!r}]",
+               "is not None": "L[{!r}] is not None"}
+
+
+def fast_call(name):
+    """The compiled fast path's dispatch of the call `name`, made from its _calls.Fast: a
+    function of the Python function's locals() at the point where it offers the call, which
+    returns _fwext.<fn>(<the described arguments>) where the fast path is in use and every
+    described condition holds, else NotImplemented (the Python path then runs the call). It
+    reads `fast` and the thread setting at every call, so setting `fast` to None turns it
+    off (the tests do)."""
+    f = _calls.FAST[name].fast
+    conditions = ["fast is not None"] + [_CONDITIONS[how].format(n) for n, how in f.when]
+    args = ["settings.threads" if a is _calls.THREADS else f"L[{a!r}]" for a in f.args]
+    source = (f"def {name}(L):\n"
+              f"    if {' and '.join(conditions)}:\n"
+              f"        return fast.{f.fn}({', '.join(args)})\n"
+              f"    return NotImplemented\n")
+    scope = {}
+    exec(source, globals(), scope)  # globals: `fast` and `settings` are this module's
+    return scope[name]
 
 
 _omp = {}

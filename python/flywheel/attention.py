@@ -33,6 +33,12 @@ import numpy as np
 from . import _lib
 from . import _tensors as T
 
+# the compiled fast path's dispatch of calls below, from their description (_calls.py): call it
+# with the function's locals() where the call is offered; NotImplemented: the Python path runs it
+_fast_func = _lib.fast_call("flash_attn_func")
+_fast_varlen = _lib.fast_call("flash_attn_varlen_func")
+_fast_kvcache = _lib.fast_call("flash_attn_with_kvcache")
+
 
 def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=False,
             precision=None):
@@ -165,11 +171,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         r = _autograd.dense(q, k, v, softmax_scale, causal, window_size, softcap, isa, plain,
                             precision)
         return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
-    if _lib.fast is not None and isa is None and not plain and precision is None and not rotary:
-        r = _lib.fast.attn_func(q, k, v, softmax_scale, causal, window_size, softcap,
-                                _lib.settings.threads, out, want_lse)
-        if r is not NotImplemented:
-            return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r
+    r = _fast_func(locals())
+    if r is not NotImplemented:
+        return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [b, sq, hq, d], [b, sk, hkv, d], [b, sk, hkv, dv], "
@@ -256,12 +260,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         r = _autograd.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window_size, softcap, isa, precision)
         return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
-    if _lib.fast is not None and isa is None and precision is None and not rotary:
-        r = _lib.fast.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, causal, window_size, softcap,
-                                  _lib.settings.threads, out, want_lse)
-        if r is not NotImplemented:
-            return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r
+    r = _fast_varlen(locals())
+    if r is not NotImplemented:
+        return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v must be [total_q, hq, d], [total_k, hkv, d], "
@@ -335,14 +336,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError("k and v must be given together")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required (the tokens each sequence already holds)")
-    if (_lib.fast is not None and not return_softmax_lse and cu_seqlens_q is None and
-            isa is None and precision is None and rotary_cos is None and rotary_sin is None and
-            cache_leftpad is None and cache_batch_idx is None):
-        r = _lib.fast.attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                   softmax_scale, causal, window_size, softcap,
-                                   _lib.settings.threads, out, layout)
-        if r is not NotImplemented:
-            return r
+    r = _fast_kvcache(locals())
+    if r is not NotImplemented:
+        return r
     q = T.float_array(q, "q")
     kc = T.float_array(k_cache, "k_cache", inplace=True)
     vc = T.float_array(v_cache, "v_cache", inplace=True)

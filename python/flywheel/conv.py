@@ -14,6 +14,10 @@ import numpy as np
 from . import _lib
 from . import _tensors as T
 
+# the compiled fast path's dispatch of calls below, from their description (_calls.py): call it
+# with the function's locals() where the call is offered; NotImplemented: the Python path runs it
+_fast_update = _lib.fast_call("causal_conv1d_update")
+
 
 def activation_code(activation):
     if activation is None:
@@ -166,11 +170,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     picks each row's slot (a negative index: start from zeros and write nothing). Returns out
     with x's shape.
     """
-    if _lib.fast is not None and isa is None:
-        r = _lib.fast.conv_update(x, conv_state, weight, bias, activation, cache_seqlens,
-                                  conv_state_indices, _lib.settings.threads, out)
-        if r is not NotImplemented:
-            return r
+    r = _fast_update(locals())
+    if r is not NotImplemented:
+        return r
     x = T.float_array(x, "x")
     if x.ndim not in (2, 3):
         raise ValueError(f"x must be [batch, dim] or [batch, dim, seqlen], got {tuple(x.shape)}")

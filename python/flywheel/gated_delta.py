@@ -25,6 +25,10 @@ import numpy as np
 from . import _lib
 from . import _tensors as T
 
+# the compiled fast path's dispatch of calls below, from their description (_calls.py): call it
+# with the function's locals() where the call is offered; NotImplemented: the Python path runs it
+_fast_decode = _lib.fast_call("gated_delta_rule_decode")
+
 
 def _params(q, scale, l2norm, flags=0, isa=None, precision=None, l2norm_eps=None):
     p = _lib.GdnParams()
@@ -349,12 +353,9 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=None, scale=N
     channel; with use_gate_in_kernel, dt_bias may be [HV * K] and lower_bound selects the
     sigmoid gate lower_bound * sigmoid(exp(A_log) (a + dt_bias)).
     """
-    if (_lib.fast is not None and isa is None and l2norm_eps is None and read_state_indices is None
-            and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel and lower_bound is None):
-        r = _lib.fast.gdn_decode(q, k, v, g, beta, state, state_indices, scale,
-                                 use_qk_l2norm_in_kernel, _lib.settings.threads, out)
-        if r is not NotImplemented:
-            return r
+    r = _fast_decode(locals())
+    if r is not NotImplemented:
+        return r
     q, k, v = (T.float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     squeeze = v.ndim == 4
     if squeeze:

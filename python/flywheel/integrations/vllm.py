@@ -25,7 +25,7 @@ the attention by default; flywheel reads that layout in place (cache_layout "til
 serves its decode-only steps with FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode, or every step on the
 "vec" layout with FLYWHEEL_VLLM_AMX_LAYOUT=vec (amx_layout()). Which steps:
 FLYWHEEL_VLLM_CALLS = "all" (the default), "prefill" (steps with at least one prefill) or
-"decode" (decode-only steps). Measured inside the engine (python/bench_vllm.py, both kernels
+"decode" (decode-only steps). Measured inside the engine (bench/bench_vllm.py, both kernels
 on every call, 2026-12-02): prefill steps at a 4K prompt, attention 1.38-1.56x vLLM's, GDN
 6.6-13.8x; decode steps at a 4K context, attention + GDN, 1.19-1.35x with bf16 states and
 1.40-1.42x with float32 ones (on torch's threads, share_threads; on the library's own pool the
@@ -263,7 +263,7 @@ def amx_layout():
     keeps the layout and has flywheel serve the decode-only steps, reading it in place
     (cache_layout "tiles"), vLLM's AMX kernels the prefills; "vec" has vLLM keep its "vec"
     layout, so that flywheel serves every attention step. The GDN layers are flywheel's
-    either way. Measured inside the engine (python/bench_vllm.py, 4K prompt + 32 decode steps,
+    either way. Measured inside the engine (bench/bench_vllm.py, 4K prompt + 32 decode steps,
     2 threads, an Intel Xeon with AMX): 2026-12-02, vLLM's AMX attention 160-188 ms for the
     prefill and 24-38 ms for the decodes, flywheel on the vec layout 383-591 and 56-61 ms;
     2026-12-04, the decodes on vLLM's AMX cache (GQA 16:2, d 256, 1152-token blocks) 29.9-30.7

@@ -26,7 +26,7 @@ replayed --step-reps times back to back after that step; the median is "alone". 
 the step (torch's own ops) is compared with the default run's rest. After a model is built,
 gc.freeze() takes its objects out of Python's cyclic collector, as engines do after loading.
 
-Usage: python python/e2e.py [--threads N] [--lengths 2048,8192] [--decode 32] [--reps 2]
+Usage: python bench/e2e.py [--threads N] [--lengths 2048,8192] [--decode 32] [--reps 2]
                             [--dtypes bfloat16,float32] [--step-len 2048] [--step-reps 5]
                             [--build TEXT] [--out docs/e2e]
 """
@@ -339,7 +339,7 @@ def report(args, rows, agree, nparams):
     lines = [f"# A Qwen3-Next-style hybrid model in transformers, default kernels vs flywheel\n",
              f"Measured {datetime.date.today().isoformat()}, {platform.machine()}, {args.threads} "
              f"threads, transformers {transformers.__version__}, torch {torch.__version__}; "
-             f"{nparams / 1e9:.2f} B parameters (python/e2e.py's docstring: the model); medians of "
+             f"{nparams / 1e9:.2f} B parameters (bench/e2e.py's docstring: the model); medians of "
              f"{args.reps} prefills and of {args.decode} decode steps; flywheel: {args.build}. "
              f"Command: `make e2e`.\n",
              "| dtype | prompt | kernels | prefill | tokens/s | speedup | decode / step | speedup | "

@@ -23,7 +23,7 @@ Gated DeltaNet 2 (3 dk dv + 64 (3 dk + 2 dv) + 63 * 62 / 6) per token and value 
 and decay products not counted). Decode: GB/s of K/V (attention) or of state read and written
 (GDN, KDA).
 
-Usage: python python/compare.py [--out docs/compare] [--threads N] [--reps R] [--quick]
+Usage: python bench/compare.py [--out docs/compare] [--threads N] [--reps R] [--quick]
                                 [--only attn-prefill,attn-decode,attn-backward,gdn-prefill,
                                         gdn-decode,kda-prefill,kda-decode,oracle]
 """
@@ -695,7 +695,7 @@ def main():
               f"{peaks['f32']:.0f} GFLOP/s, bf16 dot product {peaks['bf16']:.0f} GFLOP/s; bfloat16 "
               f"rows are % of the bf16 peak, the others % of the FMA peak. "
               f"Python {platform.python_version()}; {', '.join(versions)}. "
-              f"Command: `make compare` (`python python/compare.py`), medians of "
+              f"Command: `make compare` (`python bench/compare.py`), medians of "
               f"{args.reps} runs (decode: {decode_reps}).\n\n"
               f"Shapes: attention hq={HQ}, hkv={HKV}, d={D}, batch 1 (prefill causal; decode one "
               f"query token against a cache of `ctx` tokens); GDN H={GH}, HV={GHV}, "

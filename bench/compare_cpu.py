@@ -162,7 +162,7 @@ Threads: --threads sets OMP_NUM_THREADS before torch is imported, torch.set_num_
 (zentorch and vLLM's kernels run on torch's OpenMP runtime), flywheel.set_num_threads,
 OpenVINO's INFERENCE_NUM_THREADS and ONNX Runtime's intra_op_num_threads.
 
-Usage: python python/compare_cpu.py [--reps 5] [--small-reps 30] [--threads 2] [--t 4096]
+Usage: python bench/compare_cpu.py [--reps 5] [--small-reps 30] [--threads 2] [--t 4096]
            [--decode 1x1024,1x32768,16x4096] [--gdn-n 1,64] [--gdn-states f32,bf16]
            [--conv-l 2048] [--only attn,gdn,decode,gdn-decode,conv,small] [--between-mm]
            [--flywheel-openmp] [--json]

@@ -20,7 +20,7 @@ or a build with FW_OPENMP=1 (OpenMP, sharing torch's libgomp); FLYWHEEL_SPIN_US 
 default pool's spin window; --openmp-loop runs the library's loops on the package's OpenMP
 host loop (flywheel.use_openmp_threads: torch's libgomp threads, any build). Each
 configuration runs in its own process:
-  python python/bench_engine_threads.py [--threads 2] [--rounds 5] [--calls 200] [--idle 3]
+  python bench/bench_engine_threads.py [--threads 2] [--rounds 5] [--calls 200] [--idle 3]
                                         [--openmp-loop] [--json]
 """
 

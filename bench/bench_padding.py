@@ -3,10 +3,10 @@ for the prefill one call per sequence on its real tokens, for the decode step on
 call with cache_leftpad) against transformers' sdpa on its masked path, the attention call
 alone on the same mask and inputs.
 
-    python python/bench_padding.py [--threads 2] [--reps 3] [--decode-reps 50]
+    python bench/bench_padding.py [--threads 2] [--reps 3] [--decode-reps 50]
 
 A batch of 4 sequences with 0 / 256 / 512 / 1024 padding tokens (left) of 2048, GQA 16:2,
-d 256 (the attention layers of python/e2e.py's model), bf16 and f32: the prefill, and one
+d 256 (the attention layers of bench/e2e.py's model), bf16 and f32: the prefill, and one
 decode step against the 2048 keys. Prints medians and ranges, the ratio, the time to build
 the mask (sdpa's mask and the runs), and the largest difference on the real rows.
 Times are medians and ranges over the repetitions, after a warm-up call."""
