@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t b, sq, sk, hq, hkv, d, dv;

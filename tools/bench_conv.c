@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t B, L, D, W, decode;

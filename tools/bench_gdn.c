@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t T, H, HV, dk, dv, nseq;

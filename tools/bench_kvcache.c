@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t batch, ctx, nnew, hq, hkv, d, page;
