@@ -1,33 +1,55 @@
 /*
  * flywheel: the command-line tool.
- *   flywheel run                 the main job: headline kernels on real-size shapes, checked
- *                                against the reference, with throughput and % of FMA peak
+ *   flywheel run [--json]        the main job: headline kernels on real-size shapes, checked
+ *                                against the reference, with throughput and % of peak
  *   flywheel bench attn [opts]   softmax attention benchmark (flywheel bench attn --help)
  *   flywheel bench kvcache       KV-cache append + attend: decode and chunked prefill
  *   flywheel bench gdn           Gated DeltaNet prefill (with baselines) and decode
  *   flywheel bench conv          causal conv1d prefill and decode
  *   flywheel bench threads       the parallel loop's latency, back to back and after idle gaps
  *   flywheel peak [threads]      this machine's measured FMA peak
- *   flywheel info                kernel tables and the default
+ *   flywheel info                the CPU, kernel tables and the default
  */
 #include <stdio.h>
 #include <string.h>
 #include "bench.h"
 #include "commands.h"
 
+/* The CPU's model name as Linux reports it (/proc/cpuinfo's first "model name"), into buf; 0
+ * where there is none (another OS, a CPU whose kernel names no model). */
+static int cpu_model(char *buf, size_t n)
+{
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    int found = 0;
+    while (f && !found && fgets(line, sizeof line, f)) {
+        const char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) != 0 || !colon)
+            continue;
+        colon += 1 + (colon[1] == ' ');
+        snprintf(buf, n, "%.*s", (int)strcspn(colon, "\n"), colon);
+        found = buf[0] != 0;
+    }
+    if (f)
+        fclose(f);
+    return found;
+}
+
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: flywheel run | bench attn|kvcache|gdn|conv|threads [options] | ab A.so B.so decode|gdn\n"
-            "                [options] | peak [threads] | info\n"
-            "  run          the main job: headline kernels on real-size shapes (attention, KV cache,\n"
-            "               Gated DeltaNet, causal conv1d), checked against the float64 reference,\n"
-            "               with %% of peak\n"
+            "usage: flywheel run [--json] | bench attn|kvcache|gdn|conv|threads [options] | ab A.so B.so\n"
+            "                decode|gdn [options] | peak [threads] | info\n"
+            "  run          the main job: headline kernels on real-size shapes (attention at T = 1K and\n"
+            "               4K, KV cache, Gated DeltaNet, causal conv1d), checked against the float64\n"
+            "               reference, with %% of peak (T = 16K and the full-length baselines: `flywheel\n"
+            "               bench attn`, as the last attention line says); --json: one JSON object a\n"
+            "               line (the bench commands' fields), no captions, then {\"op\":\"run\",...}\n"
             "  bench attn|kvcache|gdn|conv|threads   see `flywheel bench attn --help` (the others alike)\n"
             "  ab A.so B.so decode|gdn  two builds of the library taking turns in one process (see\n"
             "                           `flywheel ab --help`)\n"
             "  peak [threads]           the FMA and bf16 dot-product peaks on 1..256 threads\n"
-            "  info                     the kernel tables and the default\n");
+            "  info                     the CPU (model, online CPUs), the kernel tables and the default\n");
 }
 
 int main(int argc, char **argv)
@@ -38,24 +60,37 @@ int main(int argc, char **argv)
         return cmd ? 0 : 2;
     }
     if (strcmp(cmd, "run") == 0) {
-        if (argc > 2) {
-            usage(bench_is_help(argv[2]) ? stdout : stderr);
-            if (!bench_is_help(argv[2]))
-                fprintf(stderr, "flywheel: run takes no arguments (got %s)\n", argv[2]);
-            return bench_is_help(argv[2]) ? 0 : 2;
+        int json = 0;
+        for (int i = 2; i < argc; i++) {
+            if (bench_is_help(argv[i])) {
+                usage(stdout);
+                return 0;
+            }
+            if (strcmp(argv[i], "--json") != 0) {
+                usage(stderr);
+                fprintf(stderr, "flywheel: run takes no arguments but --json (got %s)\n", argv[i]);
+                return 2;
+            }
+            json = 1;
         }
-        int fail = bench_attn_headline();
-        printf("\nKV cache (append + attend, paged, page 256): decode K/V GB/s against the read bandwidth\n"
-               "measured in the same run; chunked prefill next to the dense kernel on the same shape\n");
-        fail |= bench_kvcache_headline();
-        printf("\nGated DeltaNet (Qwen3-Next shapes, bf16): chunked prefill against the plain 4-pass\n"
-               "recurrence and the fused recurrent step in the same run; decode against the read bandwidth;\n"
-               "then KDA (a decay per key channel, Kimi Linear's 32 heads) the same way\n");
-        fail |= bench_gdn_headline();
-        printf("\nCausal conv1d (Qwen3-Next's, bf16, width 4, SiLU): prefill GB/s against a copy of the same\n"
-               "bytes in the same run; decode of 64 sequences with their conv states in place\n");
-        fail |= bench_conv_headline();
-        printf(fail ? "main job: FAILED\n" : "main job: all checks passed\n");
+        int fail = bench_attn_headline(json);
+        if (!json)
+            printf("\nKV cache (append + attend, paged, page 256): decode K/V GB/s against the read bandwidth\n"
+                   "measured in the same run; chunked prefill next to the dense kernel on the same shape\n");
+        fail |= bench_kvcache_headline(json);
+        if (!json)
+            printf("\nGated DeltaNet (Qwen3-Next shapes, bf16): chunked prefill against the plain 4-pass\n"
+                   "recurrence and the fused recurrent step in the same run; decode against the read bandwidth;\n"
+                   "then KDA (a decay per key channel, Kimi Linear's 32 heads) the same way\n");
+        fail |= bench_gdn_headline(json);
+        if (!json)
+            printf("\nCausal conv1d (Qwen3-Next's, bf16, width 4, SiLU): prefill GB/s against a copy of the same\n"
+                   "bytes in the same run; decode of 64 sequences with their conv states in place\n");
+        fail |= bench_conv_headline(json);
+        if (json)
+            printf("{\"op\":\"run\",\"check\":\"%s\"}\n", fail ? "FAIL" : "pass");
+        else
+            printf(fail ? "main job: FAILED\n" : "main job: all checks passed\n");
         return fail;
     }
     if (strcmp(cmd, "bench") == 0) {
@@ -96,6 +131,8 @@ int main(int argc, char **argv)
         return 0;
     }
     if (strcmp(cmd, "info") == 0) {
+        char model[256];
+        printf("cpu: %s, %d online CPUs\n", cpu_model(model, sizeof model) ? model : "model unknown", bench_cpus());
         printf("kernel tables:");
         for (int i = 0; i < fw_isa_count(); i++)
             printf(" %s%s", fw_isa_name(i), fw_isa_supported(fw_isa_name(i)) ? "" : "(unsupported)");
