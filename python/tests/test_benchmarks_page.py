@@ -4,7 +4,6 @@ in a bench command fails a test rather than `make benchmarks`). The rendering te
 next to FLYWHEEL_LIBRARY, as test_cli.py does."""
 
 import importlib.util
-import json
 import os
 import subprocess
 
@@ -69,4 +68,3 @@ def test_the_tables_render_from_the_clis_json(page, tmp_path):
                    "Measured someday on a CPU."]:
         assert needle in text, needle
     assert "T=512" not in text
-    json.dumps(rows)  # every row was JSON
