@@ -1,4 +1,5 @@
-# Thin wrapper over CMake. `make run`: the main job; `make test`: every test (C, then Python);
+# Thin wrapper over CMake. `make run`: the main job; `make benchmarks`: docs/benchmarks.md's
+# figures; `make test`: every test (C, then Python);
 # `make compare`: flywheel side by side with its peers; `make compare-cpu`: against zentorch and
 # vLLM's CPU kernels; `make install`: the library, header, CLI, CMake package and pkg-config
 # file under PREFIX; `make docs`: the pages under docs/ (MkDocs). Packaging and portability
@@ -31,7 +32,7 @@ PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run test test-c test-python docs test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls \
+.PHONY: all build run benchmarks test test-c test-python docs test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls \
         bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
@@ -42,10 +43,31 @@ build:
 	  $(PY_CMAKE) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
+# The main job: attention at T = 1K and 4K, the KV cache, GDN/KDA and conv1d, each checked
+# against the float64 reference (about 3 minutes on 2 cores; T = 16K and the full-length
+# baselines are `flywheel bench attn` runs, which its last attention line names).
 run: build
 	$(BUILD)/flywheel run
 
-test: test-c test-python
+# docs/benchmarks.md's generated section (between <!-- benchmarks:begin --> and
+# <!-- benchmarks:end -->): `flywheel info`, `flywheel peak`, `flywheel run --json` (about 3
+# minutes) and the peers' rows at the headline shapes from docs/compare/compare.md, which is
+# linked, not remade (tools/benchmarks_page.py; python3, standard library only).
+benchmarks: build
+	python3 tools/benchmarks_page.py --cli $(BUILD)/flywheel --page docs/benchmarks.md \
+	  --compare docs/compare/compare.md
+
+# Every test: the C tests, then the Python tests. .venv's packages (torch with its CUDA
+# libraries and the peers, several GB on a fresh machine: minutes of downloading) install in
+# the background while the C tests run; their output follows the C tests', and either failing
+# fails the target.
+test: build
+	@log=$(BUILD)/test-deps.log; $(MAKE) $(VENV)/.test-deps >$$log 2>&1 & pid=$$!; \
+	  c=0; $(MAKE) test-c || c=$$?; v=0; wait $$pid || v=$$?; \
+	  echo "-- .venv's packages (installed while the C tests ran):"; cat $$log; \
+	  [ $$c -eq 0 ] || exit $$c; \
+	  [ $$v -eq 0 ] || { echo "make: installing .venv's packages failed"; exit $$v; }
+	@$(MAKE) test-python
 
 test-c: build
 	$(BUILD)/test_flywheel

@@ -1,11 +1,11 @@
-/* bench.h: what the CLI's benchmark pieces share. */
+/* bench.h: what the CLI's commands share (tools/bench_util.c). Nothing here depends on a
+ * command: the commands' entry points are in tools/commands.h. */
 #ifndef FW_BENCH_H
 #define FW_BENCH_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include "flywheel.h"
-
-#include <stddef.h>
 
 double bench_now(void);
 /* Online CPUs, 1 .. 256: every benchmark's default thread count. */
@@ -34,7 +34,7 @@ double bench_value(const void *x, fw_dtype dt, int64_t i);
 double bench_median(double *x, int n);
 /* The machine's FMA peak on `threads` threads for table isa (NULL: the default): the best of
  * 3 runs of its microbenchmark, each about 0.25 s, measured again when it looks disturbed
- * (tools/flywheel.c, peak_of). Measured once per table and thread count per process. */
+ * (bench_util.c, peak_of). Measured once per table and thread count per process. */
 double bench_peak(const char *isa, int threads);
 /* The same for bf16 pair products (fw_peak_bf16_gflops): the peak of bf16-product runs. */
 double bench_peak_bf16(const char *isa, int threads);
@@ -56,17 +56,5 @@ int64_t bench_int(const char *name, const char *text, int64_t lo, int64_t hi);
 double bench_real(const char *name, const char *text, double lo, double hi);
 /* 1 for -h and --help. */
 int bench_is_help(const char *arg);
-
-int bench_attn_main(int argc, char **argv);
-int bench_attn_headline(void);
-int bench_kvcache_main(int argc, char **argv);
-int bench_kvcache_headline(void);
-int bench_gdn_main(int argc, char **argv);
-int bench_gdn_headline(void);
-int bench_conv_main(int argc, char **argv);
-int bench_conv_headline(void);
-int bench_threads_main(int argc, char **argv);
-/* argv: A.so B.so decode|gdn [options] */
-int bench_ab_main(int argc, char **argv);
 
 #endif

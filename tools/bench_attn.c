@@ -5,15 +5,15 @@
  * unmasked (query, key) pairs summed over batch and query heads (causal T x T: T(T+1)/2 per
  * head). Every figure is measured in the same run:
  *   seconds_median   median over --reps timed calls (after one untimed warm-up call)
- *   peak_gflops      the machine's FMA peak for the same thread count (fw_peak_gflops, the
- *                    widest kernel table, median of 3)
+ *   peak_gflops      the machine's FMA peak for the same thread count (fw_peak_gflops on
+ *                    the call's kernel table, the best of 3 runs: bench_peak in bench.h)
  *   peak_bf16_gflops the bf16 dot-product peak, the same way (fw_peak_bf16_gflops)
  *   pct_peak         against the peak of the precision in use: bf16 products (bf16 inputs
  *                    by default, --precision bf16) against peak_bf16_gflops, else peak_gflops
  *   baseline_gflops  the plain row-at-a-time online-softmax kernel (FW_ATTN_PLAIN), same
  *                    formula, timed on the last baseline_rows = clamp(sq/16, 64, 256) query
- *                    rows (which see the same keys as in the full problem: bottom-right
- *                    alignment), median of 3
+ *                    rows, or --baseline-rows N (which see the same keys as in the full
+ *                    problem: bottom-right alignment), median of 3
  * --check compares the last 32 query rows (those that see the most keys) against the float64
  * reference, next to the plain kernel's error on the same rows (bar: error <= 2 x plain + 1e-5);
  * with bf16 products the bar is 2 x the error of the same-roundings float64 reference (q, k, v
@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t b, sq, sk, hq, hkv, d, dv;
@@ -36,6 +37,7 @@ typedef struct {
     const char *isa;
     uint32_t flags;
     int json, check, baseline, techniques;
+    int64_t base_rows; /* rows the plain baseline is timed on; 0: clamp(sq/16, 64, 256) */
     int prec; /* fw_precision */
     int bwd;  /* time the backward instead */
     int rotary; /* time the call with and without a fused RoPE of the whole head dim */
@@ -110,6 +112,14 @@ static double pairs(const cfg *c, int64_t r0)
             n += (double)(hi - lo);
     }
     return n;
+}
+
+/* The last query rows the plain baseline is timed on: --baseline-rows, else sq/16 between 64
+ * and 256 (enough for a stable median at any length); at most sq. */
+static int64_t baseline_rows(const cfg *c)
+{
+    const int64_t n = c->base_rows ? c->base_rows : (c->sq / 16 < 64 ? 64 : (c->sq / 16 > 256 ? 256 : c->sq / 16));
+    return n < c->sq ? n : c->sq;
 }
 
 static void params_of(const cfg *c, fw_attn_params *p, uint32_t flags, int threads)
@@ -231,8 +241,7 @@ static result measure(const cfg *c, bufs *B, uint32_t flags, int with_baseline, 
     double *mine = check ? rows_of(c, B, c->sq - nchk) : NULL;
     int ok = 1;
     if (with_baseline) {
-        /* sq/16 rows, between 64 and 256: enough for a stable median at any length */
-        const int64_t rows = c->sq < 64 ? c->sq : (c->sq / 16 < 64 ? 64 : (c->sq / 16 > 256 ? 256 : c->sq / 16));
+        const int64_t rows = baseline_rows(c);
         const double s = time_calls(c, B, FW_ATTN_PLAIN, c->sq - rows, 3, &ok);
         r.base_rows = rows;
         r.base_gflops = ok && s > 0
@@ -507,7 +516,7 @@ static int run_bwd_cfg(const cfg *c)
         r.bf16 = bf16;
         r.peak = bf16 ? r.peak_bf16 : r.peak_f32;
         if (c->baseline) {
-            const int64_t rows = c->sq < 64 ? c->sq : (c->sq / 16 < 64 ? 64 : (c->sq / 16 > 256 ? 256 : c->sq / 16));
+            const int64_t rows = baseline_rows(c);
             int bok;
             const double s = bwd_time(c, &W, FW_ATTN_PLAIN, c->sq - rows, 3, &bok);
             r.base_rows = rows;
@@ -600,8 +609,8 @@ static int run_rotary_cfg(const cfg *c0)
 
 static cfg defaults(void)
 {
-    cfg c = {1, 4096, 4096, 32, 8, 128, 128, FW_BF16, 1, -1, -1, 0.0f, 0, 5, NULL, 0, 0, 0, 1, 0,
-             FW_PREC_AUTO, 0, 0, NULL, NULL};
+    cfg c = {.b = 1, .sq = 4096, .sk = 4096, .hq = 32, .hkv = 8, .d = 128, .dv = 128, .dt = FW_BF16,
+             .causal = 1, .wl = -1, .wr = -1, .reps = 5, .baseline = 1, .prec = FW_PREC_AUTO};
     return c;
 }
 
@@ -616,6 +625,8 @@ static void attn_usage(void)
            "                 technique switches\n"
            "  --techniques   also time each switch on its own (ratios in the same run)\n"
            "  --no-baseline  skip the plain kernel   --check   compare rows to the reference\n"
+           "  --baseline-rows N  time the plain kernel on the last N query rows (default\n"
+           "                 clamp(sq/16, 64, 256))\n"
            "  --json         one JSON object per line\n"
            "  --bwd          the backward (dq, dk, dv; f32 products) instead of the forward\n"
            "  --rotary       the cost of a fused RoPE (rotary_dim = d): the call with and without\n"
@@ -642,6 +653,7 @@ int bench_attn_main(int argc, char **argv)
         else if (OPT("--threads")) c.threads = (int)INT("--threads", 0, 256);
         else if (OPT("--reps")) c.reps = (int)INT("--reps", 1, 100000);
         else if (OPT("--isa")) c.isa = argv[i];
+        else if (OPT("--baseline-rows")) c.base_rows = INT("--baseline-rows", 1, 1 << 24);
         else if (OPT("--window")) {
             long long l, r;
             char tail;
@@ -679,21 +691,31 @@ int bench_attn_main(int argc, char **argv)
     return c.bwd ? run_bwd_cfg(&c) : c.rotary ? run_rotary_cfg(&c) : run_cfg(&c);
 }
 
-/* The headline set of `flywheel run` / `make run`. */
-int bench_attn_headline(void)
+/* The plain baseline's rows in `flywheel run`: 64 query rows (at T = 4K the default 256 took
+ * 10-40 s a row on a 2-core machine; the full-length baselines stay in `flywheel bench attn`). */
+#define HEADLINE_BASE_ROWS 64
+
+/* The headline set of `flywheel run` / `make run`: the forward at T = 1K and 4K (bf16 and f32,
+ * GQA 32:8 d128; d256; one thread) with the plain baseline on the last HEADLINE_BASE_ROWS rows,
+ * and the backward at 4K; each checked against float64. T = 16K and the full-length baselines
+ * are `flywheel bench attn` runs (the text output names them). json: one object a row. */
+int bench_attn_headline(int json)
 {
     const int all = bench_cpus();
-    printf("FlyWheel-C main job: softmax attention forward, causal prefill (bottom-right), "
-           "kernel table %s, %d thread(s)\n", fw_isa_default(), all);
-    printf("GFLOP/s = 2*(d+dv)*unmasked_pairs/s; xbf16 = bf16 products (the default for bf16 "
-           "inputs on amx, and on avx512bf16 on AMD), %% of the measured bf16-product peak of the table; xf32 = f32 products, %% of the measured "
-           "FMA peak (same run); plain = row-at-a-time online softmax, f32 (same run); err = "
-           "max|out-ref| on the last 32 rows vs float64 (bf16 products: bar = 2 x the same-roundings "
-           "reference's error)\n");
+    if (!json) {
+        printf("FlyWheel-C main job: softmax attention forward, causal prefill (bottom-right), "
+               "kernel table %s, %d thread(s)\n", fw_isa_default(), all);
+        printf("GFLOP/s = 2*(d+dv)*unmasked_pairs/s; xbf16 = bf16 products (the default for bf16 "
+               "inputs on amx, and on avx512bf16 on AMD), %% of the measured bf16-product peak of the table; "
+               "xf32 = f32 products, %% of the measured FMA peak (same run); plain = row-at-a-time online "
+               "softmax, f32, timed on the last %d query rows (same run); err = max|out-ref| on the last 32 "
+               "rows vs float64 (bf16 products: bar = 2 x the same-roundings reference's error)\n",
+               HEADLINE_BASE_ROWS);
+        fflush(stdout);
+    }
     static const struct { int64_t t, hq, hkv, d; fw_dtype dt; int threads; } set[] = {
         {1024, 32, 8, 128, FW_BF16, 0}, {4096, 32, 8, 128, FW_BF16, 0},
-        {16384, 32, 8, 128, FW_BF16, 0}, {1024, 32, 8, 128, FW_F32, 0},
-        {4096, 32, 8, 128, FW_F32, 0}, {16384, 32, 8, 128, FW_F32, 0},
+        {1024, 32, 8, 128, FW_F32, 0}, {4096, 32, 8, 128, FW_F32, 0},
         {4096, 16, 16, 256, FW_BF16, 0}, {4096, 32, 8, 128, FW_BF16, 1},
     };
     int fail = 0;
@@ -702,20 +724,28 @@ int bench_attn_headline(void)
         c.sq = c.sk = set[i].t;
         c.hq = set[i].hq; c.hkv = set[i].hkv; c.d = c.dv = set[i].d; c.dt = set[i].dt;
         c.threads = set[i].threads ? set[i].threads : all;
-        c.reps = set[i].t >= 16384 ? 3 : 5;
+        c.base_rows = HEADLINE_BASE_ROWS;
         c.check = 1;
+        c.json = json;
         fail |= run_cfg(&c);
     }
-    printf("backward: GFLOP/s = 5*(d+dv)*unmasked_pairs/s (2.5 x the forward's); err = max over dq, dk, "
-           "dv of the last 32 rows as their own problem vs float64 (bar: 2 x plain's, or for bf16 "
-           "products 2 x the same-roundings reference's)\n");
+    if (!json)
+        printf("backward: GFLOP/s = 5*(d+dv)*unmasked_pairs/s (2.5 x the forward's); err = max over dq, dk, "
+               "dv of the last 32 rows as their own problem vs float64 (bar: 2 x plain's, or for bf16 "
+               "products 2 x the same-roundings reference's)\n");
     for (int i = 0; i < 2; i++) {
         cfg c = defaults();
         c.dt = i ? FW_F32 : FW_BF16;
         c.threads = all;
         c.reps = 3;
+        c.baseline = 0;
         c.check = 1;
+        c.json = json;
         fail |= run_bwd_cfg(&c);
     }
+    if (!json)
+        printf("T=16K and the baselines on their default rows (clamp(T/16, 64, 256)): flywheel bench attn --t 16384 "
+               "--check --reps 3 [--dtype f32]; forward --t 4096 --check [--dtype f32 | --hq 16 --hkv 16 --d 256 | "
+               "--threads 1]; backward --bwd --check --reps 3 [--dtype f32]\n");
     return fail;
 }

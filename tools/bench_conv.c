@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t B, L, D, W, decode;
@@ -236,9 +237,12 @@ static ccfg cdefaults(void)
     return c;
 }
 
-int bench_conv_headline(void)
+/* `make run`: the prefill at the default shape, checked, then the decode of 64 sequences
+ * (json: one object each). */
+int bench_conv_headline(int json)
 {
     ccfg c = cdefaults();
+    c.json = json;
     int fail = run_prefill(&c);
     c.decode = 64;
     return fail | run_decode(&c);

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t T, H, HV, dk, dv, nseq;
@@ -399,11 +400,13 @@ int bench_gdn_main(int argc, char **argv)
     return fail;
 }
 
-/* `make run`: GDN prefill at T = 4K with the recurrent baseline, decode for 64 sequences, and
- * KDA prefill at T = 4K on Kimi Linear's shapes (32 q/k and value heads). */
-int bench_gdn_headline(void)
+/* `make run`: GDN prefill at T = 4K with the recurrent baselines, decode for 64 sequences, and
+ * KDA prefill at T = 4K on Kimi Linear's shapes (32 q/k and value heads); json: one object a
+ * line. */
+int bench_gdn_headline(int json)
 {
     gcfg c = gdefaults();
+    c.json = json;
     c.T = 4096;
     int fail = run_prefill(&c);
     fail |= run_decode(&c, 64);

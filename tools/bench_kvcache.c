@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
+#include "commands.h"
 
 typedef struct {
     int64_t batch, ctx, nnew, hq, hkv, d, page;
@@ -293,10 +294,12 @@ int bench_kvcache_main(int argc, char **argv)
     return fail;
 }
 
-/* The two lines of `make run`: decode at 32K and a chunked prefill on an 8K prefix. */
-int bench_kvcache_headline(void)
+/* The two lines of `make run`: decode at 32K and a chunked prefill on an 8K prefix (json: one
+ * object each). */
+int bench_kvcache_headline(int json)
 {
     kcfg c = kdefaults();
+    c.json = json;
     c.batch = 1;
     c.ctx = 32768;
     int fail = kv_run(&c, 1);

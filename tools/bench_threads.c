@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 #include "bench.h"
+#include "commands.h"
 #include "internal.h"
 
 #define BT_MAX_ITEMS 256

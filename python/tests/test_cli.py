@@ -3,6 +3,7 @@ commands and options (next to the library `make test` builds; skipped where the 
 tested from an installed wheel, which has no CLI)."""
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -36,6 +37,8 @@ def run(*args):
     (["frob"], "unknown command frob"),
     (["peak", "x"], "peak x: expected an integer"),
     (["run", "extra"], "run takes no arguments"),
+    (["run", "--json", "extra"], "run takes no arguments but --json (got extra)"),
+    (["bench", "attn", "--baseline-rows", "0"], "--baseline-rows 0: expected an integer from 1"),
 ])
 def test_bad_arguments_exit_2_with_a_message(args, needle):
     rc, out = run(*args)
@@ -48,6 +51,11 @@ def test_bad_arguments_exit_2_with_a_message(args, needle):
 def test_help_exits_0_with_usage(args):
     rc, out = run(*args)
     assert rc == 0 and "usage: flywheel" in out
+
+
+def test_info_names_the_cpu():
+    rc, out = run("info")
+    assert rc == 0 and re.search(r"^cpu: .+, \d+ online CPUs$", out, re.M), out
 
 
 @pytest.fixture
