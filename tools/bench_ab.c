@@ -1,5 +1,5 @@
 /*
- * bench_ab.c: `flywheel ab A.so B.so decode|gdn [options]`, two builds of the library timed
+ * bench_ab.c: `flywheel ab A.so B.so attn|decode|gdn|gdn-decode [options]`, two builds of the library timed
  * in one process.
  *
  * A shared VM's speed drifts by 10-50% between runs of one command, more than most kernel
@@ -13,6 +13,9 @@
  * Both builds must have the ABI number of the header this CLI was built with (the calls pass
  * its structs). One library given twice is an A/A run: the noise floor of the ratio.
  *
+ *   attn    fw_attn_fwd, a causal prefill of --batch sequences of --t tokens (dense layout):
+ *           --batch --t --hq --hkv --d --dtype; --bwd: fw_attn_bwd on the forward's out and lse
+ *           (computed once by A) and a random dO, comparing dq, dk and dv
  *   decode  fw_attn_kvcache_fwd, one query token per sequence on a paged cache (no append):
  *           --batch --ctx --hq --hkv --d --page --dtype; --caches N rotates N caches of the
  *           same shape (N = 1: the cache stays hot; caches past the L3 in all: read from memory);
@@ -37,6 +40,11 @@ typedef struct {
     int (*abi)(void);
     const char *(*last_error)(void);
     void (*attn_init)(fw_attn_params *);
+    fw_status (*fwd)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                     const fw_attn_params *);
+    fw_status (*bwd)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                     const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                     const fw_attn_params *);
     fw_status (*kvcache)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const int32_t *, int64_t,
                          const fw_kv_cache *, const fw_tensor *, const fw_tensor *, const fw_attn_params *);
     void (*gdn_init)(fw_gdn_params *);
@@ -49,7 +57,7 @@ typedef struct {
 } lib;
 
 typedef struct {
-    int gdn, gdec, kda, tiles, cols, threads, rounds, calls, caches;
+    int prefill, bwd, gdn, gdec, kda, tiles, cols, threads, rounds, calls, caches;
     int64_t batch, ctx, hq, hkv, d, page, T, H, HV, N;
     fw_dtype dt;
 } acfg;
@@ -58,6 +66,7 @@ typedef struct {
 typedef struct {
     const acfg *c;
     fw_tensor q, k, v, g, beta;
+    fw_tensor o, dout, lse;   /* attn --bwd: the forward's out and lse, and dO */
     fw_kv_cache cache;
     int32_t *bt, *cuq, cu[2]; /* decode: block tables of every cache, cu_seqlens_q */
     float *state[2];          /* gdn-decode: each build's state slots [N x caches][HV, d, d] */
@@ -77,11 +86,13 @@ static int load(lib *l, const char *path)
     *(void **)&l->last_error = dlsym(h, "fw_last_error");
     *(void **)&l->attn_init = dlsym(h, "fw_attn_params_init");
     *(void **)&l->kvcache = dlsym(h, "fw_attn_kvcache_fwd");
+    *(void **)&l->fwd = dlsym(h, "fw_attn_fwd");
+    *(void **)&l->bwd = dlsym(h, "fw_attn_bwd");
     *(void **)&l->gdn_init = dlsym(h, "fw_gdn_params_init");
     *(void **)&l->gdn_prefill = dlsym(h, "fw_gdn_prefill");
     *(void **)&l->gdn_decode = dlsym(h, "fw_gdn_decode");
-    if (!l->abi || !l->last_error || !l->attn_init || !l->kvcache || !l->gdn_init || !l->gdn_prefill ||
-        !l->gdn_decode) {
+    if (!l->abi || !l->last_error || !l->attn_init || !l->kvcache || !l->fwd || !l->bwd || !l->gdn_init ||
+        !l->gdn_prefill || !l->gdn_decode) {
         fprintf(stderr, "flywheel: ab: %s is not a libflywheel (a symbol is missing)\n", path);
         return 0;
     }
@@ -93,11 +104,33 @@ static int load(lib *l, const char *path)
     return 1;
 }
 
+/* attn: the prefill's forward into out, or with --bwd its backward into out (dq, dk, dv one
+ * after the other). */
+static fw_status call_prefill(const lib *l, const ainput *in, void *out)
+{
+    const acfg *c = in->c;
+    fw_attn_params ap;
+    l->attn_init(&ap);
+    ap.causal = 1;
+    ap.threads = c->threads;
+    const int64_t qs[4] = {c->batch, c->T, c->hq, c->d}, ks[4] = {c->batch, c->T, c->hkv, c->d};
+    const fw_tensor o = fw_tensor_contiguous(out, c->dt, 4, qs);
+    if (!c->bwd)
+        return l->fwd(&in->q, &in->k, &in->v, &o, NULL, &ap);
+    const size_t es = fw_dtype_size(c->dt), nq = (size_t)(c->batch * c->T * c->hq * c->d);
+    const size_t nk = (size_t)(c->batch * c->T * c->hkv * c->d);
+    char *dk = (char *)out + nq * es, *dv = dk + nk * es;
+    const fw_tensor tk = fw_tensor_contiguous(dk, c->dt, 4, ks), tv = fw_tensor_contiguous(dv, c->dt, 4, ks);
+    return l->bwd(&in->q, &in->k, &in->v, &in->o, &in->dout, &in->lse, &o, &tk, &tv, &ap);
+}
+
 /* One call of the op on build l (number b) into `out`; decode: call number n reads cache
  * n % caches; gdn-decode: build b's state slot set n % caches. */
 static fw_status call(const lib *l, int b, const ainput *in, int n, void *out)
 {
     const acfg *c = in->c;
+    if (c->prefill)
+        return call_prefill(l, in, out);
     fw_gdn_params p;
     if (c->gdn || c->gdec) {
         l->gdn_init(&p);
@@ -133,6 +166,35 @@ static int setup(const acfg *c, ainput *in, void **mem, int nmem)
     in->c = c;
     for (int i = 0; i < nmem; i++)
         mem[i] = NULL;
+    if (c->prefill) {
+        if ((double)c->batch * (double)c->T * (double)c->hq * (double)c->d * (double)es > 0x1p40)
+            return 0;
+        const int64_t qs[4] = {c->batch, c->T, c->hq, c->d}, ks[4] = {c->batch, c->T, c->hkv, c->d};
+        const int64_t ls[3] = {c->batch, c->hq, c->T};
+        const size_t nq = (size_t)(c->batch * c->T * c->hq * c->d), nk = (size_t)(c->batch * c->T * c->hkv * c->d);
+        mem[0] = bench_alloc(nq * es);
+        mem[1] = bench_alloc(nk * es);
+        mem[2] = bench_alloc(nk * es);
+        mem[3] = c->bwd ? bench_alloc(nq * es) : NULL;
+        mem[4] = c->bwd ? bench_alloc(nq * es) : NULL;
+        mem[5] = c->bwd ? malloc((size_t)(c->batch * c->hq * c->T) * sizeof(float)) : NULL;
+        if (!mem[0] || !mem[1] || !mem[2] || (c->bwd && (!mem[3] || !mem[4] || !mem[5])))
+            return 0;
+        bench_fill(mem[0], nq, c->dt, 1.0, 1);
+        bench_fill(mem[1], nk, c->dt, 1.0, 2);
+        bench_fill(mem[2], nk, c->dt, 1.0, 3);
+        in->q = fw_tensor_contiguous(mem[0], c->dt, 4, qs);
+        in->k = fw_tensor_contiguous(mem[1], c->dt, 4, ks);
+        in->v = fw_tensor_contiguous(mem[2], c->dt, 4, ks);
+        if (c->bwd) {
+            bench_fill(mem[4], nq, c->dt, 1.0, 4);
+            in->o = fw_tensor_contiguous(mem[3], c->dt, 4, qs);
+            in->dout = fw_tensor_contiguous(mem[4], c->dt, 4, qs);
+            in->lse = fw_tensor_contiguous(mem[5], FW_F32, 3, ls);
+        }
+        in->out_bytes = (c->bwd ? nq + 2 * nk : nq) * es;
+        return 1;
+    }
     if (c->gdec) {
         const double sb = (double)(c->N * c->caches) * (double)c->HV * (double)c->d * (double)c->d * 4.0;
         if (sb > 0x1p40)
@@ -263,15 +325,18 @@ static double max_diff(const void *a, const void *b, size_t n, fw_dtype dt, doub
 
 static void ab_usage(FILE *f)
 {
-    fprintf(f, "usage: flywheel ab A.so B.so decode|gdn|gdn-decode [--threads N --rounds N --calls N\n"
-               "       --dtype f32|bf16|f16]\n"
+    fprintf(f, "usage: flywheel ab A.so B.so attn|decode|gdn|gdn-decode [--threads N --rounds N\n"
+               "       --calls N --dtype f32|bf16|f16]\n"
+               "       attn:   [--batch B --t T --hq H --hkv H --d D --bwd]\n"
                "       decode: [--batch B --ctx N --hq H --hkv H --d D --page P --caches N --tiles|--cols]\n"
                "       gdn:    [--t T --h H --hv HV --d D --kda]\n"
                "       gdn-decode: [--n N --h H --hv HV --d D --caches N]\n"
                "  two builds of the library in one process, taking turns on the same inputs (rounds of\n"
                "  --calls calls, A then B, then B then A, ...): median time per call, the 10th-90th\n"
                "  percentiles, B / A and the range of the per-round ratios, and whether the outputs agree.\n"
-               "  Defaults: decode f32, batch 1, ctx 1024, GQA 32:8, d 128, page 128, 1 cache (hot),\n"
+               "  Defaults: attn (a causal prefill; --bwd: its backward) bf16, batch 1, T 2048, GQA 32:8,\n"
+               "  d 128, 5 rounds of 2 calls; decode f32, batch 1, ctx 1024, GQA 32:8, d 128, page 128,\n"
+               "  1 cache (hot),\n"
                "  20 rounds of 40 calls; gdn bf16, T 4096, H = HV = 16, d 128, 3 rounds of 2 calls;\n"
                "  gdn-decode bf16, N 1, H 16, HV 32, d 128, f32 states, 1 slot set (hot), 20 rounds of 40;\n"
                "  threads: all CPUs. Both builds need this CLI's ABI number.\n");
@@ -285,12 +350,16 @@ int bench_ab_main(int argc, char **argv)
     }
     if (argc < 3) {
         ab_usage(stderr);
-        fprintf(stderr, "flywheel: ab needs two libraries and decode, gdn or gdn-decode\n");
+        fprintf(stderr, "flywheel: ab needs two libraries and attn, decode, gdn or gdn-decode\n");
         return 2;
     }
     acfg c = {.threads = bench_cpus(), .caches = 1, .batch = 1, .ctx = 1024, .hq = 32, .hkv = 8, .d = 128,
               .page = 128, .T = 4096, .H = 16, .HV = 16, .N = 1, .dt = FW_F32};
-    if (strcmp(argv[2], "gdn") == 0) {
+    if (strcmp(argv[2], "attn") == 0) {
+        c.prefill = 1;
+        c.dt = FW_BF16;
+        c.T = 2048;
+    } else if (strcmp(argv[2], "gdn") == 0) {
         c.gdn = 1;
         c.dt = FW_BF16;
     } else if (strcmp(argv[2], "gdn-decode") == 0) {
@@ -299,12 +368,13 @@ int bench_ab_main(int argc, char **argv)
         c.HV = 32;
     } else if (strcmp(argv[2], "decode") != 0) {
         ab_usage(stderr);
-        fprintf(stderr, "flywheel: ab needs decode, gdn or gdn-decode; got %s\n", argv[2]);
+        fprintf(stderr, "flywheel: ab needs attn, decode, gdn or gdn-decode; got %s\n", argv[2]);
         return 2;
     }
-    c.rounds = c.gdn ? 3 : 20;
-    c.calls = c.gdn ? 2 : 40;
-    const int attn = !c.gdn && !c.gdec, lin = c.gdn || c.gdec;
+    c.rounds = c.gdn ? 3 : c.prefill ? 5 : 20;
+    c.calls = c.gdn || c.prefill ? 2 : 40;
+    /* options of the attention kinds (attn, decode), of decode alone, of the linear ones */
+    const int attn = !c.gdn && !c.gdec, dec = attn && !c.prefill, lin = c.gdn || c.gdec;
     for (int i = 3; i < argc; i++) {
         if (bench_is_help(argv[i])) {
             ab_usage(stdout);
@@ -322,19 +392,19 @@ int bench_ab_main(int argc, char **argv)
             }
         } else if (attn && bench_opt(argc, argv, &i, "--batch"))
             c.batch = bench_int("--batch", argv[i], 1, 4096);
-        else if (attn && bench_opt(argc, argv, &i, "--ctx"))
+        else if (dec && bench_opt(argc, argv, &i, "--ctx"))
             c.ctx = bench_int("--ctx", argv[i], 1, 1 << 24);
         else if (attn && bench_opt(argc, argv, &i, "--hq"))
             c.hq = bench_int("--hq", argv[i], 1, 1024);
         else if (attn && bench_opt(argc, argv, &i, "--hkv"))
             c.hkv = bench_int("--hkv", argv[i], 1, 1024);
-        else if (attn && bench_opt(argc, argv, &i, "--page"))
+        else if (dec && bench_opt(argc, argv, &i, "--page"))
             c.page = bench_int("--page", argv[i], 1, 1 << 20);
-        else if (!c.gdn && bench_opt(argc, argv, &i, "--caches"))
+        else if ((dec || c.gdec) && bench_opt(argc, argv, &i, "--caches"))
             c.caches = (int)bench_int("--caches", argv[i], 1, 4096);
         else if (bench_opt(argc, argv, &i, "--d"))
             c.d = bench_int("--d", argv[i], 1, 1024);
-        else if (c.gdn && bench_opt(argc, argv, &i, "--t"))
+        else if ((c.gdn || c.prefill) && bench_opt(argc, argv, &i, "--t"))
             c.T = bench_int("--t", argv[i], 1, 1 << 24);
         else if (c.gdec && bench_opt(argc, argv, &i, "--n"))
             c.N = bench_int("--n", argv[i], 1, 1 << 16);
@@ -344,9 +414,11 @@ int bench_ab_main(int argc, char **argv)
             c.HV = bench_int("--hv", argv[i], 1, 1024);
         else if (c.gdn && strcmp(argv[i], "--kda") == 0)
             c.kda = 1;
-        else if (attn && strcmp(argv[i], "--tiles") == 0)
+        else if (c.prefill && strcmp(argv[i], "--bwd") == 0)
+            c.bwd = 1;
+        else if (dec && strcmp(argv[i], "--tiles") == 0)
             c.tiles = 1;
-        else if (attn && strcmp(argv[i], "--cols") == 0)
+        else if (dec && strcmp(argv[i], "--cols") == 0)
             c.cols = 1;
         else {
             ab_usage(stderr);
@@ -373,7 +445,21 @@ int bench_ab_main(int argc, char **argv)
         fprintf(stderr, "flywheel: ab: out of memory (or a shape too large)\n");
         goto done;
     }
-    if (c.gdec)
+    if (ok && c.bwd) { /* the backward's out and lse: the forward's, computed once by A */
+        fw_attn_params ap;
+        L[0].attn_init(&ap);
+        ap.causal = 1;
+        ap.threads = c.threads;
+        if (L[0].fwd(&in.q, &in.k, &in.v, &in.o, &in.lse, &ap) != FW_OK) {
+            fprintf(stderr, "flywheel: ab: %s: %s\n", L[0].path, L[0].last_error());
+            goto done;
+        }
+    }
+    if (c.prefill)
+        printf("flywheel ab: attention %s%s, batch %lld, T %lld, causal, GQA %lld:%lld, d %lld, %d thread(s)",
+               c.bwd ? "backward " : "prefill ", fw_dtype_name(c.dt), (long long)c.batch, (long long)c.T,
+               (long long)c.hq, (long long)c.hkv, (long long)c.d, c.threads);
+    else if (c.gdec)
         printf("flywheel ab: gdn decode %s, N %lld, H %lld, HV %lld, d %lld, f32 states, %d slot set(s), %d thread(s)",
                fw_dtype_name(c.dt), (long long)c.N, (long long)c.H, (long long)c.HV, (long long)c.d, c.caches,
                c.threads);

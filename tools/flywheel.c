@@ -39,15 +39,16 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: flywheel run [--json] | bench attn|kvcache|gdn|conv|threads [options] | ab A.so B.so\n"
-            "                decode|gdn [options] | peak [threads] | info\n"
+            "                attn|decode|gdn|gdn-decode [options] | peak [threads] | info\n"
             "  run          the main job: headline kernels on real-size shapes (attention at T = 1K and\n"
             "               4K, KV cache, Gated DeltaNet, causal conv1d), checked against the float64\n"
             "               reference, with %% of peak (T = 16K and the full-length baselines: `flywheel\n"
             "               bench attn`, as the last attention line says); --json: one JSON object a\n"
             "               line (the bench commands' fields), no captions, then {\"op\":\"run\",...}\n"
             "  bench attn|kvcache|gdn|conv|threads   see `flywheel bench attn --help` (the others alike)\n"
-            "  ab A.so B.so decode|gdn  two builds of the library taking turns in one process (see\n"
-            "                           `flywheel ab --help`)\n"
+            "  ab A.so B.so KIND        two builds of the library taking turns in one process on the\n"
+            "                           same inputs, and whether their outputs have the same bits\n"
+            "                           (KIND: attn, decode, gdn, gdn-decode; `flywheel ab --help`)\n"
             "  peak [threads]           the FMA and bf16 dot-product peaks on 1..256 threads\n"
             "  info                     the CPU (model, online CPUs), the kernel tables and the default\n");
 }

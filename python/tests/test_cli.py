@@ -76,6 +76,8 @@ def two_builds(tmp_path):
     ["decode", "--ctx", "200", "--hq", "4", "--hkv", "2", "--d", "32", "--page", "64", "--cols"],
     ["gdn-decode", "--n", "3", "--h", "2", "--hv", "4", "--d", "32", "--caches", "2"],
     ["gdn-decode", "--n", "1", "--h", "1", "--hv", "3", "--d", "16", "--dtype", "f32"],
+    ["attn", "--batch", "2", "--t", "77", "--hq", "6", "--hkv", "2", "--d", "40"],
+    ["attn", "--t", "65", "--hq", "4", "--hkv", "4", "--d", "32", "--dtype", "f32", "--bwd"],
 ])
 def test_ab_times_both_builds_and_compares_their_outputs(two_builds, op):
     a, b = two_builds
@@ -89,8 +91,11 @@ def test_ab_times_both_builds_and_compares_their_outputs(two_builds, op):
 @pytest.mark.parametrize("args, needle", [
     (["ab", "/nonexistent/libx.so", "LIB", "decode"], "ab: cannot load /nonexistent/libx.so"),
     (["ab", "libm.so.6", "LIB", "decode"], "ab: libm.so.6 is not a libflywheel"),
-    (["ab", "LIB", "LIB", "frob"], "ab needs decode, gdn or gdn-decode; got frob"),
-    (["ab", "LIB", "LIB"], "ab needs two libraries and decode, gdn or gdn-decode"),
+    (["ab", "LIB", "LIB", "frob"], "ab needs attn, decode, gdn or gdn-decode; got frob"),
+    (["ab", "LIB", "LIB"], "ab needs two libraries and attn, decode, gdn or gdn-decode"),
+    (["ab", "LIB", "LIB", "attn", "--ctx", "5"], "ab attn: unknown option --ctx"),
+    (["ab", "LIB", "LIB", "attn", "--caches", "2"], "ab attn: unknown option --caches"),
+    (["ab", "LIB", "LIB", "decode", "--bwd"], "ab decode: unknown option --bwd"),
     (["ab", "LIB", "LIB", "gdn-decode", "--ctx", "5"], "ab gdn-decode: unknown option --ctx"),
     (["ab", "LIB", "LIB", "gdn", "--n", "5"], "ab gdn: unknown option --n"),
     (["ab", "LIB", "LIB", "decode", "--tiles", "--cols"], "--tiles and --cols are two cache layouts"),
@@ -105,7 +110,7 @@ def test_ab_bad_arguments_exit_2_with_a_message(args, needle):
 
 def test_ab_help():
     rc, out = run("ab", "--help")
-    assert rc == 0 and "usage: flywheel ab A.so B.so decode|gdn|gdn-decode" in out
+    assert rc == 0 and "usage: flywheel ab A.so B.so attn|decode|gdn|gdn-decode" in out
 
 
 def test_ab_reports_what_the_library_refuses():
