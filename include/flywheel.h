@@ -48,7 +48,7 @@ extern "C" {
  * not bump it. The shared library's soname carries it (libflywheel.so.<ABI number>), and
  * bindings check it at load time (the Python package refuses a library whose
  * fw_abi_version() differs from the number it was written for). */
-#define FW_ABI_VERSION 7
+#define FW_ABI_VERSION 8
 
 /* "MAJOR.MINOR.PATCH" of the library as built ("0.1.0"). A constant string. */
 FW_API const char *fw_version(void);
@@ -205,10 +205,24 @@ typedef struct fw_attn_params {
     const fw_tensor *rotary_sin;
     int32_t rotary_interleaved;
     int32_t rotary_q_only;
+    /* Attention sinks (gpt-oss; vLLM's flash-attn calls them s_aux); NULL (the default) =
+     * none. sinks [hq], f32 | bf16 | f16, any stride: one learned logit per query head that
+     * joins every row's softmax denominator and adds no value row:
+     *   out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h])), s_j the scaled (and
+     *   softcapped) scores; lse = log(sum_j exp(s_j) + exp(sinks[h])): lse includes the sink.
+     * A row that sees no key gives out = 0 and lse = sinks[h]. Every forward (dense, varlen,
+     * KV cache, decode, the plain baseline) and the backward take it; the backward needs the
+     * same sinks as the forward, and since lse includes the sink, its dq, dk, dv need nothing
+     * else. dsinks (backward only; the forward ignores it): NULL, or [hq] f32, written with
+     * the gradient of the loss with respect to sinks, summed over the batch and rows:
+     *   dsinks[h] = -sum_rows exp(sinks[h] - lse) x sum_x dout o out.
+     * It needs sinks, and must not overlap any other tensor of the call. */
+    const fw_tensor *sinks;
+    const fw_tensor *dsinks;
 } fw_attn_params;
 
 /* Defaults: scale 0 (1/sqrt(d)), non-causal, windows -1, softcap 0, threads 0, isa NULL,
- * precision FW_PREC_AUTO, no rotary embedding. */
+ * precision FW_PREC_AUTO, no rotary embedding, no sinks. */
 FW_API void fw_attn_params_init(fw_attn_params *p);
 
 /*

@@ -27,23 +27,27 @@ typedef struct {
     int64_t wl, wr;
     float softcap, scale;
     int layout; /* 0: contiguous; 1: strided views (packed qkv when sq == sk); 2: dim stride 2 */
+    int sinks;  /* 1: attention sinks (in q's dtype, stride 2), see problem_make */
 } shape;
 
 typedef struct {
     shape s;
-    gbuf in, out, lse;
-    fw_tensor q, k, v, o, l;
+    gbuf in, out, lse, snk;
+    fw_tensor q, k, v, o, l, sinks;
 } problem;
+
+/* The sinks of a problem that has them, else NULL (for fw_attn_params.sinks). */
+static const fw_tensor *sinks_of(const problem *P) { return P->s.sinks ? &P->sinks : NULL; }
 
 static const char *dtn(fw_dtype d) { return fw_dtype_name(d); }
 
 static void describe(char *buf, size_t n, const shape *s)
 {
-    snprintf(buf, n, "b%lld sq%lld sk%lld h%lld:%lld d%lld dv%lld %s->%s%s w(%lld,%lld) cap%g L%d",
+    snprintf(buf, n, "b%lld sq%lld sk%lld h%lld:%lld d%lld dv%lld %s->%s%s w(%lld,%lld) cap%g L%d%s",
              (long long)s->b, (long long)s->sq, (long long)s->sk, (long long)s->hq,
              (long long)s->hkv, (long long)s->d, (long long)s->dv, dtn(s->dt), dtn(s->odt),
              s->causal ? " causal" : "", (long long)s->wl, (long long)s->wr, (double)s->softcap,
-             s->layout);
+             s->layout, s->sinks ? " sinks" : "");
 }
 
 static void problem_make(problem *P, const shape *s, uint64_t seed)
@@ -97,6 +101,16 @@ static void problem_make(problem *P, const shape *s, uint64_t seed)
     tfill_normal(&P->q, 1.0);
     tfill_normal(&P->k, 1.0);
     tfill_normal(&P->v, 1.0);
+    if (s->sinks) {
+        /* by head: a sink near the rows' lse, one that dominates it (out near 0), one far
+         * below it, a random one; every value exact in each dtype */
+        static const double V[4] = {3.0, 40.0, -30.0};
+        P->snk = gbuf_new((size_t)(2 * s->hq) * es);
+        P->sinks = fw_tensor_contiguous(P->snk.p, s->dt, 1, &s->hq);
+        P->sinks.stride[0] = 2;
+        for (int64_t h = 0; h < s->hq; h++)
+            tset(&P->sinks, &h, h % 4 == 3 ? round_to(FW_BF16, 2.0 * rng_normal()) : V[h % 4]);
+    }
 }
 
 static void problem_free(problem *P)
@@ -104,11 +118,15 @@ static void problem_free(problem *P)
     gbuf_free(&P->in);
     gbuf_free(&P->out);
     gbuf_free(&P->lse);
+    if (P->s.sinks)
+        gbuf_free(&P->snk);
 }
 
-static void params_of(const shape *s, fw_attn_params *p, const char *isa, int threads, uint32_t flags)
+static void params_of(const shape *s, const fw_tensor *sinks, fw_attn_params *p, const char *isa,
+                      int threads, uint32_t flags)
 {
     fw_attn_params_init(p);
+    p->sinks = sinks;
     p->causal = s->causal;
     p->window_left = s->wl;
     p->window_right = s->wr;
@@ -151,7 +169,7 @@ static result gather(const problem *P)
 static fw_status run_kernel(problem *P, const char *isa, int threads, uint32_t flags, int prec)
 {
     fw_attn_params p;
-    params_of(&P->s, &p, isa, threads, flags);
+    params_of(&P->s, sinks_of(P), &p, isa, threads, flags);
     p.precision = prec;
     memset(P->out.p, 0xA5, P->out.bytes);
     memset(P->lse.p, 0xA5, P->lse.bytes);
@@ -171,7 +189,7 @@ static result reference(const problem *P, int64_t r0, int64_t r1, int prec)
     r.l = calloc((size_t)r.nl + 1, sizeof(double));
     fw_tensor o = fw_tensor_contiguous(r.o, FW_F64, 4, os), l = fw_tensor_contiguous(r.l, FW_F64, 3, ls);
     fw_attn_params p;
-    params_of(s, &p, NULL, 1, 0);
+    params_of(s, sinks_of(P), &p, NULL, 1, 0);
     p.precision = prec;
     fw_status st = fw_attn_ref(&P->q, &P->k, &P->v, &o, &l, &p, r0, r1 > 0 ? r1 : INT64_MAX);
     case_check(st == FW_OK, "reference failed: %s", fw_last_error());
@@ -289,7 +307,7 @@ static void run_shape(const shape *s, uint32_t flags, int threads)
 
 static shape base_shape(void)
 {
-    shape s = {1, 64, 64, 4, 1, 64, 64, FW_F32, FW_F32, 0, -1, -1, 0.0f, 0.0f, 0};
+    shape s = {1, 64, 64, 4, 1, 64, 64, FW_F32, FW_F32, 0, -1, -1, 0.0f, 0.0f, 0, 0};
     return s;
 }
 
@@ -319,6 +337,7 @@ static void sweep_lengths(void)
             if (n % 6 == 5) { s.wl = 37; s.wr = s.causal ? -1 : 11; }
             if (n % 10 == 3) s.softcap = 30.0f;
             s.layout = n % 3 == 2 ? 1 : 0;
+            s.sinks = n % 4 == 2;
             run_shape(&s, 0, 2);
         }
 }
@@ -353,12 +372,16 @@ static void sweep_masks(void)
             s.causal = c; s.wl = W[w][0]; s.wr = W[w][1];
             s.softcap = w % 2 ? 20.0f : 0.0f;
             s.dt = s.odt = (fw_dtype)(w % 3);
+            s.sinks = (w + c) % 2;
             run_shape(&s, 0, 2);
         }
     /* sq > sk with causal: the first rows see nothing (out 0, lse -inf) */
     shape s = base_shape();
     s.sq = 130; s.sk = 40; s.causal = 1;
     run_shape(&s, 0, 2);
+    s.sinks = 1; /* with sinks: out 0, lse = the sink */
+    run_shape(&s, 0, 2);
+    s.sinks = 0;
     s.sk = 0; /* no keys at all */
     run_shape(&s, 0, 1);
     s.causal = 0; s.sq = 0; s.sk = 10; /* no queries */
@@ -376,6 +399,7 @@ static void sweep_layouts_dtypes(void)
                 s.b = 2; s.sq = 65; s.sk = lay == 1 ? 65 : 90; s.hq = 4; s.hkv = 2;
                 s.d = 64; s.dv = lay == 1 ? 48 : 64;
                 s.dt = (fw_dtype)t; s.odt = (fw_dtype)ot; s.layout = lay; s.causal = 1;
+                s.sinks = (lay + t) % 2;
                 run_shape(&s, 0, 2);
             }
 }
@@ -389,6 +413,7 @@ static void sweep_techniques(void)
         s.sq = 3; s.sk = 2500; s.hq = 8; s.hkv = 2; s.causal = 1; s.wl = f == 3 ? 700 : -1;
         s.softcap = f == 2 ? 25.0f : 0.0f;
         s.dt = s.odt = FW_BF16;
+        s.sinks = f % 2;
         run_shape(&s, D[f], 2);
     }
     static const uint32_t F[] = {FW_ATTN_ONLINE_SOFTMAX, FW_ATTN_NO_GQA_PACK, FW_ATTN_NO_TILE_SKIP,
@@ -399,6 +424,7 @@ static void sweep_techniques(void)
             s.sq = 200; s.sk = 260; s.hq = 8; s.hkv = 2; s.causal = c;
             s.wl = c ? 90 : -1; s.softcap = c ? 0.0f : 25.0f;
             s.dt = s.odt = FW_BF16;
+            s.sinks = c;
             run_shape(&s, F[f], 2);
         }
 }
@@ -452,6 +478,7 @@ static void test_threads_identical(void)
             shape s = base_shape();
             s.b = 2; s.sq = 333; s.sk = 400; s.hq = 12; s.hkv = 4; s.d = 80; s.dv = 96;
             s.causal = c & 1; s.dt = s.odt = FW_BF16; s.wl = c & 1 ? -1 : 100;
+            s.sinks = c == 1 || c == 2;
             case_begin("threads 1/2/3 bit-identical [%s] causal %d, %s products", table(i), c & 1,
                        prec == FW_PREC_BF16 ? "bf16" : "f32");
             problem P;
@@ -496,7 +523,7 @@ static void *conc_main(void *x)
     a->st = FW_OK;
     for (int r = 0; r < 6 && a->st == FW_OK; r++) {
         fw_attn_params p;
-        params_of(&P->s, &p, a->isa, 2 + r % 2, 0);
+        params_of(&P->s, sinks_of(P), &p, a->isa, 2 + r % 2, 0);
         a->st = fw_attn_fwd(&P->q, &P->k, &P->v, &o, NULL, &p);
     }
     return NULL;
@@ -615,7 +642,7 @@ static void test_fork_child(void)
     problem_make(&P, &s, 10);
     case_begin("threaded calls in a forked child");
     fw_attn_params p;
-    params_of(&s, &p, NULL, 2, 0);
+    params_of(&s, NULL, &p, NULL, 2, 0);
     size_t n = (size_t)(s.b * s.sq * s.hq * s.dv) * 4;
     unsigned char *want = malloc(n);
     int64_t os[4] = {s.b, s.sq, s.hq, s.dv};
@@ -650,7 +677,7 @@ static void test_workspace(void)
         problem_make(&P, &s, 11);
         case_begin("caller workspace, %s products", prec == FW_PREC_BF16 ? "bf16" : "f32");
         fw_attn_params p;
-        params_of(&s, &p, NULL, 2, 0);
+        params_of(&s, NULL, &p, NULL, 2, 0);
         p.precision = prec;
         size_t bytes = 0;
         fw_status st = fw_attn_workspace_size(&P.q, &P.k, &P.v, &p, &bytes);
@@ -824,7 +851,7 @@ static void test_bad_input(void)
     memset(P.out.p, 0xA5, P.out.bytes);
     memset(P.lse.p, 0xA5, P.lse.bytes);
     fw_attn_params p, p0;
-    params_of(&s, &p0, NULL, 2, 0);
+    params_of(&s, NULL, &p0, NULL, 2, 0);
     fw_tensor q = P.q, k = P.k, v = P.v, o = P.o, l = P.l;
 #define BAD(what, want, call) do { fw_tensor q_ = q, k_ = k, v_ = v, o_ = o, l_ = l; p = p0; \
         (void)q_; (void)k_; (void)v_; (void)o_; (void)l_; \
@@ -864,6 +891,19 @@ static void test_bad_input(void)
     BAD("precision 3", FW_ERR_ARG, p.precision = 3);
     BAD("precision -1", FW_ERR_ARG, p.precision = -1);
     BAD("unknown table", FW_ERR_UNSUPPORTED, p.isa = "sve9");
+    {
+        float sv[16] = {0};
+        const int64_t n = s.hq, n1 = s.hq + 1, two[2] = {1, s.hq};
+        fw_tensor ts = fw_tensor_contiguous(sv, FW_F32, 1, &n), tl = fw_tensor_contiguous(sv, FW_F32, 1, &n1),
+                  t2 = fw_tensor_contiguous(sv, FW_F32, 2, two), tf = ts, tn = ts;
+        tf.dtype = FW_F64;
+        tn.data = NULL;
+        BAD("sinks: one more than the q heads", FW_ERR_SHAPE, p.sinks = &tl);
+        BAD("sinks of rank 2", FW_ERR_SHAPE, p.sinks = &t2);
+        BAD("sinks f64", FW_ERR_DTYPE, p.sinks = &tf);
+        BAD("sinks' data NULL", FW_ERR_NULL, p.sinks = &tn);
+        BAD("sinks (valid) with an f64 input", FW_ERR_DTYPE, (p.sinks = &ts, q_.dtype = FW_F64));
+    }
     /* a known table this CPU cannot run (under tests/run_baseline.sh's qemu64: all but portable) */
     for (int i = 0; i < fw_isa_count(); i++) {
         const char *name = fw_isa_name(i);

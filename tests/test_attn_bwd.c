@@ -23,22 +23,31 @@ typedef struct {
     int64_t wl, wr;
     float softcap;
     int layout; /* 0: contiguous [b, s, h, d]; 1: [b, h, s, d] with padding; 2: dim stride 2 */
+    int sinks;  /* 1: attention sinks (f32 [hq]), and their gradient dsinks checked */
 } bshape;
 
 /* q, k, v, out, dout, lse and the three gradients; gradients in their own guarded buffers. */
 typedef struct {
     bshape s;
-    gbuf in, l, g[3];
+    gbuf in, l, g[3], sb, dsb;
     fw_tensor q, k, v, o, go, lse, d[3]; /* d: dq, dk, dv */
+    fw_tensor sinks, dsinks;
 } bprob;
+
+/* A problem's sinks (and the gradient ds, NULL for none) into params p. */
+static void sinks_into(const bprob *P, fw_attn_params *p, const fw_tensor *ds)
+{
+    p->sinks = P->s.sinks ? &P->sinks : NULL;
+    p->dsinks = P->s.sinks ? ds : NULL;
+}
 
 static void describe(char *buf, size_t n, const bshape *s)
 {
-    snprintf(buf, n, "b%lld sq%lld sk%lld h%lld:%lld d%lld dv%lld %s->%s%s w(%lld,%lld) cap%g L%d",
+    snprintf(buf, n, "b%lld sq%lld sk%lld h%lld:%lld d%lld dv%lld %s->%s%s w(%lld,%lld) cap%g L%d%s",
              (long long)s->b, (long long)s->sq, (long long)s->sk, (long long)s->hq,
              (long long)s->hkv, (long long)s->d, (long long)s->dv, fw_dtype_name(s->dt),
              fw_dtype_name(s->gdt), s->causal ? " causal" : "", (long long)s->wl, (long long)s->wr,
-             (double)s->softcap, s->layout);
+             (double)s->softcap, s->layout, s->sinks ? " sinks" : "");
 }
 
 static void params_of(const bshape *s, fw_attn_params *p, const char *isa, int threads, uint32_t flags)
@@ -94,8 +103,19 @@ static void prob_make(bprob *P, const bshape *s, uint64_t seed)
     tfill_normal(&P->k, 1.0);
     tfill_normal(&P->v, 1.0);
     tfill_normal(&P->go, 1.0);
+    if (s->sinks) {
+        /* by head: near the rows' lse, dominating it, far below it, random */
+        P->sb = gbuf_new((size_t)s->hq * 4);
+        P->dsb = gbuf_new((size_t)s->hq * 4);
+        P->sinks = fw_tensor_contiguous(P->sb.p, FW_F32, 1, &s->hq);
+        P->dsinks = fw_tensor_contiguous(P->dsb.p, FW_F32, 1, &s->hq);
+        for (int64_t h = 0; h < s->hq; h++)
+            ((float *)P->sb.p)[h] = h % 4 == 0 ? 4.0f : h % 4 == 1 ? 40.0f : h % 4 == 2 ? -30.0f
+                                                                              : (float)rng_normal();
+    }
     fw_attn_params p;
     params_of(s, &p, NULL, 0, 0);
+    sinks_into(P, &p, NULL);
     fw_status r = fw_attn_fwd(&P->q, &P->k, &P->v, &P->o, &P->lse, &p);
     case_check(r == FW_OK, "forward returned %s: %s", fw_status_string(r), fw_last_error());
 }
@@ -106,6 +126,10 @@ static void prob_free(bprob *P)
     gbuf_free(&P->l);
     for (int i = 0; i < 3; i++)
         gbuf_free(&P->g[i]);
+    if (P->s.sinks) {
+        gbuf_free(&P->sb);
+        gbuf_free(&P->dsb);
+    }
 }
 
 /* The three gradients as doubles, in index order (n[i] values each). */
@@ -139,16 +163,19 @@ static fw_status run_bwd(bprob *P, const char *isa, int threads, uint32_t flags,
 {
     fw_attn_params p;
     params_of(&P->s, &p, isa, threads, flags);
+    sinks_into(P, &p, &P->dsinks);
     p.precision = prec;
     for (int i = 0; i < 3; i++)
         memset(P->g[i].p, 0xA5, P->g[i].bytes);
+    if (P->s.sinks)
+        memset(P->dsb.p, 0xA5, P->dsb.bytes);
     return fw_attn_bwd(&P->q, &P->k, &P->v, &P->o, &P->go, &P->lse, &P->d[0], &P->d[1], &P->d[2], &p);
 }
 
 /* The float64 reference's gradients (dense f64 tensors of the gradients' shapes): exact
  * (FW_PREC_F32), or with the roundings of bf16 products, then rounded to the gradients' dtype
- * (FW_PREC_BF16). */
-static grads reference(const bprob *P, int prec)
+ * (FW_PREC_BF16); with sinks, their gradient into ds (hq doubles) unless it is NULL. */
+static grads reference(const bprob *P, int prec, double *ds)
 {
     fw_tensor d[3];
     grads g;
@@ -162,6 +189,8 @@ static grads reference(const bprob *P, int prec)
     }
     fw_attn_params p;
     params_of(&P->s, &p, NULL, 1, 0);
+    fw_tensor tds = fw_tensor_contiguous(ds, FW_F64, 1, &P->s.hq);
+    sinks_into(P, &p, ds ? &tds : NULL);
     p.precision = prec;
     fw_status r = fw_attn_bwd_ref(&P->q, &P->k, &P->v, &P->o, &P->go, &P->lse, &d[0], &d[1], &d[2], &p);
     case_check(r == FW_OK, "reference returned %s: %s", fw_status_string(r), fw_last_error());
@@ -194,7 +223,8 @@ static void run_shape(const bshape *s, int threads)
     case_begin("attn_bwd %s threads %d", name, threads);
     bprob P;
     prob_make(&P, s, (uint64_t)(s->sq * 131 + s->sk * 7 + s->d + s->hq * 3 + s->layout));
-    grads R = reference(&P, FW_PREC_F32), SR = reference(&P, FW_PREC_BF16);
+    double *ds = calloc((size_t)s->hq, sizeof(double));
+    grads R = reference(&P, FW_PREC_F32, ds), SR = reference(&P, FW_PREC_BF16, NULL);
     fw_status r = run_bwd(&P, NULL, 1, FW_ATTN_PLAIN, FW_PREC_AUTO);
     case_check(r == FW_OK, "plain returned %s: %s", fw_status_string(r), fw_last_error());
     grads pl = grads_of(P.d);
@@ -210,6 +240,13 @@ static void run_shape(const bshape *s, int threads)
                 case_check(tuntouched(&P.g[i], &P.d[i]), "[%s %s] %s: bytes outside the view or "
                            "guards written", isa, pn, gname[i]);
             grads k = grads_of(P.d);
+            /* dsinks: the same sum of f32 terms (D, lse) in double on every path, so within
+             * rounding of the terms of the reference's */
+            for (int64_t h = 0; h < s->hq && s->sinks; h++) {
+                const double got = ((float *)P.dsb.p)[h];
+                case_check(fabs(got - ds[h]) <= 1e-5 * (1 + fabs(ds[h])) && gbuf_guards_ok(&P.dsb),
+                           "[%s %s] dsinks[%lld] %.9g, reference %.9g", isa, pn, (long long)h, got, ds[h]);
+            }
             for (int i = 0; i < 3; i++) {
                 double mag, eb = max_err(prec == FW_PREC_BF16 ? &SR : &pl, &R, i, &mag),
                             ek = max_err(&k, &R, i, &mag);
@@ -223,13 +260,14 @@ static void run_shape(const bshape *s, int threads)
     grads_free(&pl);
     grads_free(&SR);
     grads_free(&R);
+    free(ds);
     prob_free(&P);
     case_end();
 }
 
 static bshape base(void)
 {
-    bshape s = {1, 64, 64, 4, 2, 64, 64, FW_F32, FW_F32, 0, -1, -1, 0.0f, 0};
+    bshape s = {1, 64, 64, 4, 2, 64, 64, FW_F32, FW_F32, 0, -1, -1, 0.0f, 0, 0};
     return s;
 }
 
@@ -245,6 +283,7 @@ static void sweep_lengths(void)
             s.sq = L[i][0];
             s.sk = L[i][1];
             s.causal = c;
+            s.sinks = (i + c) % 3 == 1;
             run_shape(&s, 2);
         }
 }
@@ -286,6 +325,7 @@ static void sweep_masks(void)
         s.wl = W[i][0];
         s.wr = W[i][1];
         s.b = 2;
+        s.sinks = i % 2;
         run_shape(&s, 2);
     }
     bshape s = base();
@@ -293,6 +333,9 @@ static void sweep_masks(void)
     s.sk = 60; /* causal with sq > sk: the first 90 rows see no key */
     s.causal = 1;
     run_shape(&s, 2);
+    s.sinks = 1;
+    run_shape(&s, 2);
+    s.sinks = 0;
     s = base();
     s.softcap = 5.0f;
     s.sq = 77;
@@ -317,6 +360,7 @@ static void sweep_dtypes_layouts(void)
             s.sk = 80;
             s.causal = 1;
             s.layout = (a + g) % 3;
+            s.sinks = a == g;
             run_shape(&s, 2);
         }
 }
@@ -331,16 +375,22 @@ static void test_threads_identical(void)
     s.sk = 600; /* 2 K/V heads: 4 key splits */
     s.causal = 1;
     s.dt = FW_BF16;
-    case_begin("attn_bwd: identical bits for threads 1, 2, 3, 7");
+    s.sinks = 1;
+    case_begin("attn_bwd: identical bits for threads 1, 2, 3, 7 (sinks and dsinks too)");
     bprob P;
     prob_make(&P, &s, 5);
     unsigned char *first[3] = {NULL, NULL, NULL};
+    float dsinks[8];
     for (int i = 0; i < 3; i++)
         first[i] = malloc(P.g[i].bytes);
     const int th[4] = {1, 2, 3, 7};
     for (int t = 0; t < 4; t++) {
         fw_status r = run_bwd(&P, NULL, th[t], 0, FW_PREC_AUTO);
         case_check(r == FW_OK, "threads %d returned %s", th[t], fw_status_string(r));
+        if (t == 0)
+            memcpy(dsinks, P.dsb.p, sizeof dsinks);
+        else
+            case_check(memcmp(dsinks, P.dsb.p, sizeof dsinks) == 0, "dsinks differs with %d threads", th[t]);
         for (int i = 0; i < 3; i++) {
             if (t == 0)
                 memcpy(first[i], P.g[i].p, P.g[i].bytes);
@@ -493,7 +543,7 @@ static void test_nan(void)
         prob_make(&P, &s, 3);
         const int64_t idx[4] = {0, 20, 0, 5};
         tset(&P.q, idx, NAN);
-        grads R = reference(&P, FW_PREC_F32);
+        grads R = reference(&P, FW_PREC_F32, NULL);
         fw_status r = run_bwd(&P, isa, 2, 0, FW_PREC_AUTO);
         case_check(r == FW_OK, "returned %s", fw_status_string(r));
         grads k = grads_of(P.d);
@@ -584,6 +634,39 @@ static void test_bad_input(void)
     pb.isa = "bogus";
     expect_bad(&P, "unknown table", BWD(&P.q, &P.k, &P.v, &P.o, &P.go, &P.lse, dq, dk, dv, &pb),
                FW_ERR_UNSUPPORTED);
+    /* sinks and their gradient */
+    float sk[8] = {0}, dsk[8];
+    const int64_t n4 = 4, n3 = 3;
+    fw_tensor ts = fw_tensor_contiguous(sk, FW_F32, 1, &n4), tds = fw_tensor_contiguous(dsk, FW_F32, 1, &n4);
+    fw_tensor ts3 = fw_tensor_contiguous(sk, FW_F32, 1, &n3), tdsb = tds;
+    tdsb.dtype = FW_BF16;
+    const struct { const char *what; const fw_tensor *sinks, *dsinks; fw_status want; } sc[] = {
+        {"dsinks without sinks", NULL, &tds, FW_ERR_NULL},
+        {"sinks of 3 values for 4 heads", &ts3, &tds, FW_ERR_SHAPE},
+        {"dsinks of 3 values for 4 heads", &ts, &ts3, FW_ERR_SHAPE},
+        {"dsinks bf16", &ts, &tdsb, FW_ERR_DTYPE},
+        {"dsinks overlaps sinks", &ts, &ts, FW_ERR_STRIDE},
+    };
+    for (size_t i = 0; i < sizeof sc / sizeof sc[0]; i++) {
+        memset(dsk, 0xA5, sizeof dsk);
+        pb = p;
+        pb.sinks = sc[i].sinks;
+        pb.dsinks = sc[i].dsinks;
+        expect_bad(&P, sc[i].what, BWD(&P.q, &P.k, &P.v, &P.o, &P.go, &P.lse, dq, dk, dv, &pb), sc[i].want);
+        unsigned char ff[sizeof dsk];
+        memset(ff, 0xA5, sizeof ff);
+        case_begin("attn_bwd bad input: %s leaves dsinks unwritten", sc[i].what);
+        case_check(memcmp(dsk, ff, sizeof dsk) == 0, "dsinks was written");
+        case_end();
+    }
+    pb = p;
+    pb.sinks = &ts;
+    tdsb = P.lse;
+    tdsb.ndim = 1;
+    tdsb.shape[0] = 4;
+    pb.dsinks = &tdsb;
+    expect_bad(&P, "dsinks overlaps lse", BWD(&P.q, &P.k, &P.v, &P.o, &P.go, &P.lse, dq, dk, dv, &pb),
+               FW_ERR_STRIDE);
     const int32_t cu_bad[3] = {0, 30, 10};
     fw_tensor q3 = P.q, k3 = P.k, v3 = P.v, o3 = P.o, g3 = P.go, a3 = *dq, b3 = *dk, c3 = *dv;
     fw_tensor *all[8] = {&q3, &k3, &v3, &o3, &g3, &a3, &b3, &c3};
@@ -610,6 +693,67 @@ static void test_bad_input(void)
     case_end();
 #undef BWD
     prob_free(&P);
+}
+
+/* Attention sinks: the reference backward's gradients (dsinks, dq, dk, dv) against central
+ * differences of the float64 reference forward's loss sum(dout o out), which checks the
+ * formula of dsinks and that lse including the sink leaves dq, dk, dv right. */
+static void test_sinks_finite_differences(void)
+{
+    case_begin("attn_bwd sinks: the reference's gradients match central differences");
+    enum { SQ = 5, SK = 7, HQ = 4, HKV = 2, D = 8 };
+    const int64_t qs[4] = {1, SQ, HQ, D}, ks[4] = {1, SK, HKV, D}, os[4] = {1, SQ, HQ, D},
+                  ls[3] = {1, HQ, SQ}, hq = HQ;
+    double o[SQ * HQ * D], l[HQ * SQ], g[3][SQ * HQ * D], sinks[HQ] = {0.5, 2.0, -1.0, 1.5}, ds[HQ];
+    /* the inputs are f32 tensors (attention takes no f64 input): their f32 values, as doubles */
+    float qf[SQ * HQ * D], kf[SK * HKV * D], vf[SK * HKV * D], gof[SQ * HQ * D], sf[HQ];
+    rng_seed(31);
+    for (int i = 0; i < SQ * HQ * D; i++) { qf[i] = (float)rng_normal(); gof[i] = (float)rng_normal(); }
+    for (int i = 0; i < SK * HKV * D; i++) { kf[i] = (float)rng_normal(); vf[i] = (float)rng_normal(); }
+    fw_tensor tq = fw_tensor_contiguous(qf, FW_F32, 4, qs), tk = fw_tensor_contiguous(kf, FW_F32, 4, ks),
+              tv = fw_tensor_contiguous(vf, FW_F32, 4, ks), tgo = fw_tensor_contiguous(gof, FW_F32, 4, os),
+              to = fw_tensor_contiguous(o, FW_F64, 4, os), tl = fw_tensor_contiguous(l, FW_F64, 3, ls),
+              ts = fw_tensor_contiguous(sf, FW_F32, 1, &hq), tds = fw_tensor_contiguous(ds, FW_F64, 1, &hq),
+              tg[3] = {fw_tensor_contiguous(g[0], FW_F64, 4, qs), fw_tensor_contiguous(g[1], FW_F64, 4, ks),
+                       fw_tensor_contiguous(g[2], FW_F64, 4, ks)};
+    fw_attn_params p;
+    fw_attn_params_init(&p);
+    p.causal = 1;
+    p.precision = FW_PREC_F32;
+    p.sinks = &ts;
+    for (int h = 0; h < HQ; h++)
+        sf[h] = (float)sinks[h];
+    fw_status r = fw_attn_ref(&tq, &tk, &tv, &to, &tl, &p, 0, INT64_MAX);
+    p.dsinks = &tds;
+    if (!r)
+        r = fw_attn_bwd_ref(&tq, &tk, &tv, &to, &tgo, &tl, &tg[0], &tg[1], &tg[2], &p);
+    case_check(r == FW_OK, "reference: %s", fw_last_error());
+    p.dsinks = NULL;
+    /* loss(x) with one f32 input perturbed by +-e (exact in f32 at these magnitudes) */
+    const float e = 1.0f / 1024;
+    float *xs[4] = {sf, qf, kf, vf};
+    const double *gs[4] = {ds, g[0], g[1], g[2]};
+    const char *names[4] = {"dsinks", "dq", "dk", "dv"};
+    const int pick[4] = {HQ, SQ * HQ * D, SK * HKV * D, SK * HKV * D};
+    for (int w = 0; w < 4; w++)
+        for (int i = 0; i < pick[w]; i += w ? 13 : 1) {
+            double loss[2];
+            const float x0 = xs[w][i];
+            for (int sgn = 0; sgn < 2; sgn++) {
+                xs[w][i] = x0 + (sgn ? -e : e);
+                double o2[SQ * HQ * D];
+                fw_tensor to2 = fw_tensor_contiguous(o2, FW_F64, 4, os);
+                r = fw_attn_ref(&tq, &tk, &tv, &to2, NULL, &p, 0, INT64_MAX);
+                loss[sgn] = 0;
+                for (int j = 0; j < SQ * HQ * D; j++)
+                    loss[sgn] += o2[j] * gof[j];
+            }
+            xs[w][i] = x0;
+            const double fd = (loss[0] - loss[1]) / (2.0 * (double)e);
+            case_check(r == FW_OK && fabs(fd - gs[w][i]) <= 1e-5 * (1 + fabs(fd)),
+                       "%s[%d]: reference %.9g, central difference %.9g", names[w], i, gs[w][i], fd);
+        }
+    case_end();
 }
 
 /* The tiling functions' documented examples. */
@@ -640,6 +784,7 @@ const test_suite attn_bwd_suites[] = {
     {"attn_bwd.varlen", test_varlen},
     {"attn_bwd.workspace", test_workspace},
     {"attn_bwd.nan", test_nan},
+    {"attn_bwd.sinks_finite_differences", test_sinks_finite_differences},
     {"attn_bwd.bad_input", test_bad_input},
     {"attn_bwd.heuristics", test_heuristics},
     {NULL, NULL}};

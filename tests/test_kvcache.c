@@ -18,6 +18,7 @@ typedef struct {
     int64_t wl;
     float softcap;
     const int32_t *old, *nnew; /* per sequence: cached tokens, new tokens */
+    int sinks;                 /* 1: attention sinks, f32 [hq] */
 } kv_case;
 
 typedef struct {
@@ -234,10 +235,10 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
         cap = fw_max64(cap, t->old[i] + (t->append ? t->nnew[i] : 0));
     }
     const int64_t tq = cuq[t->b];
-    case_begin("kvcache b%lld h%lld:%lld d%lld/%lld page %lld %s causal %d append %d w%lld cap%g",
+    case_begin("kvcache b%lld h%lld:%lld d%lld/%lld page %lld %s causal %d append %d w%lld cap%g%s",
                (long long)t->b, (long long)t->hq, (long long)t->hkv, (long long)t->d,
                (long long)t->dv, (long long)t->page, fw_dtype_name(t->dt), t->causal, t->append,
-               (long long)t->wl, (double)t->softcap);
+               (long long)t->wl, (double)t->softcap, t->sinks ? " sinks" : "");
     int64_t qs[3] = {tq, t->hq, t->d}, kns[3] = {tq, t->hkv, t->d}, vns[3] = {tq, t->hkv, t->dv},
             os[3] = {tq, t->hq, t->dv}, ls[2] = {t->hq, tq};
     gbuf bq = gbuf_new((size_t)(tq * t->hq * t->d) * esz(t->dt) + 1);
@@ -267,6 +268,12 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
     p.causal = t->causal;
     p.window_left = t->wl;
     p.softcap = t->softcap;
+    /* sinks by head: near the rows' lse, dominating it, far below it, random */
+    float sinks[64];
+    fw_tensor ts = fw_tensor_contiguous(sinks, FW_F32, 1, &t->hq);
+    for (int64_t h = 0; h < t->hq; h++)
+        sinks[h] = h % 4 == 0 ? 7.5f : h % 4 == 1 ? 40.0f : h % 4 == 2 ? -30.0f : (float)(2 * rng_normal());
+    p.sinks = t->sinks ? &ts : NULL;
     double *ro = calloc((size_t)(tq * t->hq * t->dv) + 1, 8), *rl = calloc((size_t)(tq * t->hq) + 1, 8);
     fw_tensor fro = fw_tensor_contiguous(ro, FW_F64, 3, os), frl = fw_tensor_contiguous(rl, FW_F64, 2, ls);
     p.precision = FW_PREC_F32;
@@ -391,20 +398,21 @@ static void sweep_kvcache(void)
         if (quick_mode() && i >= 5)
             break;
         kv_case t = {7, R[i][0], R[i][1], 64, i == 2 ? 48 : 64, pages[i], (fw_dtype)(i % 3), 1, 1, -1,
-                     0.0f, old_mix, new_mix};
+                     0.0f, old_mix, new_mix, 0};
         if (i == 3) { t.wl = 100; t.softcap = 20.0f; }
+        t.sinks = i % 2;
         run_kv_case(&t, 10 + i);
     }
     /* no append: attend to what is cached (non-causal too) */
-    kv_case t = {7, 8, 2, 32, 32, 32, FW_BF16, 0, 0, -1, 0.0f, old_mix, new_mix};
+    kv_case t = {7, 8, 2, 32, 32, 32, FW_BF16, 0, 0, -1, 0.0f, old_mix, new_mix, 0};
     run_kv_case(&t, 20);
     /* FW_KV_TILES (vLLM's AMX cache): d 128 with 64-token pages, and 32-token pages (two to a
      * decode tile) over long contexts with a softcap and a window */
-    kv_case tt = {7, 8, 2, 128, 128, 64, FW_BF16, 1, 1, -1, 0.0f, old_mix, new_mix};
+    kv_case tt = {7, 8, 2, 128, 128, 64, FW_BF16, 1, 1, -1, 0.0f, old_mix, new_mix, 0};
     run_kv_case(&tt, 21);
     static const int32_t old_tl[] = {2999, 1023, 64, 0, 97};
     static const int32_t new_tl[] = {1, 1, 5, 1, 3};
-    kv_case tl2 = {5, 8, 1, 64, 96, 32, FW_BF16, 1, 1, 700, 25.0f, old_tl, new_tl};
+    kv_case tl2 = {5, 8, 1, 64, 96, 32, FW_BF16, 1, 1, 700, 25.0f, old_tl, new_tl, 1};
     run_kv_case(&tl2, 22);
     /* long contexts: decode over up to 5000 keys crosses the split size (512) many times */
     static const int32_t old_long[] = {5000, 4095, 4097, 0, 2000};
@@ -413,7 +421,7 @@ static void sweep_kvcache(void)
         if (quick_mode() && i)
             break;
         kv_case tl = {5, 8, 2, 64, 64, i == 0 ? 256 : 16, (fw_dtype)i, 1, 1, i == 2 ? 3000 : -1,
-                      i == 1 ? 30.0f : 0.0f, old_long, new_long};
+                      i == 1 ? 30.0f : 0.0f, old_long, new_long, i != 1};
         run_kv_case(&tl, 30 + i);
     }
 }
@@ -431,7 +439,7 @@ static int untouched(const gbuf *b)
 static void test_kvcache_bad_input(void)
 {
     static const int32_t old[] = {20, 5}, nnew[] = {2, 3};
-    kv_case t = {2, 4, 2, 16, 16, 8, FW_F32, 1, 1, -1, 0.0f, old, nnew};
+    kv_case t = {2, 4, 2, 16, 16, 8, FW_F32, 1, 1, -1, 0.0f, old, nnew, 0};
     int32_t cuq[3] = {0, 2, 5}, seqlens[2] = {20, 5};
     cache_buf pag;
     cache_make(&pag, &t, 1, 32, seqlens, 5, 0);
@@ -460,7 +468,11 @@ static void test_kvcache_bad_input(void)
         {"k_new dtype differs from the cache", FW_ERR_DTYPE, 8}, {"null block table row count", FW_ERR_ARG, 9},
         {"null seqlens", FW_ERR_NULL, 10}, {"null cache", FW_ERR_NULL, 11},
         {"cu_seqlens_q does not end at total_q", FW_ERR_SEQLENS, 12}, {"head dim mismatch", FW_ERR_SHAPE, 13},
+        {"sinks of 3 values for 4 q heads", FW_ERR_SHAPE, 14},
     };
+    float sv[4] = {0};
+    const int64_t n3 = 3;
+    fw_tensor ts3 = fw_tensor_contiguous(sv, FW_F32, 1, &n3);
     for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
         fw_kv_cache c = pag.c;
         int32_t bt[8], sl[2] = {20, 5}, cu2[3] = {0, 2, 4};
@@ -490,10 +502,12 @@ static void test_kvcache_bad_input(void)
         case 11: pc = NULL; break;
         case 12: cu = cu2; break;
         case 13: q2.shape[2] = 8; break;
+        case 14: p.sinks = &ts3; break;
         }
         memset(out.p, 0xA5, out.bytes);
         memset(lse.p, 0xA5, lse.bytes);
         fw_status st = fw_attn_kvcache_fwd(&q2, pk, pv, cu, 2, pc, &o, &l, &p);
+        p.sinks = NULL;
         case_begin("kvcache bad input: %s", bad[b].what);
         case_check(st == bad[b].want, "status %s, expected %s (%s)", fw_status_string(st),
                    fw_status_string(bad[b].want), fw_last_error());
@@ -514,7 +528,7 @@ static void test_kvcache_bad_input(void)
 static void test_tiles_bad_input(void)
 {
     static const int32_t old[] = {40, 7}, nnew[] = {1, 2};
-    kv_case t = {2, 4, 2, 32, 32, 32, FW_BF16, 1, 1, -1, 0.0f, old, nnew};
+    kv_case t = {2, 4, 2, 32, 32, 32, FW_BF16, 1, 1, -1, 0.0f, old, nnew, 0};
     int32_t cuq[3] = {0, 1, 3}, seqlens[2] = {40, 7};
     cache_buf tc;
     cache_make(&tc, &t, 1, 64, seqlens, 6, 2);

@@ -2,7 +2,8 @@
  * test_nan.c: how NaN and inf travel (docs/design.md, "NaN and inf"), on every path and table, in both
  * precisions.
  * Attention: a NaN or inf in a query row makes that output row and its lse NaN; a NaN in a key
- * row makes NaN every row that sees the key; every other row stays finite. Paths: the tiled
+ * row makes NaN every row that sees the key; a NaN or +inf attention sink makes every row of
+ * its head NaN (a -inf one is no sink); every other row stays finite. Paths: the tiled
  * prefill, the decode kernel on one key split, and on several splits (the log-sum-exp merge).
  * Gated DeltaNet: a NaN in q at token t makes the outputs of token t (its value heads) NaN and
  * nothing else; a NaN in k at token t makes NaN every output of its value heads from the start
@@ -35,7 +36,10 @@ static int all_finite(const float *x, int64_t n)
  * NaN in q, 1 an inf in q, 2 a NaN in k row 0 of K/V head 0 (every query sees key 0), 3 a
  * -inf in q where every key of its K/V head is positive, so that every score of the row is
  * -inf: exp(-inf - (-inf)) is NaN, not the 0 and -inf of a row that sees no key (found by
- * fuzz/fuzz_attn.c). flags: the kernel (0, FW_ATTN_PLAIN, FW_ATTN_ONLINE_SOFTMAX). */
+ * fuzz/fuzz_attn.c). With attention sinks (finite on the other heads): 4 a NaN sink on head h
+ * and 5 a +inf one make every row of head h NaN (exp(inf - inf) in the reference too); 6 a
+ * -inf sink is no sink, every row finite. flags: the kernel (0, FW_ATTN_PLAIN,
+ * FW_ATTN_ONLINE_SOFTMAX). */
 static void attn_case(const char *table, int prec, int64_t sq, int64_t sk, int what, uint32_t flags)
 {
     const int64_t hq = 4, hkv = 2, d = 32, r = sq - 1, h = 1;
@@ -50,9 +54,11 @@ static void attn_case(const char *table, int prec, int64_t sq, int64_t sk, int w
     tfill_normal(&tq, 1.0);
     tfill_normal(&tk, 1.0);
     tfill_normal(&tv, 1.0);
+    float sinks[4] = {0.5f, what == 4 ? NAN : what == 5 ? INFINITY : -INFINITY, -1.0f, 2.0f};
+    fw_tensor ts = fw_tensor_contiguous(sinks, FW_F32, 1, &hq);
     if (what == 2)
         k[3] = NAN;
-    else
+    else if (what < 4)
         q[(r * hq + h) * d + 7] = what == 3 ? -INFINITY : what ? INFINITY : NAN;
     if (what == 3)
         for (int64_t j = 0; j < sk; j++)
@@ -64,7 +70,9 @@ static void attn_case(const char *table, int prec, int64_t sq, int64_t sk, int w
     p.precision = prec;
     p.threads = 2;
     p.flags = flags;
-    static const char *kinds[] = {"NaN in q", "inf in q", "NaN in k", "every score -inf"};
+    p.sinks = what >= 4 ? &ts : NULL;
+    static const char *kinds[] = {"NaN in q", "inf in q", "NaN in k", "every score -inf",
+                                  "a NaN sink", "a +inf sink", "a -inf sink"};
     case_begin("NaN/inf: attention %s, sq %lld sk %lld, %s, %s products, flags %u", kinds[what],
                (long long)sq, (long long)sk, table, prec == FW_PREC_BF16 ? "bf16" : "f32",
                (unsigned)flags);
@@ -73,7 +81,8 @@ static void attn_case(const char *table, int prec, int64_t sq, int64_t sk, int w
     for (int64_t i = 0; i < sq; i++)
         for (int64_t j = 0; j < hq; j++) {
             const float *orow = o + (i * hq + j) * d, l = lse[j * sq + i];
-            const int hit = what == 2 ? j / (hq / hkv) == 0 : i == r && j == h;
+            const int hit = what == 2 ? j / (hq / hkv) == 0 : what >= 4 ? what < 6 && j == h
+                                                                         : i == r && j == h;
             if (hit)
                 case_check(all_nan(orow, d) && isnan(l), "row %lld head %lld: not NaN (out[0] %g, lse %g)",
                            (long long)i, (long long)j, (double)orow[0], (double)l);
@@ -255,13 +264,13 @@ static void nan_attn(void)
         if (!fw_isa_supported(t))
             continue;
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++)
-            for (int what = 0; what < 4; what++) {
+            for (int what = 0; what < 7; what++) {
                 attn_case(t, prec, 70, 70, what, 0);   /* tiled prefill */
                 attn_case(t, prec, 70, 70, what, FW_ATTN_ONLINE_SOFTMAX);
                 attn_case(t, prec, 1, 300, what, 0);   /* decode, one split */
                 attn_case(t, prec, 1, 1500, what, 0);  /* decode, three splits and the merge */
             }
-        for (int what = 0; what < 4; what++) /* the plain kernel (f32 products only) */
+        for (int what = 0; what < 7; what++) /* the plain kernel (f32 products only) */
             attn_case(t, FW_PREC_F32, 70, 70, what, FW_ATTN_PLAIN);
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
             attn_inf_value_zero_weight(t, prec, 300);

@@ -17,7 +17,7 @@ from . import _calls
 
 # FW_ABI_VERSION of the include/flywheel.h these declarations follow. Bump it together with
 # the header's whenever a struct, enum or signature below changes.
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _MAX_DIMS = 4
 
@@ -159,6 +159,8 @@ class AttnParams(ctypes.Structure):
         ("rotary_sin", ctypes.POINTER(Tensor)),
         ("rotary_interleaved", ctypes.c_int32),
         ("rotary_q_only", ctypes.c_int32),
+        ("sinks", ctypes.POINTER(Tensor)),
+        ("dsinks", ctypes.POINTER(Tensor)),
     ]
 
 

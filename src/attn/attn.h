@@ -41,7 +41,14 @@ typedef struct fw_attn_prob {
     int rot_k;                          /* keys rotated as they are read (dense, varlen) */
     int rot_append;                     /* new keys rotated as they are appended (KV cache) */
     int rot_q_fixed;                    /* every query at position sk - sq (KV cache, no mask) */
+    const fw_tensor *sinks;             /* [hq] attention sinks (params->sinks), or NULL */
 } fw_attn_prob;
+
+/* Query head h's attention sink (natural-log units), as a double. */
+static inline double fw_attn_sink(const fw_attn_prob *p, int64_t h)
+{
+    return fw_load_f64(p->sinks, h * p->sinks->stride[0]);
+}
 
 /* One sequence of the batch: where its rows start and how many there are. */
 typedef struct {

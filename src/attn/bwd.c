@@ -37,6 +37,35 @@ static void strides4(const fw_tensor *t, int varlen, int64_t dst[4])
         dst[i + 1] = t->stride[i + !varlen];
 }
 
+/* params->dsinks: [hq] f32 (or f64 for the reference), with the forward's sinks, apart from
+ * every input (in: q, k, v, out, dout, lse) and gradient (got: dout, dq, dk, dv). */
+static fw_status setup_dsinks(fw_attn_bwd_prob *b, const fw_attn_params *params,
+                              const fw_tensor *const in[6], const fw_tensor *const got[4], int ref)
+{
+    const fw_tensor *t = params ? params->dsinks : NULL;
+    if (!t)
+        return FW_OK;
+    if (!params->sinks)
+        return fw_fail(FW_ERR_NULL, "dsinks is set but sinks is NULL: the sinks' gradient needs "
+                       "the forward's sinks");
+    fw_status s = fw_check_tensor(t, "dsinks", 1, (1u << FW_F32) | (ref ? 1u << FW_F64 : 0u));
+    if (s)
+        return s;
+    if (t->shape[0] != b->f.hq)
+        return fw_fail(FW_ERR_SHAPE, "dsinks has %lld values; it must have one per query head "
+                       "(%lld)", (long long)t->shape[0], (long long)b->f.hq);
+    if ((s = fw_check_no_alias(t, "dsinks")))
+        return s;
+    if (fw_overlap(t, params->sinks))
+        return fw_fail(FW_ERR_STRIDE, "dsinks overlaps sinks");
+    static const char *names[10] = {"q", "k", "v", "out", "dout", "lse", "dout", "dq", "dk", "dv"};
+    for (int u = 0; u < 10; u++)
+        if (fw_overlap(t, u < 6 ? in[u] : got[u - 6]))
+            return fw_fail(FW_ERR_STRIDE, "dsinks overlaps %s", names[u]);
+    b->dsinks = t;
+    return FW_OK;
+}
+
 fw_status fw_attn_setup_bwd(fw_attn_bwd_prob *b, const fw_tensor *q, const fw_tensor *k,
                             const fw_tensor *v, const fw_tensor *out, const fw_tensor *dout,
                             const fw_tensor *lse, const int32_t *cuq, const int32_t *cuk,
@@ -78,6 +107,8 @@ fw_status fw_attn_setup_bwd(fw_attn_bwd_prob *b, const fw_tensor *q, const fw_te
             if (fw_overlap(got[t], in[u]))
                 return fw_fail(FW_ERR_STRIDE, "%s overlaps the input %s", names[t], in_names[u]);
     }
+    if ((s = setup_dsinks(b, params, in, got, ref)))
+        return s;
     const fw_attn_params *pp = params;
     if (pp && (pp->flags & ~(uint32_t)FW_ATTN_PLAIN))
         return fw_fail(FW_ERR_ARG, "flags 0x%x: the backward takes FW_ATTN_PLAIN only",
@@ -566,6 +597,26 @@ static void d_pass(void *vctx, int64_t idx, int tid)
         }
 }
 
+/* dsinks[h] = -sum over the sequences and rows, in order, of exp(sinks[h] - lse) x D: the
+ * sink's probability times D, the derivative of the loss along the row's own softmax
+ * (d out / d sink = -p_sink out). One head per call, in double. */
+static void dsink_pass(void *vctx, int64_t h, int tid)
+{
+    (void)tid;
+    const bctx *c = vctx;
+    const fw_attn_prob *p = &c->b->f;
+    const double t = fw_attn_sink(p, h);
+    double sum = 0.0;
+    for (int64_t i = 0; i < p->batch; i++) {
+        const fw_attn_seq sq = fw_attn_seq_get(p, i);
+        for (int64_t pos = 0; pos < sq.sq; pos++) {
+            const double lse = ((const float *)p->lse->data)[sq.lse0 + h * p->lse_h + pos * p->lse_r];
+            sum += exp(t - lse) * c->D[grow(p, i, pos) * p->hq + h];
+        }
+    }
+    ((float *)c->b->dsinks->data)[h * c->b->dsinks->stride[0]] = (float)-sum;
+}
+
 /* dq = scale x the sum of the sequence's non-empty splits' partial sums, in split order. */
 static void dq_pass(void *vctx, int64_t idx, int tid)
 {
@@ -663,6 +714,8 @@ static fw_status run(const fw_attn_bwd_prob *b, const fw_attn_params *params)
     c.items = items;
     const int64_t nrow = p->batch * fw_ceil_div(fw_max64(p->sq, 1), ROW_BLOCK);
     fw_parallel(c.pl.threads, nrow, d_pass, &c);
+    if (b->dsinks)
+        fw_parallel(c.pl.threads, p->hq, dsink_pass, &c);
     fw_parallel(c.pl.threads, n, run_item, &c);
     fw_parallel(c.pl.threads, nrow, dq_pass, &c);
     free(items);

@@ -11,6 +11,7 @@ typedef struct {
     fw_attn_prob f;
     const fw_tensor *dout, *dq, *dk, *dv;
     int64_t dos[4], dqs[4], dks[4], dvs[4];
+    const fw_tensor *dsinks;   /* [hq]: the sinks' gradient (params->dsinks), or NULL */
 } fw_attn_bwd_prob;
 
 /* Element offset of (row, head) of sequence `seq` in a gradient tensor with strides st; keys:

@@ -69,25 +69,34 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
 /* The result of one query row: out = o / l, lse = (a + log2 l) ln 2; o: dv unnormalised f32
  * accumulators; a, l: anchor/max and sum in log2 units. l = 0 happens two ways: a row that
  * sees no key gives out = 0 and lse = -inf; a row whose keys all scored -inf (an inf in q or
- * k) gives NaN, as exp(-inf - (-inf)) does in the reference (docs/design.md, "NaN and inf"). */
+ * k) gives NaN, as exp(-inf - (-inf)) does in the reference (docs/design.md, "NaN and inf").
+ * With attention sinks, the sink t = sinks[h] log2(e) joins the sum in the frame of
+ * m = max(a, t), so neither side overflows: l' = l 2^(a-m) + 2^(t-m), out = o 2^(a-m) / l',
+ * lse = (m + log2 l') ln 2 (a row that sees no key: out = 0, lse = sinks[h]); a NaN sink makes
+ * the row NaN, as in the reference. Per row, in double, after the row's last product. */
 static inline void fw_attn_store_row(const run_ctx *c, const fw_attn_seq *sq, int64_t h,
                                      int64_t pos, float *o, float a, float l)
 {
     const fw_attn_prob *p = c->p;
     float inv = 1.0f / l;
+    double lse = ((double)a + log2((double)l)) * FW_LN2;
     if (l == 0.0f) {
         int64_t lo, hi;
         fw_attn_visible(p, sq->sq, sq->sk, pos, &lo, &hi);
         inv = hi > lo ? NAN : 0.0f;
-        a = hi > lo ? NAN : a;
+        lse = hi > lo ? NAN : p->sinks ? fw_attn_sink(p, h) : -INFINITY;
+    } else if (p->sinks) {
+        const double t = fw_attn_sink(p, h) * FW_LOG2E, m = t > a || t != t ? t : a;
+        const double ea = exp2(a - m), den = l * ea + exp2(t - m);
+        inv = (float)(ea / den);
+        lse = (m + log2(den)) * FW_LN2;
     }
     for (int64_t j = 0; j < p->dv; j++)
         o[j] *= inv;
     c->kt->cvt.from_f32(o, p->dv, (void *)fw_elem(p->out, sq->o0 + pos * p->os[0] + h * p->os[1]),
                     p->out->dtype, p->os[2]);
     if (p->lse)
-        ((float *)p->lse->data)[sq->lse0 + h * p->lse_h + pos * p->lse_r] =
-            l == 0.0f && a == a ? -INFINITY : (float)(((double)a + log2((double)l)) * FW_LN2);
+        ((float *)p->lse->data)[sq->lse0 + h * p->lse_h + pos * p->lse_r] = (float)lse;
 }
 
 /* A split item's partial for tile row m: (o[dv], a, l), unnormalised, for the merge. */

@@ -146,6 +146,22 @@ void fw_attn_tile_rows_out(const fw_attn_prob *p, const fw_attn_seq *s, int64_t 
  * [b, hq, sq]), the scale (0 = 1/sqrt(d)), softcap, the mask (causal sets wr = 0; a negative
  * side is unbounded, flash-attn's rule), the kernel table and the product precision (the
  * reference resolves the precision by the table's name: it runs on none). */
+/* params->sinks on a problem with hq query heads: one value per head, any float dtype. */
+static fw_status setup_sinks(fw_attn_prob *p, const fw_attn_params *params)
+{
+    const fw_tensor *t = params->sinks;
+    if (!t)
+        return FW_OK;
+    fw_status s = fw_check_tensor(t, "sinks", 1, FW_DT_IN);
+    if (s)
+        return s;
+    if (t->shape[0] != p->hq)
+        return fw_fail(FW_ERR_SHAPE, "sinks has %lld values; it must have one per query head "
+                       "(%lld)", (long long)t->shape[0], (long long)p->hq);
+    p->sinks = t;
+    return FW_OK;
+}
+
 static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_attn_params *params, int ref)
 {
     if (lse && p->varlen) {
@@ -173,7 +189,7 @@ static fw_status setup_common(fw_attn_prob *p, const fw_tensor *lse, const fw_at
     if (!(fabs(m) <= FLT_MAX))
         return fw_fail(FW_ERR_ARG, "scale %g x log2(e) = %g overflows a float (the kernels "
                        "multiply the scores by it)", p->scale, m);
-    return FW_OK;
+    return setup_sinks(p, params);
 }
 
 fw_status fw_attn_setup(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k,

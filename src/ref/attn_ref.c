@@ -124,12 +124,20 @@ static fw_status reference(const fw_attn_prob *p, int64_t rb, int64_t re)
                     for (int64_t x = 0; x < dv; x++)
                         acc[x] += ep * vr[x];
                 }
+                /* a sink t joins the sum in the frame of max(mx, t); the probabilities keep
+                 * the keys' own frame, so bf16 products round the same values as without */
+                double w = 1.0, lse = hi > lo ? mx + log(sum) : -INFINITY;
+                if (p->sinks) {
+                    const double t = fw_attn_sink(p, h), m = t > mx || t != t ? t : mx;
+                    w = exp(mx - m);
+                    sum = sum * w + exp(t - m);
+                    lse = hi > lo ? m + log(sum) : t;
+                }
                 const int64_t orow = sq.o0 + r * p->os[0] + h * p->os[1];
                 for (int64_t x = 0; x < dv; x++)
-                    fw_store_f64(p->out, orow + x * p->os[2], hi > lo ? acc[x] / sum : 0.0);
+                    fw_store_f64(p->out, orow + x * p->os[2], hi > lo ? acc[x] * w / sum : 0.0);
                 if (p->lse)
-                    fw_store_f64(p->lse, sq.lse0 + h * p->lse_h + r * p->lse_r,
-                          hi > lo ? mx + log(sum) : -INFINITY);
+                    fw_store_f64(p->lse, sq.lse0 + h * p->lse_h + r * p->lse_r, lse);
             }
         }
     }
@@ -177,7 +185,8 @@ fw_status fw_attn_kvcache_ref(const fw_tensor *q, const fw_tensor *k_new, const 
  * (head, row) that sees the key, dq row by row; P from the given lse, D from the given out
  * and dout. With bf16 products, the kernels' roundings and no others: q, k, v and dout
  * rounded to bf16 where they enter products (D takes dout as given), P rounded before it
- * multiplies dout, dS (before the scale) before it multiplies q and k. */
+ * multiplies dout, dS (before the scale) before it multiplies q and k. With dsinks: each
+ * head's -sum exp(sink - lse) D over the rows, in double. */
 static fw_status reference_bwd(const fw_attn_bwd_prob *b)
 {
     const fw_attn_prob *p = &b->f;
@@ -186,8 +195,9 @@ static fw_status reference_bwd(const fw_attn_bwd_prob *b)
     double *K = malloc(nk * sizeof(double)), *V = malloc(nv * sizeof(double));
     double *dK = malloc(nk * sizeof(double)), *dV = malloc(nv * sizeof(double));
     double *q = malloc((size_t)(2 * d + dv) * sizeof(double));
-    if (!K || !V || !dK || !dV || !q) {
-        free(K); free(V); free(dK); free(dV); free(q);
+    double *dsink = calloc((size_t)p->hq, sizeof(double)); /* -sum exp(sink - lse) D per head */
+    if (!K || !V || !dK || !dV || !q || !dsink) {
+        free(K); free(V); free(dK); free(dV); free(q); free(dsink);
         return fw_fail(FW_ERR_NOMEM, "cannot allocate the reference's buffers");
     }
     double *o = q + d, *dq = o + dv;
@@ -214,6 +224,8 @@ static fw_status reference_bwd(const fw_attn_bwd_prob *b)
                     dq[x] = 0.0;
                 }
                 const double lse = fw_load_f64(p->lse, sq.lse0 + h * p->lse_h + r * p->lse_r);
+                if (b->dsinks)
+                    dsink[h] -= exp(fw_attn_sink(p, h) - lse) * D;
                 for (int64_t j = lo; j < hi; j++) {
                     const double *kr = K + (j * p->hkv + kvh) * d, *vr = V + (j * p->hkv + kvh) * dv;
                     double *dk = dK + (j * p->hkv + kvh) * d, *dvr = dV + (j * p->hkv + kvh) * dv;
@@ -251,7 +263,9 @@ static fw_status reference_bwd(const fw_attn_bwd_prob *b)
                     fw_store_f64(b->dv, vo + x * b->dvs[3], dV[(j * p->hkv + h) * dv + x]);
             }
     }
-    free(K); free(V); free(dK); free(dV); free(q);
+    for (int64_t h = 0; h < p->hq && b->dsinks; h++)
+        fw_store_f64(b->dsinks, h * b->dsinks->stride[0], dsink[h]);
+    free(K); free(V); free(dK); free(dV); free(q); free(dsink);
     return FW_OK;
 }
 
