@@ -86,7 +86,13 @@ typedef enum fw_dtype {
     FW_F32 = 0,
     FW_BF16 = 1,
     FW_F16 = 2,
-    FW_F64 = 3  /* only for outputs of the float64 reference functions */
+    FW_F64 = 3,    /* only for outputs of the float64 reference functions */
+    /* 8-bit floats, only for KV caches (fw_kv_cache, with descales):
+     * FW_F8E4M3: torch.float8_e4m3fn (4 exponent bits, bias 7, no inf, NaN S.1111.111,
+     *   largest finite 448); FW_F8E5M2: torch.float8_e5m2 (5 exponent bits, bias 15, the top
+     *   byte of an f16: inf and NaN as there, largest finite 57344). */
+    FW_F8E4M3 = 4,
+    FW_F8E5M2 = 5
 } fw_dtype;
 
 #define FW_MAX_DIMS 4
@@ -114,6 +120,12 @@ FW_API float fw_bf16_to_f32(uint16_t h);
 FW_API uint16_t fw_f32_to_bf16(float f);
 FW_API float fw_f16_to_f32(uint16_t h);
 FW_API uint16_t fw_f32_to_f16(float f);
+/* 8-bit floats (dt FW_F8E4M3 or FW_F8E5M2; any other dt: NaN, 0). To f32: exact. From f32:
+ * round to nearest even, saturating: a magnitude beyond the largest finite value (inf
+ * included) gives the largest finite value of its sign; NaN stays NaN. A KV cache's appends
+ * store x / descale this way. */
+FW_API float fw_f8_to_f32(uint8_t b, fw_dtype dt);
+FW_API uint8_t fw_f32_to_f8(float f, fw_dtype dt);
 
 /* ---------------------------------------------------------- kernel tables -- */
 
@@ -381,6 +393,15 @@ typedef struct fw_kv_cache {
     const int32_t *leftpad;     /* [b] first row of each context, or NULL (all 0) */
     const int32_t *batch_idx;   /* [b] cache entry of each sequence, or NULL (entry i) */
     int32_t layout;             /* fw_kv_layout; FW_KV_ROWS when zeroed */
+    /* fp8 caches (k and v FW_F8E4M3 or FW_F8E5M2, FW_KV_ROWS): FA3's k_descale / v_descale,
+     * both required, f32, each a scalar (rank 0, or [1]) or [b, hkv] (per sequence of the
+     * call and K/V head). A stored element x stands for x * descale: the kernels convert the
+     * bytes in registers and fold the descales into the score scale (K) and the row's
+     * normalisation (V), never through a converted copy of the cache; appends store
+     * k_new / descale (and v_new) rounded to nearest even, saturating (fw_f32_to_f8). k_new
+     * and v_new are then f32, bf16 or f16, one dtype. NULL for other caches. */
+    const fw_tensor *k_descale;
+    const fw_tensor *v_descale;
 } fw_kv_cache;
 
 /*

@@ -56,6 +56,7 @@ size_t fw_dtype_size(fw_dtype dt)
     case FW_F32: return 4;
     case FW_BF16: case FW_F16: return 2;
     case FW_F64: return 8;
+    case FW_F8E4M3: case FW_F8E5M2: return 1;
     }
     return 0;
 }
@@ -67,6 +68,8 @@ const char *fw_dtype_name(fw_dtype dt)
     case FW_BF16: return "bf16";
     case FW_F16: return "f16";
     case FW_F64: return "f64";
+    case FW_F8E4M3: return "f8e4m3";
+    case FW_F8E5M2: return "f8e5m2";
     }
     return "unknown";
 }
@@ -97,7 +100,7 @@ fw_status fw_check_tensor(const fw_tensor *t, const char *what, int ndim, unsign
         return fw_fail(FW_ERR_NULL, "%s is NULL: a tensor descriptor is required", what);
     if (t->ndim != ndim)
         return fw_fail(FW_ERR_SHAPE, "%s has %d dimensions, expected %d", what, (int)t->ndim, ndim);
-    if ((unsigned)t->dtype > FW_F64 || !(dtypes & (1u << t->dtype)))
+    if ((unsigned)t->dtype > FW_F8E5M2 || !(dtypes & (1u << t->dtype)))
         return fw_fail(FW_ERR_DTYPE, "%s has dtype %s, which this operation does not accept",
                        what, fw_dtype_name(t->dtype));
     int64_t last = 0, count = 1;
@@ -260,3 +263,11 @@ float fw_bf16_to_f32(uint16_t h) { return fw_cvt_bf16_f32(h); }
 uint16_t fw_f32_to_bf16(float f) { return fw_cvt_f32_bf16(f); }
 float fw_f16_to_f32(uint16_t h) { return fw_cvt_f16_f32(h); }
 uint16_t fw_f32_to_f16(float f) { return fw_cvt_f32_f16(f); }
+float fw_f8_to_f32(uint8_t b, fw_dtype dt)
+{
+    return dt == FW_F8E4M3 || dt == FW_F8E5M2 ? fw_cvt_f8_f32(b, dt) : NAN;
+}
+uint8_t fw_f32_to_f8(float f, fw_dtype dt)
+{
+    return dt == FW_F8E4M3 || dt == FW_F8E5M2 ? fw_cvt_f32_f8(f, dt) : 0;
+}

@@ -2,6 +2,7 @@
 #ifndef FW_INTERNAL_H
 #define FW_INTERNAL_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
@@ -29,6 +30,8 @@ int fw_bf16_products(const char *isa, fw_dtype q, int32_t precision);
 
 /* The input dtypes the drivers take (a mask of 1 << fw_dtype, for fw_check_tensor). */
 #define FW_DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))
+/* The 8-bit floats, which only KV caches take. */
+#define FW_DT_F8 ((1u << FW_F8E4M3) | (1u << FW_F8E5M2))
 
 /* Record a formatted message for fw_last_error() and return `s`. */
 fw_status fw_fail(fw_status s, const char *fmt, ...)
@@ -195,6 +198,56 @@ static inline uint16_t fw_cvt_f32_f16(float f)
     return (uint16_t)(sign | h);
 }
 
+/* 8-bit floats (FW_F8E4M3, FW_F8E5M2) to f32, exact. e5m2 is the top byte of an f16; e4m3's
+ * byte s.eeee.mmm is 2^(e-7) x 1.mmm (e > 0) or 2^-6 x 0.mmm, and NaN at eeee.mmm = 1111.111. */
+static inline float fw_cvt_f8_f32(uint8_t b, fw_dtype dt)
+{
+    if (dt == FW_F8E5M2)
+        return fw_cvt_f16_f32((uint16_t)(b << 8));
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float a = e == 15 && m == 7 ? NAN : e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+    return b & 0x80 ? -a : a;
+}
+
+/* f32 to an 8-bit float, to nearest even, saturating at the largest finite value (inf
+ * included); NaN stays NaN (e4m3's only NaN, e5m2's quiet one). */
+static inline uint8_t fw_cvt_f32_f8(float x, fw_dtype dt)
+{
+    const int e5 = dt == FW_F8E5M2, mbits = e5 ? 2 : 3, emin = e5 ? -14 : -6;
+    const float top = e5 ? 57344.0f : 448.0f;
+    const uint8_t sign = (uint8_t)((fw_f2u(x) >> 24) & 0x80);
+    if (x != x)
+        return (uint8_t)(sign | (e5 ? 0x7e : 0x7f));
+    float a = fabsf(x);
+    if (!(a < top))
+        a = top; /* (inf too) */
+    int ex;
+    frexpf(a, &ex); /* a = f 2^ex, f in [0.5, 1): a's exponent is ex - 1 */
+    const int ue = a == 0.0f || ex - 1 < emin ? emin : ex - 1;
+    const float r = rintf(ldexpf(a, mbits - ue)); /* in units of 2^(ue - mbits); a <= top keeps it finite */
+    /* r < 2^mbits: a subnormal (its units are the subnormals'); else 1.m, or 2.0 when the
+     * rounding carried into the next binade, which the addition carries into the exponent field
+     * (ue - emin + 1, the bias being 1 - emin) */
+    const uint32_t code = r < (float)(1 << mbits) ? (uint32_t)r
+                                                  : ((uint32_t)(ue - emin + 1) << mbits) + ((uint32_t)r - (1u << mbits));
+    return (uint8_t)(sign | code);
+}
+
+/* Bytes of one element of dt (the kernels' form of fw_dtype_size). */
+static inline size_t fw_esize(fw_dtype dt)
+{
+    return dt == FW_F32 ? 4 : dt == FW_F64 ? 8 : dt >= FW_F8E4M3 ? 1 : 2;
+}
+
+/* One element of dtype dt (f32, bf16, f16, or an 8-bit float) at index i of p, as f32. */
+static inline float fw_load_elem(const void *p, fw_dtype dt, int64_t i)
+{
+    return dt == FW_F32 ? ((const float *)p)[i]
+           : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)p)[i])
+           : dt == FW_F16 ? fw_cvt_f16_f32(((const uint16_t *)p)[i])
+                          : fw_cvt_f8_f32(((const uint8_t *)p)[i], dt);
+}
+
 static inline double fw_load_f64(const fw_tensor *t, int64_t off)
 {
     const char *b = t->data;
@@ -203,6 +256,7 @@ static inline double fw_load_f64(const fw_tensor *t, int64_t off)
     case FW_BF16: return fw_cvt_bf16_f32(((const uint16_t *)b)[off]);
     case FW_F16: return fw_cvt_f16_f32(((const uint16_t *)b)[off]);
     case FW_F64: return ((const double *)b)[off];
+    case FW_F8E4M3: case FW_F8E5M2: return fw_cvt_f8_f32(((const uint8_t *)b)[off], t->dtype);
     }
     return 0.0;
 }
@@ -215,6 +269,7 @@ static inline void fw_store_f64(const fw_tensor *t, int64_t off, double x)
     case FW_BF16: ((uint16_t *)b)[off] = fw_cvt_f32_bf16((float)x); break;
     case FW_F16: ((uint16_t *)b)[off] = fw_cvt_f32_f16((float)x); break;
     case FW_F64: ((double *)b)[off] = x; break;
+    case FW_F8E4M3: case FW_F8E5M2: ((uint8_t *)b)[off] = fw_cvt_f32_f8((float)x, t->dtype); break;
     }
 }
 

@@ -863,6 +863,8 @@ static void test_bad_input(void)
     BAD("null out data", FW_ERR_NULL, o_.data = NULL);
     BAD("q rank 3", FW_ERR_SHAPE, q_.ndim = 3);
     BAD("f64 input", FW_ERR_DTYPE, q_.dtype = FW_F64);
+    BAD("fp8 inputs (KV caches only)", FW_ERR_DTYPE, q_.dtype = k_.dtype = v_.dtype = FW_F8E4M3);
+    BAD("fp8 out", FW_ERR_DTYPE, o_.dtype = FW_F8E5M2);
     BAD("bad dtype value", FW_ERR_DTYPE, o_.dtype = (fw_dtype)9);
     BAD("mixed dtypes", FW_ERR_DTYPE, k_.dtype = FW_BF16);
     BAD("lse f16", FW_ERR_DTYPE, l_.dtype = FW_F16);

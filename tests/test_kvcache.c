@@ -19,7 +19,12 @@ typedef struct {
     float softcap;
     const int32_t *old, *nnew; /* per sequence: cached tokens, new tokens */
     int sinks;                 /* 1: attention sinks, f32 [hq] */
+    fw_dtype f8;               /* an fp8 cache (FW_F8E4M3, FW_F8E5M2) with descales, or FW_F32: none */
+    int desc_heads;            /* fp8: descales [b, hkv] (1) or scalar (0) */
 } kv_case;
+
+/* The cache's dtype: an fp8 case's, else the inputs'. */
+static fw_dtype cdt(const kv_case *t) { return t->f8 != FW_F32 ? t->f8 : t->dt; }
 
 typedef struct {
     gbuf k, v;          /* cache storage */
@@ -81,10 +86,10 @@ static void cache_make(cache_buf *cb, const kv_case *t, int paged, int64_t cap, 
     const int64_t per_seq = (cap + ps - 1) / ps;
     const int64_t npages = paged ? t->b * per_seq + 3 : t->b; /* spare pages hold junk */
     int64_t ks[4] = {npages, ps, t->hkv, t->d}, vs[4] = {npages, ps, t->hkv, t->dv};
-    cb->k = gbuf_new((size_t)(npages * ps * t->hkv * t->d) * esz(t->dt));
-    cb->v = gbuf_new((size_t)(npages * ps * t->hkv * t->dv) * esz(t->dt));
-    cb->c.k = fw_tensor_contiguous(cb->k.p, t->dt, 4, ks);
-    cb->c.v = fw_tensor_contiguous(cb->v.p, t->dt, 4, vs);
+    cb->k = gbuf_new((size_t)(npages * ps * t->hkv * t->d) * esz(cdt(t)));
+    cb->v = gbuf_new((size_t)(npages * ps * t->hkv * t->dv) * esz(cdt(t)));
+    cb->c.k = fw_tensor_contiguous(cb->k.p, cdt(t), 4, ks);
+    cb->c.v = fw_tensor_contiguous(cb->v.p, cdt(t), 4, vs);
     if (kcols == 1) {
         cb->c.k.stride[1] = 1;
         cb->c.k.stride[2] = t->d * ps;
@@ -154,9 +159,12 @@ static void cache_free(cache_buf *cb)
     free(cb->bt);
 }
 
-/* The cache copy `after` must equal `before` except the new rows, which must equal k_new/v_new. */
+/* The cache copy `after` must equal `before` except the new rows, which must equal k_new/v_new
+ * (an fp8 cache: k_new / descale rounded to it, fw_f32_to_f8; ds: the K and V descales of
+ * each sequence and head, [2][b * hkv]). */
 static int cache_image_ok(const kv_case *t, const cache_buf *before_k, const cache_buf *after,
-                          const fw_tensor *kn, const fw_tensor *vn, const int32_t *cuq, int paged)
+                          const fw_tensor *kn, const fw_tensor *vn, const int32_t *cuq, int paged,
+                          const float *const ds[2])
 {
     (void)paged;
     const size_t nk = after->k.bytes, nv = after->v.bytes;
@@ -173,10 +181,16 @@ static int cache_image_ok(const kv_case *t, const cache_buf *before_k, const cac
                     const fw_tensor *src = v ? vn : kn;
                     const int64_t n = v ? t->dv : t->d;
                     for (int64_t h = 0; h < t->hkv; h++)
-                        for (int64_t x = 0; x < n; x++)
-                            memcpy((v ? ev : ek) + (size_t)elem_of(&p, &s, t->old[i] + r, h, x, v) * esz(t->dt),
-                                   (char *)src->data + (size_t)(((cuq[i] + r) * t->hkv + h) * n + x) * esz(t->dt),
-                                   esz(t->dt));
+                        for (int64_t x = 0; x < n; x++) {
+                            const size_t at = (size_t)elem_of(&p, &s, t->old[i] + r, h, x, v) * esz(cdt(t));
+                            const int64_t from = ((cuq[i] + r) * t->hkv + h) * n + x;
+                            if (t->f8 != FW_F32) {
+                                const int64_t idx[3] = {cuq[i] + r, h, x};
+                                (v ? ev : ek)[at] = fw_f32_to_f8((float)tget(src, idx) / ds[v][i * t->hkv + h], t->f8);
+                            } else {
+                                memcpy((v ? ev : ek) + at, (char *)src->data + (size_t)from * esz(t->dt), esz(t->dt));
+                            }
+                        }
                 }
         }
     }
@@ -235,10 +249,11 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
         cap = fw_max64(cap, t->old[i] + (t->append ? t->nnew[i] : 0));
     }
     const int64_t tq = cuq[t->b];
-    case_begin("kvcache b%lld h%lld:%lld d%lld/%lld page %lld %s causal %d append %d w%lld cap%g%s",
+    case_begin("kvcache b%lld h%lld:%lld d%lld/%lld page %lld %s cache %s%s causal %d append %d w%lld cap%g%s",
                (long long)t->b, (long long)t->hq, (long long)t->hkv, (long long)t->d,
-               (long long)t->dv, (long long)t->page, fw_dtype_name(t->dt), t->causal, t->append,
-               (long long)t->wl, (double)t->softcap, t->sinks ? " sinks" : "");
+               (long long)t->dv, (long long)t->page, fw_dtype_name(t->dt), fw_dtype_name(cdt(t)),
+               t->f8 != FW_F32 ? (t->desc_heads ? " descales [b, hkv]" : " scalar descales") : "",
+               t->causal, t->append, (long long)t->wl, (double)t->softcap, t->sinks ? " sinks" : "");
     int64_t qs[3] = {tq, t->hq, t->d}, kns[3] = {tq, t->hkv, t->d}, vns[3] = {tq, t->hkv, t->dv},
             os[3] = {tq, t->hq, t->dv}, ls[2] = {t->hq, tq};
     gbuf bq = gbuf_new((size_t)(tq * t->hq * t->d) * esz(t->dt) + 1);
@@ -254,11 +269,26 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
 
     cache_buf cont, pag, cols, tiles;
     /* FW_KV_TILES where it applies: paged bf16, page, d and dv multiples of 32 */
-    const int tiled = t->page && t->dt == FW_BF16 && t->page % 32 == 0 && t->d % 32 == 0 && t->dv % 32 == 0;
+    const int tiled = t->page && cdt(t) == FW_BF16 && t->page % 32 == 0 && t->d % 32 == 0 && t->dv % 32 == 0;
+    /* an fp8 cache's descales, by sequence and head (0.25 .. 1.75), or one scalar each */
+    float desc[2][64 * 8];
+    const float *ds[2] = {desc[0], desc[1]};
+    const int64_t dshape[2] = {t->b, t->hkv};
+    fw_tensor tkd = fw_tensor_contiguous(desc[0], FW_F32, t->desc_heads ? 2 : 0, dshape);
+    fw_tensor tvd = fw_tensor_contiguous(desc[1], FW_F32, t->desc_heads ? 2 : 0, dshape);
+    for (int64_t e = 0; e < t->b * t->hkv; e++) {
+        desc[0][e] = t->desc_heads ? 0.25f * (float)(1 + e % 7) : 0.75f;
+        desc[1][e] = t->desc_heads ? 0.25f * (float)(1 + (e + 3) % 7) : 1.25f;
+    }
     cache_make(&cont, t, 0, cap, seqlens, seed, 0);
     if (t->page) {
         cache_make(&pag, t, 1, cap, seqlens, seed, 0);
         cache_make(&cols, t, 1, cap, seqlens, seed, 1);
+    }
+    cache_buf *all[3] = {&cont, &pag, &cols};
+    for (int i = 0; i < (t->page ? 3 : 1) && t->f8 != FW_F32; i++) {
+        all[i]->c.k_descale = &tkd;
+        all[i]->c.v_descale = &tvd;
     }
     if (tiled)
         cache_make(&tiles, t, 1, cap, seqlens, seed, 2);
@@ -335,7 +365,7 @@ static void run_kv_case(const kv_case *t, uint64_t seed)
             st = fw_attn_kvcache_fwd(&q, pk, pv, cuq, t->b, &work.c, &o, &l, &p);
             case_check(st == FW_OK, "[%s run %d] %s", isa, run, fw_last_error());
             case_check(gbuf_guards_ok(&out) && gbuf_guards_ok(&lse), "[%s run %d] output guards", isa, run);
-            case_check(cache_image_ok(t, src, &work, pk, pv, cuq, run == 3),
+            case_check(cache_image_ok(t, src, &work, pk, pv, cuq, run == 3, ds),
                        "[%s run %d] the cache after the call is not the expected image", isa, run);
             if (run <= 1) {
                 err[run] = maxdiff(&o, ro, tq * t->hq * t->dv, 0);
@@ -398,21 +428,21 @@ static void sweep_kvcache(void)
         if (quick_mode() && i >= 5)
             break;
         kv_case t = {7, R[i][0], R[i][1], 64, i == 2 ? 48 : 64, pages[i], (fw_dtype)(i % 3), 1, 1, -1,
-                     0.0f, old_mix, new_mix, 0};
+                     0.0f, old_mix, new_mix, 0, FW_F32, 0};
         if (i == 3) { t.wl = 100; t.softcap = 20.0f; }
         t.sinks = i % 2;
         run_kv_case(&t, 10 + i);
     }
     /* no append: attend to what is cached (non-causal too) */
-    kv_case t = {7, 8, 2, 32, 32, 32, FW_BF16, 0, 0, -1, 0.0f, old_mix, new_mix, 0};
+    kv_case t = {7, 8, 2, 32, 32, 32, FW_BF16, 0, 0, -1, 0.0f, old_mix, new_mix, 0, FW_F32, 0};
     run_kv_case(&t, 20);
     /* FW_KV_TILES (vLLM's AMX cache): d 128 with 64-token pages, and 32-token pages (two to a
      * decode tile) over long contexts with a softcap and a window */
-    kv_case tt = {7, 8, 2, 128, 128, 64, FW_BF16, 1, 1, -1, 0.0f, old_mix, new_mix, 0};
+    kv_case tt = {7, 8, 2, 128, 128, 64, FW_BF16, 1, 1, -1, 0.0f, old_mix, new_mix, 0, FW_F32, 0};
     run_kv_case(&tt, 21);
     static const int32_t old_tl[] = {2999, 1023, 64, 0, 97};
     static const int32_t new_tl[] = {1, 1, 5, 1, 3};
-    kv_case tl2 = {5, 8, 1, 64, 96, 32, FW_BF16, 1, 1, 700, 25.0f, old_tl, new_tl, 1};
+    kv_case tl2 = {5, 8, 1, 64, 96, 32, FW_BF16, 1, 1, 700, 25.0f, old_tl, new_tl, 1, FW_F32, 0};
     run_kv_case(&tl2, 22);
     /* long contexts: decode over up to 5000 keys crosses the split size (512) many times */
     static const int32_t old_long[] = {5000, 4095, 4097, 0, 2000};
@@ -421,8 +451,99 @@ static void sweep_kvcache(void)
         if (quick_mode() && i)
             break;
         kv_case tl = {5, 8, 2, 64, 64, i == 0 ? 256 : 16, (fw_dtype)i, 1, 1, i == 2 ? 3000 : -1,
-                      i == 1 ? 30.0f : 0.0f, old_long, new_long, i != 1};
+                      i == 1 ? 30.0f : 0.0f, old_long, new_long, i != 1, FW_F32, 0};
         run_kv_case(&tl, 30 + i);
+    }
+}
+
+/* fp8 caches (e4m3, e5m2) with scalar and per-(sequence, head) descales: the ragged mix
+ * (decode, chunked prefill, appends quantised), paged with odd page sizes, vLLM's key layout;
+ * long contexts that split; q in each float dtype. */
+static void sweep_kvcache_fp8(void)
+{
+    static const int32_t old_mix[] = {700, 37, 1500, 0, 64, 0, 250};
+    static const int32_t new_mix[] = {1, 4, 150, 90, 0, 0, 8};
+    static const int32_t old_long[] = {5000, 4095, 4097, 0, 2000};
+    static const int32_t new_long[] = {1, 1, 3, 1, 8};
+    for (int i = 0; i < 4; i++) {
+        if (quick_mode() && i == 3)
+            break;
+        const fw_dtype f8 = i % 2 ? FW_F8E5M2 : FW_F8E4M3;
+        kv_case t = {7, 8, 2, 64, 48, i == 1 ? 24 : 16, (fw_dtype)(i % 3), 1, 1, i == 2 ? 100 : -1,
+                     i == 2 ? 20.0f : 0.0f, old_mix, new_mix, i == 3, f8, i % 2};
+        run_kv_case(&t, 40 + i);
+    }
+    kv_case tl = {5, 8, 2, 128, 128, 64, FW_BF16, 1, 1, -1, 0.0f, old_long, new_long, 0, FW_F8E4M3, 1};
+    run_kv_case(&tl, 45);
+    tl.f8 = FW_F8E5M2;
+    tl.dt = FW_F32;
+    tl.desc_heads = 0;
+    run_kv_case(&tl, 46);
+}
+
+/* The 8-bit floats: every byte of both types to f32 and back (e5m2's inf saturating to its
+ * largest finite value), ties to even between neighbours, saturation, NaN; and every kernel
+ * table's vector conversion (to_f32) of all 256 bytes equal to the scalar one. */
+static void test_fp8_conversions(void)
+{
+    static const fw_dtype T[2] = {FW_F8E4M3, FW_F8E5M2};
+    for (int t = 0; t < 2; t++) {
+        const fw_dtype dt = T[t];
+        const float top = dt == FW_F8E4M3 ? 448.0f : 57344.0f;
+        const uint8_t topb = dt == FW_F8E4M3 ? 0x7e : 0x7b;
+        case_begin("fp8 %s: round trips, ties to even, saturation, NaN", fw_dtype_name(dt));
+        for (int b = 0; b < 256; b++) {
+            const float x = fw_f8_to_f32((uint8_t)b, dt);
+            if (isnan(x)) {
+                case_check(isnan(fw_f8_to_f32(fw_f32_to_f8(x, dt), dt)), "byte 0x%02x: NaN lost", b);
+                continue;
+            }
+            const uint8_t want = isinf(x) ? (uint8_t)((b & 0x80) | topb) : (uint8_t)b;
+            case_check(fw_f32_to_f8(x, dt) == want, "byte 0x%02x (%g) back to 0x%02x", b, (double)x,
+                       fw_f32_to_f8(x, dt));
+            /* the midpoint to the next larger magnitude rounds to the even code of the two */
+            const float y = fw_f8_to_f32((uint8_t)(b + 1), dt);
+            if ((b & 0x7f) < topb && isfinite(y)) {
+                const float mid = (x + y) / 2, e = fabsf(y - x) / 8;
+                const uint8_t even = (uint8_t)(b % 2 ? b + 1 : b);
+                case_check(fw_f32_to_f8(mid, dt) == even && fw_f32_to_f8(b & 0x80 ? mid + e : mid - e, dt) == b &&
+                           fw_f32_to_f8(b & 0x80 ? mid - e : mid + e, dt) == b + 1,
+                           "between 0x%02x and 0x%02x: mid %g -> 0x%02x", b, b + 1, (double)mid,
+                           fw_f32_to_f8(mid, dt));
+            }
+        }
+        case_check(fw_f8_to_f32(fw_f32_to_f8(1e30f, dt), dt) == top &&
+                   fw_f8_to_f32(fw_f32_to_f8(-INFINITY, dt), dt) == -top &&
+                   fw_f8_to_f32(fw_f32_to_f8(top * 1.0625f, dt), dt) == top,
+                   "saturation: 1e30 -> %g", (double)fw_f8_to_f32(fw_f32_to_f8(1e30f, dt), dt));
+        case_check(isnan(fw_f8_to_f32(0x7f, FW_F8E4M3)) && fw_f8_to_f32(0x01, FW_F8E4M3) == 0x1p-9f &&
+                   fw_f8_to_f32(0x01, FW_F8E5M2) == 0x1p-16f && isinf(fw_f8_to_f32(0x7c, FW_F8E5M2)),
+                   "e4m3 NaN, the smallest subnormals, e5m2 inf");
+        case_check(isnan(fw_f8_to_f32(1, FW_BF16)) && fw_f32_to_f8(1.0f, FW_F16) == 0,
+                   "a dtype that is not 8-bit: NaN and 0");
+        case_end();
+        uint8_t all[256];
+        float ref[256], got[256];
+        for (int b = 0; b < 256; b++) {
+            all[b] = (uint8_t)b;
+            ref[b] = fw_f8_to_f32((uint8_t)b, dt);
+        }
+        for (int i = 0; i < fw_isa_count(); i++) {
+            const char *isa = fw_isa_name(i);
+            if (!fw_isa_supported(isa))
+                continue;
+            case_begin("fp8 %s: table %s converts all 256 bytes as the scalar code does", fw_dtype_name(dt), isa);
+            const fw_kernels *kt = fw_kernels_get(isa);
+            for (int64_t stride = 1; stride <= 2; stride++) {
+                kt->cvt.to_f32(all, dt, stride, 256 / stride, 1.0f, got);
+                for (int b = 0; b < 256 / stride; b++)
+                    case_check(memcmp(&got[b], &ref[b * stride], 4) == 0 ||
+                               (isnan(got[b]) && isnan(ref[b * stride])),
+                               "stride %lld, byte 0x%02x: %g, scalar %g", (long long)stride,
+                               (int)(b * stride), (double)got[b], (double)ref[b * stride]);
+            }
+            case_end();
+        }
     }
 }
 
@@ -439,7 +560,7 @@ static int untouched(const gbuf *b)
 static void test_kvcache_bad_input(void)
 {
     static const int32_t old[] = {20, 5}, nnew[] = {2, 3};
-    kv_case t = {2, 4, 2, 16, 16, 8, FW_F32, 1, 1, -1, 0.0f, old, nnew, 0};
+    kv_case t = {2, 4, 2, 16, 16, 8, FW_F32, 1, 1, -1, 0.0f, old, nnew, 0, FW_F32, 0};
     int32_t cuq[3] = {0, 2, 5}, seqlens[2] = {20, 5};
     cache_buf pag;
     cache_make(&pag, &t, 1, 32, seqlens, 5, 0);
@@ -469,10 +590,18 @@ static void test_kvcache_bad_input(void)
         {"null seqlens", FW_ERR_NULL, 10}, {"null cache", FW_ERR_NULL, 11},
         {"cu_seqlens_q does not end at total_q", FW_ERR_SEQLENS, 12}, {"head dim mismatch", FW_ERR_SHAPE, 13},
         {"sinks of 3 values for 4 q heads", FW_ERR_SHAPE, 14},
+        {"fp8 cache without descales", FW_ERR_NULL, 15}, {"fp8 cache, k_descale [2, 3] for 2 heads", FW_ERR_SHAPE, 16},
+        {"descales on an f32 cache", FW_ERR_ARG, 17}, {"fp8 cache, a descale of 0", FW_ERR_ARG, 18},
+        {"fp8 cache, k_new f32 and v_new bf16", FW_ERR_DTYPE, 19}, {"fp8 cache, descales f64", FW_ERR_DTYPE, 20},
+        {"fp8 cache, a NaN descale", FW_ERR_ARG, 21},
     };
-    float sv[4] = {0};
-    const int64_t n3 = 3;
+    float sv[4] = {0}, dsc[6] = {1, 1, 1, 1, 1, 1}, dzero[4] = {1, 0, 1, 1}, dnan[1] = {NAN};
+    const int64_t n3 = 3, d23[2] = {2, 3}, d22[2] = {2, 2};
     fw_tensor ts3 = fw_tensor_contiguous(sv, FW_F32, 1, &n3);
+    fw_tensor td23 = fw_tensor_contiguous(dsc, FW_F32, 2, d23), td22 = fw_tensor_contiguous(dsc, FW_F32, 2, d22);
+    fw_tensor tdz = fw_tensor_contiguous(dzero, FW_F32, 2, d22), tdn = fw_tensor_contiguous(dnan, FW_F32, 0, &n3); /* rank 0: a scalar */
+    fw_tensor td64 = td22;
+    td64.dtype = FW_F64;
     for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
         fw_kv_cache c = pag.c;
         int32_t bt[8], sl[2] = {20, 5}, cu2[3] = {0, 2, 4};
@@ -503,6 +632,14 @@ static void test_kvcache_bad_input(void)
         case 12: cu = cu2; break;
         case 13: q2.shape[2] = 8; break;
         case 14: p.sinks = &ts3; break;
+        case 15: c.k.dtype = c.v.dtype = FW_F8E4M3; break;
+        case 16: c.k.dtype = c.v.dtype = FW_F8E4M3; c.k_descale = &td23; c.v_descale = &td22; break;
+        case 17: c.k_descale = c.v_descale = &td22; break;
+        case 18: c.k.dtype = c.v.dtype = FW_F8E5M2; c.k_descale = &td22; c.v_descale = &tdz; break;
+        case 19: c.k.dtype = c.v.dtype = FW_F8E4M3; c.k_descale = c.v_descale = &td22; kn2.dtype = FW_BF16;
+                 pv = &kn2; break;
+        case 20: c.k.dtype = c.v.dtype = FW_F8E4M3; c.k_descale = &td22; c.v_descale = &td64; break;
+        case 21: c.k.dtype = c.v.dtype = FW_F8E4M3; c.k_descale = &tdn; c.v_descale = &td22; break;
         }
         memset(out.p, 0xA5, out.bytes);
         memset(lse.p, 0xA5, lse.bytes);
@@ -528,7 +665,7 @@ static void test_kvcache_bad_input(void)
 static void test_tiles_bad_input(void)
 {
     static const int32_t old[] = {40, 7}, nnew[] = {1, 2};
-    kv_case t = {2, 4, 2, 32, 32, 32, FW_BF16, 1, 1, -1, 0.0f, old, nnew, 0};
+    kv_case t = {2, 4, 2, 32, 32, 32, FW_BF16, 1, 1, -1, 0.0f, old, nnew, 0, FW_F32, 0};
     int32_t cuq[3] = {0, 1, 3}, seqlens[2] = {40, 7};
     cache_buf tc;
     cache_make(&tc, &t, 1, 64, seqlens, 6, 2);
@@ -798,4 +935,6 @@ const test_suite kvcache_suites[] = {
     {"kvcache.bad_input", test_kvcache_bad_input},
     {"kvcache.tiles_bad_input", test_tiles_bad_input},
     {"kvcache.sweep", sweep_kvcache},
+    {"kvcache.sweep_fp8", sweep_kvcache_fp8},
+    {"kvcache.fp8_conversions", test_fp8_conversions},
     {NULL, NULL}};

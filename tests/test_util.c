@@ -111,6 +111,7 @@ double tget(const fw_tensor *t, const int64_t *idx)
     case FW_BF16: return fw_bf16_to_f32(((uint16_t *)t->data)[o]);
     case FW_F16: return fw_f16_to_f32(((uint16_t *)t->data)[o]);
     case FW_F64: return ((double *)t->data)[o];
+    case FW_F8E4M3: case FW_F8E5M2: return fw_f8_to_f32(((uint8_t *)t->data)[o], t->dtype);
     }
     return 0;
 }
@@ -123,6 +124,7 @@ void tset(const fw_tensor *t, const int64_t *idx, double x)
     case FW_BF16: ((uint16_t *)t->data)[o] = fw_f32_to_bf16((float)x); break;
     case FW_F16: ((uint16_t *)t->data)[o] = fw_f32_to_f16((float)x); break;
     case FW_F64: ((double *)t->data)[o] = x; break;
+    case FW_F8E4M3: case FW_F8E5M2: ((uint8_t *)t->data)[o] = fw_f32_to_f8((float)x, t->dtype); break;
     }
 }
 
@@ -153,6 +155,7 @@ double round_to(fw_dtype dt, double x)
     case FW_F32: return (float)x;
     case FW_BF16: return fw_bf16_to_f32(fw_f32_to_bf16((float)x));
     case FW_F16: return fw_f16_to_f32(fw_f32_to_f16((float)x));
+    case FW_F8E4M3: case FW_F8E5M2: return fw_f8_to_f32(fw_f32_to_f8((float)x, dt), dt);
     default: return x;
     }
 }

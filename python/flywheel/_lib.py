@@ -175,6 +175,8 @@ class KVCache(ctypes.Structure):
         ("leftpad", ctypes.c_void_p),
         ("batch_idx", ctypes.c_void_p),
         ("layout", ctypes.c_int32),
+        ("k_descale", ctypes.POINTER(Tensor)),
+        ("v_descale", ctypes.POINTER(Tensor)),
     ]
 
 

@@ -42,7 +42,18 @@ typedef struct fw_attn_prob {
     int rot_append;                     /* new keys rotated as they are appended (KV cache) */
     int rot_q_fixed;                    /* every query at position sk - sq (KV cache, no mask) */
     const fw_tensor *sinks;             /* [hq] attention sinks (params->sinks), or NULL */
+    const fw_tensor *kdesc, *vdesc;     /* an fp8 cache's descales (scalar or [b, hkv]), else NULL */
 } fw_attn_prob;
+
+/* What a stored K (v = 0) or V (v = 1) element of sequence seq, K/V head h stands for, per
+ * unit: an fp8 cache's descale, else 1. */
+static inline float fw_attn_descale(const fw_attn_prob *p, int v, int64_t seq, int64_t h)
+{
+    const fw_tensor *t = v ? p->vdesc : p->kdesc;
+    if (!t)
+        return 1.0f;
+    return ((const float *)t->data)[t->ndim == 2 ? seq * t->stride[0] + h * t->stride[1] : 0];
+}
 
 /* Query head h's attention sink (natural-log units), as a double. */
 static inline double fw_attn_sink(const fw_attn_prob *p, int64_t h)

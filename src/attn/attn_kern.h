@@ -122,7 +122,7 @@ static void plain_row(const float *q, int d, int dv, fw_dtype dt, const void *K,
                       int64_t kdim, const void *V, int64_t ldv, int64_t vdim, int64_t n, float cap2,
                       float *acc, float *mo, float *lo, float *scratch)
 {
-    const size_t es = dt == FW_F32 ? 4 : 2;
+    const size_t es = fw_esize(dt);
     float m = *mo, l = *lo, *kf = scratch, *vf_ = scratch + d;
     for (int64_t j = 0; j < n; j++) {
         to_f32((const char *)K + (size_t)(j * ldk) * es, dt, kdim, d, 1.0f, kf);

@@ -56,7 +56,7 @@ static void pack_kt(const void *const *rows, fw_dtype dt, int64_t kdim, int nk, 
             for (int i = 0; i < VL; i++) {
                 float x = 0.0f;
                 if (j0 + i < nk)
-                    to_f32((const char *)rows[j0 + i] + (size_t)(k0 * kdim) * (dt == FW_F32 ? 4 : 2), dt,
+                    to_f32((const char *)rows[j0 + i] + (size_t)(k0 * kdim) * fw_esize(dt), dt,
                            1, 1, 1.0f, &x);
                 Kt[(size_t)k0 * FW_DEC_KEYS + j0 + i] = x;
             }
@@ -181,7 +181,7 @@ static void dec_softmax(int R, int nk, float *S, const float *lo, const float *h
 FW_INLINE void dec_pv_step(vf acc[DEC_RT][4], const int rt, const int cv, int j, int c0, const float *P,
                            const void *const *V, fw_dtype dt, const void *const *next, const int pf)
 {
-    const size_t es = dt == FW_F32 ? 4 : 2;
+    const size_t es = fw_esize(dt);
     vf vv[4];
     for (int c = 0; c < cv; c++)
         vv[c] = vkeep(vload_in(V[j], dt, c0 + c * VL));
@@ -297,7 +297,7 @@ static void dec_pv(int R, int nk, int dv, const float *P, const void *const *V, 
             for (int c = dvv; c < dv; c++) {
                 float a = o[(size_t)r * dv + c], x;
                 for (int j = 0; j < nk; j++) {
-                    to_f32((const char *)V[j] + (size_t)c * (dt == FW_F32 ? 4 : 2), dt, 1, 1, 1.0f, &x);
+                    to_f32((const char *)V[j] + (size_t)c * fw_esize(dt), dt, 1, 1, 1.0f, &x);
                     a += pr[(size_t)r * FW_DEC_KEYS + j] * x;
                 }
                 o[(size_t)r * dv + c] = a;
@@ -328,7 +328,7 @@ static void pack_kt_bf16(const void *const *rows, fw_dtype dt, int64_t kdim, int
             for (int i = 0; i < VL; i++) {
                 float x[2] = {0.0f, 0.0f};
                 for (int e = 0; e < 2 && j0 + i < nk && 2 * w0 + e < d; e++)
-                    to_f32((const char *)rows[j0 + i] + (size_t)((2 * w0 + e) * kdim) * (dt == FW_F32 ? 4 : 2),
+                    to_f32((const char *)rows[j0 + i] + (size_t)((2 * w0 + e) * kdim) * fw_esize(dt),
                            dt, 1, 1, 1.0f, &x[e]);
                 KtW[(size_t)w0 * FW_DEC_KEYS + j0 + i] =
                     (uint32_t)fw_cvt_f32_bf16(x[0]) | (uint32_t)fw_cvt_f32_bf16(x[1]) << 16;
@@ -421,7 +421,7 @@ static void pack_kt_cols(const void *src, fw_dtype dt, int64_t ld, int nk, int d
 static void pack_kt_cols_bf16(const void *src, fw_dtype dt, int64_t ld, int nk, int d, uint32_t *KtW)
 {
     const int nv = nk / VL * VL, dw = (d + 1) / 2;
-    const size_t es = dt == FW_F32 ? 4 : 2;
+    const size_t es = fw_esize(dt);
     for (int w = 0; w < dw; w++) {
         const char *r0 = (const char *)src + (size_t)(2 * w * ld) * es;
         const char *r1 = 2 * w + 1 < d ? r0 + (size_t)ld * es : NULL;
@@ -460,7 +460,7 @@ FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const ui
                             const void *const *V, fw_dtype dt, float *O, int dv,
                             const void *const *next, int nn, const int pf)
 {
-    const size_t es = dt == FW_F32 ? 4 : 2;
+    const size_t es = fw_esize(dt);
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
         for (int c = 0; c < cv; c++)
@@ -568,7 +568,7 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
                 for (int w = 0; w < nw; w++) {
                     const uint32_t pw = pr[(size_t)r * (FW_DEC_KEYS / 2) + w];
                     for (int e = 0; e < 2 && 2 * w + e < nk; e++) {
-                        to_f32((const char *)V[2 * w + e] + (size_t)c * (dt == FW_F32 ? 4 : 2), dt, 1, 1, 1.0f, &x[e]);
+                        to_f32((const char *)V[2 * w + e] + (size_t)c * fw_esize(dt), dt, 1, 1, 1.0f, &x[e]);
                         a += fw_cvt_bf16_f32((uint16_t)(pw >> (16 * e))) *
                              fw_cvt_bf16_f32(fw_cvt_f32_bf16(x[e]));
                     }
@@ -643,7 +643,7 @@ FW_INLINE vf dq_total(vf acc[DQ_SETS][VL])
 FW_INLINE void dq_step_f32(vf *acc, const void *const *kr, const int *rr, const float *Q, int d,
                            fw_dtype dt, int c, const void *const *kn, const int pf)
 {
-    const size_t es = dt == FW_F32 ? 4 : 2;
+    const size_t es = fw_esize(dt);
     vf kv[DQ_KB];
     for (int x = 0; x < DQ_KB; x++) {
         kv[x] = vload_in(kr[x], dt, c);
@@ -747,7 +747,7 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
                         const void *const *next, int nn, float *S)
 {
     const int dvec = d / VL * VL;
-    const size_t es = dt == FW_F32 ? 4 : 2;
+    const size_t es = fw_esize(dt);
     for (int r0 = 0; r0 < R; r0 += DQ_RB) {
         const int whole = DQ_SETS == 1 && dt == FW_F32 && r0 + DQ_RB <= R && dvec == d;
         float QP[DQ_RB * FW_MAX_HEAD_DIM];

@@ -124,6 +124,13 @@ static void dec_setup(dec_item *D, const run_ctx *c, const item *it, const fw_at
     D->ri = 0;
 }
 
+/* The score multiplier of unit u: the call's (scale, in log2 units), times an fp8 cache's K
+ * descale of the unit's K/V head. */
+static float dec_qscale(const dec_item *D, int64_t u)
+{
+    return D->c->qscale * fw_attn_descale(D->p, 0, D->sq->index, D->gqa ? u : u / D->p->G);
+}
+
 /* The item's query rows in Q (f32, scaled to log2 units) or QW (bf16 words), rotated where
  * the call has a rotary embedding; the running max, sum and output rows reset. */
 static void dec_queries(dec_item *D)
@@ -137,7 +144,7 @@ static void dec_queries(dec_item *D)
                 const int64_t r = u * R + g * n + i, h = D->gqa ? u * p->G + g : u;
                 const char *src = fw_elem(p->q, D->sq->q0 + i * p->qs[0] + h * p->qs[1]);
                 float *qf = D->bf16 ? D->qrow : D->Q + (size_t)r * d;
-                kt->cvt.to_f32(src, p->q->dtype, p->qs[2], d, D->bf16 ? 1.0f : D->c->qscale, qf);
+                kt->cvt.to_f32(src, p->q->dtype, p->qs[2], d, D->bf16 ? 1.0f : dec_qscale(D, u), qf);
                 if (p->rcos)
                     fw_attn_rotate(p, kt, qf, fw_attn_qpos(p, D->sq, i));
                 if (D->bf16)
@@ -351,7 +358,7 @@ static void dec_scores(const dec_item *D, const dec_tile *T, int64_t u, const vo
     const int R = D->R, d = D->d, dw = D->dw, nk = T->nk;
     const float *Qu = D->Q + (size_t)u * R * d;
     const uint32_t *QWu = D->QW + (size_t)u * R * dw;
-    const float qscale = D->c->qscale;
+    const float qscale = dec_qscale(D, u);
     if (D->bf16_rows) {
         kt->dec.qk_rows_bf16(R, nk, d, QWu, rows, qscale, kil ? nrows : NULL, nx, D->S);
     } else if (D->kcols) {

@@ -18,7 +18,7 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
     const int64_t r0 = it->chunk * FW_ATTN_PLAIN_ROWS, r1 = fw_min64(sq->sq, r0 + FW_ATTN_PLAIN_ROWS);
     for (int64_t r = r0; r < r1; r++) {
         kt->cvt.to_f32(fw_elem(p->q, sq->q0 + r * p->qs[0] + h * p->qs[1]), p->q->dtype, p->qs[2], d,
-                   c->qscale, qrow);
+                   c->qscale * fw_attn_descale(p, 0, sq->index, kvh), qrow);
         if (p->rcos)
             fw_attn_rotate(p, kt, qrow, fw_attn_qpos(p, sq, r));
         int64_t lo, hi;

@@ -270,13 +270,28 @@ fw_status fw_attn_varlen_fwd(const fw_tensor *q, const fw_tensor *k, const fw_te
 
 /* ---------------------------------------------------------------- KV cache -- */
 
+/* An fp8 cache's new row of n elements from src (any float dtype, element stride ss):
+ * converted to f32, rotated at pos when rot, each divided by the descale and rounded to the
+ * cache's type at dst (element stride ds). */
+static void append_f8_row(const fw_attn_prob *p, const fw_kernels *kt, const fw_tensor *src, const char *a,
+                          int64_t n, int rot, int64_t pos, float descale, uint8_t *dst, int64_t ds)
+{
+    float row[FW_MAX_HEAD_DIM];
+    kt->cvt.to_f32(a, src->dtype, src->stride[2], n, 1.0f, row);
+    if (rot)
+        fw_attn_rotate(p, kt, row, pos);
+    for (int64_t x = 0; x < n; x++)
+        dst[x * ds] = fw_cvt_f32_f8(row[x] / descale, p->k->dtype);
+}
+
 /* Write each sequence's new rows at positions seqlens[i] .. seqlens[i] + n_i - 1; with a rotary
  * embedding the K rows are rotated on the way (converted to f32, rotated at their position,
- * stored in the cache's dtype). Runs after validation, so every destination exists and no
- * page is written by two sequences. */
+ * stored in the cache's dtype); an fp8 cache stores them divided by its descales. Runs after
+ * validation, so every destination exists and no page is written by two sequences. */
 static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
 {
     const size_t es = fw_dtype_size(p->k->dtype);
+    const int f8 = p->kdesc != NULL;
     float row_f32[FW_MAX_HEAD_DIM];
     uint16_t w[FW_MAX_HEAD_DIM];
     for (int64_t i = 0; i < p->batch; i++) {
@@ -290,10 +305,13 @@ static void append_rows(const fw_attn_prob *p, const fw_kernels *kt)
                 /* FW_KV_TILES (bf16): the row is staged in w, then scattered into its tiles */
                 const int64_t bs = p->tiles ? 1 : ds[2];
                 for (int64_t h = 0; h < p->hkv; h++) {
-                    const char *a = (const char *)src->data +
-                                    ((p->cuq[i] + r) * src->stride[0] + h * src->stride[1]) * (int64_t)es;
+                    const int64_t at = (p->cuq[i] + r) * src->stride[0] + h * src->stride[1];
+                    const char *a = (const char *)src->data + at * (int64_t)fw_dtype_size(src->dtype);
                     char *b = p->tiles ? (char *)w : (char *)dst->data + (row + h * ds[1]) * (int64_t)es;
-                    if (!v && p->rot_append) {
+                    if (f8)
+                        append_f8_row(p, kt, src, a, n, !v && p->rot_append, p->cache_len[i] + r,
+                                      fw_attn_descale(p, v, i, h), (uint8_t *)b, bs);
+                    else if (!v && p->rot_append) {
                         kt->cvt.to_f32(a, src->dtype, src->stride[2], n, 1.0f, row_f32);
                         fw_attn_rotate(p, kt, row_f32, p->cache_len[i] + r);
                         kt->cvt.from_f32(row_f32, n, b, dst->dtype, bs);

@@ -73,7 +73,8 @@ void fw_attn_plain_item(const run_ctx *c, const item *it, const fw_attn_seq *sq,
  * With attention sinks, the sink t = sinks[h] log2(e) joins the sum in the frame of
  * m = max(a, t), so neither side overflows: l' = l 2^(a-m) + 2^(t-m), out = o 2^(a-m) / l',
  * lse = (m + log2 l') ln 2 (a row that sees no key: out = 0, lse = sinks[h]); a NaN sink makes
- * the row NaN, as in the reference. Per row, in double, after the row's last product. */
+ * the row NaN, as in the reference. Per row, in double, after the row's last product. An fp8
+ * cache's V descale multiplies the row here. */
 static inline void fw_attn_store_row(const run_ctx *c, const fw_attn_seq *sq, int64_t h,
                                      int64_t pos, float *o, float a, float l)
 {
@@ -91,6 +92,8 @@ static inline void fw_attn_store_row(const run_ctx *c, const fw_attn_seq *sq, in
         inv = (float)(ea / den);
         lse = (m + log2(den)) * FW_LN2;
     }
+    if (p->vdesc)
+        inv *= fw_attn_descale(p, 1, sq->index, h / p->G);
     for (int64_t j = 0; j < p->dv; j++)
         o[j] *= inv;
     c->kt->cvt.from_f32(o, p->dv, (void *)fw_elem(p->out, sq->o0 + pos * p->os[0] + h * p->os[1]),

@@ -337,7 +337,8 @@ static fw_status kv_check_tensors(const fw_tensor *q, const fw_tensor *k_new, co
     const fw_tensor *kc = &cache->k, *vc = &cache->v;
     fw_status s;
     if ((s = fw_check_tensor(q, "q", 3, FW_DT_IN)) || (s = fw_check_tensor(out, "out", 3, dt_out)) ||
-        (s = fw_check_tensor(kc, "cache.k", 4, FW_DT_IN)) || (s = fw_check_tensor(vc, "cache.v", 4, FW_DT_IN)))
+        (s = fw_check_tensor(kc, "cache.k", 4, FW_DT_IN | FW_DT_F8)) ||
+        (s = fw_check_tensor(vc, "cache.v", 4, FW_DT_IN | FW_DT_F8)))
         return s;
     if (lse && (s = fw_check_tensor(lse, "lse", 2, (1u << FW_F32) | (ref ? 1u << FW_F64 : 0u))))
         return s;
@@ -371,7 +372,12 @@ static fw_status kv_check_tensors(const fw_tensor *q, const fw_tensor *k_new, co
     if (k_new) {
         if ((s = fw_check_tensor(k_new, "k_new", 3, FW_DT_IN)) || (s = fw_check_tensor(v_new, "v_new", 3, FW_DT_IN)))
             return s;
-        if (k_new->dtype != kc->dtype || v_new->dtype != kc->dtype)
+        const int f8 = (FW_DT_F8 >> kc->dtype) & 1;
+        if (f8 && k_new->dtype != v_new->dtype)
+            return fw_fail(FW_ERR_DTYPE, "k_new is %s but v_new is %s; they must match (an %s cache "
+                           "quantises either)", fw_dtype_name(k_new->dtype), fw_dtype_name(v_new->dtype),
+                           fw_dtype_name(kc->dtype));
+        if (!f8 && (k_new->dtype != kc->dtype || v_new->dtype != kc->dtype))
             return fw_fail(FW_ERR_DTYPE, "k_new/v_new (%s/%s) must have the cache's dtype %s",
                            fw_dtype_name(k_new->dtype), fw_dtype_name(v_new->dtype), fw_dtype_name(kc->dtype));
         if (k_new->shape[0] != q->shape[0] || k_new->shape[1] != hkv || k_new->shape[2] != d ||
@@ -383,6 +389,47 @@ static fw_status kv_check_tensors(const fw_tensor *q, const fw_tensor *k_new, co
     if ((s = fw_check_no_alias(out, "out")) || (lse && (s = fw_check_no_alias(lse, "lse"))) ||
         (k_new && ((s = fw_check_no_alias(kc, "cache.k")) || (s = fw_check_no_alias(vc, "cache.v")))))
         return s;
+    return FW_OK;
+}
+
+/* An fp8 cache's descales: both given, f32, each a scalar (rank 0 or [1]) or [batch, hkv],
+ * finite and > 0; other caches take none. */
+static fw_status kv_check_descales(const fw_kv_cache *cache, int64_t batch)
+{
+    const int f8 = (FW_DT_F8 >> cache->k.dtype) & 1;
+    const fw_tensor *t[2] = {cache->k_descale, cache->v_descale};
+    const char *names[2] = {"cache.k_descale", "cache.v_descale"};
+    if (!f8) {
+        if (t[0] || t[1])
+            return fw_fail(FW_ERR_ARG, "%s is set but the cache is %s: descales go with fp8 caches "
+                           "(FW_F8E4M3, FW_F8E5M2) only", t[0] ? names[0] : names[1],
+                           fw_dtype_name(cache->k.dtype));
+        return FW_OK;
+    }
+    const int64_t hkv = cache->k.shape[2];
+    for (int i = 0; i < 2; i++) {
+        if (!t[i])
+            return fw_fail(FW_ERR_NULL, "%s is NULL: an %s cache needs k_descale and v_descale (a "
+                           "scalar or [batch, hkv], f32)", names[i], fw_dtype_name(cache->k.dtype));
+        const int nd = t[i]->ndim;
+        fw_status s = fw_check_tensor(t[i], names[i], nd >= 0 && nd <= 2 ? nd : 2, 1u << FW_F32);
+        if (s)
+            return s;
+        const int scalar = nd == 0 || (nd == 1 && t[i]->shape[0] == 1);
+        if (!scalar && !(nd == 2 && t[i]->shape[0] == batch && t[i]->shape[1] == hkv))
+            return fw_fail(FW_ERR_SHAPE, "%s must be a scalar (rank 0 or [1]) or [batch, hkv] = "
+                           "[%lld, %lld]; it has rank %d, shape [%lld, %lld]", names[i], (long long)batch,
+                           (long long)hkv, nd, (long long)(nd > 0 ? t[i]->shape[0] : 0),
+                           (long long)(nd > 1 ? t[i]->shape[1] : 0));
+        const int64_t n = scalar ? 1 : batch * hkv;
+        for (int64_t e = 0; e < n; e++) {
+            const float x = ((const float *)t[i]->data)[scalar ? 0 : e / hkv * t[i]->stride[0] +
+                                                                    e % hkv * t[i]->stride[1]];
+            if (!(x > 0.0f) || !isfinite(x))
+                return fw_fail(FW_ERR_ARG, "%s holds %g (element %lld); a descale must be finite and "
+                               "> 0", names[i], (double)x, (long long)e);
+        }
+    }
     return FW_OK;
 }
 
@@ -515,6 +562,8 @@ static void kv_fill(fw_attn_prob *p, const fw_tensor *q, const fw_tensor *k_new,
         p->kpage = kc->stride[0]; p->vpage = vc->stride[0];
     }
     p->tiles = cache->layout == FW_KV_TILES;
+    p->kdesc = cache->k_descale;
+    p->vdesc = cache->v_descale;
     p->cache_len = cache->seqlens;
     p->leftpad = cache->leftpad;
     p->batch_idx = cache->batch_idx;
@@ -549,7 +598,7 @@ fw_status fw_attn_setup_kvcache(fw_attn_prob *p, const fw_tensor *q, const fw_te
         return fw_fail(FW_ERR_NULL, "cache.seqlens is NULL");
     int64_t shift = 0, bts = 0;
     if ((s = kv_check_layout(cache, batch, q->shape[2], cache->v.shape[3], &shift, &bts)) ||
-        (s = kv_check_seqs(cache, cuq, batch, k_new != NULL, bts)))
+        (s = kv_check_descales(cache, batch)) || (s = kv_check_seqs(cache, cuq, batch, k_new != NULL, bts)))
         return s;
     kv_fill(p, q, k_new, v_new, cuq, batch, cache, out, lse, shift, bts);
     return (s = setup_common(p, lse, params, ref)) ? s : setup_rotary(p, params);

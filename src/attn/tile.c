@@ -25,12 +25,14 @@ typedef struct {
     uint32_t *PW;
 } tile_ops;
 
-/* ST = bias + scores of the tile's nk keys against its M rows, in log2 units. */
-static void tile_qk(const run_ctx *c, const tile_ops *o, int nk, int M, const float *bias, float *ST)
+/* ST = bias + scores of the tile's nk keys against its M rows, in log2 units (bf16 products:
+ * qscale, the item's score multiplier, applied to the f32 scores). */
+static void tile_qk(const run_ctx *c, const tile_ops *o, int nk, int M, float qscale, const float *bias,
+                    float *ST)
 {
     const int d = (int)c->p->d, dw = (d + 1) / 2;
     if (c->p->bf16)
-        c->kt->mm.qk_bf16(nk, dw, M, o->KW, dw, o->QW, c->qscale, bias, ST);
+        c->kt->mm.qk_bf16(nk, dw, M, o->KW, dw, o->QW, qscale, bias, ST);
     else
         c->kt->mm.qk(nk, d, M, o->Kf, d, o->QT, bias, ST);
     if (c->cap2 > 0.0f)
@@ -61,6 +63,7 @@ typedef struct {
     const fw_attn_seq *sq;
     int G, d, dv, dw, bq, M, bf16, online, skip, folded;
     int64_t kvh, h0;      /* the K/V head, and the first q head */
+    float qscale;         /* the score multiplier: the call's, times an fp8 cache's K descale */
     int64_t p0, p1;       /* the chunk's positions [p0, p1), nt q tiles */
     int nt;
     float *QT, *OT, *A, *L, *bias, *zero, *lo, *hi, *pending, *ST, *Kf, *Vf, *orow;
@@ -94,6 +97,7 @@ static void tile_setup(tile_item *I, const run_ctx *c, const item *it, const fw_
     I->folded = !I->online && c->cap2 == 0.0f; /* the anchor rides in qk's bias */
     I->kvh = (c->flags & FW_ATTN_NO_GQA_PACK) ? it->head / p->G : it->head;
     I->h0 = (c->flags & FW_ATTN_NO_GQA_PACK) ? it->head : it->head * p->G;
+    I->qscale = c->qscale * fw_attn_descale(p, 0, sq->index, I->kvh);
     I->p0 = it->chunk * (int64_t)c->chunk * I->bq;
     I->p1 = fw_min64(sq->sq, I->p0 + (int64_t)c->chunk * I->bq);
     I->nt = (int)fw_ceil_div(I->p1 - I->p0, I->bq);
@@ -153,7 +157,7 @@ static tile_keys tile_pack_q(tile_item *I, int r)
             const int64_t pos = I->p0 + (int64_t)r * bq + i;
             const int m = g * bq + i;
             const char *src = fw_elem(p->q, I->sq->q0 + pos * p->qs[0] + (I->h0 + g) * p->qs[1]);
-            kt->cvt.to_f32(src, p->q->dtype, p->qs[2], d, I->bf16 ? 1.0f : I->c->qscale, I->orow);
+            kt->cvt.to_f32(src, p->q->dtype, p->qs[2], d, I->bf16 ? 1.0f : I->qscale, I->orow);
             if (p->rcos)
                 fw_attn_rotate(p, kt, I->orow, fw_attn_qpos(p, I->sq, pos));
             for (int k = 0; k < d; k++)
@@ -273,12 +277,12 @@ static void tile_attend(tile_item *I, int r, int64_t t0, int64_t t1)
         I->bias[m] = I->folded && A_r[m] != -INFINITY ? -A_r[m] : 0.0f;
     I->ops.QT = I->QT + (size_t)r * I->d * M;
     I->ops.QW = I->QW + (size_t)r * I->dw * M;
-    tile_qk(I->c, &I->ops, nk, M, I->bias, I->ST);
+    tile_qk(I->c, &I->ops, nk, M, I->qscale, I->bias, I->ST);
     fw_softmax_args sa = {nk, M, I->ST, A_r, L_r, boundary ? I->lo : NULL, boundary ? I->hi : NULL,
                           I->folded, I->online, OT_r, dv, I->pending};
     if (I->kt->attn.softmax(&sa)) {
         /* the static anchor's bound failed: replay this tile exactly, online */
-        tile_qk(I->c, &I->ops, nk, M, I->zero, I->ST);
+        tile_qk(I->c, &I->ops, nk, M, I->qscale, I->zero, I->ST);
         sa.folded = 0;
         sa.online = 1;
         I->kt->attn.softmax(&sa);

@@ -15,7 +15,7 @@ static void to_f32(const void *src, fw_dtype dt, int64_t stride, int64_t n, floa
     if (stride == 1)
         for (; i + VL <= n; i += VL)
             cvt_in_vec(src, dt, i, scale, dst);
-    else if (dt != FW_F32)
+    else if (dt == FW_BF16 || dt == FW_F16)
         for (; i + VL <= n;) {
             uint16_t h[CVT_BLOCK];
             const uint16_t *s = (const uint16_t *)src + i * stride;
@@ -26,13 +26,8 @@ static void to_f32(const void *src, fw_dtype dt, int64_t stride, int64_t n, floa
                 cvt_in_vec(h, dt, e, scale, dst + i);
             i += m;
         }
-    for (; i < n; i++) {
-        int64_t o = i * stride;
-        float x = dt == FW_F32 ? ((const float *)src)[o]
-                  : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)src)[o])
-                                  : fw_cvt_f16_f32(((const uint16_t *)src)[o]);
-        dst[i] = x * scale;
-    }
+    for (; i < n; i++)
+        dst[i] = fw_load_elem(src, dt, i * stride) * scale;
 }
 
 static void from_f32(const float *src, int64_t n, void *dst, fw_dtype dt, int64_t stride)

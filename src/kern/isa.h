@@ -84,8 +84,10 @@ static inline void vtranspose(vf *r);
 /* The lanes as VL / R rows of R, R = min(VL, 4): lanes R r .. R r + R - 1 to dst + r ld. */
 static inline void vstore_rows(float *dst, int64_t ld, vf t);
 
-/* ---- dtypes: f32, bf16 and f16 elements (fw_dtype) */
-/* VL elements of src from element i, as f32. */
+/* ---- dtypes: f32, bf16 and f16 elements (fw_dtype), and the 8-bit floats of KV caches */
+/* VL elements of src from element i, as f32; exact for every input dtype. The 8-bit floats
+ * may go through f16 bits: an e5m2 byte is the top byte of an f16, and an e4m3 byte s.e.m is
+ * the f16 s.0e.m0000000 times 2^8 (its NaN, e.m all ones, set apart). */
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i);
 /* (float)(a[i + l] - b[i + l]), the differences in double (b NULL: zeros). */
 static inline vf vload_dsub(const double *a, const double *b, int64_t i);

@@ -81,7 +81,17 @@ static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
     if (dt == FW_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))), 16));
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+    if (dt == FW_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+    /* 8-bit floats through f16 bits (kern/isa.h: vload_in) */
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)src + i)));
+    if (dt == FW_F8E5M2)
+        return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+    const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(w, 8), _mm_set1_epi16((short)0x8000)),
+                                   _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(0x3f80)));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)))),
+                         _mm256_set1_ps(256.0f));
 }
 
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)

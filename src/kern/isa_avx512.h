@@ -96,7 +96,17 @@ static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
         const __m256i w = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
         return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, idx, _mm512_castsi256_si512(w)));
     }
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+    if (dt == FW_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+    /* 8-bit floats through f16 bits (kern/isa.h: vload_in) */
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)src + i)));
+    if (dt == FW_F8E5M2)
+        return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16((short)0x8000)),
+                                      _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3f80)));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00))),
+                         _mm512_set1_ps(256.0f));
 }
 
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)

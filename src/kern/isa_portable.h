@@ -74,7 +74,9 @@ static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
         return ((const float *)src)[i];
     if (dt == FW_BF16)
         return fw_cvt_bf16_f32(((const uint16_t *)src)[i]);
-    return fw_cvt_f16_f32(((const uint16_t *)src)[i]);
+    if (dt == FW_F16)
+        return fw_cvt_f16_f32(((const uint16_t *)src)[i]);
+    return fw_cvt_f8_f32(((const uint8_t *)src)[i], dt);
 }
 
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)

@@ -40,9 +40,4 @@ static const float dec_iota[FW_DEC_KEYS] = {
     44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
 
 /* One element of dtype dt at index i of p, as f32. */
-FW_INLINE float load_as_f32(const void *p, fw_dtype dt, int64_t i)
-{
-    return dt == FW_F32 ? ((const float *)p)[i]
-           : dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)p)[i])
-                           : fw_cvt_f16_f32(((const uint16_t *)p)[i]);
-}
+FW_INLINE float load_as_f32(const void *p, fw_dtype dt, int64_t i) { return fw_load_elem(p, dt, i); }

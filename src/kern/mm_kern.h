@@ -175,7 +175,7 @@ static void pack_row_pairs(const float *x, int n, uint32_t *dst)
 static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW)
 {
     float row[2][FW_MAX_HEAD_DIM];
-    const size_t es = dt == FW_F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t es = fw_esize(dt);
     for (int w = 0; 2 * w < n; w++) {
         const char *e = (const char *)X + (size_t)2 * w * cols * es, *o = e + (size_t)cols * es;
         const int odd = 2 * w + 1 < n;

@@ -63,11 +63,18 @@ static void gather(const fw_attn_prob *p, const fw_attn_seq *sq, double *K, doub
                 }
             for (int64_t h = 0; h < p->hkv && !v && (p->rot_k || (p->rot_append && j >= cached)); h++) {
                 rotate(p, dst + h * n, sq->kpos + j);
-                for (int64_t x = 0; x < n && !p->rot_k; x++)
+                for (int64_t x = 0; x < n && !p->rot_k && !p->kdesc; x++)
                     dst[h * n + x] = rnd_dt(p->k->dtype, dst[h * n + x]);
             }
+            /* an fp8 cache: new rows as the append stores them (over the f32 descale, rounded
+             * to the cache's type; rotated keys from the double rotation); the stored values,
+             * exact in bf16, then times their descale */
+            for (int64_t x = 0; x < p->hkv * n && p->kdesc && j >= cached; x++) {
+                const float ds = fw_attn_descale(p, v, sq->index, x / n);
+                dst[x] = fw_cvt_f8_f32(fw_cvt_f32_f8((float)dst[x] / ds, p->k->dtype), p->k->dtype);
+            }
             for (int64_t x = 0; x < p->hkv * n; x++)
-                dst[x] = rnd(dst[x], p->bf16);
+                dst[x] = rnd(dst[x], p->bf16) * (p->kdesc ? fw_attn_descale(p, v, sq->index, x / n) : 1.0f);
         }
 }
 
