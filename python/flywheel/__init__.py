@@ -1,6 +1,7 @@
 """FlyWheel attention kernels in C, for CPUs: softmax attention (dense, varlen, paged KV cache)
-with flash-attn's calls, Gated DeltaNet and KDA with flash-linear-attention's calls, and the
-causal conv1d of the layers around them (causal-conv1d's calls; fla's in flywheel.fla).
+with flash-attn's calls, MLA decode with FlashMLA's (also in flywheel.mla), Gated DeltaNet and
+KDA with flash-linear-attention's calls, and the causal conv1d of the layers around them
+(causal-conv1d's calls; fla's in flywheel.fla).
 
     import torch, flywheel
     out = flywheel.flash_attn_func(q, k, v, causal=True)   # q [b, s, hq, d] torch or numpy
@@ -41,19 +42,20 @@ from .gated_delta import (GDNReplay, chunk_gated_delta_rule, fused_recurrent_gat
                           gated_delta_rule_commit, gated_delta_rule_decode,
                           gated_delta_rule_prefill, gated_delta_rule_verify)
 from .kda import chunk_kda, fused_recurrent_kda
+from .mla import flash_mla_with_kvcache, get_mla_metadata
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FlywheelDtypeError", "FlywheelError", "GDNReplay", "causal_conv1d_fn",
-    "causal_conv1d_update", "chunk_gated_delta_rule", "chunk_kda", "fla", "tpu",
+    "causal_conv1d_update", "chunk_gated_delta_rule", "chunk_kda", "fla", "mla", "tpu",
     "flash_attn_backward", "flash_attn_func", "flash_attn_varlen_backward",
     "flash_attn_varlen_func", "flash_attn_with_kvcache", "fused_conv1d_gdn",
     "fused_conv1d_kda", "fused_conv1d_gdn_replay", "fused_conv1d_kda_replay", "replay_record_dim",
     "kda_replay_record_dim", "next_replay_lens",
     "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
     "gated_delta_rule_commit", "gated_delta_rule_decode", "gated_delta_rule_prefill",
-    "gated_delta_rule_verify",
+    "gated_delta_rule_verify", "flash_mla_with_kvcache", "get_mla_metadata",
     "get_num_threads", "get_spin_us", "isa_tables", "default_isa", "auto_precision", "set_num_threads",
     "set_spin_us", "threading_mode", "use_openmp_threads", "use_own_threads",
 ]

@@ -201,6 +201,9 @@ _ATTN_OPTIONS = (
 )
 _LSE_FLAG = Arg("return_softmax_lse", "bool", False)
 _PRECISION = Arg("precision", "str?", None, dtype='None, "auto", "f32" or "bf16"')
+# attention sinks (gpt-oss; vLLM's flash-attn calls them s_aux): one logit per query head
+_SINKS = Arg("sinks", "Tensor?", None, shape="[hq]", dtype=FLOAT + " (other floating dtypes "
+             "as float32)")
 
 _VARLEN = (
     Arg("cu_seqlens_q", "Tensor", shape="[batch + 1]", dtype=INDEX),
@@ -263,7 +266,7 @@ CALLS = (
     Call("flash_attn_func", "attention", c=("fw_attn_fwd",),
          fast=Fast("attn_func",
                    ("q", "k", "v", "softmax_scale", "causal", "window_size", "softcap",
-                    THREADS, "out", "want_lse"),
+                    THREADS, "out", "want_lse", "sinks"),
                    when=(is_none("isa"), is_false("plain"), is_none("precision"),
                          is_false("rotary")),
                    c=("fw_attn_fwd", "fw_attn_params_init")),
@@ -271,7 +274,7 @@ CALLS = (
          args=(Arg("q", "Tensor", shape="[b, sq, hq, d]", dtype=FLOAT),
                Arg("k", "Tensor", shape="[b, sk, hkv, d]", dtype=FLOAT),
                Arg("v", "Tensor", shape="[b, sk, hkv, dv]", dtype=FLOAT))
-         + _ATTN_OPTIONS + (_LSE_FLAG, _PRECISION),
+         + _ATTN_OPTIONS + (_LSE_FLAG, _PRECISION, _SINKS),
          outputs=(Out("out", "(*q.shape[:3], v.shape[-1])", "q"),
                   Out("lse", "(q.shape[0], q.shape[2], q.shape[1])", "float32",
                       wanted_by="return_softmax_lse"))),
@@ -279,7 +282,7 @@ CALLS = (
          fast=Fast("attn_varlen",
                    ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                     "max_seqlen_k", "softmax_scale", "causal", "window_size", "softcap",
-                    THREADS, "out", "want_lse"),
+                    THREADS, "out", "want_lse", "sinks"),
                    when=(is_none("isa"), is_none("precision"), is_false("rotary")),
                    c=("fw_attn_varlen_fwd", "fw_attn_params_init")),
          op=True, result="wanted", out_after="max_seqlen_k",
@@ -287,7 +290,7 @@ CALLS = (
          args=(Arg("q", "Tensor", shape="[total_q, hq, d]", dtype=FLOAT),
                Arg("k", "Tensor", shape="[total_k, hkv, d]", dtype=FLOAT),
                Arg("v", "Tensor", shape="[total_k, hkv, dv]", dtype=FLOAT))
-         + _VARLEN + _ATTN_OPTIONS + (_LSE_FLAG, _PRECISION),
+         + _VARLEN + _ATTN_OPTIONS + (_LSE_FLAG, _PRECISION, _SINKS),
          outputs=(Out("out", "(*q.shape[:2], v.shape[-1])", "q"),
                   Out("lse", "(q.shape[1], q.shape[0])", "float32",
                       wanted_by="return_softmax_lse"))),
@@ -298,7 +301,7 @@ CALLS = (
                Arg("v", "Tensor", shape="[b, sk, hkv, dv]", dtype=FLOAT),
                Arg("out", "Tensor", shape="[b, sq, hq, dv]", dtype=FLOAT),
                Arg("softmax_lse", "Tensor", shape="[b, hq, sq]", dtype=F32))
-         + _ATTN_OPTIONS + (_PRECISION,),
+         + _ATTN_OPTIONS + (_PRECISION, _SINKS),
          outputs=(Out("dq", "tuple(q.shape)", "q"), Out("dk", "tuple(k.shape)", "k"),
                   Out("dv", "tuple(v.shape)", "v"))),
     Call("flash_attn_varlen_backward", "attention", c=("fw_attn_varlen_bwd",), op=True,
@@ -309,14 +312,14 @@ CALLS = (
                Arg("v", "Tensor", shape="[total_k, hkv, dv]", dtype=FLOAT),
                Arg("out", "Tensor", shape="[total_q, hq, dv]", dtype=FLOAT),
                Arg("softmax_lse", "Tensor", shape="[hq, total_q]", dtype=F32))
-         + _VARLEN + _ATTN_OPTIONS + (_PRECISION,),
+         + _VARLEN + _ATTN_OPTIONS + (_PRECISION, _SINKS),
          outputs=(Out("dq", "tuple(q.shape)", "q"), Out("dk", "tuple(k.shape)", "k"),
                   Out("dv", "tuple(v.shape)", "v"))),
     Call("flash_attn_with_kvcache", "attention", c=("fw_attn_kvcache_fwd",),
          fast=Fast("attn_kvcache",
                    ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table",
                     "softmax_scale", "causal", "window_size", "softcap", THREADS, "out",
-                    "layout"),
+                    "layout", "sinks"),
                    when=(is_false("return_softmax_lse"), is_none("cu_seqlens_q"),
                          is_none("isa"), is_none("precision"), is_none("rotary_cos"),
                          is_none("rotary_sin"), is_none("cache_leftpad"),
@@ -347,11 +350,29 @@ CALLS = (
             Arg("rotary_interleaved", "bool", True),
             Arg("cache_leftpad", "Tensor?", None, shape="[b]", dtype=INDEX),
             Arg("cache_batch_idx", "Tensor?", None, shape="[b]", dtype=INDEX),
-            Arg("cache_layout", "str", "rows", dtype='"rows" or "tiles"')),
+            Arg("cache_layout", "str", "rows", dtype='"rows" or "tiles"'),
+            _SINKS),
          outputs=(Out("out", "(*q.shape[:-1], v_cache.shape[-1])", "q"),
                   Out("lse", "(q.shape[1], q.shape[0]) if cu_seqlens_q is not None else "
                              "(q.shape[0], q.shape[2], q.shape[1])", "float32",
                       wanted_by="return_softmax_lse"))),
+    # ------------------------------------------------------------------- MLA (FlashMLA's)
+    Call("flash_mla_with_kvcache", "mla", c=("fw_attn_kvcache_fwd",),
+         exported=("flywheel", "flywheel.mla"), op=True, result="all",
+         out_after="head_dim_v", mutates=("k_cache",),
+         args=(Arg("q", "Tensor", shape="[b, sq, hq, d_qk]", dtype=FLOAT),
+               Arg("k_cache", "Tensor", shape="[num_pages, page_size, 1, d_qk]",
+                   dtype=FLOAT + ", written where k_new is given"),
+               Arg("block_table", "Tensor", shape="[b, max_pages]", dtype=INDEX),
+               Arg("cache_seqlens", "Tensor", shape="[b]", dtype=INDEX),
+               Arg("head_dim_v", "SymInt"),
+               Arg("softmax_scale", "float?", None, dtype="default d_qk^-1/2"),
+               Arg("causal", "bool", False),
+               Arg("k_new", "Tensor?", None, shape="[b, sq, 1, d_qk]", dtype=FLOAT),
+               _PRECISION),
+         outputs=(Out("out", "(*q.shape[:-1], head_dim_v)", "q"),
+                  Out("lse", "(q.shape[0], q.shape[2], q.shape[1])", "float32"))),
+    Call("get_mla_metadata", "mla", exported=("flywheel", "flywheel.mla")),
     # -------------------------------------------------------------------- Gated DeltaNet
     Call("chunk_gated_delta_rule", "gated_delta", c=("fw_gdn_prefill",), op=True,
          result="all", out_after="beta",

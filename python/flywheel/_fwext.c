@@ -499,6 +499,21 @@ static int attn_params(PyObject *scale, PyObject *causal, PyObject *window, PyOb
     return OK;
 }
 
+/* attention sinks [hq] (None: none) into p: f32, bf16 or f16, any stride, read in place (the
+ * library checks the length); another dtype goes the Python way, which converts it */
+static int get_sinks(PyObject *o, arr *s, fw_attn_params *p)
+{
+    if (o == Py_None)
+        return OK;
+    int rc = get_arr(o, s);
+    if (rc != OK)
+        return rc;
+    if (s->dtype == FW_INT32 || s->t.ndim != 1)
+        return DECLINE;
+    p->sinks = &s->t;
+    return OK;
+}
+
 /* The end of a fast call: NotImplemented (or the Python error) where it declined, else out,
  * or (out, lse) when lse is not NULL. Takes over the references to out and lse. */
 static PyObject *finish(int rc, PyObject *out, PyObject *lse)
@@ -547,14 +562,14 @@ static int get_out(PyObject *given, PyObject *like, int torch, const int64_t *sh
 
 /* ------------------------------------------------------------ attention calls -- */
 
-/* flash_attn_func(q, k, v, scale, causal, window, softcap, threads, out, want_lse)
+/* flash_attn_func(q, k, v, scale, causal, window, softcap, threads, out, want_lse, sinks)
  *   -> out, or (out, lse) with want_lse; q/k/v [b, s, h, d] */
 static PyObject *attn_func(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 10, "attn_func"))
+    if (!nargs(n, 11, "attn_func"))
         return NULL;
-    arr q, k, v, o, l;
+    arr q, k, v, o, l, sk;
     PyObject *out = NULL, *lse = NULL;
     fw_attn_params p;
     int rc = OK;
@@ -566,6 +581,7 @@ static PyObject *attn_func(PyObject *self, PyObject *const *a, Py_ssize_t n)
         TRY(DECLINE);
     const int64_t b = q.t.shape[0], sq = q.t.shape[1], hq = q.t.shape[2], dv = v.t.shape[3];
     TRY(attn_params(a[3], a[4], a[5], a[6], a[7], q.t.shape[3], &p));
+    TRY(get_sinks(a[10], &sk, &p));
     const int64_t os[4] = {b, sq, hq, dv}, ls[3] = {b, hq, sq};
     TRY(get_out(a[8], a[0], q.torch, os, 4, elem_size(q.t.dtype), 0, same_dense(&q.t, os, 4), &out,
                 &o));
@@ -593,13 +609,13 @@ static int64_t longest(const fw_tensor *cu)
 }
 
 /* flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap,
- *   threads, out, want_lse) -> out or (out, lse); q/k/v [total, h, d] */
+ *   threads, out, want_lse, sinks) -> out or (out, lse); q/k/v [total, h, d] */
 static PyObject *attn_varlen(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 14, "attn_varlen"))
+    if (!nargs(n, 15, "attn_varlen"))
         return NULL;
-    arr q, k, v, cq, ck, o, l;
+    arr q, k, v, cq, ck, o, l, sk;
     PyObject *out = NULL, *lse = NULL;
     fw_attn_params p;
     long long maxq, maxk;
@@ -620,6 +636,7 @@ static PyObject *attn_varlen(PyObject *self, PyObject *const *a, Py_ssize_t n)
         TRY(DECLINE);
     const int64_t tq = q.t.shape[0], hq = q.t.shape[1], dv = v.t.shape[2];
     TRY(attn_params(a[7], a[8], a[9], a[10], a[11], q.t.shape[2], &p));
+    TRY(get_sinks(a[14], &sk, &p));
     const int64_t os[3] = {tq, hq, dv}, ls[2] = {hq, tq};
     TRY(get_out(a[12], a[0], q.torch, os, 3, elem_size(q.t.dtype), 0, same_dense(&q.t, os, 3), &out,
                 &o));
@@ -640,14 +657,14 @@ done:
 #define MAX_BATCH 4096
 
 /* flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
- *   causal, window, softcap, threads, out, layout) -> out; q [b, sq, hq, d], no lse, not
- *   packed; layout: fw_kv_layout */
+ *   causal, window, softcap, threads, out, layout, sinks) -> out; q [b, sq, hq, d], no lse,
+ *   not packed; layout: fw_kv_layout */
 static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     (void)self;
-    if (!nargs(n, 14, "attn_kvcache"))
+    if (!nargs(n, 15, "attn_kvcache"))
         return NULL;
-    arr q, kc, vc, kn, vn, sl, bt, o;
+    arr q, kc, vc, kn, vn, sl, bt, o, sk;
     PyObject *out = NULL;
     fw_attn_params p;
     fw_kv_cache cache;
@@ -702,6 +719,7 @@ static PyObject *attn_kvcache(PyObject *self, PyObject *const *a, Py_ssize_t n)
     for (int64_t i = 0; i <= b; i++)
         cu[i] = (int32_t)(i * sq);
     TRY(attn_params(a[7], a[8], a[9], a[10], a[11], q.t.shape[3], &p));
+    TRY(get_sinks(a[14], &sk, &p));
     const int64_t os[4] = {b, sq, hq, dv};
     const int same = same_dense(&q.t, os, 4);
     TRY(merge01(&q.t));

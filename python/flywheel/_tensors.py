@@ -229,6 +229,17 @@ def to_numpy_f32(x, name):
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def small_float_array(x, name):
+    """A small float operand the library reads in any of its dtypes (attention sinks):
+    float32, bfloat16 or float16 as float_array takes it (in place, any stride); another
+    floating dtype (float64) or a list as a contiguous float32 copy (to_numpy_f32, which
+    raises TypeError for the rest)."""
+    if (is_torch(x) and _torch_code(x) is not None) or \
+            (isinstance(x, np.ndarray) and x.dtype in _NP_CODES):
+        return float_array(x, name)
+    return to_numpy_f32(x, name)
+
+
 def index_array(x, name):
     """An int32 index operand (cu_seqlens, block tables, lengths, slots) as a contiguous int32
     numpy array; a copy unless it already is one. Accepts lists, numpy and torch."""

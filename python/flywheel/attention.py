@@ -12,12 +12,14 @@ Shapes (b batch, s sequence, h heads, d head dim; hkv divides hq: GQA/MQA):
     flash_attn_varlen_backward  the same for flash_attn_varlen_func
 Backward: flash_attn_func and flash_attn_varlen_func are differentiable for torch tensors
 that require grad (a torch.autograd.Function: the forward saves out and lse, the backward is
-the library's fw_attn_bwd, f32 products); numpy users call the *_backward functions.
+the library's fw_attn_bwd, f32 products; the gradient of sinks too where it requires grad);
+numpy users call the *_backward functions.
 Causal masks and windows are aligned bottom-right, as in flash-attn >= 2.1. Rows that see no
-key give 0 (and lse -inf). Inputs are numpy arrays or torch CPU tensors in float32, bfloat16
-(ml_dtypes.bfloat16 or torch.bfloat16) or float16, with any non-negative element strides;
-they are read in place. Outputs have q's dtype and family (numpy or torch) and are
-contiguous. Accumulation is float32.
+key give 0 (and lse -inf, or the sink with attention sinks: sinks= / s_aux=, [hq] logits that
+join every row's softmax denominator, lse included). Inputs are numpy arrays or torch CPU
+tensors in float32, bfloat16 (ml_dtypes.bfloat16 or torch.bfloat16) or float16, with any
+non-negative element strides; they are read in place. Outputs have q's dtype and family
+(numpy or torch) and are contiguous. Accumulation is float32.
 
 Errors: TypeError for a dtype the library does not take (float64, integers, q and k of
 different dtypes: FlywheelDtypeError when the library finds it); ValueError for bad shapes
@@ -41,7 +43,7 @@ _fast_kvcache = _lib.fast_call("flash_attn_with_kvcache")
 
 
 def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=False,
-            precision=None):
+            precision=None, sinks=None):
     p = _lib.AttnParams()
     d = q.shape[-1]
     if softmax_scale is None:
@@ -65,7 +67,24 @@ def _params(q, softmax_scale, causal, window_size, softcap, isa=None, plain=Fals
     p.isa = _lib.isa_name(isa)
     p.flags = _lib.ATTN_PLAIN if plain else 0
     p.precision = _lib.precision(precision)
+    if sinks is not None:
+        # [hq] (the library checks the length): float32, bfloat16 or float16 read in place,
+        # any stride; another floating dtype (float64) as a float32 copy
+        s = T.small_float_array(T.detach(sinks), "sinks")
+        t = T.describe(s)
+        p.sinks = ctypes.pointer(t)
+        p.keep_sinks = (s, t)  # alive for the length of the call
     return p
+
+
+def _sinks_arg(sinks, s_aux):
+    """The sinks of a call: sinks= or s_aux= (its name in vLLM's flash-attn), not both."""
+    if s_aux is None:
+        return sinks
+    if sinks is not None:
+        raise ValueError("sinks and s_aux are one argument (s_aux is vLLM's name for it): "
+                         "pass one of them")
+    return s_aux
 
 
 def _rotary(p, rotary_cos, rotary_sin, interleaved, q_only=False):
@@ -134,7 +153,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_softmax_lse=False, out=None, isa=None,
                     plain=False, precision=None, rotary_cos=None, rotary_sin=None,
-                    rotary_interleaved=False, rotary_k=True):
+                    rotary_interleaved=False, rotary_k=True, sinks=None, s_aux=None):
     """Dense attention forward, flash-attn's `flash_attn_func`.
 
     q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] -> out [b, sq, hq, dv].
@@ -154,9 +173,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     position j and query i at sk - sq + i (so sq <= sk) as the kernels read them; q and k are
     not written. rotary_interleaved: GPT-J pairs instead of GPT-NeoX halves; rotary_k=False
     rotates q only. Not differentiable (NotImplementedError with grad).
+    sinks [hq] (or s_aux, vLLM's name; not both): attention sinks, one logit per query head
+    (gpt-oss) that joins every row's softmax denominator: out = sum_j e^s_j v_j /
+    (sum_j e^s_j + e^sinks[h]); lse includes the sink, a row that sees no key gives out 0 and
+    lse sinks[h]. Any floating dtype (float32, bfloat16, float16 read in place, others as a
+    float32 copy), numpy or torch.
     Torch tensors that require grad (with grad enabled) make the call differentiable: the
-    gradients of q, k, v come from flash_attn_backward (the saved out and lse; lse itself is
-    not differentiable); out= is refused then.
+    gradients of q, k, v (and of sinks, where it requires grad) come from flash_attn_backward
+    (the saved out and lse; lse itself is not differentiable); out= is refused then.
     Not supported (NotImplementedError): dropout, ALiBi, non-CPU tensors.
     """
     _unsupported(dropout_p, alibi_slopes)
@@ -164,12 +188,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     want_lse = return_softmax_lse or return_attn_probs
     rotary = rotary_cos is not None or rotary_sin is not None
-    if T.wants_grad(q, k, v):
+    sinks = _sinks_arg(sinks, s_aux)
+    if T.wants_grad(q, k, v, sinks):
         _no_grad_out(out)
         _no_grad_rotary(rotary)
         from . import _autograd
-        r = _autograd.dense(q, k, v, softmax_scale, causal, window_size, softcap, isa, plain,
-                            precision)
+        r = _autograd.dense(q, k, v, sinks, softmax_scale, causal, window_size, softcap, isa,
+                            plain, precision)
         return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
     r = _fast_func(locals())
     if r is not NotImplemented:
@@ -182,7 +207,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     dv = v.shape[-1]
     out = T.output(out, q, (b, sq, hq, dv))
     lse = T.empty_like_family(q, (b, hq, sq), "float32") if want_lse else None
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision, sinks)
     _rotary(p, rotary_cos, rotary_sin, rotary_interleaved, not rotary_k)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
@@ -235,7 +260,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None, *,
                            return_softmax_lse=False, out=None, isa=None, precision=None,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                           rotary_k=True):
+                           rotary_k=True, sinks=None, s_aux=None):
     """Packed variable-length attention, flash-attn's `flash_attn_varlen_func`.
 
     q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv]; cu_seqlens_q/k: batch + 1
@@ -247,18 +272,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     in flash_attn_func. block_table (paged K/V) is not supported here: use
     flash_attn_with_kvcache. Differentiable for torch tensors that require grad, as
     flash_attn_func (flash_attn_varlen_backward). rotary_*: as in flash_attn_func, positions
-    per sequence.
+    per sequence. sinks / s_aux [hq]: as in flash_attn_func.
     """
     _unsupported(dropout_p, alibi_slopes, block_table=block_table)
     return_softmax_lse, return_attn_probs = bool(return_softmax_lse), bool(return_attn_probs)
     want_lse = return_softmax_lse or return_attn_probs
     rotary = rotary_cos is not None or rotary_sin is not None
-    if T.wants_grad(q, k, v):
+    sinks = _sinks_arg(sinks, s_aux)
+    if T.wants_grad(q, k, v, sinks):
         _no_grad_out(out)
         _no_grad_rotary(rotary)
         from . import _autograd
-        r = _autograd.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             softmax_scale, causal, window_size, softcap, isa, precision)
+        r = _autograd.varlen(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, softmax_scale, causal, window_size, softcap, isa,
+                             precision)
         return _pack(*r, return_softmax_lse, return_attn_probs) if want_lse else r[0]
     r = _fast_varlen(locals())
     if r is not NotImplemented:
@@ -272,7 +299,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total_q, hq, _ = q.shape
     out = T.output(out, q, (total_q, hq, v.shape[-1]))
     lse = T.empty_like_family(q, (hq, total_q), "float32") if want_lse else None
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision,
+                sinks=sinks)
     _rotary(p, rotary_cos, rotary_sin, rotary_interleaved, not rotary_k)
     tq, tk, tv, to = T.describe(q), T.describe(k), T.describe(v), T.describe(out)
     tl = T.describe(lse) if want_lse else None
@@ -287,7 +315,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, cu_seqlens_q=None, out=None,
-                            isa=None, precision=None, cache_layout="rows"):
+                            isa=None, precision=None, cache_layout="rows", sinks=None,
+                            s_aux=None):
     """Append to a K/V cache and attend, flash-attn's `flash_attn_with_kvcache`.
 
     q [b, sq, hq, d] (sq = 1 is decode; more is chunked prefill or speculative decode).
@@ -326,6 +355,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     layout (paged bf16 caches, page_size, d and dv multiples of 32, each [page_size, d] block
     of a (page, head) dense, stored in the order AMX's tile products load it; FW_KV_TILES in
     flywheel.h has the element order): vLLM's cache read in place, and k, v appended in it.
+    sinks / s_aux [hq]: attention sinks, as in flash_attn_func (a split decode adds the sink
+    once, after merging its ranges).
     Not supported (NotImplementedError): ALiBi, k without v.
     """
     _unsupported(0.0, alibi_slopes)
@@ -336,6 +367,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError("k and v must be given together")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required (the tokens each sequence already holds)")
+    sinks = _sinks_arg(sinks, s_aux)
     r = _fast_kvcache(locals())
     if r is not NotImplemented:
         return r
@@ -411,7 +443,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = T.output(out, q, (q.shape[0], q.shape[1], hq, vc.shape[-1]))
         out3 = T.merged_view(out, "out")
     lse = T.empty_like_family(q, (hq, total_q), "float32") if return_softmax_lse else None
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, precision=precision,
+                sinks=sinks)
     _rotary(p, rotary_cos, rotary_sin, rotary_interleaved)
     tk = T.describe(kn) if kn is not None else None
     tv = T.describe(vn) if vn is not None else None
@@ -425,6 +458,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return out, lse
 
 
+def _dsinks(p, dsinks):
+    """The sinks' gradient output of a backward call into params p (fw_attn_params.dsinks):
+    the caller's [hq] float32 array, written in place (the library checks it)."""
+    if dsinks is not None:
+        d = T.check_writable(T.float_array(dsinks, "dsinks", inplace=True), "dsinks")
+        t = T.describe(d)
+        p.dsinks = ctypes.pointer(t)
+        p.keep_dsinks = (d, t)
+
+
 def _grad_outputs(dq, dk, dv, q, k, v):
     return (T.output(dq, q, tuple(q.shape), name="dq"), T.output(dk, k, tuple(k.shape), name="dk"),
             T.output(dv, v, tuple(v.shape), name="dv"))
@@ -432,7 +475,7 @@ def _grad_outputs(dq, dk, dv, q, k, v):
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None,
                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, *,
-                        isa=None, plain=False, precision=None):
+                        isa=None, plain=False, precision=None, sinks=None, dsinks=None):
     """Gradients of flash_attn_func: (dq, dk, dv), flash-attn's `_flash_attn_backward`.
 
     dout [b, sq, hq, dv] (the gradient of out); q, k, v, out and softmax_lse [b, hq, sq]
@@ -444,6 +487,9 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=No
     flywheel.auto_precision says so: P and dS rounded to bf16 before their products, as
     flash-attn does), "f32" or "bf16". plain=True runs the
     row-at-a-time f32 baseline. Inputs are read in place (torch tensors are detached).
+    sinks: the forward's attention sinks [hq] (softmax_lse includes them). dsinks: an existing
+    [hq] float32 array, written in place with the gradient of sinks (summed over the batch and
+    rows: dsinks[h] = -sum_rows exp(sinks[h] - lse) sum(dout * out)); it needs sinks.
     """
     dout, q, k, v, out, lse = (T.float_array(T.detach(x), n) for x, n in (
         (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (softmax_lse, "softmax_lse")))
@@ -451,7 +497,8 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=No
         raise ValueError(f"dout, q, k, v, out must be 4-D and softmax_lse [b, hq, sq], got shapes "
                          f"{[tuple(x.shape) for x in (dout, q, k, v, out, lse)]}")
     dq, dk, dv = _grad_outputs(dq, dk, dv, q, k, v)
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision, sinks)
+    _dsinks(p, dsinks)
     _lib.check(_lib.lib.fw_attn_bwd(*(T.describe(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)),
                                     p))
     return dq, dk, dv
@@ -460,12 +507,14 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=No
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, dq=None, dk=None, dv=None,
                                softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0, *, isa=None, plain=False, precision=None):
+                               softcap=0.0, *, isa=None, plain=False, precision=None,
+                               sinks=None, dsinks=None):
     """Gradients of flash_attn_varlen_func: (dq, dk, dv), as flash_attn_backward.
 
     dout [total_q, hq, dv]; q, k, v, out as flash_attn_varlen_func took and returned them;
     softmax_lse [hq, total_q] float32; cu_seqlens_q / cu_seqlens_k its offsets (checked as
-    there). A sequence without queries gets dk = dv = 0, one without keys dq = 0.
+    there). A sequence without queries gets dk = dv = 0, one without keys dq = 0. sinks,
+    dsinks: as in flash_attn_backward.
     """
     dout, q, k, v, out, lse = (T.float_array(T.detach(x), n) for x, n in (
         (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (softmax_lse, "softmax_lse")))
@@ -474,7 +523,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
                          f"shapes {[tuple(x.shape) for x in (dout, q, k, v, out, lse)]}")
     cq, ck = _varlen_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     dq, dk, dv = _grad_outputs(dq, dk, dv, q, k, v)
-    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision)
+    p = _params(q, softmax_scale, causal, window_size, softcap, isa, plain, precision, sinks)
+    _dsinks(p, dsinks)
     t = [T.describe(x) for x in (q, k, v, out, dout, lse)]
     _lib.check(_lib.lib.fw_attn_varlen_bwd(*t, T.ptr(cq), T.ptr(ck), cq.size - 1, T.describe(dq),
                                            T.describe(dk), T.describe(dv), p))

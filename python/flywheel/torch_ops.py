@@ -40,7 +40,8 @@ Choices where the Python calls differ:
     return_attn_probs, num_splits, the varlen call's
     block_table, gk / gv, state_v_first, cp_context), the kernel-selection knobs isa= and
     plain= (FLYWHEEL_ISA selects the table for every call), and the rotary_* of the dense and
-    varlen ops (their Python calls take them; the cache ops take flash-attn's).
+    varlen ops (their Python calls take them; the cache ops take flash-attn's), and s_aux
+    (the attention ops take it by its other name, sinks).
   * flash_attn_with_kvcache(_out) declares k_cache and v_cache written; they are written
     only when k and v are given (a schema cannot say "sometimes"), so under torch.compile a
     call without k, v is treated as a write too (functionalization may copy the caches).
@@ -52,14 +53,16 @@ Choices where the Python calls differ:
     call) and state_indices (the verify call's; default 0..N-1). HV, K, V come from state.
   * Backward. flash_attn_func and flash_attn_varlen_func are differentiable: their autograd
     formula calls the ops flash_attn_backward / flash_attn_varlen_backward (the description's
-    `backward`), from the
-    saved q, k, v, out and lse. Without return_softmax_lse the forward did not compute lse,
-    and the backward runs the forward once more for it: pass return_softmax_lse=True when
-    training. The other functional ops register a formula whose backward raises
-    NotImplementedError ("... is forward-only"); torch takes no formula for ops that write
-    in place, so a backward through those raises torch's RuntimeError ("no autograd formula
-    was registered"). The forward itself runs with inputs that require grad (inside the op
-    grad mode is off, so the Python calls' requires-grad check does not fire).
+    `backward`), from the saved q, k, v, out and lse. The gradient of sinks (the attention
+    sinks, where they require grad) is the library's formula in torch ops,
+    -sum_rows exp(sinks - lse) x sum(dout o out) (the backward ops return dq, dk, dv only).
+    Without return_softmax_lse the forward did not compute lse, and the backward runs the
+    forward once more for it: pass return_softmax_lse=True when training. The other
+    functional ops register a formula whose backward raises NotImplementedError ("... is
+    forward-only"); torch takes no formula for ops that write in place, so a backward through
+    those raises torch's RuntimeError ("no autograd formula was registered"). The forward
+    itself runs with inputs that require grad (inside the op grad mode is off, so the Python
+    calls' requires-grad check does not fire).
   * CPU tensors only (device_types="cpu"); numpy arrays are for the Python calls.
 """
 
@@ -272,27 +275,41 @@ def _attn_lse(name, q, k, v, out, lse, args):
     return fwd(q, k, v, *args)
 
 
+def _attn_grads(ctx, grads, sinks, dout, out, lse):
+    """The gradients of every input of an attention op: dq, dk, dv, None for the options, and
+    that of sinks (its last input) where it is wanted, by the library's formula
+    dsinks[h] = -sum over the rows of exp(sinks[h] - lse) x sum(dout o out), from lse
+    [b, hq, sq] or [hq, total_q] (torch ops, so that torch.compile traces it)."""
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[2 + len(ctx.options)]:
+        D = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # laid out as lse
+        rows = [i for i in range(lse.dim()) if i != lse.dim() - 2]
+        dsinks = -(torch.exp(sinks.float()[:, None] - lse) * D).sum(rows).to(sinks.dtype)
+    return tuple(grads) + (None,) * (len(ctx.options) - 1) + (dsinks,)
+
+
 def _flash_attn_func_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    scale, causal, left, right, softcap, _, precision = ctx.options
+    scale, causal, left, right, softcap, _, precision, sinks = ctx.options
     out, lse = _attn_lse("flash_attn_func", q, k, v, out, lse,
-                         (scale, causal, left, right, softcap, True, precision))
+                         (scale, causal, left, right, softcap, True, precision, sinks))
     grads = getattr(torch.ops, NAMESPACE).flash_attn_backward(dout, q, k, v, out, lse, scale,
                                                               causal, left, right, softcap,
-                                                              precision)
-    return tuple(grads) + (None,) * len(ctx.options)
+                                                              precision, sinks)
+    return _attn_grads(ctx, grads, sinks, dout, out, lse)
 
 
 def _flash_attn_varlen_func_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, _, precision = ctx.options
+    (cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, _, precision,
+     sinks) = ctx.options
     out, lse = _attn_lse("flash_attn_varlen_func", q, k, v, out, lse,
                          (cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, True,
-                          precision))
+                          precision, sinks))
     grads = getattr(torch.ops, NAMESPACE).flash_attn_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap,
-        precision)
-    return tuple(grads) + (None,) * len(ctx.options)
+        precision, sinks)
+    return _attn_grads(ctx, grads, sinks, dout, out, lse)
 
 
 # the autograd formula of each op a description's `backward` names

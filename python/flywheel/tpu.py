@@ -41,6 +41,11 @@ softcap * tanh(softmax_scale * q.k / softcap); softmax_scale defaults to 1 / sqr
 that see no key give out 0 and lse -inf, as do padding rows (past cu_seqlens_q[-1], or past
 num_active) and rows of requests past num_active (which append nothing).
 
+Attention sinks (flywheel's extension, as its flash-attn calls take them): sinks= (or s_aux=,
+vLLM's name) [hq], any floating dtype, one logit per query head that joins every row's softmax
+denominator; lse includes it, and a row of a sequence that sees no key gives out 0 and lse
+sinks[h]. Padding rows and rows past num_active belong to no sequence: out 0, lse -inf still.
+
 Arrays: numpy arrays, torch CPU tensors or JAX arrays, in float32, bfloat16 or float16
 (the original takes bfloat16 only; flywheel takes more). Inputs are read in place (JAX arrays
 through DLPack, or numpy where DLPack has no code for the dtype, e.g. bfloat16). Results come
@@ -220,6 +225,11 @@ def _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k):
                 rotary_interleaved=rotary_interleaved, rotary_k=rotary_k)
 
 
+def _sinks(sinks, s_aux):
+    """The attention sinks of a call (sinks= or its alias s_aux=, not both), a host array."""
+    return _host(_attn._sinks_arg(sinks, s_aux), "sinks")
+
+
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k):
     """The original's rule: positive static bounds (they only size its tiles, so an
     underestimate is not an error there, nor here); returns them as ints."""
@@ -356,7 +366,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     deterministic=False, return_attn_probs=False, return_softmax_lse=False,
                     interpret=False, head_dim=None, token_major=False, *, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved=False, rotary_k=True,
-                    heads_outer_fold=False):
+                    heads_outer_fold=False, sinks=None, s_aux=None):
     """Dense attention in the original FlyWheel's layouts.
 
     Head-major (default): q [b, hq, sq, d], k [b, hkv, sk, d], v [b, hkv, sk, dv] ->
@@ -369,9 +379,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2]: fused RoPE as in the original (key j
     at position j, query i at sk - sq + i; rotary_k=False rotates q only), any rotary_dim
     <= d (the original takes full-head tables only).
+    sinks / s_aux [hq]: attention sinks (flywheel's extension; see the module docstring).
     """
     del interpret, deterministic  # no effect here (see above)
     window = _common(window_size, dropout_p, softcap, alibi_slopes, return_attn_probs)
+    sinks = _sinks(sinks, s_aux)
     if attention_chunk is not None:
         raise NotImplementedError("attention_chunk is not supported")
     if type(heads_outer_fold) is not bool:
@@ -413,7 +425,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         fout = _perm(out, axes)
     r = _attn.flash_attn_func(fq, fk, fv, softmax_scale=softmax_scale, causal=causal,
                               window_size=window, softcap=softcap,
-                              return_softmax_lse=return_softmax_lse, out=fout, **rotary)
+                              return_softmax_lse=return_softmax_lse, out=fout, sinks=sinks,
+                              **rotary)
     if return_softmax_lse:
         return _export(out, jax_out), _export(r[1], jax_out)
     return _export(out, jax_out)
@@ -438,7 +451,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_softmax_lse=False, interpret=False, head_dim=None,
                            token_major=False, block_sizes=None, *, rotary_cos=None,
                            rotary_sin=None, rotary_interleaved=False, rotary_k=True,
-                           block_table=None, seqused_k=None, num_active=None):
+                           block_table=None, seqused_k=None, num_active=None, sinks=None,
+                           s_aux=None):
     """Packed variable-length attention in the original FlyWheel's layouts.
 
     Head-major (default): q [hq, total_q, d], k [hkv, total_k, d], v [hkv, total_k, dv] ->
@@ -455,10 +469,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     num_active keeps the first num_active sequences; rows after them give out 0, lse -inf.
     rotary_*: fused RoPE per sequence as in flash_attn_func; with block_table it raises
     NotImplementedError (rotate q before the call: the cache holds rotated keys).
+    sinks / s_aux [hq]: attention sinks (see the module docstring), paged or not.
     """
     del interpret, deterministic  # no effect here (see above)
     window = _common(window_size, dropout_p, softcap, alibi_slopes, return_attn_probs)
     _check_block_sizes(block_sizes)
+    sinks = _sinks(sinks, s_aux)
     rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
     if block_table is not None and rotary:
         raise NotImplementedError("fused RoPE with a paged cache (block_table) is not supported: "
@@ -466,7 +482,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, window, softcap, return_softmax_lse,
-                             head_dim, token_major, block_table, seqused_k, num_active)
+                             head_dim, token_major, block_table, seqused_k, num_active, sinks)
     if seqused_k is not None or num_active is not None:
         raise ValueError("seqused_k and num_active describe a paged KV cache and need "
                          "block_table; packed K/V takes cu_seqlens_k")
@@ -512,7 +528,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         fq[:used_q], fk[:used_k], fv[:used_k], cu_q, cu_k,
         max(max_q, _max_len(cu_q)), max(max_k, _max_len(cu_k)),
         softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
-        return_softmax_lse=return_softmax_lse, out=fout, **rotary)
+        return_softmax_lse=return_softmax_lse, out=fout, sinks=sinks, **rotary)
     if not return_softmax_lse:
         return _export(out, jax_out)
     lse = r[1]
@@ -525,7 +541,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window, softcap, return_softmax_lse, head_dim,
-                  token_major, block_table, seqused_k, num_active):
+                  token_major, block_table, seqused_k, num_active, sinks):
     """flash_attn_varlen_func's paged branch: flywheel's kvcache call without appends."""
     if token_major:
         raise NotImplementedError("a paged KV cache takes head-major q (nheads, total_q, "
@@ -578,7 +594,7 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             block_table=_split_table(table[:na], r), softmax_scale=softmax_scale,
             causal=causal, window_size=window, softcap=softcap,
             return_softmax_lse=return_softmax_lse, cu_seqlens_q=cu[:na + 1],
-            out=_perm(out, (1, 0, 2))[:used])
+            out=_perm(out, (1, 0, 2))[:used], sinks=sinks)
         if return_softmax_lse:
             lse = res[1]
     if not return_softmax_lse:
@@ -595,7 +611,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                            cache_batch_idx=None, block_table=None, num_active=None,
                            cu_seqlens_q=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, return_softmax_lse=False,
-                           interpret=False):
+                           interpret=False, sinks=None, s_aux=None):
     """Append to a KV cache and attend, the original FlyWheel's call.
 
     q [b, sq, hq, d], or packed [total_q, hq, d] with cu_seqlens_q [b + 1] (rows past
@@ -610,9 +626,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     lse -inf. Returns (out, [lse,] k_cache, v_cache), or (out, [lse,] kv_cache) when paged;
     lse is [b, hq, sq], or [hq, total_q] when packed. numpy / torch caches are updated in
     place and returned; JAX caches come back as new arrays. cache_seqlens is not advanced.
+    sinks / s_aux [hq]: attention sinks (see the module docstring).
     """
     del interpret  # no effect here (see the module docstring)
     window = _common(window_size, softcap=softcap)
+    sinks = _sinks(sinks, s_aux)
     jax_out = _is_jax(q)
     q = _host(q, "q")
     ragged = cu_seqlens_q is not None
@@ -718,7 +736,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             run["q"], kc, vc, kn, vn, cache_seqlens=seqlens[:na], block_table=table,
             softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
             return_softmax_lse=return_softmax_lse, cu_seqlens_q=run.get("cu_seqlens_q"),
-            out=run["out"])
+            out=run["out"], sinks=sinks)
         if return_softmax_lse:
             lse = res[1]
     result = [_export(out, jax_out)]

@@ -59,9 +59,11 @@ def round_to(x, dtype):
 
 
 def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0,
-                  bf16_products=False):
+                  bf16_products=False, sinks=None):
     """float64 attention for one sequence: q [sq, hq, d], k [sk, hkv, d], v [sk, hkv, dv]
     -> out [sq, hq, dv], lse [hq, sq]; masks aligned bottom-right, empty rows give 0 / -inf.
+    sinks [hq]: attention sinks, exp(sinks[h]) added to each row's denominator (lse
+    included: an empty row gives 0 / sinks[h]).
     bf16_products=True makes the roundings of the kernels' bf16 products and no others: q, k,
     v rounded to bf16, and each probability exp(s - max) rounded to bf16 before it multiplies
     V while the denominator sums them unrounded (the output is not rounded: see round_to)."""
@@ -86,10 +88,12 @@ def ref_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0,
     if right >= 0:
         allowed &= j <= i + right
     s = np.where(allowed[None], s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     den = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m)
     pv = round_bf16(p) if bf16_products else p
     out = np.einsum("hqk,khd->qhd", pv / np.where(den > 0, den, 1.0), vv)
     lse = np.where(den[..., 0] > 0, np.log(np.where(den[..., 0] > 0, den[..., 0], 1.0)) +

@@ -701,3 +701,192 @@ def test_unsupported_dtypes_raise_type_error():
     with pytest.raises(ValueError) as e:  # a shape is still a ValueError, not a TypeError
         flywheel.flash_attn_func(q, q[:, :, :1, :8], q)
     assert not isinstance(e.value, TypeError)
+
+
+# --------------------------------------------------------------------------- attention sinks
+
+def check_sinks(out, lse, ro, rl, dtype, what=""):
+    """out and lse of one sequence against the float64 reference with sinks: lse includes
+    the sink, so every row's is finite; rows that see no key give exactly 0 and the sink."""
+    err = np.abs(as64(out) - ro).max(initial=0.0)
+    assert err <= TOL[dtype], f"{what}: max error {err} over {TOL[dtype]}"
+    got = as64(lse)
+    assert np.isfinite(got).all(), what
+    assert np.abs(got - rl).max(initial=0.0) <= 1e-4, what
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[1:4])
+@pytest.mark.parametrize("mask", MASKS)
+def test_dense_sinks_match_reference(family, dtype, shape, mask):
+    """GQA, masks, softcap, and rows that see no key (causal with sq > sk: out 0, lse the
+    sink); the sinks in another dtype than q's."""
+    b, sq, sk, hq, hkv, d, dv = shape
+    causal, window, softcap = mask
+    rng = np.random.default_rng(sum(shape) + 1)
+    q, q64 = make(rng, (b, sq, hq, d), dtype, family)
+    k, k64 = make(rng, (b, sk, hkv, d), dtype, family)
+    v, v64 = make(rng, (b, sk, hkv, dv), dtype, family)
+    sinks, s64 = make(rng, (hq,), DTYPES[(DTYPES.index(dtype) + 1) % 3], family, scale=1.5)
+    out, lse = flywheel.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                        softcap=softcap, return_softmax_lse=True, sinks=sinks)
+    assert out.dtype == q.dtype and tuple(lse.shape) == (b, hq, sq)
+    for i in range(b):
+        ro, rl = ref_attention(q64[i], k64[i], v64[i], d ** -0.5, causal, window, softcap,
+                               sinks=s64)
+        check_sinks(out[i], lse[i], ro, rl, dtype, f"batch {i}")
+        _, plain = ref_attention(q64[i], k64[i], v64[i], d ** -0.5, causal, window, softcap)
+        empty = np.isneginf(plain)  # [hq, sq]: rows that see no key
+        if causal and sq > sk:
+            assert empty.any()
+        assert (as64(out)[i].transpose(1, 0, 2)[empty] == 0).all()
+        assert np.array_equal(as64(lse)[i][empty],
+                              np.broadcast_to(s64.astype(np.float32)[:, None], empty.shape)[empty])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_varlen_sinks_match_reference(family, dtype):
+    """Per sequence, with one sequence that has queries but no keys (its rows: 0 and the
+    sink) and one with keys but no queries."""
+    rng = np.random.default_rng(40)
+    lq, lk = [5, 3, 64, 0, 33], [9, 0, 64, 7, 120]
+    cq, ck = np.cumsum([0] + lq), np.cumsum([0] + lk)
+    q, q64 = make(rng, (cq[-1], 6, 64), dtype, family)
+    k, k64 = make(rng, (ck[-1], 2, 64), dtype, family)
+    v, v64 = make(rng, (ck[-1], 2, 32), dtype, family)
+    sinks, s64 = make(rng, (6,), "float32", family, scale=2.0)
+    cu_q = torch.tensor(cq, dtype=torch.int32) if family == "torch" else cq.astype(np.int32)
+    for causal, window, softcap in ((True, (-1, -1), 0.0), (False, (10, 4), 20.0)):
+        out, lse = flywheel.flash_attn_varlen_func(
+            q, k, v, cu_q, ck, max(lq), max(lk), causal=causal, window_size=window,
+            softcap=softcap, return_softmax_lse=True, sinks=sinks)
+        assert tuple(lse.shape) == (6, cq[-1])
+        for i in range(len(lq)):
+            sl, kl = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+            ro, rl = ref_attention(q64[sl], k64[kl], v64[kl], 0.125, causal, window, softcap,
+                                   sinks=s64)
+            check_sinks(out[sl], lse[:, sl], ro, rl, dtype, f"sequence {i}")
+        no_keys = slice(cq[1], cq[2])
+        assert (as64(out)[no_keys] == 0).all()
+        assert np.array_equal(as64(lse)[:, no_keys], np.repeat(s64[:, None], 3, axis=1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sq", [1, 4])
+def test_kvcache_sinks_long_contexts(family, dtype, paged, sq):
+    """Decode and multi-token decode over 1500-5000 keys (split into 512-key ranges and
+    merged before the sink is added), paged and contiguous, with new tokens appended; with
+    and without lse (the second call goes the compiled fast path where there is one, and
+    must give the same out); a window and softcap on the second pass."""
+    rng = np.random.default_rng(41 + sq)
+    b, S, hq, hkv, d, page = 3, 5120, 8, 2, 64, 256
+    lens = np.array([1500, 5000 - sq, 3100], np.int32)
+    kc, kc64 = make(rng, (b, S, hkv, d), dtype, "numpy")
+    vc, vc64 = make(rng, (b, S, hkv, d), dtype, "numpy")
+    q, q64 = make(rng, (b, sq, hq, d), dtype, family)
+    kn, kn64 = make(rng, (b, sq, hkv, d), dtype, family)
+    vn, vn64 = make(rng, (b, sq, hkv, d), dtype, family)
+    sinks, s64 = make(rng, (hq,), "bfloat16", family, scale=3.0)
+    table = None
+    if paged:
+        order = rng.permutation(b * S // page)
+        kc, table = _paged(kc, page, order)
+        vc, _ = _paged(vc, page, order)
+    if family == "torch":  # the same bits as torch tensors
+        kc, vc = (torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+                  if dtype == "bfloat16" else torch.from_numpy(x) for x in (kc, vc))
+    for causal, window, softcap in ((True, (-1, -1), 0.0), (True, (700, 0), 25.0)):
+        out, lse = flywheel.flash_attn_with_kvcache(
+            q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table, causal=causal,
+            window_size=window, softcap=softcap, return_softmax_lse=True, sinks=sinks)
+        again = flywheel.flash_attn_with_kvcache(
+            q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table, causal=causal,
+            window_size=window, softcap=softcap, sinks=sinks)
+        assert np.array_equal(as64(again), as64(out))
+        for i in range(b):
+            kctx = np.concatenate([kc64[i, :lens[i]], kn64[i]])
+            vctx = np.concatenate([vc64[i, :lens[i]], vn64[i]])
+            ro, rl = ref_attention(q64[i], kctx, vctx, d ** -0.5, causal, window, softcap,
+                                   sinks=s64)
+            check_sinks(out[i], lse[i], ro, rl, dtype, f"sequence {i}, window {window}")
+
+
+def test_kvcache_sinks_packed_queries_and_leftpad():
+    """The Python path's options (packed cu_seqlens_q, cache_leftpad) with sinks."""
+    rng = np.random.default_rng(42)
+    kc, kc64 = make(rng, (2, 700, 1, 32), "float32", "numpy")
+    q, q64 = make(rng, (3, 4, 32), "float32", "numpy")
+    sinks, s64 = make(rng, (4,), "float16", "numpy")
+    out, lse = flywheel.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=[650, 600],
+                                                cu_seqlens_q=[0, 1, 3], sinks=sinks,
+                                                cache_leftpad=[10, 0], return_softmax_lse=True)
+    for i, (a, z, lo, hi) in enumerate([(0, 1, 10, 650), (1, 3, 0, 600)]):
+        ro, rl = ref_attention(q64[a:z], kc64[i, lo:hi], kc64[i, lo:hi], 32 ** -0.5, sinks=s64)
+        check_sinks(out[a:z], lse[:, a:z], ro, rl, "float32", f"sequence {i}")
+
+
+def test_sinks_alias_dtypes_strides_and_errors():
+    """s_aux is sinks under vLLM's name; both is an error. Any floating dtype (float64 and
+    lists as float32), any stride; a wrong length is the library's FW_ERR_SHAPE, a cache
+    appended to is then left as it was."""
+    rng = np.random.default_rng(43)
+    q, _ = make(rng, (2, 6, 4, 32), "float32", "numpy")
+    k, _ = make(rng, (2, 9, 2, 32), "float32", "numpy")
+    s64 = np.array([0.5, -1.0, 2.0, 0.25])
+    s = s64.astype(np.float32)
+    cu = np.array([0, 6, 12], np.int32)
+    cuk = np.array([0, 9, 18], np.int32)
+    kc = rng.standard_normal((2, 32, 2, 32)).astype(np.float32)
+    calls = {
+        "dense": lambda **kw: flywheel.flash_attn_func(q, k, k, causal=True, **kw),
+        "varlen": lambda **kw: flywheel.flash_attn_varlen_func(
+            q.reshape(12, 4, 32), k.reshape(18, 2, 32), k.reshape(18, 2, 32), cu, cuk, 6, 9,
+            **kw),
+        "kvcache": lambda **kw: flywheel.flash_attn_with_kvcache(
+            q, kc.copy(), kc.copy(), k[:, :6], k[:, :6], cache_seqlens=[3, 20], causal=True,
+            **kw),
+    }
+    strided = np.zeros(8, np.float32)
+    strided[::2] = s
+    for name, call in calls.items():
+        want = call(sinks=s)
+        assert not np.array_equal(want, call()), name  # the sinks were used
+        for same in (dict(s_aux=s), dict(sinks=s64), dict(sinks=s64.tolist()),
+                     dict(sinks=strided[::2]), dict(s_aux=s.astype(np.float16))):
+            assert np.array_equal(call(**same), want), (name, same)
+        with pytest.raises(ValueError, match="s_aux"):
+            call(sinks=s, s_aux=s)
+        with pytest.raises(FlywheelError, match="sinks has 3 values") as e:
+            call(sinks=s[:3])
+        assert e.value.status == "FW_ERR_SHAPE"
+        with pytest.raises(FlywheelError, match="sinks has 2 dimensions"):
+            call(sinks=s.reshape(2, 2))
+        with pytest.raises(TypeError, match="sinks: dtype int64"):
+            call(sinks=np.arange(4))
+    before = kc.copy()
+    with pytest.raises(FlywheelError, match="FW_ERR_SHAPE"):
+        flywheel.flash_attn_with_kvcache(q, kc, kc, k[:, :6], k[:, :6], cache_seqlens=[3, 20],
+                                         sinks=np.zeros(5, np.float32))
+    assert np.array_equal(kc, before)
+    if torch is not None:  # torch sinks with numpy q, and torch float64
+        assert np.array_equal(calls["dense"](sinks=torch.from_numpy(s64)), calls["dense"](sinks=s))
+
+
+def test_sinks_far_from_the_scores():
+    """A sink far above the scores takes the whole row (out ~0, lse the sink, no overflow);
+    far below, or -inf, it changes nothing."""
+    rng = np.random.default_rng(44)
+    q, _ = make(rng, (1, 20, 2, 16), "float32", "numpy")
+    k, _ = make(rng, (1, 20, 2, 16), "float32", "numpy")
+    plain, plse = flywheel.flash_attn_func(q, k, k, causal=True, return_softmax_lse=True)
+    out, lse = flywheel.flash_attn_func(q, k, k, causal=True, return_softmax_lse=True,
+                                        sinks=np.array([80.0, 80.0], np.float32))
+    assert np.abs(out).max() < 1e-20 and np.allclose(lse, 80.0)
+    for low in (-80.0, -np.inf):
+        out, lse = flywheel.flash_attn_func(q, k, k, causal=True, return_softmax_lse=True,
+                                            sinks=np.full(2, low, np.float32))
+        assert np.allclose(out, plain, atol=1e-6) and np.allclose(lse, plse, atol=1e-6)

@@ -252,3 +252,188 @@ def test_backward_precision_follows_the_forward():
     bf16 = flywheel.flash_attn_backward(g, q, k, v, out, lse, causal=True, precision="bf16")
     assert not all(torch.equal(a, b) for a, b in zip(f32, bf16))
     assert err["f32"] <= err[None]
+
+
+# --------------------------------------------------------------------------- attention sinks
+
+def attention_sinks(q, k, v, sinks, causal, window, softcap, scale):
+    """attention() with attention sinks: each row's softmax over its visible keys and one more
+    logit, its head's sink, whose probability multiplies no value (a row that sees no key
+    gives 0)."""
+    G = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(G, 2), v.repeat_interleave(G, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible(q.shape[1], k.shape[1], causal, window), -math.inf)
+    sink = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+    p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv)
+
+
+def sink_grads(fn, q, k, v, sinks, g):
+    q, k, v, sinks = (x.detach().requires_grad_() for x in (q, k, v, sinks))
+    return torch.autograd.grad(fn(q, k, v, sinks), (q, k, v, sinks), g)
+
+
+def dsinks_formula(sinks, dout, out, lse):
+    """The float64 formula dsinks[h] = -sum_rows exp(sinks[h] - lse) sum(dout * out), from
+    dense out [b, sq, hq, dv] and lse [b, hq, sq]."""
+    D = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+    return -(torch.exp(sinks.double()[:, None] - lse.double()) * D).sum((0, 2))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", SHAPES[1:])
+@pytest.mark.parametrize("mask", MASKS[1:])
+def test_sinks_grads_match_float64_autograd(dtype, shape, mask):
+    """dq, dk, dv and the sinks' gradient (returned in the sinks' dtype) against float64
+    autograd of the formula, within twice the error of the formula in float32 (plus the
+    roundings of the dtype); rows that see no key included (causal, sq > sk). The sinks'
+    gradient also against the float64 formula on the call's own out and lse."""
+    causal, window, softcap = mask
+    q, k, v, g = inputs(shape, dtype, sum(shape) + 7)
+    sinks = torch.randn(shape[3], generator=torch.Generator().manual_seed(sum(shape))) * 1.5
+    scale = shape[5] ** -0.5
+    ref = sink_grads(lambda a, b, c, s: attention_sinks(a.double(), b.double(), c.double(), s,
+                                                        causal, window, softcap, scale),
+                     q, k, v, sinks.double(), g.double())
+    same = sink_grads(lambda a, b, c, s: attention_sinks(a.float(), b.float(), c.float(), s,
+                                                         causal, window, softcap,
+                                                         scale).to(a.dtype), q, k, v, sinks, g)
+    got = sink_grads(lambda a, b, c, s: flywheel.flash_attn_func(
+        a, b, c, causal=causal, window_size=window, softcap=softcap, sinks=s), q, k, v, sinks, g)
+    for name, x, s, r, t in zip(("dq", "dk", "dv", "dsinks"), got, same, ref, (q, k, v, sinks)):
+        assert x.dtype == t.dtype and x.shape == t.shape
+        mag = r.abs().max().item()
+        err = (x.double() - r).abs().max().item()
+        bar = 2 * (s.double() - r).abs().max().item() + 1e-6 * (1 + mag) + 2 * EPS[dtype] * mag
+        assert err <= bar, f"{name}: error {err:.3g} over {bar:.3g}"
+    with torch.no_grad():
+        out, lse = flywheel.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                            softcap=softcap, return_softmax_lse=True, sinks=sinks)
+    want = dsinks_formula(sinks, g, out, lse)
+    assert (got[3].double() - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+
+
+def test_sinks_grad_only_where_asked_and_in_their_dtype():
+    q, k, v, g = inputs((2, 20, 30, 4, 2, 32, 32), "float32", 10)
+    s = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    want = sink_grads(lambda a, b, c, x: flywheel.flash_attn_func(a, b, c, causal=True, sinks=x),
+                      q, k, v, s, g)
+    # sinks that do not require grad (or numpy sinks): gradients of q, k, v alone, the same
+    for sinks in (s, s.numpy()):
+        tq = q.clone().requires_grad_()
+        flywheel.flash_attn_func(tq, k, v, causal=True, sinks=sinks).backward(g)
+        assert torch.equal(tq.grad, want[0])
+    # sinks alone require grad: the call is still differentiable
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        ts = s.to(dtype, copy=True).requires_grad_()
+        out = flywheel.flash_attn_func(q, k, v, causal=True, s_aux=ts)
+        assert out.requires_grad
+        out.backward(g)
+        assert ts.grad.dtype == dtype
+        assert (ts.grad.double() - want[3].double()).abs().max() <= 1e-2 * want[3].abs().max()
+
+
+def test_varlen_sinks_grads_match_dense_per_sequence():
+    """The sinks' gradient sums every sequence's rows (sequences without queries or keys add
+    nothing); dq, dk, dv per sequence as without sinks."""
+    lens_q, lens_k = [5, 0, 40, 17], [9, 12, 40, 0]
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(lens_q), 4, 32, generator=gen, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 32, generator=gen, requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, 16, generator=gen, requires_grad=True)
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    out = flywheel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                          causal=True, sinks=sinks)
+    g = torch.randn(out.shape, generator=gen)
+    out.backward(g)
+    dsinks = torch.zeros(4, dtype=torch.float64)
+    for i in range(4):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if lens_q[i] == 0:
+            assert not k.grad[sk].any() and not v.grad[sk].any()
+            continue
+        if lens_k[i] == 0:
+            assert not q.grad[sq].any()
+            continue
+        ref = sink_grads(lambda a, b, c, s: attention_sinks(a.double(), b.double(), c.double(),
+                                                            s, True, (-1, -1), 0.0, 32 ** -0.5),
+                         q[sq][None], k[sk][None], v[sk][None], sinks.double(),
+                         g[sq][None].double())
+        for x, r in zip((q.grad[sq], k.grad[sk], v.grad[sk]), ref):
+            assert (x.double() - r[0]).abs().max() <= 1e-5
+        dsinks += ref[3]
+    assert (sinks.grad.double() - dsinks).abs().max() <= 1e-5 * (1 + dsinks.abs().max())
+
+
+def test_backward_calls_write_dsinks():
+    """flash_attn_backward / flash_attn_varlen_backward take sinks and write dsinks in place:
+    the autograd path's gradient; dsinks is checked (it needs sinks, float32, [hq],
+    writable)."""
+    q, k, v, g = inputs((1, 24, 24, 4, 2, 32, 32), "float32", 12)
+    s = torch.tensor([0.3, -0.7, 1.1, 2.5])
+    want = sink_grads(lambda a, b, c, x: flywheel.flash_attn_func(a, b, c, causal=True, sinks=x),
+                      q, k, v, s, g)
+    n = lambda x: x.detach().numpy()  # noqa: E731
+    out, lse = flywheel.flash_attn_func(n(q), n(k), n(v), causal=True, return_softmax_lse=True,
+                                        sinks=n(s))
+    dsinks = np.full(4, np.nan, np.float32)
+    dq, dk, dv = flywheel.flash_attn_backward(n(g), n(q), n(k), n(v), out, lse, causal=True,
+                                              sinks=n(s), dsinks=dsinks)
+    for a, b in zip((dq, dk, dv, dsinks), want):
+        assert np.array_equal(a, b.numpy())
+    vd = np.zeros(4, np.float32)
+    vr = flywheel.flash_attn_varlen_backward(n(g)[0], n(q)[0], n(k)[0], n(v)[0], out[0], lse[0],
+                                             [0, 24], [0, 24], 24, 24, causal=True, sinks=n(s),
+                                             dsinks=vd)
+    assert np.array_equal(vd, dsinks) and np.array_equal(vr[0], dq[0])
+    args = (n(g), n(q), n(k), n(v), out, lse)
+    with pytest.raises(FlywheelError, match="FW_ERR_NULL"):
+        flywheel.flash_attn_backward(*args, causal=True, dsinks=dsinks)
+    with pytest.raises(FlywheelError, match="dsinks has 3 values"):
+        flywheel.flash_attn_backward(*args, causal=True, sinks=n(s), dsinks=dsinks[:3])
+    with pytest.raises(TypeError, match="dsinks"):
+        flywheel.flash_attn_backward(*args, causal=True, sinks=n(s),
+                                     dsinks=np.zeros(4, np.float16))
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="dsinks is a read-only"):
+        flywheel.flash_attn_backward(*args, causal=True, sinks=n(s), dsinks=ro)
+
+
+def test_torch_ops_sinks_backward_and_compile():
+    """The ops' sinks: the Python call's out and gradients (the sinks' by the formula in torch
+    ops, close to the library's), under torch.compile too."""
+    import flywheel.torch_ops  # noqa: F401
+    OPS = torch.ops.flywheel
+    q, k, v, g = inputs((1, 33, 50, 4, 2, 32, 32), "float32", 13)
+    s = torch.tensor([0.5, -1.0, 2.0, 1.0])
+    want = sink_grads(lambda a, b, c, x: flywheel.flash_attn_func(a, b, c, causal=True, sinks=x),
+                      q, k, v, s, g)
+
+    def check(got, exact):
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
+        assert (got[3] - want[3]).abs().max() <= 1e-5 * (1 + want[3].abs().max())
+        assert not exact or torch.equal(got[3], exact[3])
+    for lse in (False, True):  # without lse the backward runs the forward again for it
+        eager = sink_grads(lambda a, b, c, x: OPS.flash_attn_func(
+            a, b, c, None, True, -1, -1, 0.0, lse, sinks=x)[0], q, k, v, s, g)
+        check(eager, None)
+    f = torch.compile(lambda a, b, c, x: OPS.flash_attn_func(a, b, c, None, True, -1, -1, 0.0,
+                                                             True, sinks=x)[0],
+                      fullgraph=True, backend="aot_eager")
+    check(sink_grads(f, q, k, v, s, g), None)
+    cu = torch.tensor([0, 33], dtype=torch.int32)
+    cuk = torch.tensor([0, 50], dtype=torch.int32)
+    got = sink_grads(lambda a, b, c, x: OPS.flash_attn_varlen_func(
+        a[0], b[0], c[0], cu, cuk, 33, 50, None, True, sinks=x)[0][None], q, k, v, s, g)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max())
+    # sinks that do not require grad: no gradient for them, the others as before
+    tq = q.clone().requires_grad_()
+    OPS.flash_attn_func(tq, k, v, None, True, sinks=s)[0].backward(g)
+    assert torch.equal(tq.grad, want[0]) and s.grad is None

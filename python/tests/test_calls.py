@@ -48,7 +48,7 @@ def test_every_public_call_is_described():
         fn = getattr(flywheel, name)
         module = getattr(fn, "__module__", "").rpartition(".")[2]
         if inspect.isfunction(fn) and module in {"attention", "gated_delta", "kda", "conv",
-                                                  "layers"}:
+                                                  "layers", "mla"}:
             assert (module, name) in described, name
 
 

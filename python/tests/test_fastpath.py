@@ -154,7 +154,7 @@ def _exportable(family, dtype):
     return not (family == "numpy" and dtype == "bfloat16") or _numpy_exports_bfloat16()
 
 
-def _cache_call(family, dtype, paged, append, seqlens_int, with_out, sq=1, b=3):
+def _cache_call(family, dtype, paged, append, seqlens_int, with_out, sq=1, b=3, sinks=None):
     rng = np.random.default_rng(3)
     hq, hkv, d, S, page = 8, 2, 64, 96, 16
     q, _ = make(rng, (b, sq, hq, d), dtype, family)
@@ -180,7 +180,7 @@ def _cache_call(family, dtype, paged, append, seqlens_int, with_out, sq=1, b=3):
     elif with_out:
         out = np.zeros((b, sq, hq, d), q.dtype)
     r = flywheel.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=37 if seqlens_int else lens,
-                                         block_table=bt, causal=True, out=out)
+                                         block_table=bt, causal=True, out=out, sinks=sinks)
     return r, kc, vc, out
 
 
@@ -195,6 +195,39 @@ def test_kvcache_same_bits(family, dtype, paged, append):
             for sq in (1, 3):
                 check(lambda: _cache_call(family, dtype, paged, append, seqlens_int, with_out, sq),
                       taken=_exportable(family, dtype))
+
+
+@fast_only
+@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_sinks_same_bits(family, dtype):
+    """Attention sinks (of any dtype the library reads, any stride) go the fast path of every
+    attention call, with the ctypes path's bits (out, lse, the caches)."""
+    def sinks(rng):
+        s, _ = make(rng, (16,), dtype, family, scale=2.0)
+        return s[::2]
+
+    def func():
+        rng = np.random.default_rng(11)
+        q, _ = make(rng, (2, 5, 8, 24), "float32", family)
+        k, _ = make(rng, (2, 9, 2, 24), "float32", family)
+        return flywheel.flash_attn_func(q, k, k, causal=True, return_softmax_lse=True,
+                                        sinks=sinks(rng))
+
+    def varlen():
+        rng = np.random.default_rng(12)
+        q, _ = make(rng, (11, 8, 32), "float16", family)
+        k, _ = make(rng, (19, 2, 32), "float16", family)
+        cq, ck = np.array([0, 3, 3, 11], np.int32), np.array([0, 7, 10, 19], np.int32)
+        return flywheel.flash_attn_varlen_func(q, k, k, cq, ck, 8, 9, causal=True,
+                                               return_softmax_lse=True, s_aux=sinks(rng))
+
+    def kvcache(paged):
+        return _cache_call(family, "float32", paged, True, False, False, sq=2,
+                           sinks=sinks(np.random.default_rng(13)))
+    taken = _exportable(family, dtype)
+    for call in (func, varlen, lambda: kvcache(False), lambda: kvcache(True)):
+        check(call, taken)
 
 
 def _gdn_call(family, squeeze, with_idx, with_out, l2norm, dtype="bfloat16", kda=False,
@@ -407,6 +440,19 @@ def _declined_cases():
             q, _readonly(kv), kv.copy(), kv[:, :4], kv[:, :4], cache_seqlens=0),
         "kvcache k without v": lambda: flywheel.flash_attn_with_kvcache(
             q, kv.copy(), kv.copy(), kv[:, :4], None, cache_seqlens=0),
+        "float64 sinks": lambda: flywheel.flash_attn_func(q, kv, kv, sinks=np.ones(2)),
+        "sinks list": lambda: flywheel.flash_attn_func(q, kv, kv, sinks=[0.5, 1.0]),
+        "int32 sinks": lambda: flywheel.flash_attn_func(q, kv, kv, sinks=np.ones(2, np.int32)),
+        "2-D sinks": lambda: flywheel.flash_attn_func(q, kv, kv,
+                                                      sinks=np.ones((1, 2), np.float32)),
+        "sinks too short": lambda: flywheel.flash_attn_varlen_func(
+            q[0], kv[0], kv[0], np.array([0, 4], np.int32), np.array([0, 6], np.int32), 4, 6,
+            sinks=np.ones(1, np.float32)),
+        "kvcache sinks too long, appended": lambda: flywheel.flash_attn_with_kvcache(
+            q, kv.copy(), kv.copy(), kv[:, :4], kv[:, :4], cache_seqlens=0,
+            sinks=np.ones(3, np.float32)),
+        "sinks and s_aux": lambda: flywheel.flash_attn_func(
+            q, kv, kv, sinks=np.ones(2, np.float32), s_aux=np.ones(2, np.float32)),
         "gdn float64 g": lambda: flywheel.gated_delta_rule_decode(
             q[0, :2], q[0, :2], q[0, :2], np.zeros((2, 2), np.float64), np.zeros((2, 2), np.float32),
             np.zeros((2, 2, 8, 8), np.float32)),

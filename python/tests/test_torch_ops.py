@@ -110,6 +110,16 @@ def verify_inputs(dtype=torch.bfloat16):
         torch.tensor([0, 2, 6], dtype=torch.int32)
 
 
+def mla_inputs(dtype=torch.bfloat16):
+    """q [2, 2, 4, 48], a paged latent cache [5 pages of 8, 1 head, 48], block_table [2, 2],
+    cache_seqlens, k_new [2, 2, 1, 48]; head_dim_v is 32."""
+    gen = torch.Generator().manual_seed(6)
+    q, kc = rnd(gen, 2, 2, 4, 48, dtype=dtype), rnd(gen, 5, 8, 1, 48, dtype=dtype)
+    table = torch.tensor([[3, 0], [4, 1]], dtype=torch.int32)
+    return q, kc, table, torch.tensor([5, 12], dtype=torch.int32), \
+        rnd(gen, 2, 2, 1, 48, dtype=dtype)
+
+
 # ----------------------------------------------------------------------------- registration
 
 def test_importing_flywheel_does_not_import_torch():
@@ -123,7 +133,8 @@ def test_every_op_is_registered_and_reimport_does_not_fail():
     expected = {"flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
                 "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
                 "gated_delta_rule_decode", "gated_delta_rule_verify", "gated_delta_rule_commit",
-                "causal_conv1d_fn", "causal_conv1d_update", "fused_conv1d_gdn"}
+                "causal_conv1d_fn", "causal_conv1d_update", "fused_conv1d_gdn",
+                "flash_mla_with_kvcache"}
     expected |= {n + "_out" for n in expected - {"gated_delta_rule_commit"}}
     expected |= {"chunk_kda", "fused_conv1d_kda"}  # KDA: no out variants
     expected |= {"flash_attn_backward", "flash_attn_varlen_backward"}
@@ -158,6 +169,8 @@ def test_mutation_annotations():
     assert written("causal_conv1d_update") == {"conv_state"}
     assert written("fused_conv1d_gdn") == {"conv_state", "recurrent_state"}
     assert written("fused_conv1d_gdn_out") == {"conv_state", "recurrent_state", "out"}
+    assert written("flash_mla_with_kvcache") == {"k_cache"}
+    assert written("flash_mla_with_kvcache_out") == {"k_cache", "out", "lse"}
 
 
 # ------------------------------------------------------------------- same bits as the calls
@@ -262,6 +275,69 @@ def test_flash_attn_with_kvcache_appends_like_the_call(paged, packed, lse):
     same(vc3, vc)
     if lse:
         same(lbuf, got_lse)
+
+
+def test_attention_ops_take_sinks():
+    """sinks (Tensor? sinks=None, last in every attention op and out form): the calls' bits,
+    lse included, with the caches appended as by the call."""
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+                 "flash_attn_backward", "flash_attn_varlen_backward", "flash_attn_func_out",
+                 "flash_attn_varlen_func_out", "flash_attn_with_kvcache_out"):
+        last = getattr(OPS, name).default._schema.arguments[-1]
+        assert (last.name, str(last.type), last.default_value) == ("sinks", "Optional[Tensor]",
+                                                                   None), name
+    q, k, v = attn_inputs()
+    out, lse = OPS.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True, sinks=sinks)
+    want = flywheel.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True, sinks=sinks)
+    same(out, want[0])
+    same(lse, want[1])
+    assert not torch.equal(out, OPS.flash_attn_func(q, k, v, causal=True)[0])
+    buf, lbuf = torch.empty_like(out), torch.empty_like(lse)
+    OPS.flash_attn_func_out(q, k, v, buf, lbuf, causal=True, sinks=sinks)
+    same(buf, out)
+    same(lbuf, lse)
+    g = torch.randn(out.shape).to(out.dtype)
+    for a, b in zip(OPS.flash_attn_backward(g, q, k, v, out, lse, causal=True, sinks=sinks),
+                    flywheel.flash_attn_backward(g, q, k, v, out, lse, causal=True, sinks=sinks)):
+        same(a, b)
+
+    args = varlen_inputs()
+    out, lse = OPS.flash_attn_varlen_func(*args, causal=True, return_softmax_lse=True,
+                                          sinks=sinks.bfloat16())
+    want = flywheel.flash_attn_varlen_func(*args, causal=True, return_softmax_lse=True,
+                                           sinks=sinks.bfloat16())
+    same(out, want[0])
+    same(lse, want[1])
+    buf = torch.empty_like(out)
+    OPS.flash_attn_varlen_func_out(*args, buf, None, causal=True, sinks=sinks.bfloat16())
+    same(buf, out)
+    g = torch.randn(out.shape).to(out.dtype)
+    for a, b in zip(OPS.flash_attn_varlen_backward(g, *args[:3], out, lse, *args[3:],
+                                                   causal=True, sinks=sinks),
+                    flywheel.flash_attn_varlen_backward(g, *args[:3], out, lse, *args[3:],
+                                                        causal=True, sinks=sinks)):
+        same(a, b)
+
+    for paged, packed in ((False, False), (True, True)):
+        q, kc, vc, k, v, seqlens, table, cu = kvcache_inputs(paged, packed)
+        kc2, vc2 = kc.clone(), vc.clone()
+        out, lse = OPS.flash_attn_with_kvcache(q, kc, vc, k, v, seqlens, table, causal=True,
+                                               return_softmax_lse=True, cu_seqlens_q=cu,
+                                               sinks=sinks)
+        want = flywheel.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=seqlens,
+                                                block_table=table, causal=True,
+                                                return_softmax_lse=True, cu_seqlens_q=cu,
+                                                sinks=sinks)
+        same(out, want[0])
+        same(lse, want[1])
+        same(kc, kc2)
+        q, kc3, vc3, k, v, seqlens, table, cu = kvcache_inputs(paged, packed)
+        buf = torch.empty_like(out)
+        OPS.flash_attn_with_kvcache_out(q, kc3, vc3, buf, None, k, v, seqlens, table,
+                                        causal=True, cu_seqlens_q=cu, sinks=sinks)
+        same(buf, out)
+        same(kc3, kc)
 
 
 def test_flash_attn_with_kvcache_without_new_tokens_leaves_the_caches():
@@ -459,15 +535,22 @@ def _opcheck_cases():
     la = layer_inputs()
     kg = -0.1 * torch.rand(1, 10, 4, 16, generator=torch.Generator().manual_seed(4))  # KDA's g
     floats = replay.shape[0]
+    mq, mkc, mtable, mseq, mnew = mla_inputs()
     return [
         ("flash_attn_func", (q, k, v), dict(causal=True, return_softmax_lse=True)),
         ("flash_attn_func", (q, k, v), dict(window_size_left=2, softcap=5.0)),
+        ("flash_attn_func", (q, k, v), dict(causal=True, return_softmax_lse=True,
+                                            sinks=torch.randn(4))),
         ("flash_attn_func_out", (q, k, v, torch.empty(2, 5, 4, 16, dtype=q.dtype),
                                  torch.empty(2, 4, 5)), dict(causal=True)),
         ("flash_attn_varlen_func", vl, dict(causal=True, return_softmax_lse=True)),
+        ("flash_attn_varlen_func", vl, dict(sinks=torch.randn(4).bfloat16())),
         ("flash_attn_backward", (torch.randn(2, 5, 4, 16).to(q.dtype), q, k, v)
          + tuple(OPS.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True)),
          dict(causal=True)),
+        ("flash_attn_backward", (torch.randn(2, 5, 4, 16).to(q.dtype), q, k, v)
+         + tuple(OPS.flash_attn_func(q, k, v, return_softmax_lse=True, sinks=torch.ones(4))),
+         dict(sinks=torch.ones(4))),
         ("flash_attn_varlen_backward", (torch.randn(8, 4, 16).to(q.dtype),) + vl[:3]
          + tuple(OPS.flash_attn_varlen_func(*vl, return_softmax_lse=True)) + vl[3:], {}),
         ("flash_attn_varlen_func_out", vl + (torch.empty(8, 4, 16, dtype=q.dtype), None), {}),
@@ -478,6 +561,11 @@ def _opcheck_cases():
               rotary_interleaved=False)),
         ("flash_attn_with_kvcache", (pq, pkc, pvc, pk, pv, pseq, table),
          dict(causal=True, cu_seqlens_q=cu_q)),
+        ("flash_attn_with_kvcache", (kq, kc, vc, kk, kv, seqlens),
+         dict(causal=True, sinks=torch.randn(4))),
+        ("flash_attn_with_kvcache_out",
+         (kq, kc, vc, torch.empty(2, 1, 4, 32, dtype=q.dtype), None, kk, kv, seqlens),
+         dict(sinks=torch.randn(4))),
         ("flash_attn_with_kvcache_out",
          (kq, kc, vc, torch.empty(2, 1, 4, 32, dtype=q.dtype), torch.empty(2, 4, 1), kk, kv,
           seqlens), dict(causal=True)),
@@ -514,6 +602,11 @@ def _opcheck_cases():
          dict(use_gate_in_kernel=True, A_log=torch.zeros(4), use_qk_l2norm_in_kernel=True)),
         ("fused_conv1d_kda", la[:2] + (torch.randn(9, 16),) + la[3:8] + (torch.randn(16),) + la[9:],
          dict(lower_bound=-5.0)),
+        ("flash_mla_with_kvcache", (mq, mkc, mtable, mseq, 32), dict(causal=True)),
+        ("flash_mla_with_kvcache", (mq, mkc, mtable, mseq, 32),
+         dict(causal=True, k_new=mnew, softmax_scale=0.2)),
+        ("flash_mla_with_kvcache_out", (mq, mkc, mtable, mseq, 32, torch.empty(2, 2, 4, 32,
+                                        dtype=mq.dtype), torch.empty(2, 4, 2)), {}),
     ]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import flywheel.tpu as tpu
-from conftest import FAMILIES, TOL, as64, make, round_bf16, torch
+from conftest import FAMILIES, TOL, as64, make, ref_attention, round_bf16, torch
 
 try:
     import jax
@@ -102,13 +102,14 @@ ORIGINAL_PARAMS = {  # flywheel-tpu 0.3.0's names, in order; "*" marks keyword-o
         "*block_table", "*num_active", "*cu_seqlens_q", "*softmax_scale", "*causal",
         "*window_size", "*softcap", "*return_softmax_lse", "*interpret"],
 }
+EXTENSIONS = ["*sinks", "*s_aux"]  # flywheel's keyword-only additions, after the original's
 
 
 @pytest.mark.parametrize("name", sorted(ORIGINAL_PARAMS))
 def test_signatures_match_the_original(name):
     params = inspect.signature(getattr(tpu, name)).parameters.values()
     got = [("*" if p.kind is p.KEYWORD_ONLY else "") + p.name for p in params]
-    assert got == ORIGINAL_PARAMS[name]
+    assert got == ORIGINAL_PARAMS[name] + EXTENSIONS
     defaults = {p.name: p.default for p in params}
     assert defaults.get("window_size", (-1, -1)) == (-1, -1)
     assert defaults.get("interpret", False) is False
@@ -588,6 +589,90 @@ def test_rows_with_no_visible_key_give_zero_and_neg_inf():
     assert np.all(out[0] == 0) and np.isneginf(lse[0]).all()
     assert np.all(out[1, :2] == 0) and np.isneginf(lse[1, :, :2]).all()
     assert np.isfinite(lse[1, :, 2]).all()
+
+
+# ------------------------------------------------------------------- attention sinks --
+
+@pytest.mark.parametrize("family,dtype", CASES)
+def test_sinks_in_every_layout(family, dtype):
+    """sinks / s_aux on the three calls: dense head-major and token-major, packed varlen with
+    padding rows, the merged paged cache (varlen and kvcache, num_active) and the contiguous
+    pair; rows of a sequence that see no key give 0 and the sink, padding rows and inactive
+    ones 0 and -inf."""
+    rng = np.random.default_rng(30)
+    hq, hkv, d = 4, 2, 16
+    sinks, s64 = make(rng, (hq,), "float32", family, scale=2.0)
+    # dense, head-major (causal, sq > sk: rows with no key) and token-major
+    q, q64 = make(rng, (2, hq, 12, d), dtype, family)
+    k, k64 = make(rng, (2, hkv, 9, d), dtype, family)
+    out, lse = tpu.flash_attn_func(q, k, k, causal=True, return_softmax_lse=True, sinks=sinks)
+    tok = tpu.flash_attn_func(perm(q, (0, 2, 1, 3)).reshape(2, 12, hq * d),
+                              perm(k, (0, 2, 1, 3)).reshape(2, 9, hkv * d),
+                              perm(k, (0, 2, 1, 3)).reshape(2, 9, hkv * d), causal=True,
+                              head_dim=d, token_major=True, s_aux=sinks)
+    for i in range(2):
+        tq, tk = q64[i].transpose(1, 0, 2), k64[i].transpose(1, 0, 2)
+        ro, rl = ref_attention(tq, tk, tk, d ** -0.5, causal=True, sinks=s64)
+        close(as64(out)[i], ro.transpose(1, 0, 2), dtype, f"batch {i}")
+        close_lse(lse[i], rl, f"batch {i}")
+        close(as64(tok)[i], ro.reshape(12, hq * d), dtype, f"token-major batch {i}")
+    assert np.array_equal(as64(lse)[:, :, :3], np.broadcast_to(s64[:, None], (2, hq, 3)))
+    # packed varlen with 3 padding rows
+    cu_q, cu_k = np.array([0, 5, 17]), np.array([0, 9, 30])
+    q, q64 = make(rng, (hq, 20, d), dtype, family)
+    k, k64 = make(rng, (hkv, 31, d), dtype, family)
+    out, lse = tpu.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 12, 21, causal=True,
+                                          return_softmax_lse=True, sinks=sinks)
+    for i in range(2):
+        a, z, ka, kz = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        tk = k64[:, ka:kz].transpose(1, 0, 2)
+        ro, rl = ref_attention(q64[:, a:z].transpose(1, 0, 2), tk, tk, d ** -0.5, causal=True,
+                               sinks=s64)
+        close(as64(out)[:, a:z].transpose(1, 0, 2), ro, dtype, f"sequence {i}")
+        close_lse(lse[:, a:z], rl, f"sequence {i}")
+    assert np.all(as64(out)[:, 17:] == 0) and np.isneginf(as64(lse)[:, 17:]).all()
+
+
+def test_sinks_with_paged_and_contiguous_caches():
+    hq, hkv, d, page = 4, 1, 8, 16
+    rng = np.random.default_rng(31)
+    sinks = np.array([1.0, -0.5, 3.0, 0.0], np.float32)
+    s64 = sinks.astype(np.float64)
+    kv, kv64, table, k64, v64 = paged_cache(rng, [30, 30, 30], page, hkv, d, "float32")
+    # varlen over the paged cache: sequence 1 has no keys, sequence 2 is inactive
+    q, q64 = make(rng, (hq, 10, d), "float32", "numpy")
+    cu, seqused = np.array([0, 4, 6, 9]), np.array([20, 0, 7])
+    out, lse = tpu.flash_attn_varlen_func(q, kv, None, cu, None, 4, 20, return_softmax_lse=True,
+                                          block_table=table, seqused_k=seqused, num_active=2,
+                                          s_aux=sinks)
+    ro, rl = ref_attention(q64[:, :4].transpose(1, 0, 2), k64[0, :20], v64[0, :20], d ** -0.5,
+                           sinks=s64)
+    close(out[:, :4].transpose(1, 0, 2), ro, "float32")
+    close_lse(lse[:, :4], rl)
+    assert np.all(out[:, 4:6] == 0) and np.array_equal(lse[:, 4:6], np.repeat(s64[:, None], 2, 1))
+    assert np.all(out[:, 6:] == 0) and np.isneginf(lse[:, 6:]).all()
+    # kvcache: the merged paged cache with an append, and the contiguous pair
+    qd, qd64 = make(rng, (2, 2, hq, d), "float32", "numpy")
+    kn, kn64 = make(rng, (2, 2, hkv, d), "float32", "numpy")
+    lens = np.array([11, 25])
+    out, lse, _ = tpu.flash_attn_with_kvcache(qd, kv, None, kn, kn, cache_seqlens=lens,
+                                              block_table=table[:2], causal=True,
+                                              return_softmax_lse=True, sinks=sinks)
+    kc, kc64 = make(rng, (2, 32, hkv, d), "float32", "numpy")
+    pair, plse, _, _ = tpu.flash_attn_with_kvcache(qd, kc, kc.copy(), cache_seqlens=lens,
+                                                   return_softmax_lse=True, sinks=sinks)
+    for i in range(2):
+        kctx = np.concatenate([k64[i, :lens[i]], kn64[i]])
+        vctx = np.concatenate([v64[i, :lens[i]], kn64[i]])
+        ro, rl = ref_attention(qd64[i], kctx, vctx, d ** -0.5, causal=True, sinks=s64)
+        close(out[i], ro, "float32", f"paged row {i}")
+        close_lse(lse[i], rl, f"paged row {i}")
+        ro, rl = ref_attention(qd64[i], kc64[i, :lens[i]], kc64[i, :lens[i]], d ** -0.5,
+                               sinks=s64)
+        close(pair[i], ro, "float32", f"contiguous row {i}")
+        close_lse(plse[i], rl, f"contiguous row {i}")
+    with pytest.raises(ValueError, match="s_aux"):
+        tpu.flash_attn_func(qd, qd, qd, sinks=sinks, s_aux=sinks)
 
 
 def test_the_original_serving_layer_names():
