@@ -208,7 +208,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         void *cv = fill_cache(v, es, dv, hkv, cuk, have, B, npages, ps, bt, mp);
         int64_t cks[4] = {npages, ps, hkv, d}, cvs[4] = {npages, ps, hkv, dv};
         fw_kv_cache cache = {fw_tensor_contiguous(ck, dt, 4, cks), fw_tensor_contiguous(cv, dt, 4, cvs), bt, mp, 0,
-                             have, NULL, NULL, FW_KV_ROWS};
+                             have, NULL, NULL, FW_KV_ROWS, NULL, NULL};
         fw_tensor to = fw_tensor_contiguous(r[j].o, odt, 3, os), tl = fw_tensor_contiguous(r[j].l, FW_F32, 2, ls);
         p.threads = j == 4 ? 3 : j == 3 ? 1 : 2;
         st = fw_attn_kvcache_fwd(&tq_, held ? NULL : &tkn, held ? NULL : &tvn, cuq, B, &cache, &to, &tl, &p);

@@ -155,7 +155,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     bad |= q.bad | kc.bad | vc.bad | o.bad | (with_lse && l.bad) | (append && (kn.bad | vn.bad));
     bad |= append && (has_alias(&kc.t) || has_alias(&vc.t));
 
-    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens, NULL, NULL, FW_KV_ROWS};
+    fw_kv_cache cache = {kc.t, vc.t, bt, max_pages, bts, seqlens, NULL, NULL, FW_KV_ROWS, NULL, NULL};
     if (tiles) {
         /* each (page, head) block dense where the buffer spans the whole tensor (a broadcast
          * cache keeps its strides); refused unless paged bf16 with pages, d and dv multiples
