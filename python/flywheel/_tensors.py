@@ -32,6 +32,11 @@ except ImportError:  # bf16 numpy arrays need ml_dtypes; torch.bfloat16 does not
 _NP_CODES = {np.dtype(np.float32): _lib.F32, np.dtype(np.float16): _lib.F16}
 if _NP_BF16 is not None:
     _NP_CODES[_NP_BF16] = _lib.BF16
+# the 8-bit floats KV caches may hold (fp8_array): ml_dtypes' and torch's
+_NP_F8 = {}
+if _NP_BF16 is not None:
+    _NP_F8 = {np.dtype(ml_dtypes.float8_e4m3fn): _lib.F8E4M3,
+              np.dtype(ml_dtypes.float8_e5m2): _lib.F8E5M2}
 
 
 def _torch():
@@ -47,6 +52,31 @@ def _torch_code(t):
     torch = _torch()
     return {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16,
             torch.float16: _lib.F16}.get(t.dtype)
+
+
+def _torch_f8_code(t):
+    torch = _torch()
+    return {getattr(torch, "float8_e4m3fn", None): _lib.F8E4M3,
+            getattr(torch, "float8_e5m2", None): _lib.F8E5M2}.get(t.dtype)
+
+
+def is_fp8(x):
+    """Whether x is a torch tensor or numpy array of an 8-bit float dtype (float8_e4m3fn,
+    float8_e5m2: the fp8 KV caches' types)."""
+    if is_torch(x):
+        return _torch_f8_code(x) is not None
+    return isinstance(x, np.ndarray) and x.dtype in _NP_F8
+
+
+def fp8_cache(x, name):
+    """An fp8 KV cache (torch CPU tensor or numpy array of float8_e4m3fn / float8_e5m2), as is:
+    it is written in place, so numpy strides that fw_tensor cannot express raise."""
+    if is_torch(x) and x.device.type != "cpu":
+        raise NotImplementedError(f"{name} is on {x.device}: the CPU library takes CPU tensors only")
+    if isinstance(x, np.ndarray) and _odd_strides(x):
+        raise ValueError(f"{name} is written in place, but its strides {x.strides} are negative "
+                         "or not whole elements")
+    return x
 
 
 def _check_grad(t, name):
@@ -137,11 +167,11 @@ def describe(x):
     t = _lib.Tensor()
     if is_torch(x):
         t.data = x.data_ptr() or None
-        t.dtype = _torch_code(x)
+        t.dtype = _torch_code(x) if _torch_code(x) is not None else _torch_f8_code(x)
         shape, strides = tuple(x.shape), tuple(x.stride())
     else:
         t.data = x.ctypes.data or None
-        t.dtype = _NP_CODES[x.dtype]
+        t.dtype = _NP_CODES[x.dtype] if x.dtype in _NP_CODES else _NP_F8[x.dtype]
         # (strides never used to reach an element, a one-element dimension's or any of an
         # empty array's: 0 when they are negative or not whole elements)
         shape = x.shape
@@ -227,6 +257,14 @@ def to_numpy_f32(x, name):
         raise TypeError(f"{name}: dtype {a.dtype} is not supported (a floating dtype, used as "
                         "float32)")
     return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def descale_array(x, name):
+    """An fp8 cache's descale as a float32 numpy array: a Python number or a 0-d / [1] array
+    (a scalar for the whole cache), or [b, hkv]; the library checks the shape and values."""
+    if isinstance(x, (int, float)):
+        return np.array(x, dtype=np.float32)
+    return to_numpy_f32(x, name)
 
 
 def small_float_array(x, name):

@@ -316,7 +316,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, cu_seqlens_q=None, out=None,
                             isa=None, precision=None, cache_layout="rows", sinks=None,
-                            s_aux=None):
+                            s_aux=None, k_descale=None, v_descale=None):
     """Append to a K/V cache and attend, flash-attn's `flash_attn_with_kvcache`.
 
     q [b, sq, hq, d] (sq = 1 is decode; more is chunked prefill or speculative decode).
@@ -357,6 +357,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     flywheel.h has the element order): vLLM's cache read in place, and k, v appended in it.
     sinks / s_aux [hq]: attention sinks, as in flash_attn_func (a split decode adds the sink
     once, after merging its ranges).
+    fp8 caches (flash-attn 3's): k_cache / v_cache float8_e4m3fn or float8_e5m2 (torch's, or
+    ml_dtypes' for numpy) with k_descale / v_descale, each a scalar (a float, or a 0-d or [1]
+    array) or [b, hkv], any float dtype (used as float32), both required: a stored element x
+    stands for x * descale. q, k, v and out stay float32, bfloat16 or float16; k and v are
+    stored as k / k_descale rounded to nearest even, saturating at the type's largest finite
+    value. The kernels convert the bytes in registers (docs/attention.md).
     Not supported (NotImplementedError): ALiBi, k without v.
     """
     _unsupported(0.0, alibi_slopes)
@@ -372,8 +378,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if r is not NotImplemented:
         return r
     q = T.float_array(q, "q")
-    kc = T.float_array(k_cache, "k_cache", inplace=True)
-    vc = T.float_array(v_cache, "v_cache", inplace=True)
+    kc = T.fp8_cache(k_cache, "k_cache") if T.is_fp8(k_cache) else \
+        T.float_array(k_cache, "k_cache", inplace=True)
+    vc = T.fp8_cache(v_cache, "v_cache") if T.is_fp8(v_cache) else \
+        T.float_array(v_cache, "v_cache", inplace=True)
     if k is not None:  # k and v are appended to the caches in place
         T.check_writable(kc, "k_cache")
         T.check_writable(vc, "v_cache")
@@ -425,7 +433,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache.block_table_stride = bt.shape[1]
     cache.seqlens = T.ptr(seqlens)
     cache.layout = layout
-    keep = []  # the per-sequence index arrays, alive until the call returns
+    keep = []  # the per-sequence index arrays and descales, alive until the call returns
+    for field, value in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if value is not None:
+            keep.append(T.descale_array(value, field))
+            keep.append(T.describe(keep[-1]))
+            setattr(cache, field, ctypes.pointer(keep[-1]))
     for field, value, name in (("leftpad", cache_leftpad, "cache_leftpad"),
                                ("batch_idx", cache_batch_idx, "cache_batch_idx")):
         if value is None:

@@ -15,10 +15,12 @@ lengths and head counts (include/flywheel.h, fw_attn_kvcache_fwd), so FlashMLA's
 metadata has nothing to carry here.
 
 Inputs are numpy arrays or torch CPU tensors (float32, bfloat16, float16; q and k_cache of
-one dtype), read in place; out has q's dtype and family. fp8 caches and sparse attention
-(FlashMLA's is_fp8_kvcache, indices, topk) raise NotImplementedError.
+one dtype, or an fp8 k_cache with k_descale), read in place; out has q's dtype and family.
+FlashMLA's packed fp8 rows (is_fp8_kvcache) and sparse attention (indices, topk) raise
+NotImplementedError.
 """
 
+import ctypes
 import operator
 
 import numpy as np
@@ -29,13 +31,14 @@ from . import _tensors as T
 __all__ = ["flash_mla_with_kvcache", "get_mla_metadata"]
 
 
-def _refuse(is_fp8_kvcache, sparse, dtype=None):
-    """NotImplementedError for what FlashMLA has and the library does not: fp8 caches (the
-    flag, or a cache of an 8-bit float dtype) and sparse attention."""
-    if is_fp8_kvcache or "float8" in str(dtype):
-        what = f"of dtype {dtype}" if "float8" in str(dtype) else "(is_fp8_kvcache=True)"
-        raise NotImplementedError(f"fp8 KV caches {what} are not supported yet: use a float32, "
-                                  "bfloat16 or float16 cache")
+def _refuse(is_fp8_kvcache, sparse):
+    """NotImplementedError for what FlashMLA has and the library does not: FlashMLA's packed
+    fp8 cache format (is_fp8_kvcache: rows of fp8 latents, their scales and bf16 rope channels)
+    and sparse attention."""
+    if is_fp8_kvcache:
+        raise NotImplementedError("FlashMLA's packed fp8 cache (is_fp8_kvcache=True) is not "
+                                  "supported: pass a float8_e4m3fn / float8_e5m2 k_cache of "
+                                  "[num_pages, page_size, 1, d_qk] with k_descale= instead")
     if sparse:
         raise NotImplementedError("sparse attention (FlashMLA's indices / topk) is not supported")
 
@@ -83,7 +86,7 @@ def _params(d, softmax_scale, causal, isa, precision):
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
                            tile_scheduler_metadata=None, num_splits=None, softmax_scale=None,
                            causal=False, is_fp8_kvcache=False, indices=None, *, k_new=None,
-                           out=None, isa=None, precision=None):
+                           out=None, isa=None, precision=None, k_descale=None):
     """MLA decode over a paged latent cache, FlashMLA's `flash_mla_with_kvcache`.
 
     q [b, sq, hq, d_qk] (sq = 1 is decode, more a speculative multi-token decode);
@@ -98,13 +101,18 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
     r of a sequence of context L sees keys j <= r + L - sq (aligned bottom-right, as
     flash_attn_with_kvcache); a row that sees no key gives 0 and lse -inf.
     tile_scheduler_metadata, num_splits: get_mla_metadata's (None), or anything: ignored.
-    is_fp8_kvcache, indices (sparse attention), fp8 cache dtypes: NotImplementedError.
+    is_fp8_kvcache (FlashMLA's packed fp8 rows), indices (sparse attention):
+    NotImplementedError.
     Extensions: k_new [b, sq, 1, d_qk] (k_cache's dtype) appends each sequence's new rows to
     the cache in place at positions cache_seqlens[i] .. before attending, as
     flash_attn_with_kvcache's k and v do; cache_seqlens then counts the tokens held before the
     append and the context is cache_seqlens[i] + sq (add sq yourself afterwards). out: an
     existing [b, sq, hq, head_dim_v] output ([b, sq] mergeable into one stride) to write
-    instead of a new one. isa, precision: as in flash_attn_func.
+    instead of a new one. isa, precision: as in flash_attn_func. fp8 latent caches: k_cache
+    float8_e4m3fn or float8_e5m2 with k_descale (a scalar or [b, 1], any float dtype, used as
+    float32; required), a stored element x standing for x * k_descale in keys and values
+    alike; q (and k_new, quantised on append) stay float32, bfloat16 or float16, as in
+    flash_attn_with_kvcache's fp8 caches.
     Copies: q and k_new when [b, sq] cannot be merged into one stride, the int32 index arrays,
     and lse (computed [hq, b * sq], returned [b, hq, sq]).
     Errors, before anything is written: ValueError for shapes (k_cache's head dim not q's,
@@ -113,9 +121,13 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
     for q, k_cache and k_new of different dtypes; FlywheelError from the library (a page index
     out of range, a context longer than its pages, two sequences appending to one page).
     """
-    _refuse(is_fp8_kvcache, indices is not None, getattr(k_cache, "dtype", None))
+    _refuse(is_fp8_kvcache, indices is not None)
     q = T.float_array(q, "q")
-    kc = T.float_array(k_cache, "k_cache", inplace=True)
+    fp8 = T.is_fp8(k_cache)
+    kc = T.fp8_cache(k_cache, "k_cache") if fp8 else T.float_array(k_cache, "k_cache", inplace=True)
+    if fp8 and k_descale is None:
+        raise ValueError(f"k_cache is {k_cache.dtype}: an fp8 latent cache needs k_descale (a "
+                         "scalar or [b, 1])")
     if q.ndim != 4 or kc.ndim != 4:
         raise ValueError(f"q must be [b, sq, hq, d_qk] and k_cache [num_pages, page_size, 1, "
                          f"d_qk], got shapes {tuple(q.shape)}, {tuple(kc.shape)}")
@@ -137,7 +149,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
     if seqlens.shape != (b,):
         raise ValueError(f"cache_seqlens must be [b] with b = {b}, got shape {seqlens.shape}")
     tk = T.describe(kc)
-    if T.describe(q).dtype != tk.dtype:
+    if not fp8 and T.describe(q).dtype != tk.dtype:
         raise _lib.FlywheelDtypeError("FW_ERR_DTYPE", f"q is {q.dtype} but k_cache is "
                                       f"{kc.dtype}; they must match")
     tkn = None
@@ -149,7 +161,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
         T.check_writable(kc, "k_cache")
         kn = T.merge_leading(kn)
         tkn = T.describe(kn)
-        if tkn.dtype != tk.dtype:
+        if not fp8 and tkn.dtype != tk.dtype:
             raise _lib.FlywheelDtypeError("FW_ERR_DTYPE", f"k_new is {kn.dtype} but k_cache is "
                                           f"{kc.dtype}; they must match")
     cu = T.int32_offsets(b, sq, "q [b, sq, hq, d_qk]")
@@ -166,6 +178,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
     cache.block_table = T.ptr(bt_mem)
     cache.max_pages = cache.block_table_stride = bt.shape[1]
     cache.seqlens = T.ptr(seqlens)
+    if k_descale is not None:  # keys and values are the same bytes: one descale for both
+        desc = T.descale_array(k_descale, "k_descale")
+        tdesc = T.describe(desc)
+        cache.k_descale = cache.v_descale = ctypes.pointer(tdesc)
     # the new rows' first head_dim_v channels are their values: the library's V write of a
     # row repeats the bytes its K write has just stored there
     tvn = _first_channels(tkn, dv) if tkn is not None else None

@@ -250,10 +250,34 @@ def test_dtype_mismatch_is_a_type_and_a_value_error():
 
 @pytest.mark.skipif(torch is None, reason="torch")
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_fp8_caches_are_refused_by_name(dtype):
+@pytest.mark.parametrize("hq", [16, 128])
+def test_fp8_latent_cache(dtype, hq):
+    """An fp8 latent cache with k_descale (keys and values the same bytes, one descale):
+    against float64 MLA on the dequantised cache, at DeepSeek's shapes, with an append whose
+    rows are stored as k_new / descale rounded to the cache's type."""
+    rng = np.random.default_rng(13)
+    lens = np.array([1100, 7], np.int32)
+    kc, _, table = paged_cache(rng, lens, 64, 576, "float32", "torch", extra=1)
+    kc8 = kc.to(getattr(torch, dtype))
+    q = torch.randn(2, 1, hq, 576, dtype=torch.bfloat16)
+    kn = torch.randn(2, 1, 1, 576)
+    out, lse = flywheel.flash_mla_with_kvcache(q, kc8, table, lens, 512, None, None, causal=True,
+                                               k_new=kn, k_descale=0.5)
+    for i in range(2):  # the appended rows: k_new / 0.5 in the cache's type
+        t = int(lens[i])
+        got = kc8[table[i, t // 64], t % 64, 0]
+        want = (kn[i, 0, 0] / 0.5).to(getattr(torch, dtype))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    deq = kc8.to(torch.float64).numpy() * 0.5
+    ro, rl = reference(q.double().numpy(), deq, table, lens + 1, 512, 576 ** -0.5, True)
+    check(out, lse, ro, rl, "bfloat16")
+
+
+@pytest.mark.skipif(torch is None, reason="torch")
+def test_fp8_latent_cache_needs_a_descale():
     q, kc, table, lens, _ = _case()
-    kc8 = torch.from_numpy(kc).to(getattr(torch, dtype))
-    with pytest.raises(NotImplementedError, match=dtype):
+    kc8 = torch.from_numpy(kc).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_descale"):
         flywheel.flash_mla_with_kvcache(torch.from_numpy(q), kc8, table, lens, 64)
 
 

@@ -278,15 +278,17 @@ def test_flash_attn_with_kvcache_appends_like_the_call(paged, packed, lse):
 
 
 def test_attention_ops_take_sinks():
-    """sinks (Tensor? sinks=None, last in every attention op and out form): the calls' bits,
-    lse included, with the caches appended as by the call."""
+    """sinks (Tensor? sinks=None in every attention op and out form; last but for the KV-cache
+    ops' descales): the calls' bits, lse included, with the caches appended as by the call."""
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
                  "flash_attn_backward", "flash_attn_varlen_backward", "flash_attn_func_out",
                  "flash_attn_varlen_func_out", "flash_attn_with_kvcache_out"):
-        last = getattr(OPS, name).default._schema.arguments[-1]
-        assert (last.name, str(last.type), last.default_value) == ("sinks", "Optional[Tensor]",
-                                                                   None), name
+        names = [a.name for a in getattr(OPS, name).default._schema.arguments]
+        tail = names[-3:] if "kvcache" in name else names[-1:]
+        assert tail == (["sinks", "k_descale", "v_descale"] if "kvcache" in name else ["sinks"]), name
+        arg = getattr(OPS, name).default._schema.arguments[names.index("sinks")]
+        assert (str(arg.type), arg.default_value) == ("Optional[Tensor]", None), name
     q, k, v = attn_inputs()
     out, lse = OPS.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True, sinks=sinks)
     want = flywheel.flash_attn_func(q, k, v, causal=True, return_softmax_lse=True, sinks=sinks)
