@@ -14,12 +14,14 @@
   sequence, the mask function (sdpa's, same tensor) also records each sequence's run, and
   attention makes one flash_attn_func call a sequence on its real queries and keys (views,
   no copies), causal aligned bottom-right; the rows of padding tokens come out zero, as
-  flash-attn's unpadded path gives them. Softcaps and sliding windows (Gemma 2/3, Mistral)
-  are flywheel's too: a local mask is taken once it is checked to be causality, padding and
-  the layer's window. Calls flywheel cannot serve the same way go to transformers' sdpa
-  (the model's eager attention where a softcap is set, which sdpa refuses): other masks
-  (padding with holes, chunked attention, custom mask functions, masks on tensors that need
-  gradients), dropout, bidirectional sliding windows.
+  flash-attn's unpadded path gives them. Softcaps and sliding windows (Gemma 2/3, Mistral,
+  gpt-oss) are flywheel's too: a local mask is taken once it is checked to be causality,
+  padding and the layer's window. Attention sinks (gpt-oss: the layer's `sinks`, which it
+  passes as s_aux) become flywheel's sinks=, with their gradient where they require grad.
+  Calls flywheel cannot serve the same way go to transformers' sdpa (the model's eager
+  attention where a softcap or sinks are set: sdpa refuses the one and ignores the other):
+  other masks (padding with holes, chunked attention, custom mask functions, masks on
+  tensors that need gradients), dropout, bidirectional sliding windows.
 - Gated DeltaNet layers (Qwen3-Next, Qwen3.5 and their MoE variants, which look these names up
   in their module at call time): causal_conv1d_fn / causal_conv1d_update become flywheel's,
   torch_chunk_gated_delta_rule flywheel.chunk_gated_delta_rule, and
@@ -227,9 +229,10 @@ def _attend_runs(query, key, value, runs, scaling, **kw):
 
 
 def _fallback(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa; with a softcap, which sdpa refuses, the model's own eager attention
-    (its modeling module's eager_attention_forward, which takes softcap)."""
-    if kwargs.get("softcap") is not None:
+    """transformers' sdpa; with a softcap, which sdpa refuses, or sinks (s_aux), which it
+    ignores, the model's own eager attention (its modeling module's eager_attention_forward,
+    which takes them)."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is not None:
             return eager(module, query, key, value, attention_mask, **kwargs)
@@ -239,14 +242,15 @@ def _fallback(module, query, key, value, attention_mask, **kwargs):
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
               **kwargs):
     """transformers' attention-function contract: query [b, hq, sq, d], key/value
-    [b, hkv, sk, d]; returns (out [b, sq, hq, d], None). kwargs softcap (flash-attn's) and
-    sliding_window (key j seen from position p iff p - sliding_window < j <= p) are served."""
-    sw, cap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    [b, hkv, sk, d]; returns (out [b, sq, hq, d], None). kwargs softcap (flash-attn's),
+    sliding_window (key j seen from position p iff p - sliding_window < j <= p) and s_aux
+    (attention sinks [hq], gpt-oss's) are served."""
+    sw, cap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     runs = None
     if attention_mask is not None:
         runs, window = getattr(attention_mask, "_flywheel_runs", (None, None))
         if (runs is not None and (len(runs) != query.shape[0] or window != sw or
-                                  _needs_grad(query, key, value) or
+                                  _needs_grad(query, key, value, sinks) or
                                   max(r[3] for r in runs) > key.shape[2])):
             runs = None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -254,7 +258,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
             kwargs.get("output_attentions") or (sw is not None and not causal)):
         return _fallback(module, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, is_causal=is_causal, **kwargs)
-    kw = {"softcap": float(cap) if cap else 0.0}
+    kw = {"softcap": float(cap) if cap else 0.0, "sinks": sinks}
     if sw is not None:
         kw["window_size"] = (int(sw) - 1, 0)
     if runs is not None:
@@ -264,7 +268,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if causal and sk > sq:  # sdpa's top-left causality: the keys past the queries are unused
         key, value = key[:, :, :sq], value[:, :, :sq]
     q = query.transpose(1, 2)
-    out = None if _needs_grad(query, key, value) else _output(
+    out = None if _needs_grad(query, key, value, sinks) else _output(
         "attention", (q.shape[0], q.shape[1], q.shape[2], value.shape[3]), q.dtype)
     out = flywheel.flash_attn_func(q, key.transpose(1, 2), value.transpose(1, 2),
                                    softmax_scale=scaling, causal=causal, out=out, **kw)
