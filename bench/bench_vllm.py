@@ -67,7 +67,7 @@ def both(self, layer, query, key, value, kv_cache, md, output, *a, **k):
         alone[phase][1] += 1
         return r
     want = output.clone()
-    runs = [(FLY, lambda: self._flywheel(kv_cache, query, output, md)),
+    runs = [(FLY, lambda: self._flywheel(layer, kv_cache, query, output, md)),
             (VLLM, lambda: CPUAttentionBackendImpl.forward(self, layer, query, key, value,
                                                            kv_cache, md, want))]
     key = ("attention", md.max_query_len > 1)

@@ -49,15 +49,29 @@ import weakref
 import flywheel
 
 
-def kv_cache_views(kv_cache, layout="vec"):
+# vLLM's fp8 kv_cache_dtype values that CPU_ATTN takes (its supported_kv_cache_dtypes), as the
+# torch dtype of the bytes: vLLM allocates such a cache as uint8 ("fp8" is e4m3)
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                    "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_cache_views(kv_cache, layout="vec", kv_cache_dtype="auto"):
     """K and V [num_blocks, block_size, hkv, d] views of one layer's CPU_ATTN cache
     [num_blocks, hkv, block_size, 2 d]. layout "vec": keys transposed per block (the views
     address every element); "amx" (vLLM's AMX kernels' packed layout, bf16): the views are
     each (block, head)'s dense [block_size, d] block of keys and of values, which flywheel reads
-    with cache_layout="tiles"."""
+    with cache_layout="tiles". kv_cache_dtype: vLLM's, "auto" (the views have the cache's
+    dtype) or a key of FP8_CACHE_DTYPES (the cache is uint8; the views are its bytes as that
+    float8 dtype)."""
     import torch
     if layout not in ("vec", "amx"):
         raise ValueError(f'layout must be "vec" or "amx", got {layout!r}')
+    if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in FP8_CACHE_DTYPES or kv_cache.element_size() != 1:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(FP8_CACHE_DTYPES)} "
+                             f"with a one-byte cache, got {kv_cache_dtype!r} and "
+                             f"{kv_cache.dtype}")
+        kv_cache = kv_cache.view(getattr(torch, FP8_CACHE_DTYPES[kv_cache_dtype]))
     if kv_cache.dim() != 4 or kv_cache.shape[3] % 2:
         raise ValueError(f"kv_cache must be [num_blocks, hkv, block_size, 2 * head_size], got "
                          f"shape {tuple(kv_cache.shape)}")
@@ -75,22 +89,28 @@ def kv_cache_views(kv_cache, layout="vec"):
 
 def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, scale,
               causal=True, sliding_window=-1, softcap=0.0, num_actual_tokens=None, views=None,
-              layout="vec"):
+              layout="vec", sinks=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
     """CPU_ATTN's forward on flywheel: query [T, hq, d] (the first num_actual_tokens rows, or
     all), sequence i's rows [query_start_loc[i], query_start_loc[i + 1]) of seq_lens[i] tokens
     in all, cached in the blocks block_table[i]; output [T, hq, d] written in place and
     returned. sliding_window > 0: each query sees its last sliding_window keys (vLLM's
     meaning; flash-attn's window_size = (sliding_window - 1, 0)). softcap: logits soft cap
-    (0: none). views: kv_cache_views(kv_cache, layout), where the caller keeps them. layout:
-    the cache's, "vec" or "amx" (vLLM's AMX layout, read as flywheel's "tiles")."""
-    k, v = kv_cache_views(kv_cache, layout) if views is None else views
+    (0: none). sinks [hq]: the layer's attention sinks (gpt-oss; vLLM's s_aux), or None.
+    kv_cache_dtype: vLLM's, "auto" or an fp8 one (FP8_CACHE_DTYPES: "vec" layout only), whose
+    stored byte x stands for x * k_scale (keys) or x * v_scale (values), vLLM's per-tensor
+    layer._k_scale_float / _v_scale_float, read in place as flywheel's k_descale / v_descale.
+    views: kv_cache_views(kv_cache, layout, kv_cache_dtype), where the caller keeps them.
+    layout: the cache's, "vec" or "amx" (vLLM's AMX layout, read as flywheel's "tiles")."""
+    k, v = kv_cache_views(kv_cache, layout, kv_cache_dtype) if views is None else views
     n = query.shape[0] if num_actual_tokens is None else num_actual_tokens
     nreq = seq_lens.shape[0]
     window = (sliding_window - 1, 0) if sliding_window and sliding_window > 0 else (-1, -1)
     q, out = query[:n], output[:n]
     common = dict(block_table=block_table, softmax_scale=scale, causal=causal,
                   window_size=window, softcap=softcap or 0.0,
-                  cache_layout="tiles" if layout == "amx" else "rows")
+                  cache_layout="tiles" if layout == "amx" else "rows", sinks=sinks)
+    if kv_cache_dtype != "auto":
+        common.update(k_descale=k_scale, v_descale=v_scale)
     if n == nreq:  # decodes only: one token each, [b, 1, hq, d] (the compiled fast path)
         flywheel.flash_attn_with_kvcache(q[:, None], k, v, cache_seqlens=seq_lens,
                                          out=out[:, None], **common)
@@ -99,6 +119,26 @@ def attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, s
                                          cu_seqlens_q=query_start_loc[:nreq + 1], out=out,
                                          **common)
     return output
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, scale, head_dim_v, out=None):
+    """CPU_MLA's decode (its forward_mqa) on flywheel: one query token per sequence, q
+    [b, hq, d_qk] or the pair (q_nope [b, hq, head_dim_v], q_pe [b, hq, d_qk - head_dim_v])
+    that vLLM passes (the query absorbed into the latent space, then its rope channels);
+    kv_cache [num_blocks, block_size, d_qk], vLLM's latent cache (each row the kv_lora_rank =
+    head_dim_v latent channels, then the rope channels), read in place as
+    flywheel.flash_mla_with_kvcache's k_cache, the values each row's first head_dim_v
+    channels; sequence i attends to its first seq_lens[i] tokens (vLLM has written the new one)
+    in the blocks block_table[i]. Returns out [b, hq, head_dim_v] (written in place when
+    given)."""
+    import torch
+    if isinstance(q, tuple):
+        q = torch.cat(q, dim=-1)
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], head_dim_v)
+    flywheel.flash_mla_with_kvcache(q[:, None], kv_cache[:, :, None], block_table, seq_lens,
+                                    head_dim_v, softmax_scale=scale, out=out[:, None])
+    return out
 
 
 def _layer_args(layer):
@@ -306,18 +346,22 @@ def backend_class():
 
         def _flywheel_takes(self, layer, kv_cache, md, output_scale, output_block_scale):
             """Whether flywheel serves this call (takes_step: which steps): on vLLM's "vec"
-            layout every step it takes; on its AMX layout (bf16) the decode-only steps, read
-            in place, with FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode (amx_layout())."""
+            layout (a bf16, f32 or fp8 cache) every step it takes; on its AMX layout (bf16)
+            the decode-only steps, read in place, with FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode
+            (amx_layout())."""
             isa = getattr(layer, "isa", None)
             self._flywheel_layout = isa
-            return (md is not None and output_scale is None and output_block_scale is None and
-                    takes_step(md.max_query_len == 1) and md.causal is True and
-                    md.dynamic_causal is None and
-                    self.attn_type == AttentionType.DECODER and self.alibi_slopes is None and
-                    self.sinks is None and not self.is_fp8_kv_cache and
-                    (isa == "vec" and kv_cache.dtype in (torch.bfloat16, torch.float32) or
-                     isa == "amx" and kv_cache.dtype == torch.bfloat16 and
-                     md.max_query_len == 1 and amx_layout() == "amx-decode"))
+            if self.is_fp8_kv_cache:
+                cache_ok = isa == "vec" and self.kv_cache_dtype in FP8_CACHE_DTYPES
+            else:
+                cache_ok = (isa == "vec" and kv_cache.dtype in (torch.bfloat16, torch.float32) or
+                            isa == "amx" and kv_cache.dtype == torch.bfloat16 and
+                            md is not None and md.max_query_len == 1 and
+                            amx_layout() == "amx-decode")
+            return (cache_ok and md is not None and output_scale is None and
+                    output_block_scale is None and takes_step(md.max_query_len == 1) and
+                    md.causal is True and md.dynamic_causal is None and
+                    self.attn_type == AttentionType.DECODER and self.alibi_slopes is None)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
@@ -325,21 +369,27 @@ def backend_class():
             if not self._flywheel_takes(layer, kv_cache, md, output_scale, output_block_scale):
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                        output_scale, output_block_scale)
-            return self._flywheel(kv_cache, query, output, md)
+            return self._flywheel(layer, kv_cache, query, output, md)
 
-        def _flywheel(self, kv_cache, query, output, md):
+        def _flywheel(self, layer, kv_cache, query, output, md):
             share_threads()
             n, r = md.num_actual_tokens, md.seq_lens.shape[0]
             # the cache's K and V views, kept with the layer's implementation (the engine
             # passes the same cache tensor every step): 3.4 us a call otherwise
             layout = getattr(self, "_flywheel_layout", "vec")  # the layer's, _flywheel_takes
+            dtype = self.kv_cache_dtype if self.is_fp8_kv_cache else "auto"
             kept = getattr(self, "_flywheel_views", None)
             if kept is None or kept[0] is not kv_cache or kept[1] != layout:
-                kept = self._flywheel_views = (kv_cache, layout, kv_cache_views(kv_cache, layout))
+                kept = self._flywheel_views = (kv_cache, layout,
+                                               kv_cache_views(kv_cache, layout, dtype))
+            # the sinks detached: a tensor that requires grad goes the ctypes way
+            sinks = None if self.sinks is None else self.sinks.detach()
             return attention(query, kv_cache, output, md.query_start_loc, md.seq_lens,
                              md.block_table[:r], self.scale, causal=True,
                              sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
-                             num_actual_tokens=n, views=kept[2], layout=layout)
+                             num_actual_tokens=n, views=kept[2], layout=layout, sinks=sinks,
+                             kv_cache_dtype=dtype, k_scale=layer._k_scale_float,
+                             v_scale=layer._v_scale_float)
 
     class FlywheelCPUAttentionBackend(CPUAttentionBackend):
         """CPU_ATTN on flywheel (flywheel.integrations.vllm)."""
@@ -359,20 +409,56 @@ def backend_class():
     return FlywheelCPUAttentionBackend
 
 
-def __getattr__(name):  # the backend's class path, as vLLM's registry imports it
+def mla_backend_class():
+    """The CPU_MLA backend subclass whose decode is flywheel's (mla_decode; built on first use:
+    it needs vllm)."""
+    if "mla" in _BACKEND:
+        return _BACKEND["mla"]
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+    class FlywheelCPUMLAImpl(CPUMLAImpl):
+        """CPU_MLA's implementation, its decodes (the weight-absorbed MQA over the latent
+        cache) on flywheel in the steps takes_step takes; the prefills stay vLLM's."""
+
+        def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+            if not takes_step(attn_metadata.num_prefills == 0):
+                return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+            share_threads()
+            dec = attn_metadata.decode
+            return mla_decode(q, kv_c_and_k_pe_cache, dec.block_table, dec.seq_lens,
+                              self.scale, self.kv_lora_rank), None
+
+    class FlywheelCPUMLABackend(CPUMLABackend):
+        """CPU_MLA on flywheel (flywheel.integrations.vllm)."""
+
+        @staticmethod
+        def get_impl_cls():
+            return FlywheelCPUMLAImpl
+
+    for cls in (FlywheelCPUMLABackend, FlywheelCPUMLAImpl):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    _BACKEND["mla"] = FlywheelCPUMLABackend
+    return FlywheelCPUMLABackend
+
+
+def __getattr__(name):  # the backends' class paths, as vLLM's registry imports them
     if name == "FlywheelCPUAttentionBackend":
         return backend_class()
+    if name == "FlywheelCPUMLABackend":
+        return mla_backend_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register():
-    """vLLM's general-plugin entry point: flywheel's backend in place of CPU_ATTN (the CPU
-    platform always asks for CPU_ATTN) and gdn_core in place of cpu_gdn_attention_core.
+    """vLLM's general-plugin entry point: flywheel's backends in place of CPU_ATTN (the CPU
+    platform asks for it for every attention layer but MLA) and CPU_MLA (for MLA layers on a
+    CPU without AMX), and gdn_core in place of cpu_gdn_attention_core.
     FLYWHEEL_VLLM=0 leaves vLLM as it is."""
     if os.environ.get("FLYWHEEL_VLLM", "1") == "0":
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.FlywheelCPUAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_MLA, f"{__name__}.FlywheelCPUMLABackend")
     try:  # the GDN op: its module's function, which vLLM registers as the op when a layer is built
         import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as gdn
     except ImportError:  # a vLLM without the CPU GDN op
@@ -387,5 +473,6 @@ def register():
         gdn.cpu_gdn_attention_core = gdn_core
 
 
-__all__ = ["amx_layout", "attention", "backend_class", "gdn_core", "gdn_step", "kv_cache_views",
-           "register", "share_threads", "takes_step"]
+__all__ = ["FP8_CACHE_DTYPES", "amx_layout", "attention", "backend_class", "gdn_core", "gdn_step",
+           "kv_cache_views", "mla_backend_class", "mla_decode", "register", "share_threads",
+           "takes_step"]
