@@ -171,8 +171,11 @@ $(PEERS_VENV)/.peers-deps: bench/requirements-peers-cpu.txt
 
 # flywheel against zentorch, vLLM's CPU kernels, OpenVINO and ONNX Runtime, in one process on
 # the same inputs: prefill attention and GDN (T=4096), attention and GDN decode (the small-call
-# table, in microseconds). COMPARE_CPU_ARGS passes options (--reps, --small-reps, --t,
-# --decode, --gdn-n, --only attn,gdn,decode,gdn-decode,small, --json).
+# table, in microseconds), conv1d, and decode with attention sinks (gpt-oss), fp8 KV caches and
+# MLA (DeepSeek) against vLLM's CPU kernels for them and torch SDPA / zentorch emulations.
+# COMPARE_CPU_ARGS passes options (--reps, --small-reps, --t, --decode, --gdn-n, --sinks-ctx,
+# --fp8-decode, --mla-heads, --mla-ctx, --feature-reps, --feature-burst,
+# --only attn,gdn,decode,gdn-decode,conv,sinks,fp8,mla,small,features, --json).
 compare-cpu: build $(PEERS_VENV)/.peers-deps
 	$(TREE_ENV) $(PEERS_VENV)/bin/python bench/compare_cpu.py $(COMPARE_CPU_ARGS)
 
