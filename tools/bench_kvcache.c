@@ -3,10 +3,15 @@
  *
  * decode: every sequence appends 1 token at position ctx-1 and attends to ctx keys (the
  *   same step repeated, so every repetition does identical work). Reports microseconds per
- *   step (median) and GB/s of K/V read = batch * ctx * hkv * (d + dv) * bytes(dtype) / s,
- *   against two read rates measured in the same run by fw_read_bandwidth: streaming from
- *   memory (a 1 GiB buffer) and reading as many bytes as the step's K/V, over and over (the
- *   buffer then stays in whichever cache holds the hot K/V: the ceiling of a hot step).
+ *   step (median) and GB/s of K/V read = batch * ctx * hkv * (d + dv) * bytes(cache dtype) / s
+ *   (--mla: batch * ctx * hkv * d * bytes, V being part of K's rows), against two read rates
+ *   measured in the same run by fw_read_bandwidth: streaming from memory (a 1 GiB buffer) and
+ *   reading as many bytes as the step's K/V, over and over (the buffer then stays in whichever
+ *   cache holds the hot K/V: the ceiling of a hot step); and GFLOP/s = 2 batch hq ctx (d + dv)
+ *   / s against the peak of the precision in use (what bounds MLA's 128-head decode).
+ * --cache f8e4m3|f8e5m2: an fp8 cache (descales 1), q, k_new and out in --dtype.
+ * --mla: MLA's latent cache: one K/V head of d = 576 channels, V the first dv = 512 channels
+ *   of the same rows (a view: the bytes are read once for both products), pages of 64.
  * prefill: every sequence appends `new` tokens after a cached prefix of ctx - new tokens.
  *   GFLOP/s = 2 (d + dv) x unmasked pairs / s and % of the peak of the precision in use (bf16
  *   inputs: bf16 products, the bf16 dot-product peak; else the FMA peak), next to the dense
@@ -22,8 +27,9 @@
 #include "commands.h"
 
 typedef struct {
-    int64_t batch, ctx, nnew, hq, hkv, d, page;
-    fw_dtype dt;
+    int64_t batch, ctx, nnew, hq, hkv, d, dv, page;
+    fw_dtype dt, cdt; /* q, k_new, out; the cache */
+    int mla;          /* --mla: V the first dv channels of K's rows */
     int threads, reps, json;
     const char *isa;
     int rotary;
@@ -40,33 +46,40 @@ static void fill_bits(void *p, size_t n, fw_dtype dt)
         float x = (float)((double)(s >> 11) * 0x1p-53 * 3.0 - 1.5);
         if (dt == FW_F32) ((float *)p)[i] = x;
         else if (dt == FW_BF16) ((uint16_t *)p)[i] = fw_f32_to_bf16(x);
-        else ((uint16_t *)p)[i] = fw_f32_to_f16(x);
+        else if (dt == FW_F16) ((uint16_t *)p)[i] = fw_f32_to_f16(x);
+        else ((uint8_t *)p)[i] = fw_f32_to_f8(x, dt);
     }
 }
 
 
 static int kv_run(const kcfg *c, int decode)
 {
-    const size_t es = fw_dtype_size(c->dt);
-    const int64_t b = c->batch, n = decode ? 1 : c->nnew, tq = b * n;
+    const size_t es = fw_dtype_size(c->dt), ces = fw_dtype_size(c->cdt);
+    const int64_t b = c->batch, n = decode ? 1 : c->nnew, tq = b * n, d = c->d, dv = c->dv;
     const int64_t ps = c->page ? c->page : c->ctx;
     const int64_t per = (c->ctx + ps - 1) / ps, pages = c->page ? b * per : b;
-    int64_t ks[4] = {pages, ps, c->hkv, c->d}, qs[3] = {tq, c->hq, c->d}, ns[3] = {tq, c->hkv, c->d};
-    const size_t kbytes = (size_t)(pages * ps * c->hkv * c->d) * es;
-    void *kd = bench_alloc(kbytes), *vd = bench_alloc(kbytes), *qd = malloc((size_t)(tq * c->hq * c->d) * es);
-    void *knd = malloc((size_t)(tq * c->hkv * c->d) * es), *vnd = malloc((size_t)(tq * c->hkv * c->d) * es);
-    void *od = malloc((size_t)(tq * c->hq * c->d) * es);
+    int64_t ks[4] = {pages, ps, c->hkv, d}, vsh[4] = {pages, ps, c->hkv, dv}, qs[3] = {tq, c->hq, d},
+            os[3] = {tq, c->hq, dv}, ns[3] = {tq, c->hkv, d}, vns[3] = {tq, c->hkv, dv};
+    const size_t kbytes = (size_t)(pages * ps * c->hkv * d) * ces, vbytes = (size_t)(pages * ps * c->hkv * dv) * ces;
+    void *kd = bench_alloc(kbytes), *vd = c->mla ? kd : bench_alloc(vbytes), *qd = malloc((size_t)(tq * c->hq * d) * es);
+    void *knd = malloc((size_t)(tq * c->hkv * d) * es), *vnd = c->mla ? knd : malloc((size_t)(tq * c->hkv * dv) * es);
+    void *od = malloc((size_t)(tq * c->hq * dv) * es);
     int32_t *bt = malloc(sizeof(int32_t) * (size_t)(b * per)), *cuq = malloc(sizeof(int32_t) * (size_t)(b + 1)),
             *sl = malloc(sizeof(int32_t) * (size_t)b);
+#define KV_FREE() do { free(kd); if (!c->mla) { free(vd); free(vnd); } free(qd); free(knd); free(od); \
+                       free(bt); free(cuq); free(sl); } while (0)
     if (!kd || !vd || !qd || !knd || !vnd || !od || !bt || !cuq || !sl) {
         fprintf(stderr, "bench kvcache: out of memory\n");
+        KV_FREE();
         return 1;
     }
-    fill_bits(kd, kbytes / es, c->dt);
-    fill_bits(vd, kbytes / es, c->dt);
-    fill_bits(qd, (size_t)(tq * c->hq * c->d), c->dt);
-    fill_bits(knd, (size_t)(tq * c->hkv * c->d), c->dt);
-    fill_bits(vnd, (size_t)(tq * c->hkv * c->d), c->dt);
+    fill_bits(kd, kbytes / ces, c->cdt);
+    if (!c->mla) {
+        fill_bits(vd, vbytes / ces, c->cdt);
+        fill_bits(vnd, (size_t)(tq * c->hkv * dv), c->dt);
+    }
+    fill_bits(qd, (size_t)(tq * c->hq * d), c->dt);
+    fill_bits(knd, (size_t)(tq * c->hkv * d), c->dt);
     /* pages of each sequence interleaved across the pool, as an allocator would leave them */
     for (int64_t i = 0; i < b; i++)
         for (int64_t pg = 0; pg < per; pg++)
@@ -77,17 +90,31 @@ static int kv_run(const kcfg *c, int decode)
         sl[i] = (int32_t)(c->ctx - n);
     fw_kv_cache cache;
     memset(&cache, 0, sizeof cache);
-    cache.k = fw_tensor_contiguous(kd, c->dt, 4, ks);
-    cache.v = fw_tensor_contiguous(vd, c->dt, 4, ks);
+    cache.k = fw_tensor_contiguous(kd, c->cdt, 4, ks);
+    cache.v = fw_tensor_contiguous(vd, c->cdt, 4, vsh);
+    fw_tensor vn = fw_tensor_contiguous(vnd, c->dt, 3, vns);
+    if (c->mla) { /* V: the first dv channels of K's rows, as are the new values of the new keys */
+        for (int i = 0; i < 4; i++)
+            cache.v.stride[i] = cache.k.stride[i];
+        vn.stride[0] = c->hkv * d;
+        vn.stride[1] = d;
+    }
+    const float one = 1.0f;
+    const int64_t one_shape[1] = {1};
+    const fw_tensor descale = fw_tensor_contiguous((void *)&one, FW_F32, 1, one_shape);
+    if (c->cdt != c->dt) {
+        cache.k_descale = &descale;
+        cache.v_descale = &descale;
+    }
     if (c->tiles)
-        bench_tiles_cache(&cache, c->hkv, ps, c->d);
+        bench_tiles_cache(&cache, c->hkv, ps, d);
     if (c->cols)
-        bench_cols_cache(&cache, c->hkv, ps, c->d);
+        bench_cols_cache(&cache, c->hkv, ps, d);
     cache.block_table = c->page ? bt : NULL;
     cache.max_pages = per;
     cache.seqlens = sl;
     fw_tensor q = fw_tensor_contiguous(qd, c->dt, 3, qs), kn = fw_tensor_contiguous(knd, c->dt, 3, ns),
-              vn = fw_tensor_contiguous(vnd, c->dt, 3, ns), o = fw_tensor_contiguous(od, c->dt, 3, qs);
+              o = fw_tensor_contiguous(od, c->dt, 3, os);
     fw_attn_params p;
     fw_attn_params_init(&p);
     p.causal = 1;
@@ -101,6 +128,7 @@ static int kv_run(const kcfg *c, int decode)
     double rt[2][3], rlo = INFINITY, rhi = 0;
     if (c->rotary && !bench_rope_tables(c->ctx, c->d, &rmem, &rc, &rs)) {
         fprintf(stderr, "bench kvcache: out of memory\n");
+        KV_FREE();
         return 1;
     }
     for (int round = 0; round < (c->rotary ? 3 : 1) && !fail; round++)
@@ -136,15 +164,25 @@ static int kv_run(const kcfg *c, int decode)
                decode ? "decode " : "prefill", (long long)b, (long long)c->ctx, (long long)n,
                (long long)c->hq, (long long)c->hkv, (long long)c->d, c->threads, a * 1e6, r * 1e6,
                100 * (r / a - 1), 100 * (rlo - 1), 100 * (rhi - 1));
-        free(kd); free(vd); free(qd); free(knd); free(vnd); free(od); free(bt); free(cuq); free(sl);
+        KV_FREE();
         return 0;
     }
     if (!fail) {
         const double sec = bench_median(t, reps);
+        const int bf16 = bench_bf16_products(c->isa, c->dt, FW_PREC_AUTO);
+        char cache_name[32] = "", dname[48];
+        if (c->cdt != c->dt)
+            snprintf(cache_name, sizeof cache_name, " cache %s", fw_dtype_name(c->cdt));
+        if (dv == d)
+            snprintf(dname, sizeof dname, "d%lld", (long long)d);
+        else
+            snprintf(dname, sizeof dname, "d%lld/%lld", (long long)d, (long long)dv);
         if (decode) {
             double bw = 0, same = 0;
-            const double bytes = (double)b * (double)c->ctx * (double)c->hkv * 2.0 * (double)c->d * (double)es;
+            const double bytes = (double)b * (double)c->ctx * (double)c->hkv * (double)(c->mla ? d : d + dv) * (double)ces;
             const double gbs = bytes / sec * 1e-9;
+            const double gf = 2.0 * (double)b * (double)c->hq * (double)c->ctx * (double)(d + dv) / sec * 1e-9;
+            const double pk = bench_peak_over(c->isa, c->threads, bf16, gf);
             /* (at least the 4 KiB a thread that fw_read_bandwidth takes; threads is >= 1 here) */
             if (fw_read_bandwidth(c->threads, (size_t)1 << 30, &bw) != FW_OK ||
                 fw_read_bandwidth(c->threads, (size_t)fmax(bytes, 4096.0 * c->threads), &same) != FW_OK) {
@@ -152,31 +190,43 @@ static int kv_run(const kcfg *c, int decode)
                 fail = 1;
             } else if (c->json)
                 printf("{\"op\":\"kvcache_decode\",\"batch\":%lld,\"ctx\":%lld,\"hq\":%lld,\"hkv\":%lld,\"d\":%lld,"
-                       "\"dtype\":\"%s\",\"page\":%lld,\"layout\":\"%s\",\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
+                       "\"dv\":%lld,\"mla\":%d,\"dtype\":\"%s\",\"cache_dtype\":\"%s\",\"page\":%lld,\"layout\":\"%s\","
+                       "\"threads\":%d,\"reps\":%d,\"seconds_median\":%.6g,"
                        "\"us_per_step\":%.2f,\"kv_gbps\":%.2f,\"read_bw_gbps\":%.2f,\"pct_bw\":%.1f,"
-                       "\"same_bytes_gbps\":%.2f,\"pct_same_bytes\":%.1f}\n",
-                       (long long)b, (long long)c->ctx, (long long)c->hq, (long long)c->hkv, (long long)c->d,
-                       fw_dtype_name(c->dt), (long long)c->page, c->tiles ? "tiles" : c->cols ? "cols" : "rows", c->threads, reps,
-                       sec, sec * 1e6, gbs, bw,
-                       100 * gbs / bw, same, 100 * gbs / same);
+                       "\"same_bytes_gbps\":%.2f,\"pct_same_bytes\":%.1f,\"gflops\":%.2f,\"products\":\"%s\","
+                       "\"peak_gflops\":%.2f,\"pct_peak\":%.1f}\n",
+                       (long long)b, (long long)c->ctx, (long long)c->hq, (long long)c->hkv, (long long)d,
+                       (long long)dv, c->mla, fw_dtype_name(c->dt), fw_dtype_name(c->cdt), (long long)c->page,
+                       c->tiles ? "tiles" : c->cols ? "cols" : "rows", c->threads, reps, sec, sec * 1e6, gbs, bw,
+                       100 * gbs / bw, same, 100 * gbs / same, gf, bf16 ? "bf16" : "f32", pk, 100 * gf / pk);
             else
-                printf("decode    %-5s batch %-3lld ctx %-6lld h%lld:%lld d%lld page %-5lld%s thr=%d  %9.1f us/step  "
-                       "%6.1f GB/s K/V  %5.1f%% of %.1f GB/s read bandwidth, %5.1f%% of %.1f GB/s reading as many bytes\n",
-                       fw_dtype_name(c->dt), (long long)b, (long long)c->ctx, (long long)c->hq,
-                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->tiles ? " tiles" : c->cols ? " cols" : "",
-                       c->threads, sec * 1e6, gbs,
-                       100 * gbs / bw, bw, 100 * gbs / same, same);
+                printf("decode    %-5s%s%s batch %-3lld ctx %-6lld h%lld:%lld %s page %-5lld%s thr=%d  %9.1f us/step  "
+                       "%6.1f GB/s K/V  %5.1f%% of %.1f GB/s read bandwidth, %5.1f%% of %.1f GB/s reading as many bytes;"
+                       "  %6.1f GFLOP/s %5.1f%% of %.0f %s peak\n",
+                       fw_dtype_name(c->dt), cache_name, c->mla ? " mla" : "", (long long)b, (long long)c->ctx,
+                       (long long)c->hq, (long long)c->hkv, dname,
+                       (long long)c->page, c->tiles ? " tiles" : c->cols ? " cols" : "", c->threads, sec * 1e6, gbs,
+                       100 * gbs / bw, bw, 100 * gbs / same, same, gf, 100 * gf / pk, pk, bf16 ? "bf16" : "FMA");
         } else {
             /* pairs: row r of n sees keys [0, ctx - n + r] */
             const double pairs = (double)b * (double)c->hq * ((double)n * (double)(c->ctx - n) + (double)n * (double)(n + 1) / 2);
-            const double gf = 2.0 * 2.0 * (double)c->d * pairs / sec * 1e-9;
-            /* the dense kernel on the same shape: q [b, n, hq, d] against the contiguous context */
-            int64_t dq[4] = {b, n, c->hq, c->d}, dk[4] = {b, c->ctx, c->hkv, c->d};
-            void *ck = malloc((size_t)(b * c->ctx * c->hkv * c->d) * es), *cv = malloc((size_t)(b * c->ctx * c->hkv * c->d) * es);
-            fill_bits(ck, (size_t)(b * c->ctx * c->hkv * c->d), c->dt);
-            fill_bits(cv, (size_t)(b * c->ctx * c->hkv * c->d), c->dt);
+            const double gf = 2.0 * (double)(d + dv) * pairs / sec * 1e-9;
+            /* the dense kernel on the same shape: q [b, n, hq, d] against the contiguous context,
+             * in q's dtype */
+            int64_t dq[4] = {b, n, c->hq, d}, dk[4] = {b, c->ctx, c->hkv, d}, dvs[4] = {b, c->ctx, c->hkv, dv},
+                    dout[4] = {b, n, c->hq, dv};
+            void *ck = malloc((size_t)(b * c->ctx * c->hkv * d) * es), *cv = malloc((size_t)(b * c->ctx * c->hkv * dv) * es);
+            if (!ck || !cv) {
+                fprintf(stderr, "bench kvcache: out of memory\n");
+                free(ck);
+                free(cv);
+                KV_FREE();
+                return 1;
+            }
+            fill_bits(ck, (size_t)(b * c->ctx * c->hkv * d), c->dt);
+            fill_bits(cv, (size_t)(b * c->ctx * c->hkv * dv), c->dt);
             fw_tensor tq4 = fw_tensor_contiguous(qd, c->dt, 4, dq), tk4 = fw_tensor_contiguous(ck, c->dt, 4, dk),
-                      tv4 = fw_tensor_contiguous(cv, c->dt, 4, dk), to4 = fw_tensor_contiguous(od, c->dt, 4, dq);
+                      tv4 = fw_tensor_contiguous(cv, c->dt, 4, dvs), to4 = fw_tensor_contiguous(od, c->dt, 4, dout);
             double td[64];
             for (int i = -1; i < reps; i++) {
                 double t0 = bench_now();
@@ -184,38 +234,40 @@ static int kv_run(const kcfg *c, int decode)
                 if (i >= 0)
                     td[i] = bench_now() - t0;
             }
-            const double dsec = bench_median(td, reps), dgf = 2.0 * 2.0 * (double)c->d * pairs / dsec * 1e-9;
-            const int bf16 = bench_bf16_products(c->isa, c->dt, FW_PREC_AUTO);
+            const double dsec = bench_median(td, reps), dgf = 2.0 * (double)(d + dv) * pairs / dsec * 1e-9;
             const double top = gf > dgf ? gf : dgf;
             const double pf = bench_peak_over(c->isa, c->threads, 0, bf16 ? 0 : top),
                          pb = bench_peak_over(c->isa, c->threads, 1, bf16 ? top : 0), pk = bf16 ? pb : pf;
             if (c->json)
                 printf("{\"op\":\"kvcache_prefill\",\"batch\":%lld,\"ctx\":%lld,\"new\":%lld,\"hq\":%lld,\"hkv\":%lld,"
-                       "\"d\":%lld,\"dtype\":\"%s\",\"products\":\"%s\",\"page\":%lld,\"threads\":%d,\"reps\":%d,"
+                       "\"d\":%lld,\"dv\":%lld,\"mla\":%d,\"dtype\":\"%s\",\"cache_dtype\":\"%s\",\"products\":\"%s\","
+                       "\"page\":%lld,\"threads\":%d,\"reps\":%d,"
                        "\"seconds_median\":%.6g,\"gflops\":%.2f,\"peak_gflops\":%.2f,\"peak_bf16_gflops\":%.2f,"
                        "\"pct_peak\":%.1f,\"dense_gflops\":%.2f,\"dense_pct_peak\":%.1f}\n",
                        (long long)b, (long long)c->ctx, (long long)n, (long long)c->hq, (long long)c->hkv,
-                       (long long)c->d, fw_dtype_name(c->dt), bf16 ? "bf16" : "f32", (long long)c->page,
-                       c->threads, reps, sec, gf, pf, pb, 100 * gf / pk, dgf, 100 * dgf / pk);
+                       (long long)d, (long long)dv, c->mla, fw_dtype_name(c->dt), fw_dtype_name(c->cdt),
+                       bf16 ? "bf16" : "f32", (long long)c->page, c->threads, reps, sec, gf, pf, pb, 100 * gf / pk,
+                       dgf, 100 * dgf / pk);
             else
-                printf("prefill   %-5s batch %-3lld %lld new on %lld cached h%lld:%lld d%lld page %-5lld thr=%d  %8.4f s  "
+                printf("prefill   %-5s%s%s batch %-3lld %lld new on %lld cached h%lld:%lld %s page %-5lld thr=%d  %8.4f s  "
                        "%6.1f GFLOP/s %5.1f%% of %.0f %s peak   dense kernel %6.1f GFLOP/s %5.1f%%\n",
-                       fw_dtype_name(c->dt), (long long)b, (long long)n, (long long)(c->ctx - n), (long long)c->hq,
-                       (long long)c->hkv, (long long)c->d, (long long)c->page, c->threads, sec, gf, 100 * gf / pk,
-                       pk, bf16 ? "bf16" : "FMA", dgf, 100 * dgf / pk);
+                       fw_dtype_name(c->dt), cache_name, c->mla ? " mla" : "", (long long)b, (long long)n,
+                       (long long)(c->ctx - n), (long long)c->hq, (long long)c->hkv, dname, (long long)c->page,
+                       c->threads, sec, gf, 100 * gf / pk, pk, bf16 ? "bf16" : "FMA", dgf, 100 * dgf / pk);
             free(ck);
             free(cv);
         }
         fflush(stdout);
     }
-    free(kd); free(vd); free(qd); free(knd); free(vnd); free(od); free(bt); free(cuq); free(sl);
+    KV_FREE();
+#undef KV_FREE
     return fail;
 }
 
 
 static kcfg kdefaults(void)
 {
-    kcfg c = {1, 32768, 512, 32, 8, 128, 256, FW_BF16, 0, 9, 0, NULL, 0, 0, 0, 0};
+    kcfg c = {1, 32768, 512, 32, 8, 128, 128, 256, FW_BF16, FW_BF16, 0, 0, 9, 0, NULL, 0, 0, 0, 0};
     c.threads = bench_cpus();
     return c;
 }
@@ -224,6 +276,7 @@ int bench_kvcache_main(int argc, char **argv)
 {
     kcfg c = kdefaults();
     int mode = 0, ctx_set = 0; /* mode 0: both sweeps, 1: decode, 2: prefill */
+    int hq_set = 0, hkv_set = 0, d_set = 0, dv_set = 0, page_set = 0, cache_set = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
 #define OPT(name) bench_opt(argc, argv, &i, name)
@@ -231,16 +284,27 @@ int bench_kvcache_main(int argc, char **argv)
         if (OPT("--batch")) c.batch = INT("--batch", 1, 1 << 20);
         else if (OPT("--ctx")) c.ctx = INT("--ctx", 1, 1 << 24), ctx_set = 1;
         else if (OPT("--new")) c.nnew = INT("--new", 0, 1 << 24);
-        else if (OPT("--hq")) c.hq = INT("--hq", 1, 65536);
-        else if (OPT("--hkv")) c.hkv = INT("--hkv", 1, 65536);
-        else if (OPT("--d")) c.d = INT("--d", 1, 1024);
-        else if (OPT("--page")) c.page = INT("--page", 0, 65536);
+        else if (OPT("--hq")) c.hq = INT("--hq", 1, 65536), hq_set = 1;
+        else if (OPT("--hkv")) c.hkv = INT("--hkv", 1, 65536), hkv_set = 1;
+        else if (OPT("--d")) c.d = INT("--d", 1, 1024), d_set = 1;
+        else if (OPT("--dv")) c.dv = INT("--dv", 1, 1024), dv_set = 1;
+        else if (OPT("--page")) c.page = INT("--page", 0, 65536), page_set = 1;
         else if (OPT("--threads")) c.threads = (int)INT("--threads", 0, 256), c.threads = c.threads ? c.threads : bench_cpus();
         else if (OPT("--reps")) c.reps = (int)INT("--reps", 1, 100000);
         else if (OPT("--isa")) c.isa = argv[i];
         else if (OPT("--dtype")) {
             if (!bench_dtype(argv[i], &c.dt)) { fprintf(stderr, "flywheel: unknown dtype %s\n", argv[i]); return 2; }
         }
+        else if (OPT("--cache")) {
+            if (!strcmp(argv[i], "f8e4m3")) c.cdt = FW_F8E4M3;
+            else if (!strcmp(argv[i], "f8e5m2")) c.cdt = FW_F8E5M2;
+            else if (!bench_dtype(argv[i], &c.cdt)) {
+                fprintf(stderr, "flywheel: --cache %s: expected f32, bf16, f16, f8e4m3 or f8e5m2\n", argv[i]);
+                return 2;
+            }
+            cache_set = 1;
+        }
+        else if (!strcmp(a, "--mla")) c.mla = 1;
         else if (!strcmp(a, "--decode")) mode = 1;
         else if (!strcmp(a, "--prefill")) mode = 2;
         else if (!strcmp(a, "--json")) c.json = 1;
@@ -253,9 +317,13 @@ int bench_kvcache_main(int argc, char **argv)
             if (!bench_is_help(a))
                 fprintf(stderr, "flywheel: unknown option %s\n", a);
             printf("usage: flywheel bench kvcache [--decode | --prefill] [--batch N --ctx N --new N\n"
-                   "       --hq N --hkv N --d N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
+                   "       --hq N --hkv N --d N --dv N --page P (0 = contiguous) --dtype f32|bf16|f16\n"
+                   "       --cache f8e4m3|f8e5m2|f32|bf16|f16 --mla\n"
                    "       --threads N --reps N --isa NAME --json --rotary --dec-prefetch | --no-dec-prefetch\n"
                    "       --tiles | --cols]\n"
+                   "  --dtype: q, new keys and values, out; --cache: the cache's (default: --dtype; fp8: descales 1)\n"
+                   "  --mla: MLA's latent cache, V the first dv channels of K's rows (defaults: hq 16, hkv 1,\n"
+                   "    d 576, dv 512, page 64)\n"
                    "  --tiles: the cache in FW_KV_TILES, vLLM's AMX layout (paged bf16, page, d multiples of 32)\n"
                    "  --cols: in vLLM's vec layout, each page's keys of a head transposed (paged)\n"
                    "  --ctx is the context after the append (prefill default: 8192 + new)\n"
@@ -268,6 +336,26 @@ int bench_kvcache_main(int argc, char **argv)
     }
     if (c.tiles && c.cols) {
         fprintf(stderr, "flywheel: bench kvcache: --tiles and --cols are two cache layouts; give one\n");
+        return 2;
+    }
+    if (c.mla) {
+        c.hq = hq_set ? c.hq : 16;
+        c.hkv = hkv_set ? c.hkv : 1;
+        c.d = d_set ? c.d : 576;
+        c.dv = dv_set ? c.dv : 512;
+        c.page = page_set ? c.page : 64;
+        if (c.dv > c.d || c.tiles || c.cols || c.rotary) {
+            fprintf(stderr, "flywheel: bench kvcache: --mla reads V from K's rows: dv <= d, and no --tiles, --cols "
+                            "or --rotary\n");
+            return 2;
+        }
+    } else if (!dv_set) {
+        c.dv = c.d;
+    }
+    if (!cache_set)
+        c.cdt = c.dt;
+    if ((c.tiles || c.cols || c.rotary) && c.dv != c.d) {
+        fprintf(stderr, "flywheel: bench kvcache: --tiles, --cols and --rotary take dv = d\n");
         return 2;
     }
     if (mode == 1)

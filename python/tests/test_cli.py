@@ -28,6 +28,9 @@ def run(*args):
     (["bench", "attn", "--softcap", "-1"], "--softcap -1: expected a number"),
     (["bench", "kvcache", "--page", "abc"], "--page abc: expected an integer"),
     (["bench", "kvcache", "--decode", "--tiles", "--cols"], "--tiles and --cols are two cache layouts"),
+    (["bench", "kvcache", "--cache", "f9"], "--cache f9: expected f32, bf16, f16, f8e4m3 or f8e5m2"),
+    (["bench", "kvcache", "--mla", "--tiles"], "--mla reads V from K's rows"),
+    (["bench", "kvcache", "--dv", "64", "--rotary"], "--tiles, --cols and --rotary take dv = d"),
     (["bench", "gdn", "--dk", "0"], "--dk 0: expected an integer from 1 to 1024"),
     (["bench", "gdn", "--frob"], "unknown option --frob"),
     (["bench", "conv", "--w", "0"], "--w 0: expected an integer from 1 to 64"),
@@ -51,6 +54,31 @@ def test_bad_arguments_exit_2_with_a_message(args, needle):
 def test_help_exits_0_with_usage(args):
     rc, out = run(*args)
     assert rc == 0 and "usage: flywheel" in out
+
+
+@pytest.mark.parametrize("extra, cache, kv_channels", [
+    ([], "bf16", 2 * 64),
+    (["--cache", "f8e4m3"], "f8e4m3", 2 * 64),
+    (["--cache", "f8e5m2"], "f8e5m2", 2 * 64),
+    (["--mla", "--hq", "24", "--d", "96", "--dv", "64"], "bf16", 96),
+])
+def test_kvcache_decode_reports_the_bytes_it_reads(extra, cache, kv_channels):
+    """The decode line's K/V rate is the bytes of the cache's dtype it reads (an MLA cache's V
+    is part of K's rows: d channels a token, not d + dv) over the median time it measured."""
+    import json
+    base = ["bench", "kvcache", "--decode", "--ctx", "300", "--page", "32", "--hq", "8", "--hkv", "2",
+            "--d", "64", "--reps", "2", "--threads", "1", "--json"]
+    code, out = run(*base, *extra)
+    assert code == 0, out
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["cache_dtype"] == cache and row["mla"] == (1 if "--mla" in extra else 0)
+    hkv = row["hkv"]
+    size = 1 if cache.startswith("f8") else 2
+    nbytes = 300 * hkv * kv_channels * size
+    assert row["kv_gbps"] == pytest.approx(nbytes / row["seconds_median"] * 1e-9, rel=0.01)
+    flops = 2 * row["hq"] * 300 * (row["d"] + row["dv"])
+    assert row["gflops"] == pytest.approx(flops / row["seconds_median"] * 1e-9, rel=0.01)
+    assert 0 < row["pct_peak"] and 0 < row["pct_bw"]
 
 
 def test_info_names_the_cpu():
