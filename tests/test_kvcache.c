@@ -454,6 +454,20 @@ static void sweep_kvcache(void)
                       i == 1 ? 30.0f : 0.0f, old_long, new_long, i != 1, FW_F32, 0};
         run_kv_case(&tl, 30 + i);
     }
+    /* more than FW_DEC_ROWS rows on one K/V head (MLA's shape: 32 heads on one): the tiled
+     * path in key ranges (fw_attn_tile_splits), merged as a split decode's; with a window and
+     * a softcap, and an fp8 cache */
+    static const int32_t old_one[] = {5000, 1500, 4095, 0};
+    static const int32_t new_one[] = {1, 2, 3, 1};
+    kv_case t1 = {4, 32, 1, 96, 64, 64, FW_BF16, 1, 1, -1, 0.0f, old_one, new_one, 1, FW_F32, 0};
+    run_kv_case(&t1, 33);
+    if (!quick_mode()) {
+        t1.wl = 2500;
+        t1.softcap = 25.0f;
+        t1.dt = FW_F32;
+        t1.f8 = FW_F8E4M3;
+        run_kv_case(&t1, 34);
+    }
 }
 
 /* fp8 caches (e4m3, e5m2) with scalar and per-(sequence, head) descales: the ragged mix
@@ -908,6 +922,25 @@ static void test_split_heuristic(void)
     case_check(fw_attn_kv_splits(1025, 8) == 3 && fw_attn_kv_split_keys(1025, 8) == 512, "1K + 1 keys, 8 heads");
     case_check(fw_attn_kv_splits(32768, 8) == 64, "32K keys, 8 heads");
     case_check(fw_attn_kv_splits(0, 8) == 1 && fw_attn_kv_split_keys(0, 8) == 1, "no keys, 8 heads");
+    case_end();
+    case_begin("tiled split heuristic");
+    case_check(fw_attn_tile_splits(32768, 1) == 16 && fw_attn_tile_split_keys(32768, 1) == 2048,
+               "MLA's one q tile at 32K keys: 16 ranges of 2048");
+    case_check(fw_attn_tile_splits(4096, 1) == 4 && fw_attn_tile_split_keys(4096, 1) == 1024, "4K keys: 4 of 1024");
+    case_check(fw_attn_tile_splits(32768, 8) == 2 && fw_attn_tile_split_keys(32768, 8) == 16384, "8 items: 2 ranges");
+    case_check(fw_attn_tile_splits(32768, 3) == 6 && fw_attn_tile_split_keys(32768, 3) == 5632, "3 items: 6 ranges of 5632");
+    case_check(fw_attn_tile_splits(5000, 2) == 5 && fw_attn_tile_split_keys(5000, 2) == 1024, "5000 keys, 2 items");
+    case_check(fw_attn_tile_splits(1024, 1) == 1 && fw_attn_tile_split_keys(1024, 1) == 1024, "up to 1K keys: one");
+    case_check(fw_attn_tile_splits(1025, 1) == 2, "1K + 1 keys: two");
+    case_check(fw_attn_tile_splits(1 << 20, 16) == 1 && fw_attn_tile_splits(1 << 20, 100) == 1, "16 items: one");
+    case_check(fw_attn_tile_splits(0, 1) == 1 && fw_attn_tile_split_keys(0, 1) == 1, "no keys");
+    int whole = 1;
+    for (int64_t sk = 1; sk <= 40000; sk += 37)
+        for (int64_t n = 1; n <= 17; n++) {
+            const int64_t keys = fw_attn_tile_split_keys(sk, n), ns = fw_attn_tile_splits(sk, n);
+            whole &= (ns == 1 || keys % FW_KV_SPLIT == 0) && (ns - 1) * keys < sk && ns * keys >= sk;
+        }
+    case_check(whole, "ranges are whole multiples of FW_KV_SPLIT keys, none empty, covering every key");
     case_end();
     case_begin("decode head-group heuristic");
     case_check(fw_attn_dec_groups(8, 1, 2) == 2, "8 heads, 1 item, 2 threads: 2 groups");

@@ -107,6 +107,13 @@ typedef struct {
     size_t need;     /* workspace bytes */
 } run_plan;
 
+/* Key ranges sequence i's q tiles are split into (fw_attn_tile_splits): by its q tiles
+ * times heads, the shape only. */
+static int64_t tile_splits(const run_plan *pl, int64_t i, fw_attn_seq s)
+{
+    return fw_attn_tile_splits(s.sk, fw_ceil_div(s.sq, pl->bq[i]) * pl->heads);
+}
+
 static fw_status plan_call(const fw_attn_prob *p, const fw_attn_params *params, run_ctx *c, run_plan *pl)
 {
     const uint32_t flags = params ? params->flags : 0;
@@ -152,7 +159,12 @@ static fw_status plan_call(const fw_attn_prob *p, const fw_attn_params *params, 
                 pl->npart += ns * pl->units * c->G * s.sq * (p->dv + 2);
             }
         } else {
-            pl->n += fw_ceil_div(s.sq, pl->plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c->chunk * pl->bq[i]) * pl->heads;
+            const int64_t ns = pl->plain ? 1 : tile_splits(pl, i, s);
+            pl->n += fw_ceil_div(s.sq, pl->plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c->chunk * pl->bq[i]) * pl->heads * ns;
+            if (ns > 1) {
+                pl->nmerge++;
+                pl->npart += ns * pl->units * c->G * s.sq * (p->dv + 2);
+            }
         }
     }
     pl->groups = fw_attn_dec_groups(pl->units, pl->n + nd, pl->threads);
@@ -193,15 +205,29 @@ static void sequence_items(const run_ctx *c, const run_plan *pl, int64_t i, int6
         return;
     }
     const int64_t span = pl->plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c->chunk * pl->bq[i];
-    for (int64_t h = 0; h < pl->heads; h++)
-        for (int64_t ch = 0; ch * span < s.sq; ch++) {
-            /* cost: the keys the chunk's last row sees times its rows */
-            int64_t rows = fw_min64(span, s.sq - ch * span), lo, hi;
-            fw_attn_visible(p, s.sq, s.sk, ch * span + rows - 1, &lo, &hi);
-            item e = {i, h, ch, 0, INT64_MAX, -1, rows * fw_max64(1, hi - lo + FW_ATTN_BK), pl->bq[i],
-                      pl->M[i]};
-            c->items[(*n)++] = e;
-        }
+    /* a split sequence: each range of keys an item per chunk, its partials [units][G sq] rows
+     * per range, as a split decode's, merged the same way */
+    const int64_t ns = pl->plain ? 1 : tile_splits(pl, i, s), keys = fw_attn_tile_split_keys(s.sk, fw_ceil_div(s.sq, pl->bq[i]) * pl->heads);
+    const int64_t rows_per_head = c->G * s.sq;
+    if (ns > 1) {
+        merge_item mi = {i, ns, *npart};
+        merges[(*nmerge)++] = mi;
+    }
+    for (int64_t sp = 0; sp < ns; sp++)
+        for (int64_t h = 0; h < pl->heads; h++)
+            for (int64_t ch = 0; ch * span < s.sq; ch++) {
+                /* cost: the keys the chunk's last row sees (in its range) times its rows */
+                int64_t rows = fw_min64(span, s.sq - ch * span), lo, hi;
+                const int64_t kb = ns > 1 ? sp * keys : 0, ke = ns > 1 ? (sp + 1) * keys : INT64_MAX;
+                fw_attn_visible(p, s.sq, s.sk, ch * span + rows - 1, &lo, &hi);
+                lo = fw_max64(lo, kb);
+                hi = fw_min64(hi, ke);
+                item e = {i, h, ch, kb, ke,
+                          ns > 1 ? *npart + (sp * pl->units + h) * rows_per_head * (p->dv + 2) : -1,
+                          rows * fw_max64(1, hi - lo + FW_ATTN_BK), pl->bq[i], pl->M[i]};
+                c->items[(*n)++] = e;
+            }
+    *npart += ns > 1 ? ns * pl->units * rows_per_head * (p->dv + 2) : 0;
 }
 
 /* Plan, allocate, list the items longest first, run them and merge the split decodes. */

@@ -633,6 +633,20 @@ int64_t fw_attn_kv_splits(int64_t sk, int64_t units)
     return sk > keys ? fw_ceil_div(sk, keys) : 1;
 }
 
+int64_t fw_attn_tile_split_keys(int64_t sk, int64_t items)
+{
+    if (items >= FW_TILE_SPLIT_ITEMS || sk <= FW_TILE_SPLIT_MIN)
+        return fw_max64(sk, 1);
+    const int64_t want = fw_ceil_div(FW_TILE_SPLIT_ITEMS, fw_max64(items, 1));
+    return fw_max64(FW_TILE_SPLIT_MIN, fw_ceil_div(fw_ceil_div(sk, want), FW_KV_SPLIT) * FW_KV_SPLIT);
+}
+
+int64_t fw_attn_tile_splits(int64_t sk, int64_t items)
+{
+    const int64_t keys = fw_attn_tile_split_keys(sk, items);
+    return sk > keys ? fw_ceil_div(sk, keys) : 1;
+}
+
 int64_t fw_attn_dec_groups(int64_t units, int64_t items, int threads)
 {
     if (units < 2 || items >= threads)

@@ -301,8 +301,9 @@ static void tile_store(const tile_item *I, const item *it)
                 const float *ot = I->OT + (size_t)r * dv * M + m;
                 for (int j = 0; j < dv; j++)
                     I->orow[j] = ot[(size_t)j * M];
-                if (it->part >= 0)
-                    fw_attn_store_partial(I->c, it, m, I->orow, I->A[r * M + m], I->L[r * M + m]);
+                if (it->part >= 0) /* (row g sq + position of the head's partials, as a decode's) */
+                    fw_attn_store_partial(I->c, it, (int)(g * I->sq->sq + I->p0 + (int64_t)r * bq + i), I->orow,
+                                          I->A[r * M + m], I->L[r * M + m]);
                 else
                     fw_attn_store_row(I->c, I->sq, I->h0 + g, I->p0 + (int64_t)r * bq + i, I->orow,
                                       I->A[r * M + m], I->L[r * M + m]);
