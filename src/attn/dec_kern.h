@@ -324,6 +324,16 @@ static void pack_kt_bf16(const void *const *rows, fw_dtype dt, int64_t kdim, int
                 for (int c = 0; c < VL; c++)
                     vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
             }
+        if (kdim == 1 && dt != FW_BF16) /* (fp8 caches: their words, exact) */
+            for (; w0 + VL <= d / 2; w0 += VL) {
+                vf r[VL];
+                for (int i = 0; i < VL; i++)
+                    r[i] = j0 + i < nk ? vbf16_row(vload_in(rows[j0 + i], dt, 2 * w0), vload_in(rows[j0 + i], dt, 2 * w0 + VL))
+                                       : vzero();
+                vtranspose(r);
+                for (int c = 0; c < VL; c++)
+                    vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
+            }
         for (; w0 < dw; w0++)
             for (int i = 0; i < VL; i++) {
                 float x[2] = {0.0f, 0.0f};
