@@ -77,8 +77,10 @@ try:
     import ml_dtypes
 
     BF16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # then bfloat16 numpy arrays are simply not generated
+    F8S = [np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]  # fp8 caches
+except ImportError:  # then bfloat16 and fp8 numpy arrays are simply not generated
     BF16 = None
+    F8S = []
 
 F32, F16, F64 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)
 FLOATS = [F32, F16] + ([BF16] if BF16 is not None else [])
@@ -150,10 +152,12 @@ def round_bf16(x):
     return u.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def attention_ref(q, k, v, scale, causal, left, right, softcap, bf16):
+def attention_ref(q, k, v, scale, causal, left, right, softcap, bf16, sinks=None):
     """float64 softmax attention of one sequence, masks aligned bottom-right: q [sq, hq, d],
     k [sk, hkv, d], v [sk, hkv, dv] -> out [sq, hq, dv], lse [hq, sq] (rows that see no key:
     0 and -inf). bf16: the kernels' bf16 products (q, k, v and the probabilities rounded).
+    sinks [hq] (finite) or None: attention sinks, one more term exp(sinks[h]) in each row's
+    denominator and in lse (a row that sees no key: 0 and the sink).
     Query rows go in blocks of at most REF_BLOCK scores per array. Returns None, None past
     REF_SCORES scores (65537 rows over a 2K cache): the model is for small problems, and the
     call has been checked for refusals and writes by then."""
@@ -182,9 +186,13 @@ def attention_ref(q, k, v, scale, causal, left, right, softcap, bf16):
             seen &= j <= i + right
         s = np.where(seen[None], s, -np.inf)
         m = s.max(axis=-1, keepdims=True) if sk else np.full((hq, e - a, 1), -np.inf)
+        if sinks is not None:
+            m = np.maximum(m, sinks[:, None, None])
         m = np.where(np.isfinite(m), m, 0.0)
         p = np.exp(s - m)
         den = p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            den = den + np.exp(sinks[:, None, None] - m)
         pv = round_bf16(p) if bf16 else p
         out[a:e] = np.einsum("hqk,khd->qhd", pv / np.where(den > 0, den, 1.0), vv)
         d0 = den[..., 0]
@@ -224,6 +232,16 @@ def gdn_stable(k, beta, l2norm):
     r = beta.shape[-1] // max(k.shape[-2], 1)
     kn = np.repeat(kn, r, axis=-1)
     return bool(np.all(beta * kn <= 2.0) and np.all(beta >= 0))
+
+
+def _strided(b, shape, strides, writeable=True):
+    """A view of the contiguous array b with `shape` and byte `strides`, of b's dtype
+    (numpy's as_strided goes through the array interface, which does not know ml_dtypes'
+    fp8 types)."""
+    view = np.ndarray(shape, b.dtype, buffer=b.reshape(-1).view(np.uint8), strides=strides)
+    if not writeable:
+        view.setflags(write=False)
+    return view
 
 
 class Case:
@@ -266,6 +284,10 @@ class Case:
             return np.full(shape, 777.0)
         if fill == "state":
             return rng.standard_normal(shape) * 0.25
+        if fill == "descale":
+            return 2.0 ** rng.uniform(-3, 3, shape)
+        if fill == "sinks":  # logits near the scores', or now and then far from them
+            return rng.standard_normal(shape) * self.mag * (8.0 if rng.random() < 0.3 else 1.0)
         return rng.standard_normal(shape) * self.mag
 
     def tensor(self, name, shape, dtype, written=False, fill="normal", bad_dtypes=BAD_DTYPES,
@@ -289,7 +311,7 @@ class Case:
             strides[ax] = 0
 
             def rebuild(b):
-                return np.lib.stride_tricks.as_strided(b, shape, strides)
+                return _strided(b, shape, strides)
             self.buffers.append((name, buf, rebuild, written))
             return rebuild(buf)
         vals = self.values(shape, fill)
@@ -355,13 +377,12 @@ class Case:
             strides = list(buf.strides)
             strides[ax] = 0
             try:
-                view = np.lib.stride_tricks.as_strided(buf, full, strides,
-                                                       writeable=kind != "zero_ro")
+                view = _strided(buf, full, strides, writeable=kind != "zero_ro")
             except ValueError:  # numpy: too big for one array
                 return a0, a0, ident
             if kind == "huge":
                 self.huge = True
-            return view, buf, (lambda b: np.lib.stride_tricks.as_strided(b, full, strides))
+            return view, buf, (lambda b: _strided(b, full, strides))
         isz = a0.itemsize
         if kind == "unaligned" and isz > 1:
             off = self.n(1, isz - 1)
@@ -461,11 +482,12 @@ class Case:
 
 
 # -------------------------------------------------------------------- model helpers
-def is_float_array(x, name, why, inplace=False, written=False):
+def is_float_array(x, name, why, inplace=False, written=False, f8=False):
+    """f8: an fp8 dtype is taken too (a KV cache)."""
     if not isinstance(x, np.ndarray):
         why.append(f"{name} is not an array")
         return False
-    if x.dtype not in FLOATS:
+    if x.dtype not in FLOATS and not (f8 and x.dtype in F8S):
         why.append(f"{name} dtype {x.dtype}")
         return False
     if inplace and x.size and any((s < 0 or s % x.itemsize) and n > 1
@@ -571,7 +593,7 @@ def model_index(c, x, name, scalar=False):
 
 def small_copy(x):
     """A float64 copy of a small float array (before a call writes it), else None."""
-    if isinstance(x, np.ndarray) and x.dtype in FLOATS + [F64] and x.size <= 2**20:
+    if isinstance(x, np.ndarray) and x.dtype in FLOATS + F8S + [F64] and x.size <= 2**20:
         try:
             return as64(x).copy()
         except (ValueError, MemoryError):  # zero-size but with a dimension numpy refuses
@@ -669,6 +691,46 @@ def attn_params_model(c, kw, d):
         c.why.append(f"scale {scale!r} (softcap {softcap!r}) overflows the score multiplier")
     return dict(scale=scale, causal=causal, left=left, right=right, softcap=softcap or 0.0,
                 precision=precision)
+
+
+def sinks_kwargs(c, kw, hq):
+    """Now and then sinks= or s_aux= (rarely both, refused): [hq] in any float dtype, a list
+    or another form, dtypes and layouts as tensor() draws them (NaN / inf now and then), or
+    one head more or fewer."""
+    if not c.flag(3):
+        return
+    n = hq if not c.flag(10) else c.pick([hq + 1, max(hq - 1, 0), 0])
+    shape = [n] if not c.flag(20) else c.pick([[], [n, 1], [1, n]])
+    name = c.pick(["sinks", "s_aux"])
+    kw[name] = c.tensor(name, shape, c.pick(FLOATS + [F64]), fill="sinks")
+    if c.flag(16):
+        other = "s_aux" if name == "sinks" else "sinks"
+        kw[other] = c.tensor(other, [hq], F32, fill="sinks")
+
+
+def model_sinks(c, kw, hq):
+    """The call's sinks as the rules read them (sinks= or s_aux=, not both; any floating
+    dtype, a list or tuple of numbers; [hq]; a number or a 0-d array of a dtype that is
+    copied, float64 say, is read as [1], a 0-d float32, bfloat16 or float16 array is
+    refused): float64 [hq] for the reference, or None (no sinks, or a problem the model
+    refuses)."""
+    x, y = kw.get("sinks"), kw.get("s_aux")
+    if x is not None and y is not None:
+        c.why.append("sinks and s_aux both given")
+        return None
+    x = y if x is None else x
+    if x is None:
+        return None
+    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if a.dtype not in FLOATS and a.dtype.kind != "f":
+        c.why.append(f"sinks dtype {a.dtype}")
+        return None
+    if a.dtype not in FLOATS:  # the float32 copy (np.ascontiguousarray) has a dimension
+        a = np.atleast_1d(a)
+    if a.shape != (hq,):
+        c.why.append(f"sinks shape {a.shape} for {hq} heads")
+        return None
+    return as64(a)
 
 
 def bf16_products(params, qdtype, plain=False):
@@ -770,10 +832,12 @@ def fuzz_dense(c):
         kw["alibi_slopes"] = np.zeros(hq, np.float32)
     if c.flag(25):
         kw["deterministic"] = True
+    sinks_kwargs(c, kw, hq)
     res, exc, before = run_call(c, flywheel.flash_attn_func, (q, k, v), kw)
 
     # the model
     why = c.why
+    sinks = None
     ok = all(is_float_array(x, n, why) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     out = kw.get("out")
     if out is not None:
@@ -803,6 +867,7 @@ def fuzz_dense(c):
                 why.append(f"shapes {q.shape} {k.shape} {v.shape} {ob}")
             if o_ is not None and not _no_alias(o_):
                 why.append("out aliases")
+            sinks = model_sinks(c, kw, HQ)
     if not verdict(c, exc, "flash_attn_func"):
         return
     ret = res
@@ -822,7 +887,7 @@ def fuzz_dense(c):
         raise Finding(f"lse {lse.shape} {lse.dtype}")
     if isinstance(ret, tuple) and len(ret) == 3 and ret[2] is not None:
         raise Finding("return_attn_probs: the third result is not None")
-    if not moderate(c, q, k, v) or abs(params["scale"]) > 4:
+    if not moderate(c, q, k, v, *([] if sinks is None else [sinks])) or abs(params["scale"]) > 4:
         return
     bf = bf16_products(params, q.dtype, plain)
     q64, k64, v64 = as64(q), as64(k), as64(v)
@@ -830,7 +895,7 @@ def fuzz_dense(c):
     tol = out_tol(out_arr.dtype) + (2e-2 if bf else 1e-4)
     for i in range(B):
         ro, rl = attention_ref(q64[i], k64[i], v64[i], params["scale"], params["causal"],
-                               params["left"], params["right"], params["softcap"], bf)
+                               params["left"], params["right"], params["softcap"], bf, sinks)
         if ro is None:
             continue
         compare(f"flash_attn_func out[{i}] {params}", out_arr[i], ro, tol, vmax)
@@ -883,10 +948,12 @@ def fuzz_varlen(c):
         kw["return_softmax_lse"] = True
     if c.flag(25):
         kw["block_table"] = np.zeros((nseq, 1), np.int32)
+    sinks_kwargs(c, kw, hq)
     res, exc, before = run_call(c, flywheel.flash_attn_varlen_func, (q, k, v, cuq, cuk, mq, mk),
                                 kw)
 
     why = c.why
+    sinks = None
     ok = all(is_float_array(x, n, why) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     out = kw.get("out")
     if out is not None:
@@ -921,6 +988,7 @@ def fuzz_varlen(c):
                 why.append("shapes")
             if out is not None and not _no_alias(out):
                 why.append("out aliases")
+            sinks = model_sinks(c, kw, HQ)
     if not verdict(c, exc, "flash_attn_varlen_func"):
         return
     out_arr = res[0] if isinstance(res, tuple) else res
@@ -936,7 +1004,7 @@ def fuzz_varlen(c):
     lse = res[1] if isinstance(res, tuple) else None
     if lse is not None and (lse.shape != (HQ, TQ) or lse.dtype != F32):
         raise Finding(f"lse {lse.shape}")
-    if not moderate(c, q, k, v) or abs(params["scale"]) > 4:
+    if not moderate(c, q, k, v, *([] if sinks is None else [sinks])) or abs(params["scale"]) > 4:
         return
     bf = bf16_products(params, q.dtype)
     q64, k64, v64 = as64(q), as64(k), as64(v)
@@ -946,7 +1014,7 @@ def fuzz_varlen(c):
         a, e = cq[i], cq[i + 1]
         ro, rl = attention_ref(q64[a:e], k64[ck[i]:ck[i + 1]], v64[ck[i]:ck[i + 1]],
                                params["scale"], params["causal"], params["left"],
-                               params["right"], params["softcap"], bf)
+                               params["right"], params["softcap"], bf, sinks)
         if ro is None:
             continue
         compare(f"varlen seq {i} {params}", out_arr[a:e], ro, tol, vmax)
@@ -966,6 +1034,10 @@ def fuzz_kvcache(c):
     d, dv = c.dim((8, 4, 16, 1)), c.dim((8, 4, 16, 3))
     dt = c.pick(FLOATS)
     cdt = dt if not c.flag(10) else c.pick(FLOATS)
+    f8 = bool(F8S) and c.flag(5)  # an fp8 cache; k and v then in f32, bf16 or f16
+    ndt = cdt
+    if f8:
+        cdt, ndt = c.pick(F8S), dt if not c.flag(6) else c.pick(FLOATS)
     paged = c.flag(2)
     append = not c.flag(3)
     if paged:
@@ -995,8 +1067,8 @@ def fuzz_kvcache(c):
     args = [q, kc, vc]
     kw = {}
     if append:
-        kw["k"] = c.tensor("k", shapes["k"], cdt)
-        kw["v"] = c.tensor("v", shapes["v"], cdt)
+        kw["k"] = c.tensor("k", shapes["k"], ndt)
+        kw["v"] = c.tensor("v", shapes["v"], ndt)
         if c.flag(30):
             del kw[c.pick(["k", "v"])]
     bad_len = [-1, cap + 1, 2**31 - 1, 2**31, 2**40, -2**31, 2**63 - 1]
@@ -1043,6 +1115,11 @@ def fuzz_kvcache(c):
         kw[c.pick(["rotary_cos", "alibi_slopes"])] = np.zeros(2, np.float32)
     if c.flag(10):
         kw["num_splits"] = c.pick([1, 4, -1, 2**40])
+    sinks_kwargs(c, kw, hq)
+    if f8 or c.flag(12):  # descales: an fp8 cache's (now and then one missing), or refused
+        for name in ("k_descale", "v_descale"):
+            if not f8 or not c.flag(12):
+                kw[name] = descale_arg(c, name, b, hkv)
     kc_old, vc_old = small_copy(kc), small_copy(vc)
     res, exc, before = run_call(c, flywheel.flash_attn_with_kvcache, args, kw)
 
@@ -1057,8 +1134,8 @@ def fuzz_kvcache(c):
     ent = model_index(c, kw["cache_batch_idx"], "cache_batch_idx") \
         if "cache_batch_idx" in kw else None
     ok = is_float_array(q, "q", why)
-    ok = is_float_array(kc, "k_cache", why, inplace=True, written=has_new) and ok
-    ok = is_float_array(vc, "v_cache", why, inplace=True, written=has_new) and ok
+    ok = is_float_array(kc, "k_cache", why, inplace=True, written=has_new, f8=True) and ok
+    ok = is_float_array(vc, "v_cache", why, inplace=True, written=has_new, f8=True) and ok
     for x, n in ((kn, "k"), (vn, "v")):
         if x is not None:
             ok = is_float_array(x, n, why) and ok
@@ -1076,9 +1153,11 @@ def fuzz_kvcache(c):
     cu = model_index(c, kw["cu_seqlens_q"], "cu_seqlens_q") if is_packed else None
     bt = model_index(c, kw["block_table"], "block_table") if "block_table" in kw else None
     plan = None
+    sinks = model_sinks(c, kw, q.shape[-2]) if ok and q.ndim >= 2 else None
     if ok and not why:
         plan = kv_model(c, q, kc, vc, kn, vn, out, lens, cu, is_packed, bt,
-                        "block_table" in kw, kc_old, vc_old, lp, ent)
+                        "block_table" in kw, kc_old, vc_old, lp, ent,
+                        kw.get("k_descale"), kw.get("v_descale"))
     if not verdict(c, exc, "flash_attn_with_kvcache"):
         return
     out_arr = res[0] if isinstance(res, tuple) else res
@@ -1105,7 +1184,8 @@ def fuzz_kvcache(c):
     if not (np.array_equal(as64(kc), exp_k, equal_nan=True) and
             np.array_equal(as64(vc), exp_v, equal_nan=True)):
         raise Finding("the caches do not hold exactly the old rows plus the appended ones")
-    if conflict or not moderate(c, q, exp_k, exp_v) or abs(params["scale"]) > 4:
+    if conflict or not moderate(c, q, exp_k, exp_v, *([] if sinks is None else [sinks])) or \
+            abs(params["scale"]) > 4:
         return
     if kn is not None and not moderate(c, kn, vn):
         return
@@ -1120,7 +1200,7 @@ def fuzz_kvcache(c):
         a, e, kk, vv = ctx["seqs"][i]
         vmax = float(np.abs(vv).max(initial=0.0)) + 1e-30
         ro, rl = attention_ref(q3[a:e], kk, vv, params["scale"], params["causal"],
-                               params["left"], params["right"], params["softcap"], bf)
+                               params["left"], params["right"], params["softcap"], bf, sinks)
         if ro is None:
             continue
         compare(f"kvcache seq {i} {params}", o3[a:e], ro, tol, vmax)
@@ -1128,10 +1208,61 @@ def fuzz_kvcache(c):
             check_lse(f"kvcache lse seq {i}", l3[:, a:e], rl)
 
 
+def descale_arg(c, name, b, hkv):
+    """A descale: a Python number, a 0-d or [1] array, or [b, hkv] in any float dtype and
+    layout (values 2^-3 .. 2^3); now and then one the rules refuse: 0, negative, NaN, inf,
+    the wrong shape, integers, a string, None."""
+    if c.flag(8):
+        return c.pick([0.0, -1.0, NAN, INF, -INF, 1e-50, np.ones((b + 1, hkv), F32),
+                       np.ones((b, hkv + 1), F32), np.ones(2, F32), np.ones((b, hkv), np.int32),
+                       np.full((b, hkv), c.pick([0.0, -2.0, NAN, INF]), F32), "1", None])
+    form = c.n(0, 3)
+    if form == 0:
+        return c.pick([0.5, 1.0, 2.0, 0.125, 3, 6.0])
+    if form == 1:
+        return np.array(c.pick([0.5, 1.0, 2.0, 4.0]), dtype=c.pick(FLOATS + [F64]))
+    if form == 2:
+        return np.array([c.pick([0.5, 1.0, 2.0, 4.0])], dtype=c.pick(FLOATS + [F64]))
+    return c.tensor(name, [b, hkv], c.pick(FLOATS + [F64]), fill="descale")
+
+
+def model_descale(c, x, name, batch, hkv):
+    """A descale as the rules read it (a number, a 0-d or [1] array, or [batch, hkv]; any
+    floating dtype, used as float32; finite and > 0): float64 [batch, hkv], or None (refused,
+    the reason in c.why)."""
+    if x is None:
+        c.why.append(f"{name} is None")
+        return None
+    a = np.array(x, dtype=np.float32) if isinstance(x, (int, float)) else np.asarray(x)
+    if a.dtype.kind != "f" and a.dtype != BF16:
+        c.why.append(f"{name} dtype {a.dtype}")
+        return None
+    with np.errstate(all="ignore"):
+        a = a.astype(np.float32)
+    if a.shape not in ((), (1,), (batch, hkv)):
+        c.why.append(f"{name} shape {a.shape}, not a scalar or {(batch, hkv)}")
+        return None
+    if not np.all(np.isfinite(a)) or not np.all(a > 0):
+        c.why.append(f"{name} holds a value that is not finite and > 0")
+        return None
+    return np.broadcast_to(as64(a).reshape(-1)[:1], (batch, hkv)) if a.shape != (batch, hkv) \
+        else as64(a)
+
+
+def quantise(x, ds, dt):
+    """An fp8 cache's append: float64 rows x [hkv, d] (k or v, exact in float32) over their
+    heads' descales ds [hkv], divided in float32, saturated and rounded to dt, as float64."""
+    with np.errstate(all="ignore"):
+        f = x.astype(np.float32) / ds.astype(np.float32)[:, None]
+        top = np.float32(ml_dtypes.finfo(dt).max)
+        return as64(np.clip(f, -top, top).astype(dt))
+
+
 def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc_old,
-             lp=None, ent=None):
+             lp=None, ent=None, kds=None, vds=None):
     """flash_attn_with_kvcache's rules; returns what the checks of a success need. lp, ent:
-    cache_leftpad and cache_batch_idx as int64 arrays, or None."""
+    cache_leftpad and cache_batch_idx as int64 arrays, or None; kds, vds: k_descale and
+    v_descale as given (None: not given)."""
     why = c.why
     if kc.ndim != 4 or vc.ndim != 4:
         why.append("cache ranks")
@@ -1209,8 +1340,11 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
     if kc.shape[3] != D or vc.shape[:3] != kc.shape[:3] or HQ < 1 or HKV < 1 or HQ % HKV or \
             not 1 <= D <= 1024 or not 1 <= DV <= 1024 or HQ > 65536 or o3 != (rows, HQ, DV):
         why.append("shapes")
+    f8 = kc.dtype in F8S
     if kn is not None and vn is not None:
-        if kn.dtype != kc.dtype or vn.dtype != kc.dtype:
+        if f8 and kn.dtype != vn.dtype:
+            why.append("k and v dtypes differ (an fp8 cache)")
+        if not f8 and (kn.dtype != kc.dtype or vn.dtype != kc.dtype):
             why.append("k/v dtype is not the cache's")
         if kn3 != (rows, HKV, D) or vn3 != (rows, HKV, DV):
             why.append("k/v shapes")
@@ -1218,8 +1352,15 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
             why.append("cache aliases")
     if out is not None and not _no_alias(out):
         why.append("out aliases")
+    if not f8 and (kds is not None or vds is not None):
+        why.append("descales on a cache that is not fp8")
     if why:
         return None
+    if f8:
+        kd = model_descale(c, kds, "k_descale", batch, HKV)
+        vd = model_descale(c, vds, "v_descale", batch, HKV)
+        if kd is None or vd is None:
+            return None
     nblocks, page = kc.shape[0], kc.shape[1]
     append = kn is not None
     if paged:
@@ -1287,8 +1428,12 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
         old = int(lens[i])
         for r in range(int(cu[i + 1] - cu[i])):
             blk, off = locs[i][old + r]
-            exp_k[blk, off] = knv[cu[i] + r]
-            exp_v[blk, off] = vnv[cu[i] + r]
+            if f8:
+                exp_k[blk, off] = quantise(knv[cu[i] + r], kd[i], kc.dtype)
+                exp_v[blk, off] = quantise(vnv[cu[i] + r], vd[i], vc.dtype)
+            else:
+                exp_k[blk, off] = knv[cu[i] + r]
+                exp_v[blk, off] = vnv[cu[i] + r]
             writes.add((blk, off, i))
     conflict = False
     seqs = []
@@ -1298,6 +1443,8 @@ def kv_model(c, q, kc, vc, kn, vn, out, lens, cu, packed, bt, has_bt, kc_old, vc
             conflict = True
         ki = np.array([exp_k[blk, off] for blk, off in where]).reshape(len(where), HKV, D)
         vi = np.array([exp_v[blk, off] for blk, off in where]).reshape(len(where), HKV, DV)
+        if f8:  # a stored element stands for itself times its head's descale
+            ki, vi = ki * kd[i][None, :, None], vi * vd[i][None, :, None]
         seqs.append((int(cu[i]), int(cu[i + 1]), ki, vi))
     return rows, HQ, DV, batch, {"exp_k": exp_k, "exp_v": exp_v, "seqs": seqs}, conflict
 
