@@ -6,8 +6,11 @@
  * The problem: batch, lengths (mostly small, sometimes past a 64-key tile or a 512-key
  * split), heads with any GQA ratio, head dims, dtypes, layouts, params (causal, windows of any
  * sign, softcap, scale, threads, table, technique flags, precision, a caller workspace of the
- * queried size or one byte short, exactly allocated), and values of three classes (fuzz_util.h). Checks: the
- * contract in fuzz_util.h, against fw_attn_ref / fw_attn_varlen_ref.
+ * queried size or one byte short, exactly allocated), attention sinks (fz_sinks: none, or [hq] of
+ * any float dtype, layout and value class, NaN and +-inf included; with the backward, dsinks
+ * now and then, or dsinks without sinks, refused), and values of three classes (fuzz_util.h).
+ * Checks: the contract in fuzz_util.h, against fw_attn_ref / fw_attn_varlen_ref (and the
+ * sinks' gradient against fw_attn_bwd_ref's).
  * On bf16 products the slack has 2^-8 max|v| more: the kernel rounds P = 2^(s - a) against
  * its anchor a, the reference exp(s - max) against the row's maximum, so where one key
  * dominates the reference's P is exactly 1 and the kernel's is rounded (worst case 2^-9 max|v|
@@ -107,12 +110,23 @@ static void check_backward(fz_in *in, const fz_tensor *q, const fz_tensor *k, co
     fz_tensor_new(in, &dq, gdt, nd, qs, 1, FZ_ALL, 0, 0);
     fz_tensor_new(in, &dk, gdt, nd, ks, 1, FZ_ALL, 0, 0);
     fz_tensor_new(in, &dv, gdt, nd, vs, 1, FZ_ALL, 0, 0);
-    const int bad = dq.bad | dk.bad | dv.bad;
+    /* dsinks [hq] f32 mostly with sinks (sometimes broken), rarely without (refused; never
+     * for an input that ends here, whose bytes read as zeros) */
+    fz_tensor ds = {0};
+    const int with_ds = p.sinks ? fz_chance(in, 160) : fz_byte(in) >= 252;
+    if (with_ds) {
+        const int64_t dshape[1] = {q->t.shape[nd - 2]};
+        fz_tensor_new(in, &ds, FW_F32, 1, dshape, 1, FZ_ALL, 0, 0);
+        p.dsinks = &ds.t;
+    }
+    const int bad = dq.bad | dk.bad | dv.bad | (with_ds && (ds.bad || !p.sinks));
     fz_describe_tensor("dout", &g, FZ_MODERATE);
     fz_describe_tensor("dq", &dq, -1);
     fz_describe_tensor("dk", &dk, -1);
     fz_describe_tensor("dv", &dv, -1);
-    unsigned char *s0 = fz_snapshot(&dq), *s1 = fz_snapshot(&dk), *s2 = fz_snapshot(&dv);
+    if (with_ds)
+        fz_describe_tensor("dsinks", &ds, -1);
+    unsigned char *s0 = fz_snapshot(&dq), *s1 = fz_snapshot(&dk), *s2 = fz_snapshot(&dv), *s3 = with_ds ? fz_snapshot(&ds) : NULL;
     fw_status st = varlen ? fw_attn_varlen_bwd(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, cuq, cuk,
                                                batch, &dq.t, &dk.t, &dv.t, &p)
                           : fw_attn_bwd(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t, &dq.t, &dk.t,
@@ -123,20 +137,24 @@ static void check_backward(fz_in *in, const fz_tensor *q, const fz_tensor *k, co
     else
         FZ_CHECK(st == FW_OK, "backward of a forward that ran failed: %s", fw_last_error());
     if (st != FW_OK) {
-        FZ_CHECK(fz_unchanged(&dq, s0) && fz_unchanged(&dk, s1) && fz_unchanged(&dv, s2),
+        FZ_CHECK(fz_unchanged(&dq, s0) && fz_unchanged(&dk, s1) && fz_unchanged(&dv, s2) &&
+                 (!with_ds || fz_unchanged(&ds, s3)),
                  "backward failed (%s) but wrote its outputs", fw_last_error());
     } else {
         const fz_tensor *got[3] = {&dq, &dk, &dv};
         const int64_t *shp[3] = {qs, ks, vs};
-        const int64_t n[3] = {fz_numel(&dq.t), fz_numel(&dk.t), fz_numel(&dv.t)}, all = n[0] + n[1] + n[2];
+        const int64_t n[4] = {fz_numel(&dq.t), fz_numel(&dk.t), fz_numel(&dv.t), with_ds ? fz_numel(&ds.t) : 0},
+                      all = n[0] + n[1] + n[2] + n[3];
         /* exact, and with the roundings of bf16 products when the call used them */
         const int bf16 = !(p.flags & FW_ATTN_PLAIN) && fw_bf16_products(p.isa, q->t.dtype, p.precision);
         double *ex = calloc((size_t)(2 * all) + 1, sizeof(double)), *sr = ex + all;
         for (int pass = 0; pass < 1 + bf16; pass++) {
-            fw_tensor r[3];
+            fw_tensor r[4];
             for (int i = 0, off = 0; i < 3; off += (int)n[i], i++)
                 r[i] = fw_tensor_contiguous((pass ? sr : ex) + off, FW_F64, nd, shp[i]);
+            r[3] = fw_tensor_contiguous((pass ? sr : ex) + n[0] + n[1] + n[2], FW_F64, 1, &n[3]);
             fw_attn_params rp = p;
+            rp.dsinks = with_ds ? &r[3] : NULL;
             rp.precision = pass ? FW_PREC_BF16 : FW_PREC_F32;
             fw_status rs = varlen ? fw_attn_varlen_bwd_ref(&q->t, &k->t, &v->t, &o->t, &g.t, &l->t,
                                                            cuq, cuk, batch, &r[0], &r[1], &r[2], &rp)
@@ -154,13 +172,26 @@ static void check_backward(fz_in *in, const fz_tensor *q, const fz_tensor *k, co
                        special ? FZ_WIDER | FZ_ANY_NONFINITE : 0,
                        (gmax + dpmax) * (2 * fz_eps(gdt) + 1e-4 + 32 * smax * 0x1p-23));
         }
+        if (with_ds) {
+            /* sum over the rows of exp(sink - lse) sum_x dout out: each term carries the f32
+             * roundings of lse and of the products of dout and out */
+            const double rows = (double)fz_numel(&l->t) / (double)fw_max64(n[3], 1);
+            const double dmax = fz_absmax(&g.t) * fz_absmax(&o->t) * (double)o->t.shape[nd - 1];
+            const double smax_sink = fz_absmax(p.sinks), lmax = fz_absmax(&l->t);
+            const int64_t off = n[0] + n[1] + n[2];
+            fz_compare("dsinks", &ds.t, sr + off, ex + off, n[3], values,
+                       special ? FZ_WIDER | FZ_ANY_NONFINITE : 0,
+                       (fz_absmax_d(ex + off, n[3]) + rows * dmax) *
+                           (1e-4 + 128 * (lmax + smax_sink + smax) * 0x1p-23));
+        }
         free(ex);
     }
-    free(s0); free(s1); free(s2);
+    free(s0); free(s1); free(s2); free(s3);
     fz_tensor_free(&g);
     fz_tensor_free(&dq);
     fz_tensor_free(&dk);
     fz_tensor_free(&dv);
+    fz_tensor_free(&ds);
 }
 
 /* The workspace query alone, on descriptors of any size (it reads no data): it never fails
@@ -299,6 +330,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         const double t = fz_absmax(&rc.t) + fz_absmax(&rs.t);
         rgrow = t > 1.0 ? t * t : 1.0;
     }
+    /* attention sinks now and then (fz_sinks) */
+    fz_tensor snk;
+    int vsink;
+    if (fz_sinks(&in, &snk, hq, &vsink)) {
+        pc.p.sinks = &snk.t;
+        bad |= snk.bad;
+    }
     fz_desc[0] = 0;
     fz_describe("%s batch %lld, hq %lld, hkv %lld, d %lld, dv %lld; causal %d window %lld,%lld "
                 "softcap %g scale %g threads %d isa %s flags %u precision %d",
@@ -318,6 +356,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     (int)pc.p.rotary_q_only);
     if (pc.p.rotary_cos)
         fz_describe_tensor("rotary_cos", &rc, FZ_MODERATE);
+    if (pc.p.sinks)
+        fz_describe_tensor("sinks", &snk, vsink);
     fz_describe_tensor("out", &o, -1);
     if (with_lse)
         fz_describe_tensor("lse", &l, -1);
@@ -368,7 +408,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         free(sr);
         if (with_lse && !pc.p.rotary_cos && fz_chance(&in, 96))
             check_backward(&in, &q, &k, &v, &o, &l, varlen, cuq, cuk, batch, qs, ks, vs, &pc.p,
-                           values, vq == FZ_SPECIAL || vk == FZ_SPECIAL || vv == FZ_SPECIAL, smax);
+                           values, vq == FZ_SPECIAL || vk == FZ_SPECIAL || vv == FZ_SPECIAL ||
+                           vsink == FZ_SPECIAL, smax);
     }
     free(so);
     free(sl);
@@ -380,5 +421,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_tensor_free(&l);
     fz_tensor_free(&rc);
     fz_tensor_free(&rs);
+    fz_tensor_free(&snk);
     return 0;
 }

@@ -8,9 +8,15 @@
  * broken on purpose now and then: a page index out of range, a page two sequences write, a
  * negative or too-long length, a page size of 0 or past 65536, a short block table,
  * offsets that do not add up, NULL lengths, an aliased cache that would be written.
+ * fp8 caches (FW_F8E4M3, FW_F8E5M2; k_new / v_new in f32, bf16 or f16) with k_descale /
+ * v_descale, each a scalar (rank 0 or [1]) or [batch, hkv] of any layout, values in
+ * [1/16, 16] or (unchecked values) 2^+-100; broken now and then: one missing, a value 0,
+ * negative, NaN or +-inf, the wrong shape, rank or dtype, NULL data, a negative stride, and
+ * descales on a cache that is not fp8. Attention sinks (fz_sinks) on every kind of problem.
  * Checks (beyond fuzz_util.h's): the reference and the kernel accept the same problems; on
- * FW_OK every cache byte is what it was except the appended rows, which hold k_new / v_new.
- * The bar on bf16 products is fuzz_attn.c's.
+ * FW_OK every cache byte is what it was except the appended rows, which hold k_new / v_new
+ * (an fp8 cache: k_new / descale in f32, rounded by fw_f32_to_f8). The bar on bf16 products
+ * is fuzz_attn.c's; on an fp8 cache the scores' and values' bounds carry the descales.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -41,20 +47,92 @@ static int64_t cache_off(const fw_tensor *t, const fw_kv_cache *kc, int64_t bts,
     return page * t->stride[0] + r * t->stride[1] + h * t->stride[2] + c * t->stride[3];
 }
 
+/* Descale of sequence i, K/V head h (a scalar or [batch, hkv], f32). */
+static float descale_at(const fw_tensor *t, int64_t i, int64_t h)
+{
+    return ((const float *)t->data)[t->ndim == 2 ? i * t->stride[0] + h * t->stride[1] : 0];
+}
+
 /* What the cache must hold after an append: the snapshot with sequence i's new rows at
- * positions seqlens[i] .. copied from src (k_new or v_new, the cache's dtype). */
+ * positions seqlens[i] .. copied from src (k_new or v_new, the cache's dtype), or for an fp8
+ * cache src / descale rounded to the cache's type. */
 static void expect_append(unsigned char *want, const fw_tensor *cache, const fw_kv_cache *kc,
                           int64_t bts, const fw_tensor *src, const int32_t *cuq, int64_t batch, int v)
 {
     const size_t es = fw_dtype_size(cache->dtype);
+    const fw_tensor *desc = v ? kc->v_descale : kc->k_descale;
     for (int64_t i = 0; i < batch; i++)
         for (int64_t r = cuq[i]; r < cuq[i + 1]; r++)
             for (int64_t h = 0; h < cache->shape[2]; h++)
                 for (int64_t c = 0; c < cache->shape[3]; c++) {
                     int64_t o = cache_off(cache, kc, bts, i, kc->seqlens[i] + r - cuq[i], h, c, v);
                     int64_t s = r * src->stride[0] + h * src->stride[1] + c * src->stride[2];
-                    memcpy(want + (size_t)o * es, (const char *)src->data + (size_t)s * es, es);
+                    if (desc) {
+                        const int64_t idx[3] = {r, h, c};
+                        want[o] = fw_f32_to_f8((float)tget(src, idx) / descale_at(desc, i, h), cache->dtype);
+                    } else {
+                        memcpy(want + (size_t)o * es, (const char *)src->data + (size_t)s * es, es);
+                    }
                 }
+}
+
+/* A descale tensor for a batch of `batch` sequences and hkv heads: a scalar (rank 0 or [1])
+ * or [batch, hkv] in any layout, values 2^(-4 .. 4) (or, with `extreme`, 2^+-100); broken (ft->bad)
+ * now and then: a value 0, negative, NaN or +-inf, another shape, rank or dtype, NULL data, a
+ * negative stride. */
+static void draw_descale(fz_in *in, fz_tensor *ft, int64_t batch, int64_t hkv, int extreme)
+{
+    const unsigned kind = fz_byte(in) % 3;
+    const int64_t shape[2] = {kind == 2 ? batch : 1, hkv};
+    fz_tensor_new(in, ft, FW_F32, (int)kind, shape, 0, FZ_NONE, FZ_MODERATE, 1.0);
+    const int64_t n = fz_numel(&ft->t);
+    int64_t idx[2] = {0, 0};
+    if (n)
+        do
+            tset(&ft->t, idx, extreme ? exp2(rng_uniform() < 0.5 ? -100 : 100) : exp2(8 * rng_uniform() - 4));
+        while (tnext(&ft->t, idx));
+    if (fz_byte(in) < 244)
+        return;
+    fw_tensor *t = &ft->t;
+    static const double vals[5] = {0.0, -1.0, NAN, INFINITY, -INFINITY};
+    switch (fz_byte(in) % 6) {
+    case 0: /* a value a descale cannot have */
+        if (n) {
+            int64_t e = fz_range(in, 0, n - 1), at[2] = {t->ndim == 2 ? e / hkv : 0, t->ndim == 2 ? e % hkv : 0};
+            tset(t, at, vals[fz_range(in, 0, 4)]);
+            ft->bad = 1;
+        }
+        break;
+    case 1: /* another shape: [batch + 1, hkv], [batch, hkv + 1] or [2] */
+        if (t->ndim == 2)
+            t->shape[fz_range(in, 0, 1)] += 1;
+        else
+            t->ndim = 1, t->shape[0] = 2, t->stride[0] = 0;
+        ft->bad = 1;
+        break;
+    case 2: /* rank 3, [1, 1, 1] */
+        t->ndim = 3;
+        for (int i = 0; i < 3; i++)
+            t->shape[i] = t->stride[i] = 1;
+        ft->bad = 1;
+        break;
+    case 3: /* another dtype: f16, bf16, f64 or an fp8 type */
+        t->dtype = (fw_dtype)(1 + fz_range(in, 0, 4));
+        ft->bad = 1;
+        break;
+    case 4: /* NULL data behind elements */
+        if (n) {
+            t->data = NULL;
+            ft->bad = 1;
+        }
+        break;
+    case 5: /* a negative stride */
+        if (t->ndim) {
+            t->stride[fz_range(in, 0, t->ndim - 1)] = -1;
+            ft->bad = 1;
+        }
+        break;
+    }
 }
 
 static int has_alias(const fw_tensor *t)
@@ -70,7 +148,10 @@ static int has_alias(const fw_tensor *t)
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     fz_in in = {data, size, 0};
-    fw_dtype cdt = dts[fz_range(&in, 0, 2)], qdt = dts[fz_range(&in, 0, 2)], odt = dts[fz_range(&in, 0, 2)];
+    /* the cache's dtype: f32, bf16, f16, or now and then fp8 (k_new / v_new then in ndt) */
+    const unsigned cb = fz_byte(&in);
+    fw_dtype cdt = cb < 232 ? dts[cb % 3] : cb % 2 ? FW_F8E4M3 : FW_F8E5M2, qdt = dts[fz_range(&in, 0, 2)], odt = dts[fz_range(&in, 0, 2)];
+    fw_dtype ndt = cb < 232 ? cdt : dts[fz_range(&in, 0, 2)];
     int64_t hkv = 1 + fz_range(&in, 0, 2), G = 1 + fz_range(&in, 0, 3), hq = hkv * G;
     int64_t d = 1 + fz_size(&in, 15, 140), dv = fz_chance(&in, 160) ? d : 1 + fz_size(&in, 15, 140);
     const int append = !fz_chance(&in, 64);
@@ -82,7 +163,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
      * pages and head dims of 32 or 64 */
     const int tiles = fz_chance(&in, 40);
     if (tiles && fz_chance(&in, 200)) {
-        cdt = FW_BF16;
+        cdt = ndt = FW_BF16;
         paged = 1;
         ps = 32 << fz_range(&in, 0, 1);
         d = 32 << fz_range(&in, 0, 1);
@@ -145,8 +226,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             ls[2] = {hq, tq};
     fz_tensor q, kn, vn, kc, vc, o, l;
     fz_tensor_new(&in, &q, qdt, 3, qs, 0, FZ_ALL, vq, 1 + fz_range(&in, 0, 2));
-    fz_tensor_new(&in, &kn, cdt, 3, kns, 0, FZ_ALL, vk, 1 + fz_range(&in, 0, 2));
-    fz_tensor_new(&in, &vn, cdt, 3, vns, 0, FZ_ALL, vv, 1 + fz_range(&in, 0, 2));
+    fz_tensor_new(&in, &kn, ndt, 3, kns, 0, FZ_ALL, vk, 1 + fz_range(&in, 0, 2));
+    fz_tensor_new(&in, &vn, ndt, 3, vns, 0, FZ_ALL, vv, 1 + fz_range(&in, 0, 2));
     fz_tensor_new(&in, &kc, cdt, 4, cs, 0, paged ? 0xE : 0xC, vk, 1 + fz_range(&in, 0, 2));
     fz_tensor_new(&in, &vc, cdt, 4, cvs, 0, paged ? 0xE : 0xC, vv, 1 + fz_range(&in, 0, 2));
     fz_tensor_new(&in, &o, odt, 3, os, 1, FZ_ALL, 0, 0);
@@ -272,6 +353,32 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     p.flags = fz_byte(&in) & 15;
     p.flags |= fz_dec_prefetch(&in);
     p.precision = (int32_t)fz_range(&in, 0, 2);
+    /* attention sinks now and then (fz_sinks) */
+    fz_tensor snk;
+    int vsink;
+    if (fz_sinks(&in, &snk, hq, &vsink)) {
+        p.sinks = &snk.t;
+        bad |= snk.bad;
+    }
+    /* descales: an fp8 cache's (one now and then missing), now and then on another cache;
+     * none of the rare cases for an input that ends here (its bytes read as zeros) */
+    const int f8 = cdt == FW_F8E4M3 || cdt == FW_F8E5M2;
+    fz_tensor kd = {0}, vd = {0};
+    const int extreme = f8 && fz_byte(&in) >= 248;
+    if (f8 || fz_byte(&in) >= 252) {
+        draw_descale(&in, &kd, batch, hkv, extreme);
+        draw_descale(&in, &vd, batch, hkv, extreme);
+        cache.k_descale = &kd.t;
+        cache.v_descale = &vd.t;
+        bad |= !f8 || kd.bad || vd.bad;
+        if (f8 && fz_byte(&in) >= 250) {
+            if (fz_chance(&in, 128))
+                cache.k_descale = NULL;
+            else
+                cache.v_descale = NULL;
+            bad = 1;
+        }
+    }
 
     fz_desc[0] = 0;
     fz_describe("kvcache %s%s%s batch %lld, hq %lld, hkv %lld, d %lld, dv %lld; page size %lld, "
@@ -294,6 +401,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_describe_tensor("v_new", &vn, vv);
     fz_describe_tensor("cache.k", &kc, vk);
     fz_describe_tensor("cache.v", &vc, vv);
+    if (p.sinks)
+        fz_describe_tensor("sinks", &snk, vsink);
+    if (cache.k_descale)
+        fz_describe_tensor("k_descale", &kd, extreme ? FZ_HUGE : FZ_MODERATE);
+    if (cache.v_descale)
+        fz_describe_tensor("v_descale", &vd, extreme ? FZ_HUGE : FZ_MODERATE);
     fz_describe_tensor("out", &o, -1);
 
     /* the references first: the kernel appends to the cache they read */
@@ -334,9 +447,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
         FZ_CHECK(fz_unchanged(&kc, sk) && fz_unchanged(&vc, sv),
                  "the cache differs from its old bytes plus the appended rows");
-        const int values = vq != FZ_HUGE && vk != FZ_HUGE && vv != FZ_HUGE;
-        const double vmax = fmax(fz_absmax(&vc.t), append ? fz_absmax(&vn.t) : 0);
-        const double kmax = fmax(fz_absmax(&kc.t), append ? fz_absmax(&kn.t) : 0);
+        const int values = vq != FZ_HUGE && vk != FZ_HUGE && vv != FZ_HUGE && !extreme;
+        /* an fp8 cache's elements stand for byte x descale */
+        const double kds = f8 ? fz_absmax(&kd.t) : 1, vds = f8 ? fz_absmax(&vd.t) : 1;
+        const double vmax = fmax(fz_absmax(&vc.t) * vds, append ? fz_absmax(&vn.t) : 0);
+        const double kmax = fmax(fz_absmax(&kc.t) * kds, append ? fz_absmax(&kn.t) : 0);
         const double smax = (1 / sqrt((double)d)) * fz_absmax(&q.t) * kmax * (double)d;
         fz_compare("out", &o.t, sr, ex, no, values, vv == FZ_SPECIAL ? FZ_WIDER | FZ_ANY_NONFINITE : 0,
                    vmax * (2 * fz_eps(odt) + 1e-4 + 8 * smax * 0x1p-23 + (bf16 ? 0x1p-8 : 0)));
@@ -345,6 +460,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     free(ex); free(sr); free(so); free(sl); free(sk); free(sv); free(bt);
     fz_tensor_free(&q); fz_tensor_free(&kn); fz_tensor_free(&vn); fz_tensor_free(&kc);
-    fz_tensor_free(&vc); fz_tensor_free(&o); fz_tensor_free(&l);
+    fz_tensor_free(&vc); fz_tensor_free(&o); fz_tensor_free(&l); fz_tensor_free(&snk);
+    fz_tensor_free(&kd); fz_tensor_free(&vd);
     return 0;
 }

@@ -176,8 +176,11 @@ void fz_tensor_new(fz_in *in, fz_tensor *ft, fw_dtype dt, int ndim, const int64_
                 break;
             }
         break;
-    case 2: /* a dtype that does not exist, or float64, which no kernel takes */
+    case 2: /* another dtype where the call takes none but `dt`: float64, which no kernel
+               takes, an fp8 type (caches only, with descales) or one that does not exist */
         t->dtype = fz_chance(in, 128) ? FW_F64 : (fw_dtype)(4 + fz_byte(in) % 250);
+        if (t->dtype == dt)
+            t->dtype = FW_F64;
         ft->bad = 1;
         break;
     case 3: /* NULL data behind elements */
@@ -343,4 +346,19 @@ void fz_compare(const char *what, const fw_tensor *got, const double *sr, const 
                      what, (long long)i, g, ex[i], sr[i], bar);
         i++;
     } while (tnext(got, idx));
+}
+
+int fz_sinks(fz_in *in, fz_tensor *ft, int64_t hq, int *vclass)
+{
+    static const fw_dtype dts[3] = {FW_F32, FW_BF16, FW_F16};
+    memset(ft, 0, sizeof *ft);
+    *vclass = FZ_MODERATE;
+    if (fz_byte(in) < 160)
+        return 0;
+    *vclass = fz_vclass(in);
+    const fw_dtype dt = dts[fz_range(in, 0, 2)];
+    const double scale = fz_byte(in) >= 192 ? (double)fz_range(in, 8, 40) : (double)fz_range(in, 1, 3);
+    const int64_t shape[1] = {hq};
+    fz_tensor_new(in, ft, dt, 1, shape, 0, FZ_ALL, *vclass, scale);
+    return 1;
 }

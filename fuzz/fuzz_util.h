@@ -72,6 +72,13 @@ void fz_tensor_relayout(fz_tensor *ft, const int64_t *stride);
 unsigned char *fz_snapshot(const fz_tensor *ft);
 int fz_unchanged(const fz_tensor *ft, const unsigned char *snap);
 
+/* Attention sinks for a problem with hq query heads: none (returns 0, ft zeroed; most
+ * inputs, and every input that ends here), or (returns 1) [hq] in f32, bf16 or f16, laid out
+ * as fz_tensor_new lays out an input (contiguous, padded, broadcast) and now and then broken
+ * as it breaks one (the head count off by one, a negative stride, another dtype, NULL data,
+ * the wrong rank); values of the class *vclass (fz_vclass: its NaN, +-inf and near-largest
+ * values included), with std 1 to 3, or 8 to 40 (sinks far above or below the scores). */
+int fz_sinks(fz_in *in, fz_tensor *ft, int64_t hq, int *vclass);
 /* A value class for an input: mostly moderate. */
 int fz_vclass(fz_in *in);
 /* Elements of t (0 if a size is 0 or negative). */
