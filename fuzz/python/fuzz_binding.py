@@ -710,8 +710,7 @@ def sinks_kwargs(c, kw, hq):
 
 def model_sinks(c, kw, hq):
     """The call's sinks as the rules read them (sinks= or s_aux=, not both; any floating
-    dtype, a list or tuple of numbers; [hq]; a number or a 0-d array of a dtype that is
-    copied, float64 say, is read as [1], a 0-d float32, bfloat16 or float16 array is
+    dtype, a list or tuple of numbers; [hq]; a number or a 0-d array of any dtype is
     refused): float64 [hq] for the reference, or None (no sinks, or a problem the model
     refuses)."""
     x, y = kw.get("sinks"), kw.get("s_aux")
@@ -725,8 +724,6 @@ def model_sinks(c, kw, hq):
     if a.dtype not in FLOATS and a.dtype.kind != "f":
         c.why.append(f"sinks dtype {a.dtype}")
         return None
-    if a.dtype not in FLOATS:  # the float32 copy (np.ascontiguousarray) has a dimension
-        a = np.atleast_1d(a)
     if a.shape != (hq,):
         c.why.append(f"sinks shape {a.shape} for {hq} heads")
         return None

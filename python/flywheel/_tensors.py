@@ -256,7 +256,9 @@ def to_numpy_f32(x, name):
     if a.dtype.kind != "f" and (_NP_BF16 is None or a.dtype != _NP_BF16):
         raise TypeError(f"{name}: dtype {a.dtype} is not supported (a floating dtype, used as "
                         "float32)")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    # (reshaped: ascontiguousarray makes a 0-d array 1-d, which would pass a scalar where
+    # the library asks for [n] when n is 1)
+    return np.ascontiguousarray(a, dtype=np.float32).reshape(a.shape)
 
 
 def descale_array(x, name):

@@ -874,6 +874,12 @@ def test_sinks_alias_dtypes_strides_and_errors():
     assert np.array_equal(kc, before)
     if torch is not None:  # torch sinks with numpy q, and torch float64
         assert np.array_equal(calls["dense"](sinks=torch.from_numpy(s64)), calls["dense"](sinks=s))
+    # one head: a number or a 0-d array is not [1], in any dtype (float64's float32 copy too)
+    q1, kc1 = np.ones((1, 1, 1, 8), np.float32), np.ones((1, 4, 1, 8), np.float32)
+    assert np.isfinite(flywheel.flash_attn_func(q1, kc1, kc1, sinks=[1.5])).all()
+    for scalar in (1.5, np.array(1.5), np.array(1.5, np.float32)):
+        with pytest.raises(FlywheelError, match="sinks has 0 dimensions"):
+            flywheel.flash_attn_func(q1, kc1, kc1, sinks=scalar)
 
 
 def test_sinks_far_from_the_scores():

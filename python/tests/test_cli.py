@@ -75,9 +75,9 @@ def test_kvcache_decode_reports_the_bytes_it_reads(extra, cache, kv_channels):
     hkv = row["hkv"]
     size = 1 if cache.startswith("f8") else 2
     nbytes = 300 * hkv * kv_channels * size
-    assert row["kv_gbps"] == pytest.approx(nbytes / row["seconds_median"] * 1e-9, rel=0.01)
+    assert row["kv_gbps"] == pytest.approx(nbytes / row["seconds_median"] * 1e-9, rel=0.01, abs=0.006)
     flops = 2 * row["hq"] * 300 * (row["d"] + row["dv"])
-    assert row["gflops"] == pytest.approx(flops / row["seconds_median"] * 1e-9, rel=0.01)
+    assert row["gflops"] == pytest.approx(flops / row["seconds_median"] * 1e-9, rel=0.01, abs=0.006)
     assert 0 < row["pct_peak"] and 0 < row["pct_bw"]
 
 
