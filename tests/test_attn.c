@@ -278,9 +278,9 @@ static void check_problem(problem *P, const char *isa, int threads, uint32_t fla
     result_free(&pl);
 }
 
-/* All tables the host runs. */
+/* The tables the tests run (test_table). */
 static int ntables(void) { return fw_isa_count(); }
-static const char *table(int i) { return fw_isa_supported(fw_isa_name(i)) ? fw_isa_name(i) : NULL; }
+static const char *table(int i) { return test_table(fw_isa_name(i)) ? fw_isa_name(i) : NULL; }
 
 static void run_shape(const shape *s, uint32_t flags, int threads)
 {
@@ -1570,7 +1570,7 @@ static void test_partial_tables(void)
 {
     const fw_kernels *port = fw_kernels_get("portable");
     for (int it = 0; it < fw_isa_count(); it++) {
-        if (!fw_isa_supported(fw_isa_name(it)))
+        if (!test_table(fw_isa_name(it)))
             continue;
         const fw_kernels *t = fw_kernels_get(fw_isa_name(it));
         case_begin("kernel table %s: resolved whole; a partial one filled from portable", t->name);
@@ -1719,7 +1719,7 @@ static void test_decode_strided_extent(void)
      * query heads in GQA groups or one by one (each of a group's heads then finds the value
      * rows its predecessor converted) */
     for (int it = 0; it < 4 * fw_isa_count(); it++) {
-        if (!fw_isa_supported(fw_isa_name(it / 4)))
+        if (!test_table(fw_isa_name(it / 4)))
             continue;
         fw_attn_params p;
         fw_attn_params_init(&p);
@@ -1771,7 +1771,7 @@ static void test_decode_prefetch_bits(void)
                                           FW_ATTN_DEC_PREFETCH, FW_ATTN_NO_DEC_PREFETCH};
         static const int threads[5] = {1, 2, 2, 40, 40};
         for (int it = 0; it < fw_isa_count(); it++) {
-            if (!fw_isa_supported(fw_isa_name(it)))
+            if (!test_table(fw_isa_name(it)))
                 continue;
             for (int f = 0; f < 5; f++) {
                 o[f] = calloc(B * HQ * D, sizeof(float));

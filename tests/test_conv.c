@@ -202,7 +202,7 @@ static void test_conv_sweep(void)
 {
     static const int64_t Ws[] = {1, 2, 4, 5, 17}, Ds[] = {1, 7, 300, 33};
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         int k = 0;
@@ -313,7 +313,7 @@ static void test_conv_silu_half(void)
     const float sp[11] = {NAN, INFINITY, -INFINITY, -100.0f, 100.0f, 0.0f, -0.0f, 1e-30f, -1e-30f, -87.5f, 88.5f};
     memcpy(x + 4096, sp, sizeof sp);
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("conv1d: SiLU to half precision within 1.4e-4 of SiLU [%s]", kt->name);
@@ -367,7 +367,7 @@ static void test_conv_streamed(void)
         int32_t cu[3] = {0, 301, (int32_t)L};
         fw_tensor tx = fw_tensor_contiguous(x, dt, 3, xs), tw = fw_tensor_contiguous(w, FW_F32, 2, ws);
         for (int t = 0; t < fw_isa_count(); t++) {
-            if (!fw_isa_supported(fw_isa_name(t)))
+            if (!test_table(fw_isa_name(t)))
                 continue;
             for (int thr = 1; thr <= 3; thr += 2) {
                 case_begin("conv1d: %s outputs streamed, %lld x %lld, %d thread(s) [%s]", fw_dtype_name(dt),
@@ -504,7 +504,7 @@ static void test_conv_rows_kernel(void)
     for (int i = 0; i < N; i++)
         bias[i] = (float)(0.1 * rng_normal());
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("conv1d: the rows kernel equals the row kernel [%s]", kt->name);
@@ -560,7 +560,7 @@ static void test_conv_weights_kernel(void)
     static float got[DM * WM + 16], want[DM * WM];
     rng_seed(83);
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("conv1d: the weight packing equals a scalar transpose [%s]", kt->name);
@@ -621,7 +621,7 @@ static void test_conv_state_bits(void)
     int32_t idx[N] = {3, 0, -1, 4, 1}; /* slot 2 unused: sequence 2 has no slot */
     int64_t xs[3] = {N, 1, D}, ws[2] = {D, W}, ss[3] = {N, S, D};
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         case_begin("conv1d: in-place decode states keep the raw bits [%s]", fw_isa_name(t));
         for (int thr = 1; thr <= 2; thr++) {

@@ -149,7 +149,7 @@ static void run_gcase(const gcase *c, const int32_t *lens, int nseq, uint64_t se
     static const uint32_t modes[] = {FW_GDN_FUSED_RECURRENT, 0, FW_GDN_FWD_SUBST, FW_GDN_RECURRENT};
     unsigned char *first = malloc(ob.bytes);
     for (int it = 0; it < fw_isa_count(); it++) {
-        if (!fw_isa_supported(fw_isa_name(it)))
+        if (!test_table(fw_isa_name(it)))
             continue;
         double eplain = 0, esplain = 0;
         for (int m = 0; m < 4; m++) {
@@ -262,7 +262,7 @@ static void test_split_state(void)
 static void test_inverse_stability(void)
 {
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("gdn: triangular inverse with keys at cosine 0.9 [%s]", kt->name);
@@ -319,7 +319,7 @@ static void test_inverse_stability(void)
 static void test_decode_step(void)
 {
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("gdn: fused decode step and its reads alone on a column range [%s]", kt->name);
@@ -432,7 +432,7 @@ static void test_state_pool_bf16(void)
                        kda ? "kda" : "gdn", dec ? "decode" : "prefill");
             for (int t = 0; t < fw_isa_count(); t++) {
                 const char *isa = fw_isa_name(t);
-                if (!fw_isa_supported(isa))
+                if (!test_table(isa))
                     continue;
                 for (int mode = 0; mode < (dec ? 1 : 3); mode++)
                     for (int threads = 1; threads <= 3; threads += 2) {
@@ -796,7 +796,7 @@ static void test_kda_gate_kernel(void)
         bias[i] = (float)(0.01 * (i % 7) - 0.03);
     }
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         for (int form = 0; form < 2; form++) {
@@ -833,7 +833,7 @@ static void test_kda_scale_kernel(void)
         y[i] = (float)rng_normal();
     }
     for (int t = 0; t < fw_isa_count(); t++) {
-        if (!fw_isa_supported(fw_isa_name(t)))
+        if (!test_table(fw_isa_name(t)))
             continue;
         const fw_kernels *kt = fw_kernels_get(fw_isa_name(t));
         case_begin("kda: one exponential for two decayed operands equals exp2_scale [%s]", kt->name);
@@ -1271,7 +1271,7 @@ static void test_head_groups(void)
             p.l2norm_qk = 1;
             p.precision = prec;
             for (int it = 0; it < fw_isa_count(); it++) {
-                if (!fw_isa_supported(fw_isa_name(it)))
+                if (!test_table(fw_isa_name(it)))
                     continue;
                 p.isa = fw_isa_name(it);
                 static const int threads[] = {1, 2, 4, 7};

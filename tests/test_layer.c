@@ -233,7 +233,7 @@ static void layer_case(const lcase *c, uint64_t seed)
     unsigned char *first = malloc(ob.bytes);
     for (int it = 0; it < fw_isa_count(); it++) {
         const char *isa = fw_isa_name(it);
-        if (!fw_isa_supported(isa))
+        if (!test_table(isa))
             continue;
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
             lcaches ck;
@@ -359,7 +359,7 @@ static void test_layer_bf16_states(void)
                 sbig = worse(sbig, fabs(r32.rec[i]));
             for (int it = 0; it < fw_isa_count(); it++) {
                 const char *isa = fw_isa_name(it);
-                if (!fw_isa_supported(isa))
+                if (!test_table(isa))
                     continue;
                 for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++)
                     for (int threads = 1; threads <= 3; threads += 2) {
@@ -584,7 +584,7 @@ static void replay_case(const rcase *c, uint64_t seed)
         rstate_new(&one, &in, c, rdim);
         for (int it = 0; it < fw_isa_count(); it++) {
             const char *isa = fw_isa_name(it);
-            if (!fw_isa_supported(isa))
+            if (!test_table(isa))
                 continue;
             /* the reference with the table's products: FW_PREC_AUTO resolves per table */
             p = lparams(&lc, c->prec, isa, 0);

@@ -9,7 +9,9 @@
  *   test_flywheel --print-default      the default kernel table and what a call on it returns:
  *                                      isa.env runs this binary again under each FLYWHEEL_ISA
  * A pattern that matches no suite is an error (exit 2), so a typo cannot pass as an empty
- * run. FW_TEST_QUICK=1 runs the smaller sweeps (sanitizer builds, emulators). */
+ * run. FW_TEST_QUICK=1 runs the smaller sweeps (sanitizer builds, emulators); FW_TEST_TABLES=
+ * NAMES runs the calls that loop over kernel tables on those only (test_util.h; a name that is
+ * no table is an error, exit 2). */
 #include <fnmatch.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -94,7 +96,9 @@ static int usage(FILE *f, int rc)
                "       test_flywheel --print-default\n"
                "PATTERNS: comma-separated fnmatch patterns over the suite names (--list);\n"
                "a bare group name (attn, gdn, ...) means all of its suites. Default: all.\n"
-               "FW_TEST_QUICK=1: the smaller sweeps.\n");
+               "FW_TEST_QUICK=1: the smaller sweeps.\n"
+               "FW_TEST_TABLES=NAMES: only these kernel tables (comma-separated table names or\n"
+               "\"default\"). Default: every table this CPU runs.\n");
     return rc;
 }
 
@@ -195,10 +199,16 @@ int main(int argc, char **argv)
         }
     if (list)
         return 0;
+    if (!tables_check())
+        return 2;
 
     printf("kernel tables:");
-    for (int i = 0; i < fw_isa_count(); i++)
-        printf(" %s%s", fw_isa_name(i), fw_isa_supported(fw_isa_name(i)) ? "" : " (not on this CPU)");
+    for (int i = 0; i < fw_isa_count(); i++) {
+        const char *name = fw_isa_name(i);
+        printf(" %s%s", name, !fw_isa_supported(name) ? " (not on this CPU)"
+                              : !test_table(name)     ? " (not tested: FW_TEST_TABLES)"
+                                                      : "");
+    }
     printf("; default %s%s", fw_isa_default() ? fw_isa_default() : "(none)",
            quick_mode() ? "; quick sweep" : "");
     if (nsel < nall)

@@ -261,7 +261,7 @@ static void nan_attn(void)
 {
     for (int it = 0; it < fw_isa_count(); it++) {
         const char *t = fw_isa_name(it);
-        if (!fw_isa_supported(t))
+        if (!test_table(t))
             continue;
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++)
             for (int what = 0; what < 7; what++) {
@@ -284,7 +284,7 @@ static void nan_gdn(void)
 {
     for (int it = 0; it < fw_isa_count(); it++) {
         const char *t = fw_isa_name(it);
-        if (!fw_isa_supported(t))
+        if (!test_table(t))
             continue;
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++)
             for (int in_k = 0; in_k < 2; in_k++) {

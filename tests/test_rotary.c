@@ -123,7 +123,7 @@ static void run_dense(const rshape *s)
     const double ep = max_diff(x, ref, nq);
     free(x);
     for (int i = 0; i < fw_isa_count(); i++) {
-        if (!fw_isa_supported(fw_isa_name(i)))
+        if (!test_table(fw_isa_name(i)))
             continue;
         for (int prec = FW_PREC_F32; prec <= FW_PREC_BF16; prec++) {
             p.flags = 0;
@@ -334,7 +334,7 @@ static void test_kvcache(void)
                     }
                 }
             for (int i = 0; i < fw_isa_count(); i++) {
-                if (!fw_isa_supported(fw_isa_name(i)))
+                if (!test_table(fw_isa_name(i)))
                     continue;
                 memcpy(kc, kc0, (size_t)ncache * 2);
                 memcpy(vc, vc0, (size_t)ncache * 2);

@@ -49,6 +49,58 @@ int quick_mode(void)
     return q && *q && *q != '0';
 }
 
+/* Whether the comma-separated list has the item name (n characters). */
+static int has_item(const char *list, const char *name, size_t n)
+{
+    for (const char *s = list;; s++) {
+        const size_t len = strcspn(s, ",");
+        if (len == n && strncmp(s, name, n) == 0)
+            return 1;
+        s += len;
+        if (!*s)
+            return 0;
+    }
+}
+
+static const char *tables_env(void)
+{
+    const char *t = getenv("FW_TEST_TABLES");
+    return t && *t ? t : NULL;
+}
+
+int test_table(const char *name)
+{
+    const char *list = tables_env(), *def = fw_isa_default();
+    return fw_isa_supported(name) &&
+           (!list || has_item(list, name, strlen(name)) ||
+            (def && strcmp(name, def) == 0 && has_item(list, "default", 7)));
+}
+
+int tables_check(void)
+{
+    const char *list = tables_env();
+    if (!list)
+        return 1;
+    for (const char *s = list;; s++) {
+        const size_t len = strcspn(s, ",");
+        int known = len == 7 && strncmp(s, "default", 7) == 0;
+        for (int i = 0; i < fw_isa_count(); i++)
+            known |= strlen(fw_isa_name(i)) == len && strncmp(s, fw_isa_name(i), len) == 0;
+        if (!known) {
+            fprintf(stderr, "test_flywheel: FW_TEST_TABLES: no table '%.*s'\n", (int)len, s);
+            return 0;
+        }
+        s += len;
+        if (!*s)
+            break;
+    }
+    for (int i = 0; i < fw_isa_count(); i++)
+        if (test_table(fw_isa_name(i)))
+            return 1;
+    fprintf(stderr, "test_flywheel: FW_TEST_TABLES=%s: this CPU runs none of them\n", list);
+    return 0;
+}
+
 gbuf gbuf_new(size_t bytes)
 {
     gbuf b;

@@ -14,6 +14,12 @@ int case_end(void); /* returns 1 if the case passed */
 void tally_print(void);
 int tally_failed(void);
 int quick_mode(void); /* FW_TEST_QUICK=1: the smaller sweep for sanitizer builds */
+/* FW_TEST_TABLES=NAMES: the kernel tables the tests run calls on, comma-separated table names
+ * or "default" (the default table); unset or empty: every table this CPU runs. tables_check
+ * returns 0 (having said why) for a name that is no table or a list this CPU runs none of;
+ * test_table says whether the tests run name (this CPU runs it, and the list names it). */
+int tables_check(void);
+int test_table(const char *name);
 
 /* A named suite of cases, "group.name" (test_flywheel --list prints them, --filter picks
  * some). Each test file has one NULL-terminated array per group; suites do not depend on
