@@ -237,8 +237,11 @@ def gdn_stable(k, beta, l2norm):
 def _strided(b, shape, strides, writeable=True):
     """A view of the contiguous array b with `shape` and byte `strides`, of b's dtype
     (numpy's as_strided goes through the array interface, which does not know ml_dtypes'
-    fp8 types)."""
-    view = np.ndarray(shape, b.dtype, buffer=b.reshape(-1).view(np.uint8), strides=strides)
+    fp8 types; an array of objects has no bytes to view, and takes as_strided)."""
+    if b.dtype.hasobject:
+        view = np.lib.stride_tricks.as_strided(b, shape, strides)
+    else:
+        view = np.ndarray(shape, b.dtype, buffer=b.reshape(-1).view(np.uint8), strides=strides)
     if not writeable:
         view.setflags(write=False)
     return view
