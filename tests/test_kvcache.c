@@ -934,6 +934,8 @@ static void test_split_heuristic(void)
     case_check(fw_attn_tile_splits(1025, 1) == 2, "1K + 1 keys: two");
     case_check(fw_attn_tile_splits(1 << 20, 16) == 1 && fw_attn_tile_splits(1 << 20, 100) == 1, "16 items: one");
     case_check(fw_attn_tile_splits(0, 1) == 1 && fw_attn_tile_split_keys(0, 1) == 1, "no keys");
+    case_check(fw_attn_tile_splits(32768, 0) == 1 && fw_attn_tile_split_keys(32768, 0) == 32768,
+               "no items (no queries): one range");
     int whole = 1;
     for (int64_t sk = 1; sk <= 40000; sk += 37)
         for (int64_t n = 1; n <= 17; n++) {

@@ -208,7 +208,8 @@ int64_t fw_attn_kv_splits(int64_t sk, int64_t units);
 /* Key ranges a sequence on the tiled path is split into, as a split decode's, when its items
  * (q tiles x K/V heads, `items`) are fewer than FW_TILE_SPLIT_ITEMS: so that items x ranges
  * come near it, each range a multiple of FW_KV_SPLIT keys and at least FW_TILE_SPLIT_MIN; else
- * one range (fw_attn_tile_split_keys returns max(sk, 1)). The shape only, never the threads.
+ * one range (fw_attn_tile_split_keys returns max(sk, 1)), as with no items (a sequence of no
+ * queries). The shape only, never the threads.
  * It is what gives a decode of more than FW_DEC_ROWS rows per K/V head its threads: MLA's 128
  * heads on one latent head (one q tile of 128 rows) at 32K keys -> 16 ranges of 2048; 4K -> 4
  * of 1024; 8 items at 32K -> 2 of 16384; 16 items or more, or up to 1K keys -> 1. */

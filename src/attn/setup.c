@@ -635,9 +635,9 @@ int64_t fw_attn_kv_splits(int64_t sk, int64_t units)
 
 int64_t fw_attn_tile_split_keys(int64_t sk, int64_t items)
 {
-    if (items >= FW_TILE_SPLIT_ITEMS || sk <= FW_TILE_SPLIT_MIN)
+    if (items < 1 || items >= FW_TILE_SPLIT_ITEMS || sk <= FW_TILE_SPLIT_MIN)
         return fw_max64(sk, 1);
-    const int64_t want = fw_ceil_div(FW_TILE_SPLIT_ITEMS, fw_max64(items, 1));
+    const int64_t want = fw_ceil_div(FW_TILE_SPLIT_ITEMS, items);
     return fw_max64(FW_TILE_SPLIT_MIN, fw_ceil_div(fw_ceil_div(sk, want), FW_KV_SPLIT) * FW_KV_SPLIT);
 }
 
