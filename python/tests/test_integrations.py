@@ -326,26 +326,29 @@ def test_enable_shares_torchs_threads(torch_paths):
         fwt.disable()
 
 
+def loss_and_grads(model, ids):
+    """A language-model training step's loss on ids and every parameter's gradient."""
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                         if p.grad is not None}
+
+
 def test_training_takes_flywheels_backward(torch_paths, monkeypatch):
     """With gradients: attention runs flywheel's forward and backward, the Gated DeltaNet layer
     transformers' own functions; the loss and the parameters' gradients agree with sdpa's."""
     model = tiny_model(torch.float32).train()
     ids = torch.randint(0, 1000, (2, 50), generator=torch.Generator().manual_seed(3))
 
-    def loss_and_grads():
-        model.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
-                             if p.grad is not None}
-    ref_loss, ref = loss_and_grads()
+    ref_loss, ref = loss_and_grads(model, ids)
     fwt.enable(model)
     counts = counting(monkeypatch, ["flash_attn_func", "chunk_gated_delta_rule"])
     backward = flywheel.attention.flash_attn_backward  # what the autograd.Function calls
     calls = []
     monkeypatch.setattr(flywheel.attention, "flash_attn_backward",
                         lambda *a, **k: calls.append(1) or backward(*a, **k))
-    loss, got = loss_and_grads()
+    loss, got = loss_and_grads(model, ids)
     assert counts["flash_attn_func"] and calls, (counts, calls)
     assert counts["chunk_gated_delta_rule"] == 0  # torch's, with gradients
     assert abs(loss - ref_loss) <= 1e-5 * (1 + abs(ref_loss))
@@ -474,13 +477,7 @@ def test_gpt_oss_training_takes_flywheels_backward_with_sinks(monkeypatch):
     model = tiny_gpt_oss().train()
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(3))
 
-    def loss_and_grads():
-        model.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
-                             if p.grad is not None}
-    ref_loss, ref = loss_and_grads()
+    ref_loss, ref = loss_and_grads(model, ids)
     fwt.enable(model)
     try:
         passed = sinks_passed(monkeypatch)
@@ -489,7 +486,7 @@ def test_gpt_oss_training_takes_flywheels_backward_with_sinks(monkeypatch):
         calls = []
         monkeypatch.setattr(flywheel.attention, "flash_attn_backward",
                             lambda *a, **k: calls.append(k.get("sinks")) or backward(*a, **k))
-        loss, got = loss_and_grads()
+        loss, got = loss_and_grads(model, ids)
     finally:
         fwt.disable(model, "eager")
     assert len(passed) == 2 and len(calls) == 2 and not fell, (len(passed), len(calls), len(fell))

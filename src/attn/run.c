@@ -107,11 +107,11 @@ typedef struct {
     size_t need;     /* workspace bytes */
 } run_plan;
 
-/* Key ranges sequence i's q tiles are split into (fw_attn_tile_splits): by its q tiles
- * times heads, the shape only. */
-static int64_t tile_splits(const run_plan *pl, int64_t i, fw_attn_seq s)
+/* Sequence i's items on the tiled path, as the key ranges' heuristic counts them
+ * (fw_attn_tile_splits): its q tiles times the heads; the shape only. */
+static int64_t tile_items(const run_plan *pl, int64_t i, fw_attn_seq s)
 {
-    return fw_attn_tile_splits(s.sk, fw_ceil_div(s.sq, pl->bq[i]) * pl->heads);
+    return fw_ceil_div(s.sq, pl->bq[i]) * pl->heads;
 }
 
 static fw_status plan_call(const fw_attn_prob *p, const fw_attn_params *params, run_ctx *c, run_plan *pl)
@@ -159,7 +159,7 @@ static fw_status plan_call(const fw_attn_prob *p, const fw_attn_params *params, 
                 pl->npart += ns * pl->units * c->G * s.sq * (p->dv + 2);
             }
         } else {
-            const int64_t ns = pl->plain ? 1 : tile_splits(pl, i, s);
+            const int64_t ns = pl->plain ? 1 : fw_attn_tile_splits(s.sk, tile_items(pl, i, s));
             pl->n += fw_ceil_div(s.sq, pl->plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c->chunk * pl->bq[i]) * pl->heads * ns;
             if (ns > 1) {
                 pl->nmerge++;
@@ -207,7 +207,8 @@ static void sequence_items(const run_ctx *c, const run_plan *pl, int64_t i, int6
     const int64_t span = pl->plain ? FW_ATTN_PLAIN_ROWS : (int64_t)c->chunk * pl->bq[i];
     /* a split sequence: each range of keys an item per chunk, its partials [units][G sq] rows
      * per range, as a split decode's, merged the same way */
-    const int64_t ns = pl->plain ? 1 : tile_splits(pl, i, s), keys = fw_attn_tile_split_keys(s.sk, fw_ceil_div(s.sq, pl->bq[i]) * pl->heads);
+    const int64_t items = tile_items(pl, i, s), ns = pl->plain ? 1 : fw_attn_tile_splits(s.sk, items);
+    const int64_t keys = fw_attn_tile_split_keys(s.sk, items);
     const int64_t rows_per_head = c->G * s.sq;
     if (ns > 1) {
         merge_item mi = {i, ns, *npart};
