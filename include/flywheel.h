@@ -129,9 +129,10 @@ FW_API uint8_t fw_f32_to_f8(float f, fw_dtype dt);
 
 /* ---------------------------------------------------------- kernel tables -- */
 
-/* Kernel tables by name: "portable" (plain C, always present), "avx2" (AVX2+FMA+F16C),
- * "avx512" (AVX-512 F/BW/DQ/VL) and "avx512bf16" (AVX-512 with AVX512_BF16: bf16 products on
- * vdpbf16ps) on x86-64. Every table runs both product precisions (fw_precision); tables
+/* Kernel tables by name: "portable" (plain C, always present); on x86-64 "avx2"
+ * (AVX2+FMA+F16C), "avx512" (AVX-512 F/BW/DQ/VL), "avx512bf16" (AVX-512 with AVX512_BF16: bf16
+ * products on vdpbf16ps) and "amx"; on AArch64 "neon" (Advanced SIMD) and "neon_bf16" (with
+ * FEAT_BF16: bf16 products on BFDOT). Every table runs both product precisions (fw_precision); tables
  * without a bf16 dot product emulate it with f32 FMAs on the same rounded operands, slower
  * than f32 products, so FW_PREC_AUTO picks bf16 products only on a table with one. The
  * default is the best table this CPU runs, or the one named by the environment variable
@@ -140,9 +141,9 @@ FW_API int fw_isa_count(void);
 FW_API const char *fw_isa_name(int i);            /* NULL past the end */
 FW_API int fw_isa_supported(const char *name);    /* 1 if this CPU runs the table */
 /* 1 if the table (NULL: the default) has a native bf16 dot product on this CPU, so that
- * FW_PREC_AUTO gives bf16 inputs bf16 products there: amx (tiles) wherever it runs, and
+ * FW_PREC_AUTO gives bf16 inputs bf16 products there: amx (tiles) wherever it runs,
  * avx512bf16 (vdpbf16ps) on AMD CPUs only, where it runs at twice the f32 FMA rate (Intel's
- * runs at half). 0 otherwise, or for a table this CPU cannot run. Decided by the CPU's vendor,
+ * runs at half), and neon_bf16 (BFDOT) wherever it runs. 0 otherwise, or for a table this CPU cannot run. Decided by the CPU's vendor,
  * never by timing, so results do not depend on a measurement. */
 FW_API int fw_isa_native_bf16(const char *name);
 /* The table used when params->isa is NULL; NULL if FLYWHEEL_ISA names a table this CPU cannot

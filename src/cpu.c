@@ -85,6 +85,21 @@ static int has_amx(void)
 }
 #endif
 
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1ul << 1)
+#endif
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1ul << 14)
+#endif
+
+/* Advanced SIMD, which Linux reports on every AArch64 core it runs (the baseline), and
+ * FEAT_BF16 (BFDOT, BFMMLA): the kernel's hardware capabilities, no instruction tried. */
+static int has_neon(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0; }
+static int has_neon_bf16(void) { return has_neon() && (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0; }
+#endif
+
 /* Best last: the default is the last supported entry. */
 static const entry tables[] = {
     {&fw_kernels_portable, always, NULL},
@@ -93,6 +108,10 @@ static const entry tables[] = {
     {&fw_kernels_avx512, has_avx512, NULL},
     {&fw_kernels_avx512bf16, has_avx512bf16, NULL},
     {&fw_kernels_amx, has_amx, &fw_kernels_avx512bf16},
+#endif
+#if defined(__aarch64__)
+    {&fw_kernels_neon, has_neon, NULL},
+    {&fw_kernels_neon_bf16, has_neon_bf16, NULL},
 #endif
 };
 #define NTABLES ((int)(sizeof tables / sizeof tables[0]))
@@ -170,12 +189,24 @@ int fw_conv_pass_rows(const char *vendor_id)
     return vendor_id && strcmp(vendor_id, "AuthenticAMD") == 0 ? 1 : 64;
 }
 
-/* A table with a native bf16 dot product (AMX tiles, or vdpbf16ps where it runs at twice the
- * FMA rate). */
+/* Whether this CPU's dot-product table (FW_BF16_DOT) runs bf16 pairs at twice the f32 FMA
+ * rate. x86: vdpbf16ps, by vendor (fw_bf16_dot_native). AArch64: BFDOT, at FMLA's issue rate
+ * with twice its elements on the FEAT_BF16 cores whose optimisation guides (and llvm-mca's
+ * models) give its rate: Neoverse N2, V1 and V2 (docs/portability.md: a prediction, not yet a
+ * measurement). */
+static int dot_native(void)
+{
+#if defined(__aarch64__)
+    return 1;
+#else
+    return fw_bf16_dot_native(fw_cpu_vendor());
+#endif
+}
+
+/* A table with a native bf16 dot product (AMX tiles, or a dot product at twice the FMA rate). */
 static int native_bf16(const fw_kernels *k)
 {
-    return k && (k->native_bf16 == FW_BF16_TILES ||
-                 (k->native_bf16 == FW_BF16_DOT && fw_bf16_dot_native(fw_cpu_vendor())));
+    return k && (k->native_bf16 == FW_BF16_TILES || (k->native_bf16 == FW_BF16_DOT && dot_native()));
 }
 
 int fw_isa_native_bf16(const char *name) { return native_bf16(fw_kernels_get(name)); }

@@ -536,9 +536,16 @@ static void test_auto_precision(void)
 {
     case_begin("fw_isa_native_bf16");
     case_check(!fw_isa_native_bf16("portable") && !fw_isa_native_bf16("avx2") &&
-                   !fw_isa_native_bf16("avx512") && !fw_isa_native_bf16("no-such-table"),
-               "a table without vdpbf16ps, or no table, reports a native bf16 dot product");
+                   !fw_isa_native_bf16("avx512") && !fw_isa_native_bf16("neon") &&
+                   !fw_isa_native_bf16("no-such-table"),
+               "a table without a bf16 dot product, or no table, reports a native one");
+#if defined(__aarch64__)
+    const int dot = 1; /* BFDOT: native wherever neon_bf16 runs */
+#else
     const int dot = fw_bf16_dot_native(fw_cpu_vendor());
+#endif
+    case_check(fw_isa_native_bf16("neon_bf16") == (fw_isa_supported("neon_bf16") && dot),
+               "neon_bf16: %d, supported %d", fw_isa_native_bf16("neon_bf16"), fw_isa_supported("neon_bf16"));
     case_check(fw_isa_native_bf16("avx512bf16") == (fw_isa_supported("avx512bf16") && dot),
                "avx512bf16: %d, supported %d, vendor %s", fw_isa_native_bf16("avx512bf16"),
                fw_isa_supported("avx512bf16"), fw_cpu_vendor());

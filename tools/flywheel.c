@@ -128,6 +128,7 @@ int main(int argc, char **argv)
         printf("bf16 product peak on %d thread(s): %.1f GFLOP/s (table %s: %s)\n", t, gb, isa,
                strcmp(isa, "amx") == 0          ? "AMX tiles, tdpbf16ps"
                : strcmp(isa, "avx512bf16") == 0 ? "vdpbf16ps"
+               : strcmp(isa, "neon_bf16") == 0  ? "BFDOT"
                                                 : "no bf16 dot product, f32 emulation");
         return 0;
     }

@@ -1,7 +1,8 @@
 /*
  * kern/isa.h: the contract of the vector layer, the primitives every kernel file is written
- * over. Each ISA defines them in its isa_<isa>.h (portable, avx2, avx512; the avx512bf16
- * table is isa_avx512.h compiled with AVX512_BF16); kern/table.h includes this after it, so
+ * over. Each ISA defines them in its isa_<isa>.h (portable, avx2, avx512, neon; the
+ * avx512bf16 table is isa_avx512.h compiled with AVX512_BF16, neon_bf16 isa_neon.h compiled
+ * with FEAT_BF16); kern/table.h includes this after it, so
  * the compiler checks every definition against the declarations below (a missing one fails
  * the link of any table that uses it, a different signature fails the build).
  *
@@ -15,7 +16,9 @@
  * the SIMD layers; the portable layer's a * b + c rounds twice unless the compiler fuses it,
  * and the tests hold each table to its own bar. Conversions to bf16 and f16 round to nearest
  * even and keep NaN a quiet NaN of the same sign. The bf16 products (vdpbf) sum exact
- * products in f32; a table may read bf16 denormals as zero there (vdpbf16ps and AMX do).
+ * products in f32; a table may read bf16 denormals as zero there (vdpbf16ps and AMX do), and
+ * may round each sum to odd instead of to nearest, flush f32 subnormal sums and give any NaN
+ * the default NaN (Arm's BFDOT without FEAT_EBF16).
  *
  * May be emulated: everything may be built from narrower operations (the portable layer
  * builds all of it from scalars) as long as the results are the ones stated. Stated as
@@ -24,7 +27,7 @@
  *
  * Constants (macros) an ISA defines:
  *   ISA_NAME     the table's name
- *   VL           floats per vector: 1, 8 or 16 so far; it must divide 16 and FW_DEC_KEYS
+ *   VL           floats per vector: 1, 4, 8 or 16 so far; it must divide 16 and FW_DEC_KEYS
  *   TM, QK_TJ    mm's qk register tile: QK_TJ keys x TM vectors of query rows (x 2 sets)
  *   TJ           mm's pv register tile: TJ value columns x TM vectors
  *   DEC_RT       the decode's query rows per register tile
@@ -81,7 +84,7 @@ static inline float vhmax(vf x); /* the largest lane */
 static inline vf vsum_each(const vf *a);
 /* r[0 .. VL-1] transposed in place (a VL x VL block). */
 static inline void vtranspose(vf *r);
-/* The lanes as VL / R rows of R, R = min(VL, 4): lanes R r .. R r + R - 1 to dst + r ld. */
+/* The lanes as R = min(VL, 4) rows of C = VL / R: lanes C r .. C r + C - 1 to dst + r ld. */
 static inline void vstore_rows(float *dst, int64_t ld, vf t);
 
 /* ---- dtypes: f32, bf16 and f16 elements (fw_dtype), and the 8-bit floats of KV caches */

@@ -28,7 +28,7 @@
 /* How bf16 pair products run on a table (fw_kernels.native_bf16). */
 enum {
     FW_BF16_EMULATED = 0, /* two f32 FMAs a pair, slower than f32 products */
-    FW_BF16_DOT = 1,      /* vdpbf16ps, whose rate depends on the CPU (fw_bf16_dot_native) */
+    FW_BF16_DOT = 1,      /* vdpbf16ps or BFDOT, whose rate depends on the CPU (fw_bf16_dot_native) */
     FW_BF16_TILES = 2     /* AMX tiles */
 };
 
@@ -151,6 +151,10 @@ extern const fw_kernels fw_kernels_avx2;
 extern const fw_kernels fw_kernels_avx512;
 extern const fw_kernels fw_kernels_avx512bf16;
 extern const fw_kernels fw_kernels_amx;
+#endif
+#if defined(__aarch64__)
+extern const fw_kernels fw_kernels_neon;
+extern const fw_kernels fw_kernels_neon_bf16;
 #endif
 
 #endif /* FW_KERN_KERNELS_H */

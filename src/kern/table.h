@@ -20,7 +20,7 @@ const fw_kernels FW_TABLE = {
     .name = ISA_NAME,
     .vl = VL,
     .bk = 64,
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
     .native_bf16 = FW_BF16_DOT,
 #endif
     .cvt = FW_CVT_TABLE,
