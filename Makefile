@@ -3,7 +3,7 @@
 # `make compare`: flywheel side by side with its peers; `make compare-cpu`: against zentorch and
 # vLLM's CPU kernels; `make install`: the library, header, CLI, CMake package and pkg-config
 # file under PREFIX; `make docs`: the pages under docs/ (MkDocs). Packaging and portability
-# checks (all run by .ci/run): test-install, test-clang, check-isa, test-baseline.
+# checks (all run by .ci/run): test-install, test-clang, check-isa, test-baseline, test-aarch64.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
@@ -273,7 +273,7 @@ bench-engine-threads: build $(VENV)/.test-deps
 # ---- install, packaging and portability checks ----
 PREFIX ?= /usr/local
 
-.PHONY: install test-install test-clang check-isa test-baseline
+.PHONY: install test-install test-clang check-isa test-baseline test-aarch64 mca-aarch64
 
 # The libraries (libflywheel.so.<ABI>, libflywheel.a), flywheel.h and the CLI under PREFIX, with
 # the CMake package (lib/cmake/flywheel: find_package(flywheel)) and lib/pkgconfig/flywheel.pc.
@@ -301,6 +301,18 @@ check-isa: build
 # qemu-x86_64 -cpu qemu64, on a quick selection of suites (tests/run_baseline.sh).
 test-baseline: build
 	tests/run_baseline.sh $(BUILD)
+
+# The AArch64 tables (neon, neon_bf16), cross-built in $(BUILD)-aarch64 and run under
+# qemu-aarch64 (tests/run_aarch64.sh): which table each CPU model gets, every C suite on the
+# quick sweep, the CLI's checked runs; FULL=1: the suites' whole sweeps. Needs
+# gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user (.ci/run installs them).
+test-aarch64:
+	tests/run_aarch64.sh $(BUILD)-aarch64 $(if $(filter 1,$(FULL)),full,quick)
+
+# llvm-mca's predicted FMA-pipe use of the AArch64 tables' product loops (docs/portability.md);
+# needs gcc-aarch64-linux-gnu and llvm-19 (llvm-mca-19)
+mca-aarch64:
+	python3 tools/mca_aarch64.py --markdown
 
 # ---- fuzzing ----
 FUZZ_SECONDS ?= 55

@@ -29,7 +29,7 @@
  *   ISA_NAME     the table's name
  *   VL           floats per vector: 1, 4, 8 or 16 so far; it must divide 16 and FW_DEC_KEYS
  *   TM, QK_TJ    mm's qk register tile: QK_TJ keys x TM vectors of query rows (x 2 sets)
- *   TJ           mm's pv register tile: TJ value columns x TM vectors
+ *   TJ           mm's pv register tile: TJ value columns x TM vectors (at most 6)
  *   DEC_RT       the decode's query rows per register tile
  *   PEAK_CHAINS  independent FMA chains of the peak microbenchmark (more than latency x pipes)
  * Optional: DEC_PV_EO with vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even

@@ -15,7 +15,11 @@
 #define VL 4
 #define TM 4 /* vectors of query rows per register tile: 4 x 4 = 16 rows */
 #define QK_TJ 3 /* 3 x 4 x 2 sets = 24 accumulators + 4 row vectors + 1 broadcast of 32 */
-#define TJ 6 /* 6 x 4 = 24 accumulators + 4 row vectors + 1 broadcast of 32 */
+/* TJ: 5 x 4 = 20 accumulators + 4 row vectors + 5 value broadcasts, which gcc loads at the top
+ * of each key's step: with 6, 34 registers, and two accumulators spilled to the stack every
+ * step (tools/mca_aarch64.py, Neoverse V1: pv's loop predicted at 40% of the FMA pipes, the
+ * reloads ordered after their stores; 94% with 5) */
+#define TJ 5
 #define DEC_RT 4 /* decode: 4 rows x 2 key vectors x 2 sets = 16 accumulators */
 
 typedef float32x4_t vf;

@@ -119,7 +119,9 @@ static void pv(int nk, int dv, int M, const float *V, int64_t ldv, const float *
                 continue;
             }
             switch (tc) {
+#if TJ >= 6 /* (a tile of 6 columns where the layer has them) */
             case 6: pv_tile(6, TM, nk, M, Vc, ldv, PT + m0, O); break;
+#endif
             case 5: pv_tile(5, TM, nk, M, Vc, ldv, PT + m0, O); break;
             case 4: pv_tile(4, TM, nk, M, Vc, ldv, PT + m0, O); break;
             case 3: pv_tile(3, TM, nk, M, Vc, ldv, PT + m0, O); break;
@@ -301,7 +303,9 @@ static void pv_bf16(int nw, int dv, int M, const uint32_t *VW, const uint32_t *P
                 continue;
             }
             switch (tc) {
+#if TJ >= 6 /* (a tile of 6 columns where the layer has them) */
             case 6: pvb_tile(6, TM, nw, M, Vc, dv, P, O); break;
+#endif
             case 5: pvb_tile(5, TM, nw, M, Vc, dv, P, O); break;
             case 4: pvb_tile(4, TM, nw, M, Vc, dv, P, O); break;
             case 3: pvb_tile(3, TM, nw, M, Vc, dv, P, O); break;
