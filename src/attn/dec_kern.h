@@ -603,13 +603,23 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
  * so it stays there. */
 #define DQ_RB (VL < 4 ? VL : 4)
 #define DQ_KB (VL / DQ_RB)
+/* Blocks side by side: DQ_NB (an ISA's optional constant, 1 unless it says) blocks of
+ * consecutive keys run together, their query loads shared, DQ_NB x VL accumulators. For a
+ * layer whose block is few chains (NEON: 4 rows of 1 key, 4 accumulators, a quarter of the
+ * FMA pipes by llvm-mca's schedule for Neoverse V1, tools/mca_aarch64.py); each accumulator is
+ * the chain it is alone, so the bits do not change. DQ_NK: the keys of the blocks together. */
+#ifndef DQ_NB
+#define DQ_NB 1
+#endif
+#define DQ_NK (DQ_NB * DQ_KB)
+_Static_assert(FW_DEC_KEYS % DQ_NK == 0, "a tile holds whole blocks");
 
 /* The keys of a block (a valid row stands in for the keys past nk) and its query rows (row
  * r0 stands in past R). */
 FW_INLINE void dq_block(int R, int nk, int r0, int j0, const void *const *rows, const void **kr,
                         int *rr)
 {
-    for (int x = 0; x < DQ_KB; x++)
+    for (int x = 0; x < DQ_NK; x++)
         kr[x] = rows[j0 + x < nk ? j0 + x : j0];
     for (int r = 0; r < DQ_RB; r++)
         rr[r] = r0 + r < R ? r0 + r : r0;
@@ -622,7 +632,7 @@ FW_INLINE int dq_next(int nn, int r0, int j0, const void *const *next, const voi
 {
     if (!next || r0 != 0 || j0 >= nn)
         return 0;
-    for (int x = 0; x < DQ_KB; x++)
+    for (int x = 0; x < DQ_NK; x++)
         kn[x] = next[j0 + x < nn ? j0 + x : j0];
     return 1;
 }
@@ -633,54 +643,57 @@ FW_INLINE int dq_next(int nn, int r0, int j0, const void *const *next, const voi
  * the panel, whose register tile has many). */
 #define DQ_SETS (VL == 1 ? 4 : 1)
 
-FW_INLINE void dq_zero(vf acc[DQ_SETS][VL])
+FW_INLINE void dq_zero(vf acc[DQ_SETS][DQ_NB][VL])
 {
     for (int e = 0; e < DQ_SETS; e++)
-        for (int i = 0; i < VL; i++)
-            acc[e][i] = vzero();
+        for (int b = 0; b < DQ_NB; b++)
+            for (int i = 0; i < VL; i++)
+                acc[e][b][i] = vzero();
 }
 
-/* The block's totals, lane r * DQ_KB + x: row r0 + r, key j0 + x. */
-FW_INLINE vf dq_total(vf acc[DQ_SETS][VL])
+/* Block b's totals, lane r * DQ_KB + x: row r0 + r, key j0 + b DQ_KB + x. */
+FW_INLINE vf dq_total(vf acc[DQ_SETS][DQ_NB][VL], int b)
 {
     for (int e = 1; e < DQ_SETS; e++)
         for (int i = 0; i < VL; i++)
-            acc[0][i] = vadd(acc[0][i], acc[e][i]);
-    return vsum_each(acc[0]);
+            acc[0][b][i] = vadd(acc[0][b][i], acc[e][b][i]);
+    return vsum_each(acc[0][b]);
 }
 
-/* One step along d: elements c .. c+VL-1 of the block's rows and keys (f32 products). */
-FW_INLINE void dq_step_f32(vf *acc, const void *const *kr, const int *rr, const float *Q, int d,
-                           fw_dtype dt, int c, const void *const *kn, const int pf)
+/* One step along d: elements c .. c+VL-1 of the blocks' rows and keys (f32 products). */
+FW_INLINE void dq_step_f32(vf acc[DQ_NB][VL], const void *const *kr, const int *rr, const float *Q,
+                           int d, fw_dtype dt, int c, const void *const *kn, const int pf)
 {
     const size_t es = fw_esize(dt);
-    vf kv[DQ_KB];
-    for (int x = 0; x < DQ_KB; x++) {
+    vf kv[DQ_NK];
+    for (int x = 0; x < DQ_NK; x++) {
         kv[x] = vload_in(kr[x], dt, c);
         if (pf && DEC_PF_LINE(c * es))
             __builtin_prefetch((const char *)kn[x] + (size_t)c * es, 0, 2);
     }
     for (int r = 0; r < DQ_RB; r++) {
         const vf qv = vload(Q + (size_t)rr[r] * d + c);
-        for (int x = 0; x < DQ_KB; x++)
-            acc[r * DQ_KB + x] = vfma(qv, kv[x], acc[r * DQ_KB + x]);
+        for (int b = 0; b < DQ_NB; b++)
+            for (int x = 0; x < DQ_KB; x++)
+                acc[b][r * DQ_KB + x] = vfma(qv, kv[b * DQ_KB + x], acc[b][r * DQ_KB + x]);
     }
 }
 
-/* One step along the words: words w .. w+VL-1 of the block's rows and keys (bf16 products). */
-FW_INLINE void dq_step_bf16(vf *acc, const void *const *kr, const int *rr, const uint32_t *QW,
-                            int dw, int w, const void *const *kn, const int pf)
+/* One step along the words: words w .. w+VL-1 of the blocks' rows and keys (bf16 products). */
+FW_INLINE void dq_step_bf16(vf acc[DQ_NB][VL], const void *const *kr, const int *rr,
+                            const uint32_t *QW, int dw, int w, const void *const *kn, const int pf)
 {
-    vf kv[DQ_KB];
-    for (int x = 0; x < DQ_KB; x++) {
+    vf kv[DQ_NK];
+    for (int x = 0; x < DQ_NK; x++) {
         kv[x] = vload_bits((const uint32_t *)kr[x] + w);
         if (pf && DEC_PF_LINE(w * 4))
             __builtin_prefetch((const uint32_t *)kn[x] + w, 0, 2);
     }
     for (int r = 0; r < DQ_RB; r++) {
         const vf qv = vload_bits(QW + (size_t)rr[r] * dw + w);
-        for (int x = 0; x < DQ_KB; x++)
-            acc[r * DQ_KB + x] = vdpbf(acc[r * DQ_KB + x], kv[x], qv);
+        for (int b = 0; b < DQ_NB; b++)
+            for (int x = 0; x < DQ_KB; x++)
+                acc[b][r * DQ_KB + x] = vdpbf(acc[b][r * DQ_KB + x], kv[b * DQ_KB + x], qv);
     }
 }
 
@@ -691,10 +704,27 @@ static void dq_zero_tail(int R, int nk, float *S)
             S[(size_t)r * FW_DEC_KEYS + j] = 0.0f;
 }
 
-/* The f32 products of one block along d (dec_qk_rows); pf: prefetch kn's lines as kr's are
+/* Block b's totals (dq_total) to S, rows r0.., keys j0 + b DQ_KB..: a whole block of rows in
+ * one go (keys past nk too: dq_zero_tail clears them after), else lane by lane, the rows
+ * below R and the keys below nk. */
+FW_INLINE void dq_store(float *S, int R, int nk, int r0, int j0, int b, vf tot, int whole)
+{
+    float *s = S + (size_t)r0 * FW_DEC_KEYS + j0 + b * DQ_KB;
+    if (whole) {
+        vstore_rows(s, FW_DEC_KEYS, tot);
+        return;
+    }
+    float t[VL];
+    vstore(t, tot);
+    for (int r = 0; r < DQ_RB && r0 + r < R; r++)
+        for (int x = 0; x < DQ_KB && j0 + b * DQ_KB + x < nk; x++)
+            s[(size_t)r * FW_DEC_KEYS + x] = t[r * DQ_KB + x];
+}
+
+/* The f32 products of the blocks along d (dec_qk_rows); pf: prefetch kn's lines as kr's are
  * read. */
-FW_INLINE void dq_block_f32(vf acc[DQ_SETS][VL], const void *const *kr, const int *rr, const float *Q,
-                            int d, fw_dtype dt, const void *const *kn, const int pf)
+FW_INLINE void dq_block_f32(vf acc[DQ_SETS][DQ_NB][VL], const void *const *kr, const int *rr,
+                            const float *Q, int d, fw_dtype dt, const void *const *kn, const int pf)
 {
     const int dvec = d / VL * VL;
     int c = 0;
@@ -706,21 +736,24 @@ FW_INLINE void dq_block_f32(vf acc[DQ_SETS][VL], const void *const *kr, const in
 }
 
 /* One step along d of dq_f32_block; pf: prefetch the next rows' line at this offset. */
-FW_INLINE void dq_f32_step(vf acc[VL], const float *const *k, const float *const *n, const float *QP,
-                           int c, const int pf)
+FW_INLINE void dq_f32_step(vf acc[DQ_NB][VL], const float *const *k, const float *const *n,
+                           const float *QP, int c, const int pf)
 {
-    vf kv[DQ_KB];
-    for (int x = 0; x < DQ_KB; x++) {
+    vf kv[DQ_NK];
+    for (int x = 0; x < DQ_NK; x++) {
         kv[x] = vload(k[x] + c);
         if (pf && DEC_PF_LINE(c * 4))
             __builtin_prefetch(n[x] + c, 0, 2);
     }
-    for (int r = 0; r < DQ_RB; r++)
-        for (int x = 0; x < DQ_KB; x++)
-            acc[r * DQ_KB + x] = vfma(vload(QP + r * VL), kv[x], acc[r * DQ_KB + x]);
+    for (int r = 0; r < DQ_RB; r++) {
+        const vf qv = vload(QP + r * VL);
+        for (int b = 0; b < DQ_NB; b++)
+            for (int x = 0; x < DQ_KB; x++)
+                acc[b][r * DQ_KB + x] = vfma(qv, kv[b * DQ_KB + x], acc[b][r * DQ_KB + x]);
+    }
 }
 
-/* One whole block of f32 key rows (DQ_SETS == 1, DQ_RB rows, d a multiple of VL) into S (row
+/* Whole blocks of f32 key rows (DQ_SETS == 1, DQ_RB rows, d a multiple of VL) into S (row
  * stride FW_DEC_KEYS): QP holds the block's query rows vector by vector, QP[(c / VL) * DQ_RB +
  * r] = Q[r0 + r][c .. c+VL-1], so one pointer and the key rows' offset address every load;
  * kn: the next rows to prefetch, or NULL. The FMAs and the sum of dq_block_f32 and
@@ -734,21 +767,23 @@ FW_INLINE void dq_f32_step(vf acc[VL], const float *const *k, const float *const
  * slot there (1.38 cycles a broadcast-and-FMA pair against 1.0 with whole loads). */
 FW_INLINE void dq_f32_block(const void *const *kr, const void *const *kn, const float *QP, int d, float *S)
 {
-    const float *k[DQ_KB], *n[DQ_KB];
-    for (int x = 0; x < DQ_KB; x++) {
+    const float *k[DQ_NK], *n[DQ_NK];
+    for (int x = 0; x < DQ_NK; x++) {
         k[x] = (const float *)kr[x];
         n[x] = kn ? (const float *)kn[x] : NULL;
     }
-    vf acc[VL];
-    for (int i = 0; i < VL; i++)
-        acc[i] = vzero();
+    vf acc[DQ_NB][VL];
+    for (int b = 0; b < DQ_NB; b++)
+        for (int i = 0; i < VL; i++)
+            acc[b][i] = vzero();
     if (kn)
         for (int c = 0; c < d; c += VL, QP += DQ_RB * VL)
             dq_f32_step(acc, k, n, QP, c, 1);
     else
         for (int c = 0; c < d; c += VL, QP += DQ_RB * VL)
             dq_f32_step(acc, k, n, QP, c, 0);
-    vstore_rows(S, FW_DEC_KEYS, vsum_each(acc));
+    for (int b = 0; b < DQ_NB; b++)
+        vstore_rows(S + b * DQ_KB, FW_DEC_KEYS, vsum_each(acc[b]));
 }
 
 /* next[j], j < nn: the key rows read next (NULL: none), prefetched line by line as the
@@ -764,55 +799,48 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
         for (int c = 0; whole && c < d; c += VL)
             for (int r = 0; r < DQ_RB; r++)
                 vstore(QP + (c / VL * DQ_RB + r) * VL, vload(Q + (size_t)(r0 + r) * d + c));
-        for (int j0 = 0; j0 < nk; j0 += DQ_KB) {
-            const void *kr[DQ_KB];
+        for (int j0 = 0; j0 < nk; j0 += DQ_NK) {
+            const void *kr[DQ_NK];
             int rr[DQ_RB];
             dq_block(R, nk, r0, j0, rows, kr, rr);
-            const void *kn[DQ_KB];
+            const void *kn[DQ_NK];
             const int pf = dq_next(nn, r0, j0, next, kn);
             if (whole) {
                 dq_f32_block(kr, pf ? kn : NULL, QP, d, S + (size_t)r0 * FW_DEC_KEYS + j0);
                 continue;
             }
-            vf acc[DQ_SETS][VL];
+            vf acc[DQ_SETS][DQ_NB][VL];
             dq_zero(acc);
             if (pf)
                 dq_block_f32(acc, kr, rr, Q, d, dt, kn, 1);
             else
                 dq_block_f32(acc, kr, rr, Q, d, dt, NULL, 0);
-            /* lane r * DQ_KB + x: row r0 + r, key j0 + x. A whole block goes straight to S
-             * (keys past nk too: dq_zero_tail clears them after); the rest lane by lane. */
-            const vf tot = dq_total(acc);
-            if (r0 + DQ_RB <= R && dvec == d) {
-                vstore_rows(S + (size_t)r0 * FW_DEC_KEYS + j0, FW_DEC_KEYS, tot);
-                continue;
-            }
-            float t[VL];
-            vstore(t, tot);
-            for (int r = 0; r < DQ_RB && r0 + r < R; r++)
-                for (int x = 0; x < DQ_KB && j0 + x < nk; x++) {
-                    float s = t[r * DQ_KB + x];
+            const int wb = r0 + DQ_RB <= R && dvec == d;
+            for (int b = 0; b < DQ_NB; b++)
+                dq_store(S, R, nk, r0, j0, b, dq_total(acc, b), wb);
+            /* the channels past the vectors, one at a time, after the lanes' sums */
+            for (int r = 0; r < DQ_RB && r0 + r < R && dvec < d; r++)
+                for (int x = 0; x < DQ_NK && j0 + x < nk; x++) {
+                    float *sp = S + (size_t)(r0 + r) * FW_DEC_KEYS + j0 + x;
                     for (int c = dvec; c < d; c++) {
                         float k;
                         to_f32((const char *)kr[x] + (size_t)c * es, dt, 1, 1, 1.0f, &k);
-                        s += Q[(size_t)(r0 + r) * d + c] * k;
+                        *sp += Q[(size_t)(r0 + r) * d + c] * k;
                     }
-                    S[(size_t)(r0 + r) * FW_DEC_KEYS + j0 + x] = s;
                 }
         }
     }
     dq_zero_tail(R, nk, S);
 }
-
 /* Decode QK^T with bf16 products from bf16 key rows themselves (rows[j]: contiguous bf16,
  * read as words: a bf16 row already is its pairs): S[r][j] = scale * QW[r] . K[j] for r < R,
  * j < nk, 0 for j in [nk, FW_DEC_KEYS). The blocks of dec_qk_rows on vdpbf16ps. Measured
  * (avx512bf16, 4 query rows, 64 keys, d 128, cache-hot): pack_kt_bf16's panel then
  * dec_qk_bf16 7.9-8.1 ns a key, this 5.5-5.8; decode at 1K context, GQA 32:8, one thread,
  * bf16, best of 300: 202 -> 174 us. */
-/* The bf16 products of one block along the words (dec_qk_rows_bf16); pf: prefetch kn's lines
+/* The bf16 products of the blocks along the words (dec_qk_rows_bf16); pf: prefetch kn's lines
  * as kr's are read. */
-FW_INLINE void dq_block_bf16(vf acc[DQ_SETS][VL], const void *const *kr, const int *rr,
+FW_INLINE void dq_block_bf16(vf acc[DQ_SETS][DQ_NB][VL], const void *const *kr, const int *rr,
                              const uint32_t *QW, int dw, int wvec, const void *const *kn, const int pf)
 {
     int w = 0;
@@ -829,33 +857,34 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
     const int dw = (d + 1) / 2, wvec = d / 2 / VL * VL;
     const vf sc = vset1(scale);
     for (int r0 = 0; r0 < R; r0 += DQ_RB)
-        for (int j0 = 0; j0 < nk; j0 += DQ_KB) {
-            const void *kr[DQ_KB];
+        for (int j0 = 0; j0 < nk; j0 += DQ_NK) {
+            const void *kr[DQ_NK];
             int rr[DQ_RB];
             dq_block(R, nk, r0, j0, rows, kr, rr);
-            vf acc[DQ_SETS][VL];
+            vf acc[DQ_SETS][DQ_NB][VL];
             dq_zero(acc);
-            const void *kn[DQ_KB];
+            const void *kn[DQ_NK];
             if (dq_next(nn, r0, j0, next, kn))
                 dq_block_bf16(acc, kr, rr, QW, dw, wvec, kn, 1);
             else
                 dq_block_bf16(acc, kr, rr, QW, dw, wvec, NULL, 0);
-            const vf tot = dq_total(acc);
             if (r0 + DQ_RB <= R && wvec == dw && d % 2 == 0) {
-                vstore_rows(S + (size_t)r0 * FW_DEC_KEYS + j0, FW_DEC_KEYS, vmul(tot, sc));
+                for (int b = 0; b < DQ_NB; b++)
+                    dq_store(S, R, nk, r0, j0, b, vmul(dq_total(acc, b), sc), 1);
                 continue;
             }
-            float t[VL];
-            vstore(t, tot);
+            /* the sums, then the elements past the vectors one at a time, then the scale */
+            for (int b = 0; b < DQ_NB; b++)
+                dq_store(S, R, nk, r0, j0, b, dq_total(acc, b), 0);
             for (int r = 0; r < DQ_RB && r0 + r < R; r++)
-                for (int x = 0; x < DQ_KB && j0 + x < nk; x++) {
-                    float s = t[r * DQ_KB + x];
+                for (int x = 0; x < DQ_NK && j0 + x < nk; x++) {
+                    float *sp = S + (size_t)(r0 + r) * FW_DEC_KEYS + j0 + x, sum = *sp;
                     for (int e = 2 * wvec; e < d; e++) {
                         const uint32_t qw = QW[(size_t)(r0 + r) * dw + e / 2];
-                        s += fw_cvt_bf16_f32((uint16_t)(qw >> (16 * (e % 2)))) *
-                             fw_cvt_bf16_f32(((const uint16_t *)kr[x])[e]);
+                        sum += fw_cvt_bf16_f32((uint16_t)(qw >> (16 * (e % 2)))) *
+                               fw_cvt_bf16_f32(((const uint16_t *)kr[x])[e]);
                     }
-                    S[(size_t)(r0 + r) * FW_DEC_KEYS + j0 + x] = s * scale;
+                    *sp = sum * scale;
                 }
         }
     dq_zero_tail(R, nk, S);

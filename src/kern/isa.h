@@ -33,7 +33,8 @@
  *   DEC_RT       the decode's query rows per register tile
  *   PEAK_CHAINS  independent FMA chains of the peak microbenchmark (more than latency x pipes)
  * Optional: DEC_PV_EO with vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even
- * and odd columns, where that beats vpair_rows_bf16's order: AVX2).
+ * and odd columns, where that beats vpair_rows_bf16's order: AVX2); DQ_NB, the decode's
+ * blocks of key rows side by side (attn/dec_kern.h; 1 unless said: NEON 4).
  */
 #if !defined(ISA_NAME) || !defined(VL) || !defined(TM) || !defined(QK_TJ) || !defined(TJ) ||   \
     !defined(DEC_RT) || !defined(PEAK_CHAINS)

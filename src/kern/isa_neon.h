@@ -21,6 +21,9 @@
  * reloads ordered after their stores; 94% with 5) */
 #define TJ 5
 #define DEC_RT 4 /* decode: 4 rows x 2 key vectors x 2 sets = 16 accumulators */
+/* decode from key rows: 4 blocks of 4 rows x 1 key side by side, 16 accumulators (alone, a
+ * block's 4 chains fill a quarter of the FMA pipes in llvm-mca's schedule for Neoverse V1) */
+#define DQ_NB 4
 
 typedef float32x4_t vf;
 typedef uint32x4_t vm;
