@@ -4,7 +4,8 @@
 # gcc-aarch64-linux-gnu and libc6-dev-arm64-cross), then under qemu-aarch64 (qemu-user):
 #   1. the table each CPU model gets by itself: neon on a Cortex-A72 (Armv8.0-A, no BF16),
 #      neon_bf16 on -cpu max (every extension qemu has, FEAT_BF16 included), and each table
-#      forced by FLYWHEEL_ISA (--print-default, and the CLI's `info`);
+#      forced by FLYWHEEL_ISA (--print-default, and the CLI's `info`, which names the core
+#      from /proc/cpuinfo's implementer and part);
 #   2. the C suites on -cpu max. Quick mode (the default, for CI): the quick sweep of a
 #      selection (below) on neon and neon_bf16 (the portable table's code is the one x86-64
 #      tests). Full mode (make test-aarch64 FULL=1, an hour or more): every suite, whole
@@ -49,6 +50,15 @@ out=$(FLYWHEEL_ISA=neon_bf16 default_of "${a72[@]}")
 [ "$out" = "none 10" ] || fail "FLYWHEEL_ISA=neon_bf16 on a Cortex-A72: '$out', not refused"
 "${max[@]}" "$cli" info
 "${a72[@]}" "$cli" info | grep -qx 'default: neon' || fail "the CLI did not pick neon on a Cortex-A72"
+# the core's name from /proc/cpuinfo's MIDR fields, as an AArch64 kernel writes them (qemu-user
+# opens an absolute path under its -L prefix first: a sysroot whose proc/cpuinfo is a V1's)
+root=$build/sysroot
+mkdir -p "$root/proc"
+ln -sfn /usr/aarch64-linux-gnu/lib "$root/lib"
+printf 'processor\t: 0\nCPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd40\n' \
+  >"$root/proc/cpuinfo"
+out=$(qemu-aarch64 -cpu max -L "$root" "$cli" info | head -1)
+[ "${out%%,*}" = "cpu: Arm Neoverse V1" ] || fail "flywheel info on a Neoverse V1's cpuinfo: '$out'"
 
 if [ "$mode" = quick ]; then
   # about 6 minutes on 2 cores; left out (each 2 to 10 minutes or more under emulation): the

@@ -10,6 +10,7 @@
  *   flywheel peak [threads]      this machine's measured FMA peak
  *   flywheel info                the CPU, kernel tables and the default
  */
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include "bench.h"
@@ -17,14 +18,30 @@
 
 /* The CPU's model name as Linux reports it (/proc/cpuinfo's first "model name"), into buf; 0
  * where there is none (another OS, a CPU whose kernel names no model). */
+/* Arm's cores by MIDR part number (implementer 0x41), those the AArch64 tables target. */
+static const struct {
+    unsigned part;
+    const char *name;
+} arm_parts[] = {{0xd08, "Cortex-A72"}, {0xd0b, "Cortex-A76"}, {0xd0c, "Neoverse N1"},
+                 {0xd40, "Neoverse V1"}, {0xd49, "Neoverse N2"}, {0xd4f, "Neoverse V2"}};
+
+/* The CPU's model: x86's "model name" in /proc/cpuinfo, or on AArch64 (which has none) the
+ * core named from its implementer and part numbers. */
 static int cpu_model(char *buf, size_t n)
 {
     FILE *f = fopen("/proc/cpuinfo", "r");
     char line[512];
     int found = 0;
+    unsigned impl = 0, part = 0;
     while (f && !found && fgets(line, sizeof line, f)) {
         const char *colon = strchr(line, ':');
-        if (strncmp(line, "model name", 10) != 0 || !colon)
+        if (!colon)
+            continue;
+        if (strncmp(line, "CPU implementer", 15) == 0 && !impl)
+            impl = (unsigned)strtoul(colon + 1, NULL, 0);
+        if (strncmp(line, "CPU part", 8) == 0 && !part)
+            part = (unsigned)strtoul(colon + 1, NULL, 0);
+        if (strncmp(line, "model name", 10) != 0)
             continue;
         colon += 1 + (colon[1] == ' ');
         snprintf(buf, n, "%.*s", (int)strcspn(colon, "\n"), colon);
@@ -32,6 +49,15 @@ static int cpu_model(char *buf, size_t n)
     }
     if (f)
         fclose(f);
+    for (size_t i = 0; !found && impl == 0x41 && i < sizeof arm_parts / sizeof arm_parts[0]; i++)
+        if (arm_parts[i].part == part) {
+            snprintf(buf, n, "Arm %s", arm_parts[i].name);
+            found = 1;
+        }
+    if (!found && impl) {
+        snprintf(buf, n, "AArch64, implementer 0x%02x, part 0x%03x", impl, part);
+        found = 1;
+    }
     return found;
 }
 
