@@ -363,9 +363,9 @@ FW_INLINE void decb_qk_tile(const int rt, const int kv, int dw, const uint32_t *
             for (int x = 0; x < kv; x++)
                 kt[x] = vkeep(vload((const float *)KtW + (size_t)w * FW_DEC_KEYS + x * VL));
             for (int r = 0; r < rt; r++) {
-                vf qb = vbcast_word(QW + (size_t)r * dw + w);
+                const vw qb = vload_word(QW + (size_t)r * dw + w);
                 for (int x = 0; x < kv; x++)
-                    acc[r][x] = vdpbf(acc[r][x], kt[x], qb);
+                    acc[r][x] = vdpbf_by(acc[r][x], kt[x], qb);
             }
         }
         for (int r = 0; r < rt; r++)
@@ -483,9 +483,9 @@ FW_INLINE void decb_pv_tile(const int rt, const int cv, int nk, int c0, const ui
             if (DEC_PF_LINE((c0 + c * VL) * es))
                 dec_pf_pair(next, nn, j, (size_t)(c0 + c * VL) * es);
         for (int r = 0; r < rt; r++) {
-            vf pb = vbcast_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + j / 2);
+            const vw pb = vload_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + j / 2);
             for (int c = 0; c < cv; c++)
-                acc[r][c] = vdpbf(acc[r][c], vv[c], pb);
+                acc[r][c] = vdpbf_by(acc[r][c], vv[c], pb);
         }
     }
     for (int r = 0; r < rt; r++)
@@ -525,9 +525,9 @@ FW_INLINE void decb_pv_tile_rows(const int rt, int nk, int c0, const uint32_t *P
         for (int c = 0; c < 4; c++)
             vv[c] = vkeep(vv[c]);
         for (int r = 0; r < rt; r++) {
-            vf pb = vbcast_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + j / 2);
+            const vw pb = vload_word(PW + (size_t)r * (FW_DEC_KEYS / 2) + j / 2);
             for (int c = 0; c < 4; c++)
-                acc[r][c] = vdpbf(acc[r][c], vv[c], pb);
+                acc[r][c] = vdpbf_by(acc[r][c], vv[c], pb);
         }
     }
     for (int r = 0; r < rt; r++)
@@ -906,9 +906,9 @@ FW_INLINE void dect_qk_block(int rt, int kv, int dw, const uint32_t *QW, const u
         for (int x = 0; x < kv; x++)
             k[x] = vkeep(vload((const float *)kw[x] + (size_t)w * 16));
         for (int r = 0; r < rt; r++) {
-            const vf qb = vbcast_word(QW + (size_t)r * dw + w);
+            const vw qb = vload_word(QW + (size_t)r * dw + w);
             for (int x = 0; x < kv; x++)
-                acc[r][x] = vdpbf(acc[r][x], k[x], qb);
+                acc[r][x] = vdpbf_by(acc[r][x], k[x], qb);
         }
     }
     const vf sc = vset1(scale);

@@ -6,9 +6,10 @@
  * the compiler checks every definition against the declarations below (a missing one fails
  * the link of any table that uses it, a different signature fails the build).
  *
- * Types: vf holds VL floats (the lanes); vm is a mask of VL lanes, made by the comparisons
- * and consumed by vmand, vany, vall, vsel and vmaskz only (its form is the ISA's: a lane
- * vector on AVX2, a k register on AVX-512, an int on the portable layer). A vf may also hold
+ * Types: vf holds VL floats (the lanes); vw is a word operand of the bf16 products (below); vm
+ * is a mask of VL lanes, made by the comparisons and consumed by vmand, vany, vall, vsel and
+ * vmaskz only (its form is the ISA's: a lane vector on AVX2, a k register on AVX-512, an int
+ * on the portable layer). A vf may also hold
  * VL 32-bit words, each two bf16 (the pair layout, kern/mm_kern.h): the even element in the
  * low half.
  *
@@ -116,6 +117,11 @@ static inline vf vbf16_even(vf w);              /* each word's low bf16 as f32 *
 static inline vf vbf16_odd(vf w);               /* each word's high bf16 as f32 */
 /* acc + a.even b.even + a.odd b.odd per lane, the products exact. */
 static inline vf vdpbf(vf acc, vf a, vf b);
+/* A word operand (vw, the ISA's form: vf holding the word in every lane where the product
+ * reads a broadcast, one lane where it multiplies by element) and its product:
+ * vdpbf_by(acc, a, vload_word(p)) is vdpbf(acc, a, vbcast_word(p)). */
+static inline vw vload_word(const uint32_t *p);
+static inline vf vdpbf_by(vf acc, vf a, vw w);
 /* Words (even[l], odd[l]) rounded to bf16. */
 static inline vf vbf16_pair(vf even, vf odd);
 /* The 2 VL elements lo, hi of a row rounded to bf16, in order: word l = (x[2l], x[2l+1]). */

@@ -192,6 +192,10 @@ static inline vf vdpbf(vf acc, vf a, vf b)
     return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
 }
 
+/* A word operand is its broadcast (kern/isa.h: vload_word). */
+typedef vf vw;
+static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
+static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
 
 static inline vf vbf16_pair(vf even, vf odd)
 {

@@ -250,6 +250,11 @@ static inline vf vbf16_row(vf lo, vf hi)
 }
 #endif
 
+/* A word operand is its broadcast (kern/isa.h: vload_word). */
+typedef vf vw;
+static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
+static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
+
 /* vstore2_as's one-store form of a vector pair (conv/conv_kern.h), 1 where it stored them: with
  * AVX512_BF16, a bf16 pair is one vcvtne2ps2bf16 and one store in place of two conversions
  * (each two operations on Intel) and two stores; the same bits. */

@@ -195,6 +195,14 @@ static inline int vstore2_native(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi
 static inline vf vbcast_word(const uint32_t *p) { return vreinterpretq_f32_u32(vld1q_dup_u32(p)); }
 
 #ifdef __ARM_FEATURE_BF16_VECTOR_ARITHMETIC
+/* A word operand (kern/isa.h: vload_word) is the word in the low lane of a 64-bit vector, one
+ * LDR; vdpbf_by multiplies by that element (BFDOT by element). A broadcast costs a DUP or LD1R
+ * on the FMA pipes: in mm's bf16 tiles 3 for every 12 BFDOT, which held them to 74-80% of the
+ * pipes in llvm-mca's schedule (tools/mca_aarch64.py). */
+typedef bfloat16x4_t vw;
+static inline vw vload_word(const uint32_t *p) { return vreinterpret_bf16_u64(vcreate_u64((uint64_t)*p)); }
+static inline vf vdpbf_by(vf acc, vf a, vw w) { return vbfdotq_lane_f32(acc, vreinterpretq_bf16_f32(a), w, 0); }
+
 /* BFDOT: each lane's two products and the accumulator, as Armv8.6's BFDotAdd without
  * FEAT_EBF16: the pair's sum, then the total, each rounded to odd, bf16 and f32 subnormals
  * flushed to zero, and any NaN the default NaN (kern/isa.h lets a table read bf16 denormals
@@ -208,6 +216,11 @@ static inline vf vdpbf(vf acc, vf a, vf b)
 {
     return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
 }
+
+/* A word operand is its broadcast. */
+typedef vf vw;
+static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
+static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
 #endif
 
 static inline vf vbf16_pair(vf even, vf odd)

@@ -171,6 +171,11 @@ static inline vf vbf16_pair(vf even, vf odd)
     return w;
 }
 
+/* A word operand is its broadcast (kern/isa.h: vload_word). */
+typedef vf vw;
+static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
+static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
+
 /* The 2 VL elements lo, hi of a row rounded to bf16, in order (one word here). */
 static inline vf vbf16_row(vf lo, vf hi) { return vbf16_pair(lo, hi); }
 

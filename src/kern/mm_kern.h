@@ -213,9 +213,9 @@ FW_INLINE void qkb_tile(const int tj, const int tm, int dw, int M, const uint32_
             for (int m = 0; m < tm; m++)
                 q[m] = vkeep(vload((const float *)QW + (int64_t)w * M + m * VL));
             for (int j = 0; j < tj; j++) {
-                vf kb = vbcast_word(K + j * ldkw + w);
+                const vw kb = vload_word(K + j * ldkw + w);
                 for (int m = 0; m < tm; m++)
-                    acc[j][m] = vdpbf(acc[j][m], q[m], kb);
+                    acc[j][m] = vdpbf_by(acc[j][m], q[m], kb);
             }
         }
         for (int j = 0; j < tj; j++)
@@ -273,9 +273,9 @@ FW_INLINE void pvb_tile(const int tc, const int tm, int nw, int M, const uint32_
             p[m] = vkeep(vload((const float *)PW + (int64_t)w * M + m * VL));
         const uint32_t *vr = VW + (int64_t)w * ldvw;
         for (int c = 0; c < tc; c++) {
-            vf vb = vbcast_word(vr + c);
+            const vw vb = vload_word(vr + c);
             for (int m = 0; m < tm; m++)
-                acc[c][m] = vdpbf(acc[c][m], p[m], vb);
+                acc[c][m] = vdpbf_by(acc[c][m], p[m], vb);
         }
     }
     for (int c = 0; c < tc; c++)
