@@ -31,9 +31,10 @@
 #      compiled fast path (FLYWHEEL_EXPECT_BINDING=compiled), every file but test_mla.py
 #      (about 5 minutes alone under emulation); then on -cpu cortex-a72 (neon) on the ctypes
 #      path (FLYWHEEL_BINDING=ctypes, FLYWHEEL_EXPECT_BINDING=ctypes) the attention, Gated
-#      DeltaNet, call-table and argument files. torch, jax, fla and vLLM are not there (no
-#      aarch64 CPython 3.11 wheels worth the download): their tests skip themselves, as do
-#      the CLI's (the CLI is not in the wheel; tests/run_aarch64.sh runs it).
+#      DeltaNet, call-table and argument files. torch, jax, fla and vLLM are not installed
+#      (large downloads, and slow under emulation): their tests skip themselves, as do the
+#      CLI's (the CLI is not in the wheel; tests/run_aarch64.sh runs it). Each run's output
+#      is in BUILD/pytest-{max,a72}.log, its results in BUILD/pytest-{max,a72}.xml.
 # Left out, each for a reason that is not the package's:
 #   - test_abi.py's two import-in-a-fresh-interpreter tests: they run sys.executable in a
 #     subprocess, and qemu-user does not follow exec (no binfmt_misc registration here: the
@@ -60,6 +61,8 @@ done
 mkdir -p "$build"
 build=$(cd "$build" && pwd)
 rootfs=$build/rootfs
+# pip keeps nothing outside BUILD: what it fetches is kept in BUILD/wheelhouse and host-venv
+export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 fail() { echo "run_aarch64_python: $*" >&2; exit 1; }
 
 # each step's wall time, printed as it ends and again at the end
@@ -68,7 +71,7 @@ step() {
   local now; now=$(date +%s)
   if [ -n "$sname" ]; then
     echo "-- $sname: $((now - tstep)) s"
-    times+=("$(printf '%-44s %4d s' "$sname" $((now - tstep)))")
+    times+=("$(printf '%-58s %4d s' "$sname" $((now - tstep)))")
   fi
   sname=$1 tstep=$now
   [ -n "$sname" ] && echo "== $sname"
@@ -216,7 +219,7 @@ summary() {  # summary JUNIT-XML: passed / skipped / failed per file
 import collections, sys, xml.etree.ElementTree as ET
 n = collections.defaultdict(collections.Counter)
 for case in ET.parse(sys.argv[1]).iter("testcase"):
-    f = case.get("classname").split(".")[0] + ".py"
+    f = (case.get("classname") or case.get("name")).split(".")[0] + ".py"  # "": skipped whole
     kind = next((c.tag for c in case if c.tag in ("skipped", "failure", "error")), "passed")
     n[f][kind] += 1
 for f in sorted(n):
@@ -225,16 +228,18 @@ for f in sorted(n):
           + (f" {c['failure'] + c['error']:4} FAILED" if c['failure'] + c['error'] else ""))
 EOF
 }
-pytest_on() {  # pytest_on NAME CPU-ARGS... -- PYTEST-ARGS...: runs, prints the per-file summary
+pytest_on() {  # pytest_on NAME CPU-ARGS... -- PYTEST-ARGS...: the run's end, a per-file summary
   local name=$1 rc=0
   shift
   local q=()
   while [ "$1" != -- ]; do q+=("$1"); shift; done
   shift
-  guest "${q[@]}" -- -m pytest -q -p no:cacheprovider --rootdir . -rfE \
-    --junitxml="$build/pytest-$name.xml" "$@" | tail -n 15 || rc=$?
+  timeout 1800 env -u PYTHONHOME PYTHONNOUSERSITE=1 PYTHONPATH="$build/site" "${q[@]}" "$py" \
+    -m pytest -q -p no:cacheprovider --rootdir . -rfE --junitxml="$build/pytest-$name.xml" "$@" \
+    >"$build/pytest-$name.log" 2>&1 || rc=$?
+  tail -n "$([ $rc -eq 0 ] && echo 1 || echo 60)" "$build/pytest-$name.log"
   summary "$build/pytest-$name.xml"
-  [ $rc -eq 0 ] || fail "python tests ($name) failed"
+  [ $rc -eq 0 ] || fail "python tests ($name) failed (exit $rc): $build/pytest-$name.log"
 }
 
 step "python/tests on -cpu max (neon_bf16), compiled fast path"
@@ -256,4 +261,4 @@ FLYWHEEL_BINDING=ctypes FLYWHEEL_EXPECT_BINDING=ctypes pytest_on a72 "${qemu_a72
 step ""
 echo "== times"
 printf '  %s\n' "${times[@]}"
-printf '  %-44s %4d s\n' total $(($(date +%s) - t0))
+printf '  %-58s %4d s\n' total $(($(date +%s) - t0))

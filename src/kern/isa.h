@@ -29,7 +29,8 @@
  * Constants (macros) an ISA defines:
  *   ISA_NAME     the table's name
  *   VL           floats per vector: 1, 4, 8 or 16 so far; it must divide 16 and FW_DEC_KEYS
- *   TM, QK_TJ    mm's qk register tile: QK_TJ keys x TM vectors of query rows (x 2 sets)
+ *   TM, QK_TJ    mm's qk register tile: QK_TJ keys (at most 4) x TM vectors of query rows
+ *                (x 2 sets)
  *   TJ           mm's pv register tile: TJ value columns x TM vectors (at most 6)
  *   DEC_RT       the decode's query rows per register tile
  *   PEAK_CHAINS  independent FMA chains of the peak microbenchmark (more than latency x pipes)

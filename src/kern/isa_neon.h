@@ -14,7 +14,10 @@
 #endif
 #define VL 4
 #define TM 4 /* vectors of query rows per register tile: 4 x 4 = 16 rows */
-#define QK_TJ 3 /* 3 x 4 x 2 sets = 24 accumulators + 4 row vectors + 1 broadcast of 32 */
+/* QK_TJ: 4 x 4 = 16 accumulator chains (with 3, 12: 74% of the FMA pipes in llvm-mca's
+ * Neoverse V1 schedule, whose FMLA chain is 4 cycles; 92% with 4, 99% for BFDOT), and 64-key
+ * tiles hold whole register tiles; the 16 running totals live outside the inner loop */
+#define QK_TJ 4
 /* TJ: 5 x 4 = 20 accumulators + 4 row vectors + 5 value broadcasts, which gcc loads at the top
  * of each key's step: with 6, 34 registers, and two accumulators spilled to the stack every
  * step (tools/mca_aarch64.py, Neoverse V1: pv's loop predicted at 40% of the FMA pipes, the

@@ -67,6 +67,10 @@ static void qk(int nk, int d, int M, const float *K, int64_t ldk, const float *Q
                 qk_tile_tail(tj, tm, d, M, Kj, ldk, QT + m0, bias + m0, S);
             else if (tj == QK_TJ)
                 qk_tile(QK_TJ, TM, d, M, Kj, ldk, QT + m0, bias + m0, S);
+#if QK_TJ > 3
+            else if (tj == 3)
+                qk_tile(3, TM, d, M, Kj, ldk, QT + m0, bias + m0, S);
+#endif
             else if (tj == 2)
                 qk_tile(2, TM, d, M, Kj, ldk, QT + m0, bias + m0, S);
             else
@@ -252,6 +256,10 @@ static void qk_bf16(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, cons
                 qkb_tile_tail(tj, tm, dw, M, Kj, ldkw, Q, scale, b, S);
             else if (tj == QK_TJ)
                 qkb_tile(QK_TJ, TM, dw, M, Kj, ldkw, Q, scale, b, S);
+#if QK_TJ > 3
+            else if (tj == 3)
+                qkb_tile(3, TM, dw, M, Kj, ldkw, Q, scale, b, S);
+#endif
             else if (tj == 2)
                 qkb_tile(2, TM, dw, M, Kj, ldkw, Q, scale, b, S);
             else
