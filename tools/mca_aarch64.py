@@ -45,10 +45,13 @@ GCC = "aarch64-linux-gnu-gcc"
 COMMON = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-DNDEBUG", "-Iinclude", "-Isrc", "-fPIC",
           "-fvisibility=hidden", "-O3", "-S"]
 TABLES = {"neon": [], "neon_bf16": ["-march=armv8.2-a+bf16"]}
-# (table entry, static function): the mm sub-table's products and the decode's from cached rows
+# (table entry, static function): the mm sub-table's products, the decode's from cached rows,
+# and GDN's own (the decode's state columns, the replay's steps, the blocked inverse, KDA's diagonal)
 KERNELS = [("mm.qk", "qk"), ("mm.pv", "pv"), ("mm.qk_bf16", "qk_bf16"), ("mm.pv_bf16", "pv_bf16"),
            ("dec.qk_rows", "dec_qk_rows"), ("dec.qk_rows_bf16", "dec_qk_rows_bf16"),
-           ("dec.pv", "dec_pv"), ("dec.pv_bf16", "dec_pv_bf16")]
+           ("dec.pv", "dec_pv"), ("dec.pv_bf16", "dec_pv_bf16"),
+           ("gdn.dec_cols", "gdn_dec_cols"), ("gdn.step4", "gdn_step4"),
+           ("gdn.tri_inv_blocked", "tri_inv_blocked"), ("gdn.kda_diag", "kda_diag")]
 CPUS = ["neoverse-v1", "neoverse-v2", "neoverse-n2"]
 # FMA-class mnemonics, each with the probe whose pipes it issues to
 FMA_PROBE = {"fmla": "fmla", "fmls": "fmla", "bfdot": "bfdot", "bfmmla": "bfdot",
