@@ -3,7 +3,8 @@
 # `make compare`: flywheel side by side with its peers; `make compare-cpu`: against zentorch and
 # vLLM's CPU kernels; `make install`: the library, header, CLI, CMake package and pkg-config
 # file under PREFIX; `make docs`: the pages under docs/ (MkDocs). Packaging and portability
-# checks (all run by .ci/run): test-install, test-clang, check-isa, test-baseline, test-aarch64.
+# checks (all run by .ci/run): test-install, test-clang, check-isa, test-baseline, test-aarch64,
+# test-aarch64-python.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += --no-print-directory
@@ -273,7 +274,8 @@ bench-engine-threads: build $(VENV)/.test-deps
 # ---- install, packaging and portability checks ----
 PREFIX ?= /usr/local
 
-.PHONY: install test-install test-clang check-isa test-baseline test-aarch64 mca-aarch64
+.PHONY: install test-install test-clang check-isa test-baseline test-aarch64 test-aarch64-python \
+        mca-aarch64
 
 # The libraries (libflywheel.so.<ABI>, libflywheel.a), flywheel.h and the CLI under PREFIX, with
 # the CMake package (lib/cmake/flywheel: find_package(flywheel)) and lib/pkgconfig/flywheel.pc.
@@ -308,6 +310,13 @@ test-baseline: build
 # gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user (.ci/run installs them).
 test-aarch64:
 	tests/run_aarch64.sh $(BUILD)-aarch64 $(if $(filter 1,$(FULL)),full,quick)
+
+# The Python package for AArch64 (tests/run_aarch64_python.sh, in $(BUILD)-aarch64-python): an
+# aarch64 wheel built by pip through the cross toolchain, installed into an emulated CPython
+# 3.11 (Debian's arm64 packages, unpacked, under qemu-aarch64) with numpy's aarch64 wheels,
+# then python/tests on neon_bf16 (compiled fast path) and neon (ctypes); about 5 minutes.
+test-aarch64-python:
+	tests/run_aarch64_python.sh $(BUILD)-aarch64-python
 
 # llvm-mca's predicted FMA-pipe use of the AArch64 tables' product loops (docs/portability.md);
 # needs gcc-aarch64-linux-gnu and llvm-19 (llvm-mca-19)

@@ -35,19 +35,11 @@
 #      (large downloads, and slow under emulation): their tests skip themselves, as do the
 #      CLI's (the CLI is not in the wheel; tests/run_aarch64.sh runs it). Each run's output
 #      is in BUILD/pytest-{max,a72}.log, its results in BUILD/pytest-{max,a72}.xml.
-# Left out, each for a reason that is not the package's:
-#   - test_abi.py's two import-in-a-fresh-interpreter tests: they run sys.executable in a
-#     subprocess, and qemu-user does not follow exec (no binfmt_misc registration here: the
-#     host kernel refuses the aarch64 ELF with ENOEXEC);
-#   - test_fastpath.py::test_conv_update_same_bits[*-bfloat16-numpy], where numpy cannot
-#     export ml_dtypes' bfloat16 over DLPack (numpy < 2.5; 2.5 needs Python >= 3.12, Debian
-#     12's is 3.11): its last check wants the fast path to take a numpy bfloat16 call, which
-#     then goes the ctypes way (it fails the same on x86-64 with numpy 2.4);
-#   - test_gated_delta.py::test_precision_auto_follows_the_dtype_of_q[bfloat16] on
-#     neon_bf16 only: the test names amx and avx512bf16 as the tables with native bf16
-#     products, not neon_bf16 (the library gives bf16 there, as documented; step 4 checks
-#     it); it runs on the Cortex-A72 pass. Drop the deselection once the test knows neon_bf16.
-# About 6 minutes cold on 2 cores (downloads ~45 MB), 5 warm (the tests' time, under qemu).
+# Left out, for a reason that is not the package's: test_abi.py's two
+# import-in-a-fresh-interpreter tests, which run sys.executable in a subprocess; qemu-user does
+# not follow exec (no binfmt_misc registration here: the host kernel refuses the aarch64 ELF
+# with ENOEXEC).
+# About 5.5 minutes cold on 2 cores (47 MB of downloads), 5 warm (4 of them the tests, under qemu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$PWD
@@ -181,19 +173,15 @@ guest() {  # guest CPU-ARGS... -- PYTHON-ARGS...
 step "the tables on the emulated Python"
 probe_of() { guest "$@" -c "$probe_src"; }
 probe_src=$(cat <<EOF
-import os, flywheel, numpy, ml_dtypes
+import os, flywheel, numpy
 from flywheel import _lib
 assert flywheel.__file__.startswith("$build/site/"), flywheel.__file__
-try:
-    numpy.zeros(1, ml_dtypes.bfloat16).__dlpack__(); dl = "yes"
-except (BufferError, TypeError, ValueError):
-    dl = "no"
 omp = "-"
 if os.environ.get("OMP_CHECK"):
     flywheel.use_openmp_threads(2)
     omp = "%s:%d" % flywheel.threading_mode()
 print(" ".join(flywheel.isa_tables()), flywheel.default_isa(), _lib.binding()[0],
-      flywheel.auto_precision("bfloat16"), omp, "numpy-" + numpy.__version__, "bf16-dlpack-" + dl,
+      flywheel.auto_precision("bfloat16"), omp, "numpy-" + numpy.__version__,
       sep=" | ")
 EOF
 )
@@ -201,7 +189,6 @@ out=$(OMP_CHECK=1 probe_of "${qemu_max[@]}" --)
 echo "  -cpu max:                  $out"
 case $out in "portable neon neon_bf16 | neon_bf16 | compiled | bf16 | openmp:2 | "*) ;;
   *) fail "-cpu max: not (portable neon neon_bf16, default neon_bf16, compiled, bf16, openmp)" ;; esac
-dlpack=${out##*bf16-dlpack-}
 out=$(probe_of "${qemu_a72[@]}" --)
 echo "  -cpu cortex-a72:           $out"
 case $out in "portable neon | neon | compiled | f32 | - | "*) ;;
@@ -245,12 +232,7 @@ pytest_on() {  # pytest_on NAME CPU-ARGS... -- PYTEST-ARGS...: the run's end, a 
 step "python/tests on -cpu max (neon_bf16), compiled fast path"
 sel=(--ignore=test_mla.py
      --deselect test_abi.py::test_import_refuses_a_real_library_of_another_abi
-     --deselect test_abi.py::test_import_refuses_a_library_without_fw_abi_version
-     --deselect "test_gated_delta.py::test_precision_auto_follows_the_dtype_of_q[bfloat16]")
-if [ "$dlpack" = no ]; then
-  sel+=(--deselect "test_fastpath.py::test_conv_update_same_bits[False-bfloat16-numpy]"
-        --deselect "test_fastpath.py::test_conv_update_same_bits[True-bfloat16-numpy]")
-fi
+     --deselect test_abi.py::test_import_refuses_a_library_without_fw_abi_version)
 FLYWHEEL_EXPECT_BINDING=compiled pytest_on max "${qemu_max[@]}" -- "${sel[@]}" .
 
 step "python/tests on -cpu cortex-a72 (neon), ctypes path"

@@ -62,8 +62,8 @@ __all__ = [
 
 
 def isa_tables():
-    """The kernel tables this CPU runs, best last ("portable", "avx2", "avx512",
-    "avx512bf16", "amx")."""
+    """The kernel tables this CPU runs, best last ("portable"; on x86-64 "avx2", "avx512",
+    "avx512bf16", "amx"; on AArch64 "neon", "neon_bf16")."""
     names = (_clib.fw_isa_name(i) for i in range(_clib.fw_isa_count()))
     return [n.decode() for n in names if _clib.fw_isa_supported(n)]
 
@@ -77,8 +77,8 @@ def default_isa():
 def auto_precision(dtype, isa=None):
     """The products ("bf16" or "f32") that precision=None / "auto" gives inputs of `dtype`
     on table `isa` (None: the default): bf16 products for bf16 inputs on a table with a
-    native bf16 dot product on this CPU (amx; avx512bf16 on AMD, whose vdpbf16ps runs at twice
-    the FMA rate, Intel's at half), f32 products otherwise (the other tables emulate the bf16
+    native bf16 dot product on this CPU (amx; neon_bf16, BFDOT; avx512bf16 on AMD, whose
+    vdpbf16ps runs at twice the FMA rate, Intel's at half), f32 products otherwise (the other tables emulate the bf16
     dot product with f32 FMAs, slower than f32 products and less accurate)."""
     bf16 = str(dtype).rsplit(".", 1)[-1] == "bfloat16"
     name = isa.encode() if isa else None

@@ -164,8 +164,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     `deterministic` (always deterministic). No copies of q, k, v (see module docstring).
     out: an existing [b, sq, hq, dv] array or tensor to write (and return) instead of a new
     one, which saves the allocation and first-touch page faults of large outputs.
-    isa names a kernel table ("portable", "avx2", "avx512", "avx512bf16", "amx"); plain=True runs
-    the plain row-at-a-time baseline kernel (always f32 products).
+    isa names a kernel table (flywheel.isa_tables(): "portable", "avx2", ..., "neon_bf16");
+    plain=True runs the plain row-at-a-time baseline kernel (always f32 products).
     precision of the products QK^T and PV: None or "auto" (bf16 for bfloat16 q, else f32),
     "f32", or "bf16" (q, k, v and the probabilities P rounded to bf16, f32 accumulation).
     Rotary embedding (flywheel-tpu's extension): rotary_cos / rotary_sin [seqlen_ro,

@@ -108,13 +108,13 @@ def test_bf16_products_on_float32_inputs(family, Tn, l2norm):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_precision_auto_follows_the_dtype_of_q(dtype):
     """The default is bf16 products for bf16 inputs on a table with a native bf16 dot product
-    (AMX anywhere; vdpbf16ps on AMD only, which runs it at twice its FMA rate, Intel at half),
-    f32 products otherwise: bit for bit what auto_precision names."""
+    (AMX and AArch64's BFDOT anywhere; vdpbf16ps on AMD only, which runs it at twice its FMA
+    rate, Intel at half), f32 products otherwise: bit for bit what auto_precision names."""
     same = flywheel.auto_precision(dtype)
     # avx512bf16's answer depends on the CPU's vendor (tests/test_attn.c checks that rule)
     isa = flywheel.default_isa()
-    native = isa == "amx" or (isa == "avx512bf16" and
-                              flywheel.auto_precision("bfloat16", "avx512bf16") == "bf16")
+    native = isa in ("amx", "neon_bf16") or (
+        isa == "avx512bf16" and flywheel.auto_precision("bfloat16", "avx512bf16") == "bf16")
     assert same == ("bf16" if dtype == "bfloat16" and native else "f32")
     assert flywheel.auto_precision(dtype, "avx2") == "f32"  # emulated pairs: f32 is faster
     assert flywheel.auto_precision(dtype, "portable") == "f32"
