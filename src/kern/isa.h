@@ -34,9 +34,10 @@
  *   TJ           mm's pv register tile: TJ value columns x TM vectors (at most 6)
  *   DEC_RT       the decode's query rows per register tile
  *   PEAK_CHAINS  independent FMA chains of the peak microbenchmark (more than latency x pipes)
- * Optional: DEC_PV_EO with vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even
- * and odd columns, where that beats vpair_rows_bf16's order: AVX2); DQ_NB, the decode's
- * blocks of key rows side by side (attn/dec_kern.h; 1 unless said: NEON 4).
+ * Optional: ISA_WORD_OPERAND with vw, vload_word and vdpbf_by (below); DEC_PV_EO with
+ * vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even and odd columns, where that
+ * beats vpair_rows_bf16's order: AVX2); DQ_NB, the decode's blocks of key rows side by side
+ * (attn/dec_kern.h; 1 unless said: NEON 4).
  */
 #if !defined(ISA_NAME) || !defined(VL) || !defined(TM) || !defined(QK_TJ) || !defined(TJ) ||   \
     !defined(DEC_RT) || !defined(PEAK_CHAINS)
@@ -118,11 +119,18 @@ static inline vf vbf16_even(vf w);              /* each word's low bf16 as f32 *
 static inline vf vbf16_odd(vf w);               /* each word's high bf16 as f32 */
 /* acc + a.even b.even + a.odd b.odd per lane, the products exact. */
 static inline vf vdpbf(vf acc, vf a, vf b);
-/* A word operand (vw, the ISA's form: vf holding the word in every lane where the product
- * reads a broadcast, one lane where it multiplies by element) and its product:
- * vdpbf_by(acc, a, vload_word(p)) is vdpbf(acc, a, vbcast_word(p)). */
+/* A word operand (vw) and its product: vdpbf_by(acc, a, vload_word(p)) is vdpbf(acc, a,
+ * vbcast_word(p)). A layer whose products multiply by element defines ISA_WORD_OPERAND, vw
+ * (NEON with BF16: the word in one lane) and both; elsewhere the operand is the broadcast,
+ * defined here once. */
+#ifdef ISA_WORD_OPERAND
 static inline vw vload_word(const uint32_t *p);
 static inline vf vdpbf_by(vf acc, vf a, vw w);
+#else
+typedef vf vw;
+static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
+static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
+#endif
 /* Words (even[l], odd[l]) rounded to bf16. */
 static inline vf vbf16_pair(vf even, vf odd);
 /* The 2 VL elements lo, hi of a row rounded to bf16, in order: word l = (x[2l], x[2l+1]). */

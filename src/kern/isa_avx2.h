@@ -47,16 +47,7 @@ static inline vf vexp2_to(vf x, const int half)
     x = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
     vf n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf f = _mm256_sub_ps(x, n);
-    vf p;
-    if (half) {
-        p = vexp2_half_poly(f);
-    } else {
-        p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
-        p = vfma(p, f, vset1(5.550713464617729e-2f));
-        p = vfma(p, f, vset1(2.4022120237350464e-1f));
-        p = vfma(p, f, vset1(6.931469440460205e-1f));
-        p = vfma(p, f, vset1(1.0f));
-    }
+    const vf p = half ? vexp2_half_poly(f) : vexp2_poly(f);
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -191,11 +182,6 @@ static inline vf vdpbf(vf acc, vf a, vf b)
 {
     return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
 }
-
-/* A word operand is its broadcast (kern/isa.h: vload_word). */
-typedef vf vw;
-static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
-static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
 
 static inline vf vbf16_pair(vf even, vf odd)
 {

@@ -63,12 +63,7 @@ static inline vf vexp2_to(vf x, const int half)
     }
     vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf f = _mm512_sub_ps(x, n);
-    vf p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
-    p = vfma(p, f, vset1(5.550713464617729e-2f));
-    p = vfma(p, f, vset1(2.4022120237350464e-1f));
-    p = vfma(p, f, vset1(6.931469440460205e-1f));
-    p = vfma(p, f, vset1(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(vexp2_poly(f), n);
 }
 
 static inline vf vexp2(vf x) { return vexp2_to(x, 0); }
@@ -249,11 +244,6 @@ static inline vf vbf16_row(vf lo, vf hi)
     return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
 }
 #endif
-
-/* A word operand is its broadcast (kern/isa.h: vload_word). */
-typedef vf vw;
-static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
-static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
 
 /* vstore2_as's one-store form of a vector pair (conv/conv_kern.h), 1 where it stored them: with
  * AVX512_BF16, a bf16 pair is one vcvtne2ps2bf16 and one store in place of two conversions

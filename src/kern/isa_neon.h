@@ -67,16 +67,7 @@ static inline vf vexp2_to(vf x, const int half)
     x = vminq_f32(vdupq_n_f32(128.0f), vmaxq_f32(vdupq_n_f32(-127.0f), x));
     const vf n = vrndnq_f32(x);
     const vf f = vsubq_f32(x, n);
-    vf p;
-    if (half) {
-        p = vexp2_half_poly(f);
-    } else {
-        p = vfma(vset1(1.3276470126584172e-3f), f, vset1(9.675540961325169e-3f));
-        p = vfma(p, f, vset1(5.550713464617729e-2f));
-        p = vfma(p, f, vset1(2.4022120237350464e-1f));
-        p = vfma(p, f, vset1(6.931469440460205e-1f));
-        p = vfma(p, f, vset1(1.0f));
-    }
+    const vf p = half ? vexp2_half_poly(f) : vexp2_poly(f);
     const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
     return vmulq_f32(p, vreinterpretq_f32_s32(e));
 }
@@ -202,6 +193,7 @@ static inline vf vbcast_word(const uint32_t *p) { return vreinterpretq_f32_u32(v
  * LDR; vdpbf_by multiplies by that element (BFDOT by element). A broadcast costs a DUP or LD1R
  * on the FMA pipes: in mm's bf16 tiles 3 for every 12 BFDOT, which held them to 74-80% of the
  * pipes in llvm-mca's schedule (tools/mca_aarch64.py). */
+#define ISA_WORD_OPERAND 1
 typedef bfloat16x4_t vw;
 static inline vw vload_word(const uint32_t *p) { return vreinterpret_bf16_u64(vcreate_u64((uint64_t)*p)); }
 static inline vf vdpbf_by(vf acc, vf a, vw w) { return vbfdotq_lane_f32(acc, vreinterpretq_bf16_f32(a), w, 0); }
@@ -219,11 +211,6 @@ static inline vf vdpbf(vf acc, vf a, vf b)
 {
     return vfma(vbf16_even(a), vbf16_even(b), vfma(vbf16_odd(a), vbf16_odd(b), acc));
 }
-
-/* A word operand is its broadcast. */
-typedef vf vw;
-static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
-static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
 #endif
 
 static inline vf vbf16_pair(vf even, vf odd)

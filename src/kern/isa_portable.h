@@ -47,16 +47,7 @@ static inline vf vexp2_to(vf x, const int half)
     x = x < -127.0f ? -127.0f : (x > 128.0f ? 128.0f : x);
     float n = rintf(x);
     float f = x - n;
-    float p;
-    if (half) {
-        p = vexp2_half_poly(f);
-    } else {
-        p = vfma(1.3276470126584172e-3f, f, 9.675540961325169e-3f);
-        p = vfma(p, f, 5.550713464617729e-2f);
-        p = vfma(p, f, 2.4022120237350464e-1f);
-        p = vfma(p, f, 6.931469440460205e-1f);
-        p = vfma(p, f, 1.0f);
-    }
+    const float p = half ? vexp2_half_poly(f) : vexp2_poly(f);
     uint32_t e = (uint32_t)((int32_t)n + 127) << 23;
     float s;
     memcpy(&s, &e, 4);
@@ -170,11 +161,6 @@ static inline vf vbf16_pair(vf even, vf odd)
     memcpy(&w, &u, 4);
     return w;
 }
-
-/* A word operand is its broadcast (kern/isa.h: vload_word). */
-typedef vf vw;
-static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
-static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
 
 /* The 2 VL elements lo, hi of a row rounded to bf16, in order (one word here). */
 static inline vf vbf16_row(vf lo, vf hi) { return vbf16_pair(lo, hi); }
