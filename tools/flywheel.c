@@ -16,8 +16,6 @@
 #include "bench.h"
 #include "commands.h"
 
-/* The CPU's model name as Linux reports it (/proc/cpuinfo's first "model name"), into buf; 0
- * where there is none (another OS, a CPU whose kernel names no model). */
 /* Arm's cores by MIDR part number (implementer 0x41), those the AArch64 tables target. */
 static const struct {
     unsigned part;
@@ -25,8 +23,9 @@ static const struct {
 } arm_parts[] = {{0xd08, "Cortex-A72"}, {0xd0b, "Cortex-A76"}, {0xd0c, "Neoverse N1"},
                  {0xd40, "Neoverse V1"}, {0xd49, "Neoverse N2"}, {0xd4f, "Neoverse V2"}};
 
-/* The CPU's model: x86's "model name" in /proc/cpuinfo, or on AArch64 (which has none) the
- * core named from its implementer and part numbers. */
+/* The CPU's model as Linux reports it, into buf: x86's first "model name" in /proc/cpuinfo,
+ * or on AArch64 (which has none) the core named from its implementer and part numbers; 0
+ * where there is neither (another OS, a CPU whose kernel names no model). */
 static int cpu_model(char *buf, size_t n)
 {
     FILE *f = fopen("/proc/cpuinfo", "r");

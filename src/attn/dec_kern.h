@@ -832,6 +832,7 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
     }
     dq_zero_tail(R, nk, S);
 }
+
 /* Decode QK^T with bf16 products from bf16 key rows themselves (rows[j]: contiguous bf16,
  * read as words: a bf16 row already is its pairs): S[r][j] = scale * QW[r] . K[j] for r < R,
  * j < nk, 0 for j in [nk, FW_DEC_KEYS). The blocks of dec_qk_rows on vdpbf16ps. Measured
