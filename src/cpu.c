@@ -190,10 +190,10 @@ int fw_conv_pass_rows(const char *vendor_id)
 }
 
 /* Whether this CPU's dot-product table (FW_BF16_DOT) runs bf16 pairs at twice the f32 FMA
- * rate. x86: vdpbf16ps, by vendor (fw_bf16_dot_native). AArch64: BFDOT, at FMLA's issue rate
- * with twice its elements on the FEAT_BF16 cores whose optimisation guides (and llvm-mca's
- * models) give its rate: Neoverse N2, V1 and V2 (docs/portability.md: a prediction, not yet a
- * measurement). */
+ * rate. x86: vdpbf16ps, by vendor (fw_bf16_dot_native). AArch64: BFDOT at FMLA's issue rate
+ * with twice its products, BFMMLA with four times, on the FEAT_BF16 cores whose optimisation
+ * guides (and llvm-mca's models) give their rates: Neoverse N2, V1 and V2
+ * (docs/portability.md: a prediction, not yet a measurement). */
 static int dot_native(void)
 {
 #if defined(__aarch64__)

@@ -18,7 +18,7 @@
 #      tags stay wheel.py-api's cp310-abi3). The OpenMP loop _fwomp.so builds on the cross
 #      gcc's libgomp. Checked: a *-abi3-linux_aarch64 wheel whose three .so files are AArch64
 #      ELF, whose libflywheel.so (stripped; its Build ID is the build dir's unstripped copy's)
-#      holds the neon_bf16 name and BFDOT code, and whose unstripped copy has both tables
+#      holds the neon_bf16 name and BFMMLA and BFDOT code, and whose unstripped copy has both tables
 #      (fw_kernels_neon, fw_kernels_neon_bf16);
 #   3. numpy, ml_dtypes and pytest: manylinux aarch64 wheels for CPython 3.11 from PyPI
 #      (pip download --platform), installed with the built wheel (flywheel-c[test], its own
@@ -137,14 +137,17 @@ lib=$build/unpacked/flywheel/libflywheel.so
 aarch64-linux-gnu-readelf -d "$build/unpacked/flywheel/_fwomp.so" | grep -q 'libgomp\.so' ||
   fail "_fwomp.so does not link libgomp: built without OpenMP"
 grep -qa neon_bf16 "$lib" || fail "libflywheel.so has no neon_bf16 table name"
-n=$(aarch64-linux-gnu-objdump -d "$lib" | grep -cw bfdot || true)
+dis=$(aarch64-linux-gnu-objdump -d "$lib")
+n=$(grep -cw bfdot <<<"$dis" || true)
 [ "$n" -gt 0 ] || fail "libflywheel.so has no BFDOT instruction"
+nm=$(grep -cw bfmmla <<<"$dis" || true)
+[ "$nm" -gt 0 ] || fail "libflywheel.so has no BFMMLA instruction"
 buildid() { aarch64-linux-gnu-readelf -n "$1" | sed -n 's/.*Build ID: *//p'; }
 [ "$(buildid "$lib")" = "$(buildid "$build/wheel-build/libflywheel.so")" ] ||
   fail "the wheel's libflywheel.so is not the build dir's"
 tables=$(aarch64-linux-gnu-nm "$build/wheel-build/libflywheel.so" | grep -o 'fw_kernels_neon[a-z0-9_]*' | sort | paste -sd' ')
 [ "$tables" = "fw_kernels_neon fw_kernels_neon_bf16" ] || fail "tables in libflywheel.so: '$tables'"
-echo "  libflywheel.so: $tables; $n BFDOT instructions; Build ID $(buildid "$lib")"
+echo "  libflywheel.so: $tables; $nm BFMMLA and $n BFDOT instructions; Build ID $(buildid "$lib")"
 
 step "numpy, ml_dtypes, pytest (aarch64 wheels) and the package"
 wh=$build/wheelhouse

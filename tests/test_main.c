@@ -86,7 +86,7 @@ static const test_suite *const groups[] = {main_suites, attn_suites, attn_bwd_su
                                            conv_suites, nan_suites, threads_suites};
 #define NGROUPS (int)(sizeof groups / sizeof groups[0])
 
-#define MAX_PATTERNS 64
+#define MAX_PATTERNS 256 /* every suite by name, as tests/run_aarch64.sh full lists them */
 static char *patterns[MAX_PATTERNS];
 static int bare[MAX_PATTERNS], npatterns;
 

@@ -16,7 +16,11 @@ Reading the table, per loop iteration (one pass through the body):
   cyc      llvm-mca's steady-state cycles (Total Cycles / iterations);
   util     FMA / (cyc x FMA pipes): the share of the FMA pipes' issue slots the loop fills.
            The pipe counts are llvm-mca's own: the throughput of 24 independent FMLA (and
-           BFDOT) on that CPU, printed first. 100% is the peak;
+           BFDOT, BFMMLA) on that CPU, printed first;
+  peak     the loop's products per cycle over the peak's of its precision: FMLA's 4 a
+           cycle and pipe for f32 loops; for loops with bf16 instructions, BFMMLA's 16
+           (BFDOT does 8, at the same rate in llvm-mca's models: a BFDOT loop at 100% of
+           the pipes is at 50% of the bf16 peak);
   util-ord util with loads ordered after earlier stores (llvm-mca -noalias=false), for loops
            that store: llvm-mca otherwise lets a spilled accumulator's reload pass its store,
            so a chain through the stack is not in cyc ("-": the loop stores nothing);
@@ -54,9 +58,13 @@ KERNELS = [("mm.qk", "qk"), ("mm.pv", "pv"), ("mm.qk_bf16", "qk_bf16"), ("mm.pv_
            ("gdn.tri_inv_blocked", "tri_inv_blocked"), ("gdn.kda_diag", "kda_diag")]
 CPUS = ["neoverse-v1", "neoverse-v2", "neoverse-n2"]
 # FMA-class mnemonics, each with the probe whose pipes it issues to
-FMA_PROBE = {"fmla": "fmla", "fmls": "fmla", "bfdot": "bfdot", "bfmmla": "bfdot",
+FMA_PROBE = {"fmla": "fmla", "fmls": "fmla", "bfdot": "bfdot", "bfmmla": "bfmmla",
              "bfmlalb": "bfdot", "bfmlalt": "bfdot"}
-PROBES = {"fmla": "fmla v{i}.4s, v30.4s, v31.4s", "bfdot": "bfdot v{i}.4s, v30.8h, v31.8h"}
+PROBES = {"fmla": "fmla v{i}.4s, v30.4s, v31.4s", "bfdot": "bfdot v{i}.4s, v30.8h, v31.8h",
+          "bfmmla": "bfmmla v{i}.4s, v30.8h, v31.8h"}
+# products (multiply-adds) per instruction on 128-bit vectors, and the peak of each precision:
+# f32 FMLA's, bf16 BFMMLA's
+MACS = {"fmla": 4, "fmls": 4, "bfdot": 8, "bfmmla": 16, "bfmlalb": 4, "bfmlalt": 4}
 BRANCH = re.compile(r"^(b\.?(eq|ne|cs|hs|cc|lo|mi|pl|vs|vc|hi|ls|ge|lt|gt|le)?|cbn?z|tbn?z)$")
 VREG = re.compile(r"\bv\d+\.\d*[bhsd]\b")
 
@@ -117,7 +125,7 @@ def counts(loop):
     for x in loop:
         mnem, ops = split(x)
         if mnem in FMA_PROBE and VREG.search(ops):
-            fma[FMA_PROBE[mnem]] = fma.get(FMA_PROBE[mnem], 0) + 1
+            fma[mnem] = fma.get(mnem, 0) + 1
         elif mnem.startswith("f") and VREG.search(ops):
             vfp += 1
         elif mnem.startswith("ld"):
@@ -161,20 +169,23 @@ def rows_for(tool, cpus, pipes, entry, table, funcs, tmp):
     """The table's rows of one kernel of one table, a row per CPU."""
     sym, loop = hot_loop(funcs, entry[1])
     if sym is None:
-        return [[entry[0], table, "-", entry[1]] + ["-"] * 8 + [loop]]
+        return [[entry[0], table, "-", entry[1]] + ["-"] * 9 + [loop]]
     fma, vfp, ld = counts(loop)
     stores = any(split(x)[0].startswith("st") for x in loop)
     stack = sum("[sp" in x for x in loop)
     rows = []
+    bf16 = any(k.startswith("bf") for k in fma)
     for cpu in cpus:
-        slots = sum(n / pipes[cpu, k] for k, n in fma.items())
+        slots = sum(n / pipes[cpu, FMA_PROBE[k]] for k, n in fma.items())
+        peak = pipes[cpu, "bfmmla"] * MACS["bfmmla"] if bf16 else pipes[cpu, "fmla"] * MACS["fmla"]
         cyc, (bp, bn), _, share = mca(tool, cpu, loop, tmp)
         ordered = f"{100 * slots / mca(tool, cpu, loop, tmp, '-noalias=false')[0]:.0f}%" if stores else "-"
         limit = (f"{bn} {100 * bp / cyc:.0f}%, res {share['Resource Pressure']:.0f}%"
                  f" dep {share['Data Dependencies']:.0f}%")
         sizes = [str(v) for v in (len(loop), sum(fma.values()), vfp, ld, stack)]
+        macs = sum(n * MACS[k] for k, n in fma.items())
         rows.append([entry[0], table, cpu, sym] + sizes
-                    + [f"{cyc:.2f}", f"{100 * slots / cyc:.0f}%", ordered, limit])
+                    + [f"{cyc:.2f}", f"{100 * slots / cyc:.0f}%", f"{100 * macs / cyc / peak:.0f}%", ordered, limit])
     return rows
 
 
@@ -187,8 +198,8 @@ def main():
     if not shutil.which(GCC) or not tool:
         sys.exit(f"mca_aarch64.py needs {GCC} and llvm-mca-19 (or llvm-mca >= 16) on PATH")
     cpus = args.cpu.split(",")
-    head = ["kernel", "table", "cpu", "symbol", "ins", "FMA", "vFP", "ld", "sp", "cyc", "util", "util-ord",
-            "limit"]
+    head = ["kernel", "table", "cpu", "symbol", "ins", "FMA", "vFP", "ld", "sp", "cyc", "util", "peak",
+            "util-ord", "limit"]
     rows, pipes = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         funcs = {}

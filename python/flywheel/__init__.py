@@ -77,9 +77,10 @@ def default_isa():
 def auto_precision(dtype, isa=None):
     """The products ("bf16" or "f32") that precision=None / "auto" gives inputs of `dtype`
     on table `isa` (None: the default): bf16 products for bf16 inputs on a table with a
-    native bf16 dot product on this CPU (amx; neon_bf16, BFDOT; avx512bf16 on AMD, whose
-    vdpbf16ps runs at twice the FMA rate, Intel's at half), f32 products otherwise (the other tables emulate the bf16
-    dot product with f32 FMAs, slower than f32 products and less accurate)."""
+    native bf16 dot product on this CPU (amx; neon_bf16, BFMMLA and BFDOT; avx512bf16 on AMD,
+    whose vdpbf16ps runs at twice the FMA rate, Intel's at half), f32 products otherwise (the
+    other tables emulate the bf16 dot product with f32 FMAs, slower than f32 products and less
+    accurate)."""
     bf16 = str(dtype).rsplit(".", 1)[-1] == "bfloat16"
     name = isa.encode() if isa else None
     return "bf16" if bf16 and _clib.fw_isa_native_bf16(name) else "f32"

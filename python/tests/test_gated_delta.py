@@ -108,8 +108,9 @@ def test_bf16_products_on_float32_inputs(family, Tn, l2norm):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_precision_auto_follows_the_dtype_of_q(dtype):
     """The default is bf16 products for bf16 inputs on a table with a native bf16 dot product
-    (AMX and AArch64's BFDOT anywhere; vdpbf16ps on AMD only, which runs it at twice its FMA
-    rate, Intel at half), f32 products otherwise: bit for bit what auto_precision names."""
+    (AMX and AArch64's BFMMLA and BFDOT anywhere; vdpbf16ps on AMD only, which runs it at
+    twice its FMA rate, Intel at half), f32 products otherwise: bit for bit what
+    auto_precision names."""
     same = flywheel.auto_precision(dtype)
     # avx512bf16's answer depends on the CPU's vendor (tests/test_attn.c checks that rule)
     isa = flywheel.default_isa()

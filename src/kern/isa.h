@@ -37,7 +37,9 @@
  * Optional: ISA_WORD_OPERAND with vw, vload_word and vdpbf_by (below); DEC_PV_EO with
  * vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even and odd columns, where that
  * beats vpair_rows_bf16's order: AVX2); DQ_NB, the decode's blocks of key rows side by side
- * (attn/dec_kern.h; 1 unless said: NEON 4).
+ * (attn/dec_kern.h; 1 unless said: NEON 4); ISA_MMLA with vmmla, vzip_words and vzip_halves
+ * (below), a 2x2 block product on VL 4 that mm's bf16 products and the bf16 peak then run on
+ * (kern/mm_mmla.h: NEON with BF16, BFMMLA).
  */
 #if !defined(ISA_NAME) || !defined(VL) || !defined(TM) || !defined(QK_TJ) || !defined(TJ) ||   \
     !defined(DEC_RT) || !defined(PEAK_CHAINS)
@@ -130,6 +132,18 @@ static inline vf vdpbf_by(vf acc, vf a, vw w);
 typedef vf vw;
 static inline vw vload_word(const uint32_t *p) { return vbcast_word(p); }
 static inline vf vdpbf_by(vf acc, vf a, vw w) { return vdpbf(acc, a, w); }
+#endif
+#ifdef ISA_MMLA
+/* VL 4 as a 2x2 block of f32 (lanes r0c0 r0c1 r1c0 r1c1) and a and b as 2 rows of 2 words
+ * each (lanes 0-1 row 0, lanes 2-3 row 1): acc[i][j] + the dot product of a's row i and b's
+ * row j, as vdpbf over the first words of both rows, then over the second (BFMMLA). */
+static inline vf vmmla(vf acc, vf a, vf b);
+/* lo = (a0, b0, a1, b1), hi = (a2, b2, a3, b3): lane by lane (ZIP1 / ZIP2 of words). */
+static inline void vzip_words(vf a, vf b, vf *lo, vf *hi);
+/* lo = (a0, a1, b0, b1), hi = (a2, a3, b2, b3): halves (ZIP1 / ZIP2 of 64-bit elements). */
+static inline void vzip_halves(vf a, vf b, vf *lo, vf *hi);
+/* (p0[0], p0[1], p1[0], p1[1]): two words from each of two places. */
+static inline vf vload_halves(const uint32_t *p0, const uint32_t *p1);
 #endif
 /* Words (even[l], odd[l]) rounded to bf16. */
 static inline vf vbf16_pair(vf even, vf odd);

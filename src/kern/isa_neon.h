@@ -206,6 +206,29 @@ static inline vf vdpbf(vf acc, vf a, vf b)
 {
     return vbfdotq_f32(acc, vreinterpretq_bf16_f32(a), vreinterpretq_bf16_f32(b));
 }
+
+/* BFMMLA: a 2x4 by 4x2 bf16 block product, two BFDotAdds per lane in word order, so a chain
+ * of them gives the bits of the same chain of BFDOTs. llvm-mca's Neoverse V1, V2 and N2 models
+ * issue it at BFDOT's rate with twice the products: mm's bf16 tiles run on it (mm_mmla.h). */
+#define ISA_MMLA 1
+static inline vf vmmla(vf acc, vf a, vf b)
+{
+    return vbfmmlaq_f32(acc, vreinterpretq_bf16_f32(a), vreinterpretq_bf16_f32(b));
+}
+static inline void vzip_words(vf a, vf b, vf *lo, vf *hi)
+{
+    *lo = vzip1q_f32(a, b);
+    *hi = vzip2q_f32(a, b);
+}
+static inline vf vload_halves(const uint32_t *p0, const uint32_t *p1)
+{
+    return vreinterpretq_f32_u32(vcombine_u32(vld1_u32(p0), vld1_u32(p1)));
+}
+static inline void vzip_halves(vf a, vf b, vf *lo, vf *hi)
+{
+    *lo = vreinterpretq_f32_f64(vzip1q_f64(vreinterpretq_f64_f32(a), vreinterpretq_f64_f32(b)));
+    *hi = vreinterpretq_f32_f64(vzip2q_f64(vreinterpretq_f64_f32(a), vreinterpretq_f64_f32(b)));
+}
 #else
 static inline vf vdpbf(vf acc, vf a, vf b)
 {

@@ -66,10 +66,11 @@ typedef struct fw_mm_kernels {
     /* pv_bf16's first operand from rows X [n][cols] of dtype dt (f32 or bf16, contiguous: a
      * tile's value rows, or whatever rows a product sums over), rounded to bf16 in this
      * table's layout: the pair layout VW [ceil(n/2)][cols] here; AMX its transpose, padded to
-     * whole tiles (amx.c). Sized by panel_bytes(n, cols); cols <= FW_MAX_HEAD_DIM. */
+     * whole tiles (amx.c); neon_bf16 blocks of 4 rows by pairs of columns (mm_mmla.h). Sized
+     * by panel_bytes(n, cols); cols <= FW_MAX_HEAD_DIM. */
     void (*pack_vw)(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW);
-    /* ST[j][m] = bias[m] + scale * (K row j . q row m) over dw words, K rows ldkw words
-     * apart, QW [dw][M]. */
+    /* ST[j][m] = bias[m] + scale * (K row j . q row m) over dw words (dw <= FW_MAX_HEAD_DIM
+     * / 2), K rows ldkw words apart, QW [dw][M]. */
     void (*qk_bf16)(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, const uint32_t *QW,
                     float scale, const float *bias, float *ST);
     /* OT[c][m] += sum_w VW[w][c] . PW[w][m], VW from pack_vw (nw = ceil(n/2) word rows,

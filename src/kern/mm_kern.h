@@ -140,8 +140,9 @@ static void pv(int nk, int dv, int M, const float *V, int64_t ldv, const float *
  *
  * "Pair layout": bf16 operands hold two adjacent elements of the reduction in one 32-bit
  * word, the even one in the low half. It is the operand layout of vdpbf16ps (one word per
- * f32 lane), of AMX-BF16 B tiles (pair-interleaved rows) and of Arm's BFDOT/BFMMLA, so a
- * table for any of them packs the same panels:
+ * f32 lane), of AMX-BF16 B tiles (pair-interleaved rows) and of Arm's BFDOT, and BFMMLA's
+ * 2 x 2-word operands are two rows of it side by side (mm_mmla.h zips them in registers), so
+ * a table for any of them packs the same panels:
  *   QW [dw][M]           the q tile, unscaled: QW[w][m] = (q_m[2w], q_m[2w+1]), dw = ceil(d/2)
  *   K  [nk][2 ldkw]      bf16 key rows as they lie, zero past d: word w = (K[j][2w], K[j][2w+1])
  *   PW [ceil(nk/2)][M]   probabilities: PW[w][m] = (P[2w][m], P[2w+1][m])
@@ -176,6 +177,9 @@ static void pack_row_pairs(const float *x, int n, uint32_t *dst)
         dst[w] = (uint32_t)fw_cvt_f32_bf16(x[2 * w]) | (uint32_t)(2 * w + 1 < n ? fw_cvt_f32_bf16(x[2 * w + 1]) : 0) << 16;
 }
 
+#ifdef ISA_MMLA
+#include "mm_mmla.h" /* the same four on a 2x2 block product */
+#else
 /* VW[w][c] = (X[2w][c], X[2w+1][c]) rounded to bf16: row pairs in the pair layout; bf16 rows
  * (already their values) through f32, a pair of rows at a time. */
 static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW)
@@ -323,6 +327,7 @@ static void pv_bf16(int nw, int dv, int M, const uint32_t *VW, const uint32_t *P
         }
     }
 }
+#endif /* ISA_MMLA */
 
 #define FW_MM_TABLE                                                                              \
     {.qk = qk, .pv = pv, .pack_pairs = pack_pairs, .pack_row_pairs = pack_row_pairs,               \

@@ -7,7 +7,16 @@
  * (more than latency x pipes), each value pinned in a register with vkeep so no compiler can
  * fold, merge or drop a chain, so the count of instructions executed is exactly the count
  * in the formula. f32 FMAs give 2 flops per lane; bf16 pair products (bf16 = 1) 4 per word
- * lane, two products and their sums (emulated tables measure what their emulation sustains). */
+ * lane, two products and their sums (emulated tables measure what their emulation sustains),
+ * and 8 on a layer with a 2x2 block product (ISA_MMLA: a BFMMLA is 16 products), the
+ * instruction mm's bf16 tiles run on there. */
+#ifdef ISA_MMLA
+#define PEAK_BF16(acc, b, c) vmmla(acc, b, c)
+#define PEAK_BF16_FLOPS 8.0
+#else
+#define PEAK_BF16(acc, b, c) vdpbf(acc, b, c)
+#define PEAK_BF16_FLOPS 4.0
+#endif
 FW_INLINE double peak_run(double seconds, const int bf16)
 {
     vf acc[PEAK_CHAINS];
@@ -23,7 +32,7 @@ FW_INLINE double peak_run(double seconds, const int bf16)
     do {
         for (int r = 0; r < 4096; r++)
             for (int i = 0; i < PEAK_CHAINS; i++)
-                acc[i] = vkeep(bf16 ? vdpbf(acc[i], b, c) : vfma(acc[i], b, c));
+                acc[i] = vkeep(bf16 ? PEAK_BF16(acc[i], b, c) : vfma(acc[i], b, c));
         iters += 4096;
         clock_gettime(CLOCK_MONOTONIC, &t1);
         t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
@@ -33,7 +42,7 @@ FW_INLINE double peak_run(double seconds, const int bf16)
         s = vadd(s, acc[i]);
     volatile float sink = vhsum(s);
     (void)sink;
-    return (double)iters * PEAK_CHAINS * VL * (bf16 ? 4.0 : 2.0) / t * 1e-9;
+    return (double)iters * PEAK_CHAINS * VL * (bf16 ? PEAK_BF16_FLOPS : 2.0) / t * 1e-9;
 }
 
 static double peak(double seconds) { return peak_run(seconds, 0); }
