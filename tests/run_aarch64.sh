@@ -9,13 +9,15 @@
 #   2. the C suites on -cpu max. Quick mode (the default, for CI): the quick sweep of a
 #      selection (below) on neon and neon_bf16 (the portable table's code is the one x86-64
 #      tests). Full mode (make test-aarch64 FULL=1, an hour or more): every suite, whole
-#      sweeps, on every table (portable, neon, neon_bf16). isa.env and attn.fork_child stay
+#      sweeps, on both AArch64 tables. isa.env and attn.fork_child stay
 #      out, as in run_baseline.sh (qemu-user does not follow exec, and cannot fork a process
 #      that has threads): step 1 checks what isa.env checks;
 #   3. the neon table on a Cortex-A72, quick, a selection (the CPU model without BF16: the
 #      detection, and the kernels with nothing newer than Armv8.0-A to lean on);
-#   4. `flywheel bench attn --check` on small shapes (prefill, and a decode row) per table and
-#      dtype: the CLI checks each against the float64 reference and fails past the bar.
+#   4. `flywheel run --small` (the main job's calls on reduced shapes) on neon_bf16 (both
+#      tables in full mode), and `flywheel bench attn --check` on small shapes (prefill, and a
+#      decode row) per dtype on neon: the CLI checks each against the float64 reference and
+#      fails past the bar.
 # Results must not depend on the thread count on any table: the suites' threads_identical
 # cases run on each.
 set -euo pipefail
@@ -76,6 +78,7 @@ if [ "$mode" = quick ]; then
   export FW_TEST_QUICK=1 FW_TEST_TABLES=neon,neon_bf16
 else
   suites=$("${max[@]}" "$tests" --list | grep -vx -e isa.env -e attn.fork_child | paste -sd, -)
+  export FW_TEST_TABLES=neon,neon_bf16
 fi
 echo "== the C suites ($mode) on qemu -cpu max"
 "${max[@]}" "$tests" --filter "$suites"
@@ -85,9 +88,16 @@ FW_TEST_QUICK=1 FW_TEST_TABLES=neon "${a72[@]}" "$tests" \
   --filter 'api.*,attn.micro_kernels,attn.bf16_products,attn.sweep_layouts_dtypes,kvcache.fp8_conversions,nan.*'
 
 echo "== the CLI on small shapes, checked against the reference"
-for t in neon neon_bf16; do
-  for dt in f32 bf16; do
-    "${max[@]}" "$cli" bench attn --isa "$t" --dtype $dt --t 300 --hq 4 --hkv 2 --d 64 --reps 1 --check
-    "${max[@]}" "$cli" bench attn --isa "$t" --dtype $dt --sq 1 --sk 1000 --hq 8 --hkv 2 --d 128 --reps 1 --check
-  done
+# flywheel run --small: the main job's calls and checks (attention forward and backward, the
+# KV cache, GDN and KDA, conv1d) on reduced shapes, 2 minutes a table under emulation: on
+# neon_bf16 (whose f32 products are neon's code), both tables in full mode; and on neon, the
+# attention forward and a decode row per dtype
+tables=neon_bf16
+[ "$mode" = quick ] || tables="neon neon_bf16"
+for t in $tables; do
+  FLYWHEEL_ISA=$t "${max[@]}" "$cli" run --small
+done
+for dt in f32 bf16; do
+  "${max[@]}" "$cli" bench attn --isa neon --dtype $dt --t 300 --hq 4 --hkv 2 --d 64 --reps 1 --check
+  "${max[@]}" "$cli" bench attn --isa neon --dtype $dt --sq 1 --sk 1000 --hq 8 --hkv 2 --d 128 --reps 1 --check
 done

@@ -1290,6 +1290,32 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
     free(K); free(V); free(Q); free(S); free(O); free(O0); free(QW); free(Kf);
 }
 
+/* Signed zeros: products that are all -0 (P = 0 against negative values) keep an output of
+ * -0 at -0, however many words the keys fill (nk even: no padding half, whose +0 product would
+ * make the sum +0 on every table); an odd last word included (nw odd), where a 2x2 block
+ * product must not add a zero second word. */
+static void bf16_signed_zero_case(const fw_kernels *kt, int nk)
+{
+    const int dv = 10, M = 2 * kt->vl, nw = (nk + 1) / 2;
+    float *X = malloc(sizeof(float) * (size_t)(nk * dv)), *P = calloc((size_t)(nk * M), sizeof(float));
+    float *OT = malloc(sizeof(float) * (size_t)(dv * M));
+    uint32_t *VW = malloc(kt->mm.panel_bytes(nk, dv)), *PW = malloc(sizeof(uint32_t) * (size_t)(nw * M));
+    for (int i = 0; i < nk * dv; i++)
+        X[i] = -1.5f - (float)i;
+    for (int i = 0; i < dv * M; i++)
+        OT[i] = -0.0f;
+    kt->mm.pack_vw(X, FW_F32, nk, dv, VW);
+    for (int w = 0; w < nw; w++)
+        kt->mm.pack_pairs(P + (size_t)2 * w * M, 2 * w + 1 < nk ? P + (size_t)(2 * w + 1) * M : NULL, M,
+                          PW + (size_t)w * M);
+    kt->mm.pv_bf16(nw, dv, M, VW, PW, OT);
+    int bad = 0;
+    for (int i = 0; i < dv * M; i++)
+        bad += !(OT[i] == 0 && signbit(OT[i]));
+    case_check(bad == 0, "pv_bf16 nk %d: %d of %d outputs of -0 plus -0 products are not -0", nk, bad, dv * M);
+    free(X); free(P); free(OT); free(VW); free(PW);
+}
+
 static void test_bf16_products(void)
 {
     static const int nks[] = {1, 2, 15, 17, 33, 64}, ds[] = {1, 2, 31, 64, 80, 128}, dvs[] = {1, 17, 40, 128};
@@ -1307,6 +1333,8 @@ static void test_bf16_products(void)
             for (int b = 0; b < 4; b++)
                 for (int irr = 0; irr < 2; irr++)
                     bf16_decode_case(kt, dR[b], dnk[(a + b) % 5], dks[a], dvs[(a + b + irr) % 4] + 16 * irr, irr);
+        for (int nk = 2; nk <= 8; nk += 2)
+            bf16_signed_zero_case(kt, nk);
         case_end();
     }
 }

@@ -700,7 +700,7 @@ int bench_attn_main(int argc, char **argv)
  * GQA 32:8 d128; d256; one thread) with the plain baseline on the last HEADLINE_BASE_ROWS rows,
  * and the backward at 4K; each checked against float64. T = 16K and the full-length baselines
  * are `flywheel bench attn` runs (the text output names them). json: one object a row. */
-int bench_attn_headline(int json)
+int bench_attn_headline(int json, int small)
 {
     const int all = bench_cpus();
     if (!json) {
@@ -722,8 +722,11 @@ int bench_attn_headline(int json)
     int fail = 0;
     for (size_t i = 0; i < sizeof set / sizeof set[0]; i++) {
         cfg c = defaults();
-        c.sq = c.sk = set[i].t;
-        c.hq = set[i].hq; c.hkv = set[i].hkv; c.d = c.dv = set[i].d; c.dt = set[i].dt;
+        c.sq = c.sk = small ? set[i].t / 16 : set[i].t;
+        c.hq = small ? set[i].hq / 4 : set[i].hq;
+        c.hkv = small ? set[i].hkv / 4 : set[i].hkv;
+        c.d = c.dv = set[i].d; c.dt = set[i].dt;
+        c.reps = small ? 1 : c.reps;
         c.threads = set[i].threads ? set[i].threads : all;
         c.base_rows = HEADLINE_BASE_ROWS;
         c.check = 1;
@@ -738,7 +741,12 @@ int bench_attn_headline(int json)
         cfg c = defaults();
         c.dt = i ? FW_F32 : FW_BF16;
         c.threads = all;
-        c.reps = 3;
+        c.reps = small ? 1 : 3;
+        if (small) {
+            c.sq = c.sk = 256;
+            c.hq /= 4;
+            c.hkv /= 4;
+        }
         c.baseline = 0;
         c.check = 1;
         c.json = json;

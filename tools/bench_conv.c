@@ -239,12 +239,17 @@ static ccfg cdefaults(void)
 
 /* `make run`: the prefill at the default shape, checked, then the decode of 64 sequences
  * (json: one object each). */
-int bench_conv_headline(int json)
+int bench_conv_headline(int json, int small)
 {
     ccfg c = cdefaults();
     c.json = json;
+    if (small) {
+        c.L /= 16;
+        c.D /= 16;
+        c.reps = 1;
+    }
     int fail = run_prefill(&c);
-    c.decode = 64;
+    c.decode = small ? 4 : 64;
     return fail | run_decode(&c);
 }
 

@@ -403,15 +403,19 @@ int bench_gdn_main(int argc, char **argv)
 /* `make run`: GDN prefill at T = 4K with the recurrent baselines, decode for 64 sequences, and
  * KDA prefill at T = 4K on Kimi Linear's shapes (32 q/k and value heads); json: one object a
  * line. */
-int bench_gdn_headline(int json)
+int bench_gdn_headline(int json, int small)
 {
     gcfg c = gdefaults();
+    const int s = small ? 4 : 1;
     c.json = json;
-    c.T = 4096;
+    c.T = small ? 256 : 4096;
+    c.H /= s;
+    c.HV /= s;
+    c.reps = small ? 1 : c.reps;
     int fail = run_prefill(&c);
-    fail |= run_decode(&c, 64);
+    fail |= run_decode(&c, 64 / (s * s));
     gcfg k = c;
     k.kda = 1;
-    k.H = k.HV = 32;
+    k.H = k.HV = 32 / s;
     return fail | run_prefill(&k);
 }

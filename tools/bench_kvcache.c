@@ -384,15 +384,21 @@ int bench_kvcache_main(int argc, char **argv)
 
 /* The two lines of `make run`: decode at 32K and a chunked prefill on an 8K prefix (json: one
  * object each). */
-int bench_kvcache_headline(int json)
+int bench_kvcache_headline(int json, int small)
 {
     kcfg c = kdefaults();
+    const int s = small ? 16 : 1;
     c.json = json;
     c.batch = 1;
-    c.ctx = 32768;
+    c.ctx = 32768 / s;
+    if (small) {
+        c.hq /= 4;
+        c.hkv /= 4;
+        c.reps = 1;
+    }
     int fail = kv_run(&c, 1);
-    c.ctx = 8192 + 512;
-    c.nnew = 512;
-    c.reps = 5;
+    c.ctx = (8192 + 512) / s;
+    c.nnew = 512 / s;
+    c.reps = small ? 1 : 5;
     return fail | kv_run(&c, 0);
 }

@@ -63,13 +63,15 @@ static int cpu_model(char *buf, size_t n)
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: flywheel run [--json] | bench attn|kvcache|gdn|conv|threads [options] | ab A.so B.so\n"
+            "usage: flywheel run [--json] [--small] | bench attn|kvcache|gdn|conv|threads [options] | ab A.so B.so\n"
             "                attn|decode|gdn|gdn-decode [options] | peak [threads] | info\n"
             "  run          the main job: headline kernels on real-size shapes (attention at T = 1K and\n"
             "               4K, KV cache, Gated DeltaNet, causal conv1d), checked against the float64\n"
             "               reference, with %% of peak (T = 16K and the full-length baselines: `flywheel\n"
             "               bench attn`, as the last attention line says); --json: one JSON object a\n"
-            "               line (the bench commands' fields), no captions, then {\"op\":\"run\",...}\n"
+            "               line (the bench commands' fields), no captions, then {\"op\":\"run\",...};\n"
+            "               --small: the same calls and checks on a quarter of the heads and a sixteenth\n"
+            "               of the tokens, once each (emulators, slow machines: the checks, not the speed)\n"
             "  bench attn|kvcache|gdn|conv|threads   see `flywheel bench attn --help` (the others alike)\n"
             "  ab A.so B.so KIND        two builds of the library taking turns in one process on the\n"
             "                           same inputs, and whether their outputs have the same bits\n"
@@ -86,33 +88,36 @@ int main(int argc, char **argv)
         return cmd ? 0 : 2;
     }
     if (strcmp(cmd, "run") == 0) {
-        int json = 0;
+        int json = 0, small = 0;
         for (int i = 2; i < argc; i++) {
             if (bench_is_help(argv[i])) {
                 usage(stdout);
                 return 0;
             }
-            if (strcmp(argv[i], "--json") != 0) {
+            if (strcmp(argv[i], "--json") == 0)
+                json = 1;
+            else if (strcmp(argv[i], "--small") == 0)
+                small = 1;
+            else {
                 usage(stderr);
-                fprintf(stderr, "flywheel: run takes no arguments but --json (got %s)\n", argv[i]);
+                fprintf(stderr, "flywheel: run takes no arguments but --json and --small (got %s)\n", argv[i]);
                 return 2;
             }
-            json = 1;
         }
-        int fail = bench_attn_headline(json);
+        int fail = bench_attn_headline(json, small);
         if (!json)
             printf("\nKV cache (append + attend, paged, page 256): decode K/V GB/s against the read bandwidth\n"
                    "measured in the same run; chunked prefill next to the dense kernel on the same shape\n");
-        fail |= bench_kvcache_headline(json);
+        fail |= bench_kvcache_headline(json, small);
         if (!json)
             printf("\nGated DeltaNet (Qwen3-Next shapes, bf16): chunked prefill against the plain 4-pass\n"
                    "recurrence and the fused recurrent step in the same run; decode against the read bandwidth;\n"
                    "then KDA (a decay per key channel, Kimi Linear's 32 heads) the same way\n");
-        fail |= bench_gdn_headline(json);
+        fail |= bench_gdn_headline(json, small);
         if (!json)
             printf("\nCausal conv1d (Qwen3-Next's, bf16, width 4, SiLU): prefill GB/s against a copy of the same\n"
                    "bytes in the same run; decode of 64 sequences with their conv states in place\n");
-        fail |= bench_conv_headline(json);
+        fail |= bench_conv_headline(json, small);
         if (json)
             printf("{\"op\":\"run\",\"check\":\"%s\"}\n", fail ? "FAIL" : "pass");
         else
@@ -153,7 +158,7 @@ int main(int argc, char **argv)
         printf("bf16 product peak on %d thread(s): %.1f GFLOP/s (table %s: %s)\n", t, gb, isa,
                strcmp(isa, "amx") == 0          ? "AMX tiles, tdpbf16ps"
                : strcmp(isa, "avx512bf16") == 0 ? "vdpbf16ps"
-               : strcmp(isa, "neon_bf16") == 0  ? "BFDOT"
+               : strcmp(isa, "neon_bf16") == 0  ? "BFMMLA"
                                                 : "no bf16 dot product, f32 emulation");
         return 0;
     }

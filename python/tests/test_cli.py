@@ -40,7 +40,7 @@ def run(*args):
     (["frob"], "unknown command frob"),
     (["peak", "x"], "peak x: expected an integer"),
     (["run", "extra"], "run takes no arguments"),
-    (["run", "--json", "extra"], "run takes no arguments but --json (got extra)"),
+    (["run", "--json", "extra"], "run takes no arguments but --json and --small (got extra)"),
     (["bench", "attn", "--baseline-rows", "0"], "--baseline-rows 0: expected an integer from 1"),
 ])
 def test_bad_arguments_exit_2_with_a_message(args, needle):

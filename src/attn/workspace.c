@@ -6,8 +6,8 @@ static size_t up64(size_t x) { return (x + 63) & ~(size_t)63; }
 
 /* Per-thread layout for tiles of M rows (the largest M any sequence length gives) and a
  * decode state for `units` K/V groups of up to FW_DEC_ROWS rows each; with bf16 products
- * also the pair-layout panels of the q tiles, one K/V tile and one P tile (kern/mm_kern.h):
- * for d = dv = 128, M = 64: 256 + 16 + 16 + 8 KiB. */
+ * also the bf16 panels of the q tiles, one K/V tile and one P tile, sized by the table
+ * (kern/mm_kern.h; the pair layout: for d = dv = 128, M = 64, 256 + 16 + 16 + 8 KiB). */
 static ws_layout ws_plan(const fw_kernels *kt, int64_t d, int64_t dv, int M, int64_t units, int bf16)
 {
     ws_layout w;

@@ -79,7 +79,7 @@ typedef struct fw_mm_kernels {
     /* Bytes of a bf16 operand panel in this table's layout, `red` reduction elements (a head
      * dim, or keys) by `cols` (the other operand's rows): ceil(red / 2) x cols words in the
      * pair layout. The workspace plans ask the table, so a table with padded tiles (AMX: 16
-     * rows of 32 bf16) sizes its own panels. */
+     * rows of 32 bf16; neon_bf16: blocks of 4 by pairs of columns) sizes its own panels. */
     size_t (*panel_bytes)(int red, int cols);
 } fw_mm_kernels;
 #define FW_MM_ENTRIES(X)                                                                         \
@@ -89,7 +89,7 @@ typedef struct fw_mm_kernels {
 /* peak: what `flywheel peak` and the benchmarks' % of peak measure. */
 typedef struct fw_peak_kernels {
     /* FMA throughput of one thread in GFLOP/s over about `seconds`; bf16: the same for bf16
-     * pair products (vdpbf16ps where the table has it, else its emulation). */
+     * products (vdpbf16ps, BFMMLA, AMX tiles where the table has them, else its emulation). */
     double (*f32)(double seconds);
     double (*bf16)(double seconds);
     /* Sum of n floats read with vector loads (several independent accumulators): the read

@@ -142,12 +142,13 @@ static void pv(int nk, int dv, int M, const float *V, int64_t ldv, const float *
  * word, the even one in the low half. It is the operand layout of vdpbf16ps (one word per
  * f32 lane), of AMX-BF16 B tiles (pair-interleaved rows) and of Arm's BFDOT, and BFMMLA's
  * 2 x 2-word operands are two rows of it side by side (mm_mmla.h zips them in registers), so
- * a table for any of them packs the same panels:
+ * a table for any of them packs the same panels, but for VW:
  *   QW [dw][M]           the q tile, unscaled: QW[w][m] = (q_m[2w], q_m[2w+1]), dw = ceil(d/2)
  *   K  [nk][2 ldkw]      bf16 key rows as they lie, zero past d: word w = (K[j][2w], K[j][2w+1])
  *   PW [ceil(nk/2)][M]   probabilities: PW[w][m] = (P[2w][m], P[2w+1][m])
  *   VW [ceil(nk/2)][dv]  value rows in pairs of keys: VW[w][c] = (V[2w][c], V[2w+1][c]);
- *                        pack_vw packs it, and a table may choose its own form (AMX: VW^T)
+ *                        pack_vw packs it, and a table may choose its own form (AMX: VW^T;
+ *                        neon_bf16: blocks of 4 keys by column pairs, mm_mmla.h)
  * Products are exact in f32 and accumulate in f32, so the error is the f32 kernel's plus
  * the rounding of the operands to bf16. The scale is applied in f32 after the reduction,
  * never folded into a bf16 operand. Each accumulator chain runs over the words in order, as

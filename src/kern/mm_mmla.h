@@ -6,19 +6,21 @@
  * order, and vmmla is two of vdpbf's steps.
  *
  * A block: acc (f32, lanes r0c0 r0c1 r1c0 r1c1) += A . B^T, A and B each 2 rows of 2 words.
- *   qk  A = keys j, j+1 at words w, w+1, from the K rows as they lie: 4 words of each row,
- *       their halves zipped (one zip an operand); B = query rows m, m+1 at words w, w+1,
- *       QW's rows w and w+1 zipped word by word (one zip an operand). Scores leave a tile
- *       as rows again (the halves of two blocks zipped).
+ *   qk  A = keys j, j+1 at words w, w+1, from the K rows as they lie: 2 words of each row (one
+ *       load and one insert an operand); B = query rows m, m+1 at words w, w+1, QW's rows w
+ *       and w+1 zipped word by word, once for all the key tiles. Scores leave a tile as rows
+ *       again (the halves of two blocks zipped).
  *   pv  A = value columns c, c+1 at keys 4u..4u+3, loaded as they lie from this table's
  *       panel; B = query rows m, m+1 at the same keys, PW's rows 2u and 2u+1 zipped.
  * The panel that pack_vw writes (VW), keys in blocks of 4, then columns in pairs:
  *   VW[u][p] = 8 bf16: V[4u..4u+3][2p], then V[4u..4u+3][2p+1]; u < ceil(n / 4),
  *   p < ceil(cols / 2), zero past n and past cols.
- * An odd last word runs as a block whose second word is zero on both sides: that step adds an
- * exact zero (flushing a subnormal total, as the product's arithmetic does to any sum).
- * Register tiles: MQ_JP key pairs (or MV_CP value-column pairs) by MQ_MP query-row pairs,
- * 16 blocks, 64 outputs, as mm's f32 tiles; tools/mca_aarch64.py predicts their loops. */
+ * An odd last word: in qk a block whose second word is zero on both sides (that step adds +0
+ * to a block's partial sum, which then goes into a total that started at +0: the same bits);
+ * in pv on vdpbf (mv_word_last), its outputs' chains having no such total.
+ * Register tiles: qk MQ_JP key pairs by MQ_MP query-row pairs (16 blocks, 64 outputs), pv
+ * MV_CP value-column pairs by MV_MP query-row pairs (20 blocks, 80 outputs);
+ * tools/mca_aarch64.py predicts their loops. */
 _Static_assert(VL == 4, "a 2x2 block of f32 is one vector");
 #define MQ_JP 2    /* qk: key pairs by query-row pairs, the queries' operands zipped once */
 #define MQ_MP 8
@@ -192,10 +194,32 @@ static void qk_bf16(int nk, int dw, int M, const uint32_t *K, int64_t ldkw, cons
     }
 }
 
+/* An odd last word of P (its row pl at the tile's query rows) by the panel's block v, whose
+ * second word is zero, on vdpbf as mm_kern.h's pvb_tile adds it (a zero second step would
+ * make a -0 sum +0): lanes (c, m), (c, m + 1), (c + 1, m), (c + 1, m + 1) of each block. */
+static __attribute__((noinline)) void mv_word_last(int cp, int mp, const uint32_t *v, const uint32_t *pl,
+                                                   vf acc[MV_CP][MQ_MP])
+{
+    vf b[MQ_MP];
+    for (int m = 0; m < mp; m += 2) {
+        const vf x = vload_bits(pl + 2 * m);
+        vzip_halves(x, x, &b[m], &b[m + 1]); /* (P m, P m+1) twice */
+    }
+    for (int c = 0; c < cp; c++) {
+        vf lo, hi, a, rest;
+        const vf x = vload_bits(v + 4 * c);
+        vzip_words(x, x, &lo, &hi);
+        vzip_halves(lo, hi, &a, &rest); /* (V c, V c, V c+1, V c+1) */
+        for (int m = 0; m < mp; m++)
+            acc[c][m] = vdpbf(acc[c][m], a, b[m]);
+    }
+}
+
 /* One register tile: value columns c0 .. c0 + nc - 1 (nc <= 2 cp) by 2 mp query rows, words
- * [w0, w0 + wn) (w0 even): the panel's blocks from w0 / 2 and P's operands PZ. */
+ * [w0, w0 + wn) (w0 even): the panel's blocks from w0 / 2, P's operands PZ (and P's rows PW,
+ * for an odd last word). */
 FW_INLINE void mv_tile(const int cp, const int mp, int nc, int w0, int wn, int M, const uint32_t *VW, int ncp,
-                       const vf *PZ, float *OT)
+                       const vf *PZ, const uint32_t *PW, float *OT)
 {
     vf acc[MV_CP][MQ_MP];
     for (int c = 0; c < cp; c++)
@@ -203,7 +227,7 @@ FW_INLINE void mv_tile(const int cp, const int mp, int nc, int w0, int wn, int M
             vzip_halves(vload(OT + (int64_t)(2 * c) * M + 2 * m),
                         2 * c + 1 < nc ? vload(OT + (int64_t)(2 * c + 1) * M + 2 * m) : vzero(), &acc[c][m],
                         &acc[c][m + 1]);
-    for (int s = 0; 2 * s < wn; s++) { /* keys 2 w0 + 4s .. + 3: block w0 / 2 + s of the panel */
+    for (int s = 0; 2 * s + 1 < wn; s++) { /* keys 2 w0 + 4s .. + 3: block w0 / 2 + s of the panel */
         const uint32_t *v = VW + (size_t)(w0 / 2 + s) * ncp * 4;
         for (int c = 0; c < cp; c++) {
             const vf a = vload_bits(v + 4 * c);
@@ -211,6 +235,8 @@ FW_INLINE void mv_tile(const int cp, const int mp, int nc, int w0, int wn, int M
                 acc[c][m] = vmmla(acc[c][m], a, PZ[s * MQ_MP + m]);
         }
     }
+    if (wn & 1)
+        mv_word_last(cp, mp, VW + (size_t)(w0 / 2 + wn / 2) * ncp * 4, PW + (int64_t)(w0 + wn - 1) * M, acc);
     for (int c = 0; c < cp; c++)
         for (int m = 0; m < mp; m += 2) {
             vf r0, r1;
@@ -222,9 +248,10 @@ FW_INLINE void mv_tile(const int cp, const int mp, int nc, int w0, int wn, int M
 }
 
 static __attribute__((noinline)) void mv_tile_tail(int cp, int mp, int nc, int w0, int wn, int M,
-                                                   const uint32_t *VW, int ncp, const vf *PZ, float *OT)
+                                                   const uint32_t *VW, int ncp, const vf *PZ, const uint32_t *PW,
+                                                   float *OT)
 {
-    mv_tile(cp, mp, nc, w0, wn, M, VW, ncp, PZ, OT);
+    mv_tile(cp, mp, nc, w0, wn, M, VW, ncp, PZ, PW, OT);
 }
 
 /* OT[c][m] += sum_w dot(VW's words w of column c, PW[w][m]), c < dv, m < M, over nw words. P's
@@ -238,17 +265,17 @@ static void pv_bf16(int nw, int dv, int M, const uint32_t *VW, const uint32_t *P
         const int mp = M - m0 < 2 * MV_MP ? (M - m0) / 2 : MV_MP;
         for (int w0 = 0; w0 < nw; w0 += MV_WORDS) {
             const int wn = nw - w0 < MV_WORDS ? nw - w0 : MV_WORDS;
-            mmla_zip_rows(mp, w0, wn, M, PW + m0, PZ);
+            mmla_zip_rows(mp, w0, wn & ~1, M, PW + m0, PZ);
             for (int c0 = 0; c0 < dv; c0 += 2 * MV_CP) {
                 const int nc = dv - c0 < 2 * MV_CP ? dv - c0 : 2 * MV_CP;
                 const uint32_t *V = VW + (size_t)(c0 / 2) * 4;
                 float *O = OT + (int64_t)c0 * M + m0;
                 if (mp == MV_MP && nc == 2 * MV_CP)
-                    mv_tile(MV_CP, MV_MP, nc, w0, wn, M, V, ncp, PZ, O);
+                    mv_tile(MV_CP, MV_MP, nc, w0, wn, M, V, ncp, PZ, PW + m0, O);
                 else if (mp == MV_MP && nc == 8) /* the end of a head dim that is a multiple of 8 */
-                    mv_tile(4, MV_MP, nc, w0, wn, M, V, ncp, PZ, O);
+                    mv_tile(4, MV_MP, nc, w0, wn, M, V, ncp, PZ, PW + m0, O);
                 else
-                    mv_tile_tail((nc + 1) / 2, mp, nc, w0, wn, M, V, ncp, PZ, O);
+                    mv_tile_tail((nc + 1) / 2, mp, nc, w0, wn, M, V, ncp, PZ, PW + m0, O);
             }
         }
     }
