@@ -8,7 +8,7 @@
 #      from /proc/cpuinfo's implementer and part);
 #   2. the C suites on -cpu max. Quick mode (the default, for CI): the quick sweep of a
 #      selection (below) on neon and neon_bf16 (the portable table's code is the one x86-64
-#      tests). Full mode (make test-aarch64 FULL=1, an hour or more): every suite, whole
+#      tests). Full mode (make test-aarch64 FULL=1, about 50 minutes on 2 cores): every suite, whole
 #      sweeps, on both AArch64 tables. isa.env and attn.fork_child stay
 #      out, as in run_baseline.sh (qemu-user does not follow exec, and cannot fork a process
 #      that has threads): step 1 checks what isa.env checks;
