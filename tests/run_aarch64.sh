@@ -8,9 +8,9 @@
 #      from /proc/cpuinfo's implementer and part);
 #   2. the C suites on -cpu max. Quick mode (the default, for CI): the quick sweep of a
 #      selection (below) on neon and neon_bf16 (the portable table's code is the one x86-64
-#      tests). Full mode (make test-aarch64 FULL=1, about 50 minutes on 2 cores): every suite, whole
-#      sweeps, on both AArch64 tables. isa.env and attn.fork_child stay
-#      out, as in run_baseline.sh (qemu-user does not follow exec, and cannot fork a process
+#      tests). Full mode (make test-aarch64 FULL=1, about 50 minutes on 2 cores): every
+#      suite, whole sweeps, on both AArch64 tables. isa.env and attn.fork_child stay out, as
+#      in run_baseline.sh (qemu-user does not follow exec, and cannot fork a process
 #      that has threads): step 1 checks what isa.env checks;
 #   3. the neon table on a Cortex-A72, quick, a selection (the CPU model without BF16: the
 #      detection, and the kernels with nothing newer than Armv8.0-A to lean on);
