@@ -175,6 +175,7 @@ def rows_for(tool, cpus, pipes, entry, table, funcs, tmp):
     stack = sum("[sp" in x for x in loop)
     rows = []
     bf16 = any(k.startswith("bf") for k in fma)
+    macs = sum(n * MACS[k] for k, n in fma.items())
     for cpu in cpus:
         slots = sum(n / pipes[cpu, FMA_PROBE[k]] for k, n in fma.items())
         peak = pipes[cpu, "bfmmla"] * MACS["bfmmla"] if bf16 else pipes[cpu, "fmla"] * MACS["fmla"]
@@ -183,7 +184,6 @@ def rows_for(tool, cpus, pipes, entry, table, funcs, tmp):
         limit = (f"{bn} {100 * bp / cyc:.0f}%, res {share['Resource Pressure']:.0f}%"
                  f" dep {share['Data Dependencies']:.0f}%")
         sizes = [str(v) for v in (len(loop), sum(fma.values()), vfp, ld, stack)]
-        macs = sum(n * MACS[k] for k, n in fma.items())
         rows.append([entry[0], table, cpu, sym] + sizes
                     + [f"{cyc:.2f}", f"{100 * slots / cyc:.0f}%", f"{100 * macs / cyc / peak:.0f}%", ordered, limit])
     return rows

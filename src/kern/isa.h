@@ -38,8 +38,8 @@
  * vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even and odd columns, where that
  * beats vpair_rows_bf16's order: AVX2); DQ_NB, the decode's blocks of key rows side by side
  * (attn/dec_kern.h; 1 unless said: NEON 4); ISA_MMLA with vmmla, vzip_words, vzip_halves and
- * vload_halves (below), a 2x2 block product on VL 4 that mm's bf16 products and the bf16 peak then run on
- * (kern/mm_mmla.h: NEON with BF16, BFMMLA).
+ * vload_halves (below), a 2x2 block product on VL 4 that mm's bf16 products and the bf16 peak
+ * then run on (kern/mm_mmla.h: NEON with BF16, BFMMLA).
  */
 #if !defined(ISA_NAME) || !defined(VL) || !defined(TM) || !defined(QK_TJ) || !defined(TJ) ||   \
     !defined(DEC_RT) || !defined(PEAK_CHAINS)

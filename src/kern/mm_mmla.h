@@ -29,23 +29,21 @@ _Static_assert(VL == 4, "a 2x2 block of f32 is one vector");
 #define MV_WORDS 64 /* pv: P's operands zipped 64 words (128 keys) at a time, 4 KiB */
 
 /* 4 bf16 rows of cols elements from X rows r0 .. r0 + 3 (rows past n zero), each padded with
- * zeros to a multiple of 8. */
+ * zeros to a multiple of 8; f32 rows rounded as pack_row_pairs rounds them (its words are a
+ * bf16 row in order). */
 static void mmla_rows4(const void *X, fw_dtype dt, int n, int cols, int r0,
-                       uint16_t (*rows)[FW_MAX_HEAD_DIM + 8])
+                       uint32_t (*rows)[(FW_MAX_HEAD_DIM + 8) / 2])
 {
     const int cp = (cols + 7) / 8 * 8;
     for (int i = 0; i < 4; i++) {
-        uint16_t *r = rows[i];
+        uint16_t *r = (uint16_t *)rows[i];
         int c = 0;
-        if (r0 + i < n && dt == FW_BF16) {
-            memcpy(r, (const uint16_t *)X + (size_t)(r0 + i) * cols, (size_t)cols * sizeof(uint16_t));
+        if (r0 + i < n) {
+            if (dt == FW_BF16)
+                memcpy(r, (const uint16_t *)X + (size_t)(r0 + i) * cols, (size_t)cols * sizeof(uint16_t));
+            else
+                pack_row_pairs((const float *)X + (size_t)(r0 + i) * cols, cols, rows[i]);
             c = cols;
-        } else if (r0 + i < n) {
-            const float *x = (const float *)X + (size_t)(r0 + i) * cols;
-            for (; c + 2 * VL <= cols; c += 2 * VL)
-                vstore((float *)(r + c), vbf16_row(vload(x + c), vload(x + c + VL)));
-            for (; c < cols; c++)
-                r[c] = fw_cvt_f32_bf16(x[c]);
         }
         for (; c < cp; c++)
             r[c] = 0;
@@ -55,7 +53,9 @@ static void mmla_rows4(const void *X, fw_dtype dt, int n, int cols, int r0,
 /* VW (the panel above) from rows X [n][cols] of dtype dt (f32 or bf16), rounded to bf16. */
 static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW)
 {
-    uint16_t rows[4][FW_MAX_HEAD_DIM + 8];
+    uint32_t rows[4][(FW_MAX_HEAD_DIM + 8) / 2];
+    const uint16_t *r[4] = {(const uint16_t *)rows[0], (const uint16_t *)rows[1], (const uint16_t *)rows[2],
+                            (const uint16_t *)rows[3]};
     const int ncp = (cols + 1) / 2;
     for (int u = 0; 4 * u < n; u++) {
         mmla_rows4(X, dt, n, cols, 4 * u, rows);
@@ -63,8 +63,8 @@ static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW)
         int p = 0;
         for (; p + 4 <= ncp; p += 4) { /* 8 columns: the row pairs' words, zipped */
             vf a0, a1, b0, b1, lo, hi;
-            vpair_rows_bf16(rows[0] + 2 * p, rows[1] + 2 * p, &a0, &a1);
-            vpair_rows_bf16(rows[2] + 2 * p, rows[3] + 2 * p, &b0, &b1);
+            vpair_rows_bf16(r[0] + 2 * p, r[1] + 2 * p, &a0, &a1);
+            vpair_rows_bf16(r[2] + 2 * p, r[3] + 2 * p, &b0, &b1);
             vzip_words(a0, b0, &lo, &hi);
             vstore((float *)(dst + 4 * p), lo);
             vstore((float *)(dst + 4 * p + 4), hi);
@@ -75,7 +75,7 @@ static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VW)
         for (; p < ncp; p++)
             for (int h = 0; h < 2; h++)
                 for (int i = 0; i < 4; i++)
-                    ((uint16_t *)(dst + 4 * p))[4 * h + i] = rows[i][2 * p + h];
+                    ((uint16_t *)(dst + 4 * p))[4 * h + i] = r[i][2 * p + h];
     }
 }
 
