@@ -9,7 +9,9 @@
  * f32. tdpbf16ps C += A B takes A [16][16 words] row-major and B [16 words][16] with each
  * row's 16 lanes one word (the pair layout's panels, kern/mm_kern.h), and sums the 32 exact
  * bf16 products of an element in f32 with round-to-nearest-even, bf16 denormal inputs read
- * as zero (as vdpbf16ps does). So:
+ * as zero (as vdpbf16ps does), except that a sum of zeros is +0 whatever their signs (measured
+ * here: -0 + (-0) x (+0) and -0 + (-0) x (-0) give +0), where vdpbf16ps keeps -0 + -0 at
+ * -0. So:
  *   qk_bf16: ST[j][m]  (C)  = K rows [j][w] (A, as the driver keeps them) x QW [w][m] (B)
  *   pv_bf16: OT[c][m]  (C) += VW^T [c][w] (A, transposed once per value tile by pack_vw)
  *                             x PW [w][m] (B)
@@ -235,8 +237,20 @@ FW_INLINE void transpose16(const __m512i r[16], __m512i out[16])
     }
 }
 
+/* Elements c0 .. c0 + 15 of row x (dtype f32, f16 or an 8-bit float) as f32, those outside
+ * k zero (and not read). */
+FW_INLINE vf masked_f32(const void *x, fw_dtype dt, int c0, __mmask16 k)
+{
+    if (dt == FW_F32)
+        return _mm512_maskz_loadu_ps(k, (const float *)x + c0);
+    if (dt == FW_F16)
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)x + c0));
+    return vf8_widened(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(k, (const uint8_t *)x + c0)), dt);
+}
+
 /* 16 words of the pair layout from value rows `even`, `odd` (NULL: zeros) of dtype dt,
- * columns c0 .. c0 + cn - 1 (cn <= 16, zero past): word c = (even[c], odd[c]) in bf16. */
+ * columns c0 .. c0 + cn - 1 (cn <= 16, zero past): word c = (even[c], odd[c]) in bf16; dt any
+ * input dtype or an 8-bit float (a cache's value rows). */
 FW_INLINE __m512i pair_words(const void *even, const void *odd, fw_dtype dt, int c0, int cn)
 {
     const __mmask16 k = (__mmask16)((1u << cn) - 1);
@@ -247,18 +261,7 @@ FW_INLINE __m512i pair_words(const void *even, const void *odd, fw_dtype dt, int
                               : _mm512_setzero_si512();
         return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
     }
-    vf e = vzero(), o = vzero();
-    if (dt == FW_F32) {
-        if (even)
-            e = _mm512_maskz_loadu_ps(k, (const float *)even + c0);
-        if (odd)
-            o = _mm512_maskz_loadu_ps(k, (const float *)odd + c0);
-    } else {
-        if (even)
-            e = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)even + c0));
-        if (odd)
-            o = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)odd + c0));
-    }
+    const vf e = even ? masked_f32(even, dt, c0, k) : vzero(), o = odd ? masked_f32(odd, dt, c0, k) : vzero();
     return _mm512_castps_si512(vbf16_pair(e, o));
 }
 

@@ -79,6 +79,19 @@ static inline vf vload_dsub(const double *a, const double *b, int64_t i)
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
 }
 
+/* 16 8-bit floats of dtype dt, one in the low byte of each 16-bit lane of w, as f32: through
+ * f16 bits (kern/isa.h: vload_in). */
+static inline vf vf8_widened(__m256i w, fw_dtype dt)
+{
+    if (dt == FW_F8E5M2)
+        return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16((short)0x8000)),
+                                      _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3f80)));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00))),
+                         _mm512_set1_ps(256.0f));
+}
+
 /* VL contiguous elements of src from element i, converted to f32. */
 static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
 {
@@ -93,15 +106,7 @@ static inline vf vload_in(const void *src, fw_dtype dt, int64_t i)
     }
     if (dt == FW_F16)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
-    /* 8-bit floats through f16 bits (kern/isa.h: vload_in) */
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)src + i)));
-    if (dt == FW_F8E5M2)
-        return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
-    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16((short)0x8000)),
-                                      _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3f80)));
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00))),
-                         _mm512_set1_ps(256.0f));
+    return vf8_widened(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)src + i))), dt);
 }
 
 static inline void cvt_in_vec(const void *src, fw_dtype dt, int64_t i, float scale, float *dst)
