@@ -32,6 +32,7 @@ int fw_bf16_products(const char *isa, fw_dtype q, int32_t precision);
 #define FW_DT_IN ((1u << FW_F32) | (1u << FW_BF16) | (1u << FW_F16))
 /* The 8-bit floats, which only KV caches take. */
 #define FW_DT_F8 ((1u << FW_F8E4M3) | (1u << FW_F8E5M2))
+static inline int fw_is_f8(fw_dtype dt) { return (int)((FW_DT_F8 >> dt) & 1u); }
 
 /* Record a formatted message for fw_last_error() and return `s`. */
 fw_status fw_fail(fw_status s, const char *fmt, ...)

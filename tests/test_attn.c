@@ -1031,12 +1031,12 @@ static void check_dec_rows(const fw_kernels *kt, fw_dtype dt, const void *const 
         if (pass) {
             for (int r = 0; r < R; r++)
                 kt->mm.pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
-            kt->dec.qk_rows_bf16(R, nk, d, QW, rows, scale, NULL, 0, S);
+            kt->dec.qk_rows_bf16(R, nk, d, QW, rows, FW_BF16, scale, NULL, 0, S);
             float *S2 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
             const void *next[FW_DEC_KEYS];
             for (int j = 0; j < nk; j++)
                 next[j] = rows[nk - 1 - j];
-            kt->dec.qk_rows_bf16(R, nk, d, QW, rows, scale, next, nk - nk % 3, S2);
+            kt->dec.qk_rows_bf16(R, nk, d, QW, rows, FW_BF16, scale, next, nk - nk % 3, S2);
             case_check(memcmp(S, S2, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0,
                        "dec_qk_rows_bf16 R %d nk %d d %d: prefetching the next tile changed S", R, nk, d);
             free(S2);
@@ -1243,8 +1243,34 @@ static void bf16_decode_case(const fw_kernels *kt, int R, int nk, int d, int dv,
         kt->mm.pack_row_pairs(Q + (size_t)r * d, d, QW + (size_t)r * dw);
     for (int i = 0; i < R * FW_DEC_KEYS; i++)
         S[i] = NAN;
-    kt->dec.qk_rows_bf16(R, nk, d, QW, rows, 0.5f, NULL, 0, S);
+    kt->dec.qk_rows_bf16(R, nk, d, QW, rows, FW_BF16, 0.5f, NULL, 0, S);
     const double u = 1.0 / (1 << 23);
+    /* an fp8 cache's key rows (each followed by NaN bytes) against bf16 rows of their values:
+     * the same bits */
+    {
+        uint8_t *K8 = malloc((size_t)(nk * (d + 4)));
+        uint16_t *K16 = malloc(sizeof(uint16_t) * (size_t)(nk * (d + 4)));
+        float *S8 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS)), *S16 = malloc(sizeof(float) * (size_t)(R * FW_DEC_KEYS));
+        const void *k8[FW_DEC_KEYS], *k16[FW_DEC_KEYS];
+        for (int f = 0; f < 2; f++) {
+            const fw_dtype dt = f ? FW_F8E5M2 : FW_F8E4M3;
+            for (int j = 0; j < nk; j++) {
+                k8[j] = K8 + (size_t)j * (d + 4);
+                k16[j] = K16 + (size_t)j * (d + 4);
+                for (int x = 0; x < d + 4; x++) {
+                    const uint8_t b = x < d ? (uint8_t)((unsigned)(256 * rng_uniform()) & (f ? 0xbbu : 0xf7u)) : 0xff;
+                    K8[(size_t)j * (d + 4) + x] = b;
+                    K16[(size_t)j * (d + 4) + x] = fw_f32_to_bf16(fw_cvt_f8_f32(b, dt));
+                }
+            }
+            kt->dec.qk_rows_bf16(R, nk, d, QW, k8, dt, 0.5f, NULL, 0, S8);
+            kt->dec.qk_rows_bf16(R, nk, d, QW, k16, FW_BF16, 0.5f, NULL, 0, S16);
+            case_check(memcmp(S8, S16, sizeof(float) * (size_t)(R * FW_DEC_KEYS)) == 0, "dec_qk_rows_bf16 R %d nk "
+                       "%d d %d: %s rows give other bits than bf16 rows of their values", R, nk, d,
+                       f ? "f8e5m2" : "f8e4m3");
+        }
+        free(K8); free(K16); free(S8); free(S16);
+    }
     for (int j = 0; j < nk; j++)
         for (int k = 0; k < d; k++)
             Kf[j * d + k] = fw_bf16_to_f32(((const uint16_t *)rows[j])[k]);
@@ -1342,6 +1368,36 @@ static void bf16_signed_zero_case(const fw_kernels *kt, int nk)
     free(X); free(P); free(OT); free(VW); free(PW);
 }
 
+/* An fp8 cache's key rows as bf16 words (dec.pack_kt_bf16, the lookup on AVX-512): every byte
+ * of both formats, exactly its value (a NaN a NaN of its sign). */
+static void f8_words_case(const fw_kernels *kt)
+{
+    enum { d = 128 };
+    uint8_t *K = malloc((size_t)FW_DEC_KEYS * d);
+    uint32_t *KtW = malloc(sizeof(uint32_t) * (size_t)(d / 2 * FW_DEC_KEYS));
+    const void *rows[FW_DEC_KEYS];
+    for (int f = 0; f < 2; f++) {
+        const fw_dtype dt = f ? FW_F8E5M2 : FW_F8E4M3;
+        for (int j = 0; j < FW_DEC_KEYS; j++) {
+            rows[j] = K + (size_t)j * d;
+            for (int x = 0; x < d; x++)
+                K[(size_t)j * d + x] = (uint8_t)(j * d + x + 37 * f);
+        }
+        kt->dec.pack_kt_bf16(rows, dt, 1, FW_DEC_KEYS, d, KtW);
+        int bad = 0;
+        for (int j = 0; j < FW_DEC_KEYS; j++)
+            for (int x = 0; x < d; x++) {
+                const uint32_t w = KtW[(size_t)(x / 2) * FW_DEC_KEYS + j];
+                const float got = fw_bf16_to_f32((uint16_t)(w >> (16 * (x & 1))));
+                const float want = fw_cvt_f8_f32(K[(size_t)j * d + x], dt);
+                bad += !(got == want || (isnan(got) && isnan(want))) || signbit(got) != signbit(want);
+            }
+        case_check(bad == 0, "pack_kt_bf16 %s rows: %d of %d words' halves are not their bytes' values",
+                   f ? "f8e5m2" : "f8e4m3", bad, FW_DEC_KEYS * d);
+    }
+    free(K); free(KtW);
+}
+
 static void test_bf16_products(void)
 {
     static const int nks[] = {1, 2, 15, 17, 33, 64}, ds[] = {1, 2, 31, 64, 80, 128}, dvs[] = {1, 17, 40, 128};
@@ -1361,6 +1417,7 @@ static void test_bf16_products(void)
                     bf16_decode_case(kt, dR[b], dnk[(a + b) % 5], dks[a], dvs[(a + b + irr) % 4] + 16 * irr, irr);
         for (int nk = 2; nk <= 8; nk += 2)
             bf16_signed_zero_case(kt, nk);
+        f8_words_case(kt);
         case_end();
     }
 }

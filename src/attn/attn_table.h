@@ -106,9 +106,10 @@ typedef struct fw_dec_kernels {
      * [nk, FW_DEC_KEYS). */
     void (*qk_rows)(int R, int nk, int d, const float *Q, const void *const *rows, fw_dtype dt,
                     const void *const *next, int nn, float *S);
-    /* The same with bf16 products from bf16 key rows (contiguous), read as words:
+    /* The same with bf16 products from key rows (contiguous) of dtype dt: FW_BF16, read as
+     * words, or an fp8 cache's (FW_F8E4M3, FW_F8E5M2), read as their bf16 (exact):
      * S[r][j] = scale * QW[r] . K[j], QW as for qk_bf16 (R x ceil(d/2) words). */
-    void (*qk_rows_bf16)(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
+    void (*qk_rows_bf16)(int R, int nk, int d, const uint32_t *QW, const void *const *rows, fw_dtype dt,
                          float scale, const void *const *next, int nn, float *S);
     /* The products straight from a FW_KV_TILES cache (flywheel.h), whose order is AMX's tiles
      * (the vector tables read it a vector of 16 lanes at a time, VL dividing 16).

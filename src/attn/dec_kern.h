@@ -324,7 +324,16 @@ static void pack_kt_bf16(const void *const *rows, fw_dtype dt, int64_t kdim, int
                 for (int c = 0; c < VL; c++)
                     vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
             }
-        if (kdim == 1 && dt != FW_BF16) /* (fp8 caches: their words, exact) */
+        if (kdim == 1 && fw_is_f8(dt)) /* (fp8 caches: their words, exact) */
+            for (; w0 + VL <= d / 2; w0 += VL) {
+                vf r[VL];
+                for (int i = 0; i < VL; i++)
+                    r[i] = j0 + i < nk ? vload_f8_bits(rows[j0 + i], dt, 2 * w0) : vzero();
+                vtranspose(r);
+                for (int c = 0; c < VL; c++)
+                    vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
+            }
+        if (kdim == 1 && dt != FW_BF16 && !fw_is_f8(dt))
             for (; w0 + VL <= d / 2; w0 += VL) {
                 vf r[VL];
                 for (int i = 0; i < VL; i++)
@@ -499,28 +508,33 @@ static __attribute__((noinline)) void decb_pv_tail(int rt, int cv, int nk, int c
     decb_pv_tile(rt, cv, nk, c0, PW, V, dt, O, dv, NULL, 0, 0);
 }
 
-/* decb_pv_tile for bf16 value rows: the pairs by unpacking two rows' words (vpair_rows_bf16),
+/* decb_pv_tile for bf16 value rows (dt FW_BF16) and an fp8 cache's (FW_F8E4M3, FW_F8E5M2):
+ * the pairs by unpacking two rows' bf16 (vpair_bits; an fp8 row's read by vload_f8_bits),
  * not by converting and rounding them, with O's columns permuted to match while the tile
  * holds them. cv = 4 (two pairs of vectors). */
 static const uint16_t dec_zero_row[FW_MAX_HEAD_DIM];
 
 FW_INLINE void decb_pv_tile_rows(const int rt, int nk, int c0, const uint32_t *PW,
-                                 const void *const *V, float *O, int dv, const void *const *next,
-                                 int nn, const int pf)
+                                 const void *const *V, fw_dtype dt, float *O, int dv,
+                                 const void *const *next, int nn, const int pf)
 {
+    const size_t es = fw_esize(dt);
     vf acc[DEC_RT][4];
     for (int r = 0; r < rt; r++)
         for (int c = 0; c < 4; c += 2)
             vcols_to_pairs(O + (size_t)r * dv + c0 + c * VL, &acc[r][c], &acc[r][c + 1]);
     for (int j = 0; j < nk; j += 2) {
-        const uint16_t *r0 = (const uint16_t *)V[j] + c0;
-        const uint16_t *r1 = (j + 1 < nk ? (const uint16_t *)V[j + 1] : dec_zero_row) + c0;
+        const char *r0 = (const char *)V[j] + c0 * es;
+        const char *r1 = (j + 1 < nk ? (const char *)V[j + 1] : (const char *)dec_zero_row) + c0 * es;
         vf vv[4];
         for (int c = 0; c < 4; c += 2) {
-            vpair_rows_bf16(r0 + c * VL, r1 + c * VL, &vv[c], &vv[c + 1]);
+            if (dt == FW_BF16)
+                vpair_bits(vload_bits(r0 + c * VL * es), vload_bits(r1 + c * VL * es), &vv[c], &vv[c + 1]);
+            else
+                vpair_bits(vload_f8_bits(r0, dt, c * VL), vload_f8_bits(r1, dt, c * VL), &vv[c], &vv[c + 1]);
             for (int h = 0; pf && h < 2; h++) /* the pair's 2 VL columns of each row */
-                if (DEC_PF_LINE((c0 + (c + h) * VL) * 2))
-                    dec_pf_pair(next, nn, j, (size_t)(c0 + (c + h) * VL) * 2);
+                if (DEC_PF_LINE((c0 + (c + h) * VL) * es))
+                    dec_pf_pair(next, nn, j, (size_t)(c0 + (c + h) * VL) * es);
         }
         for (int c = 0; c < 4; c++)
             vv[c] = vkeep(vv[c]);
@@ -536,9 +550,9 @@ FW_INLINE void decb_pv_tile_rows(const int rt, int nk, int c0, const uint32_t *P
 }
 
 static __attribute__((noinline)) void decb_pv_rows_tail(int rt, int nk, int c0, const uint32_t *PW,
-                                                        const void *const *V, float *O, int dv)
+                                                        const void *const *V, fw_dtype dt, float *O, int dv)
 {
-    decb_pv_tile_rows(rt, nk, c0, PW, V, O, dv, NULL, 0, 0);
+    decb_pv_tile_rows(rt, nk, c0, PW, V, dt, O, dv, NULL, 0, 0);
 }
 
 /* O[r][c] += sum_j P[r][j] V[j][c] with P rounded to bf16 pairs (into PW, R x FW_DEC_KEYS / 2
@@ -560,11 +574,15 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
             const int cv = (dvv - c0) / VL < 4 ? (dvv - c0) / VL : 4;
             const int pf = next && r0 == 0;
             if (dt == FW_BF16 && cv == 4 && rt == DEC_RT && pf)
-                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, o, dv, next, nn, 1);
+                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, FW_BF16, o, dv, next, nn, 1);
             else if (dt == FW_BF16 && cv == 4 && rt == DEC_RT)
-                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, o, dv, NULL, 0, 0);
-            else if (dt == FW_BF16 && cv == 4)
-                decb_pv_rows_tail(rt, nk, c0, pr, V, o, dv);
+                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, FW_BF16, o, dv, NULL, 0, 0);
+            else if (fw_is_f8(dt) && cv == 4 && rt == DEC_RT && pf)
+                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, dt, o, dv, next, nn, 1);
+            else if (fw_is_f8(dt) && cv == 4 && rt == DEC_RT)
+                decb_pv_tile_rows(DEC_RT, nk, c0, pr, V, dt, o, dv, NULL, 0, 0);
+            else if ((dt == FW_BF16 || fw_is_f8(dt)) && cv == 4)
+                decb_pv_rows_tail(rt, nk, c0, pr, V, dt, o, dv);
             else if (rt == DEC_RT && cv == 4 && pf)
                 decb_pv_tile(DEC_RT, 4, nk, c0, pr, V, dt, o, dv, next, nn, 1);
             else if (rt == DEC_RT && cv == 4)
@@ -679,15 +697,17 @@ FW_INLINE void dq_step_f32(vf acc[DQ_NB][VL], const void *const *kr, const int *
     }
 }
 
-/* One step along the words: words w .. w+VL-1 of the blocks' rows and keys (bf16 products). */
+/* One step along the words: words w .. w+VL-1 of the blocks' rows and keys (bf16 products;
+ * key rows bf16, or fp8 read as their bf16). */
 FW_INLINE void dq_step_bf16(vf acc[DQ_NB][VL], const void *const *kr, const int *rr,
-                            const uint32_t *QW, int dw, int w, const void *const *kn, const int pf)
+                            const uint32_t *QW, int dw, int w, fw_dtype dt, const void *const *kn, const int pf)
 {
+    const size_t at = (size_t)w * 2 * fw_esize(dt); /* the words' byte offset in a key row */
     vf kv[DQ_NK];
     for (int x = 0; x < DQ_NK; x++) {
-        kv[x] = vload_bits((const uint32_t *)kr[x] + w);
-        if (pf && DEC_PF_LINE(w * 4))
-            __builtin_prefetch((const uint32_t *)kn[x] + w, 0, 2);
+        kv[x] = dt == FW_BF16 ? vload_bits((const char *)kr[x] + at) : vload_f8_bits(kr[x], dt, 2 * w);
+        if (pf && DEC_PF_LINE(at))
+            __builtin_prefetch((const char *)kn[x] + at, 0, 2);
     }
     for (int r = 0; r < DQ_RB; r++) {
         const vf qv = vload_bits(QW + (size_t)rr[r] * dw + w);
@@ -834,7 +854,8 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
 }
 
 /* Decode QK^T with bf16 products from bf16 key rows themselves (rows[j]: contiguous bf16,
- * read as words: a bf16 row already is its pairs): S[r][j] = scale * QW[r] . K[j] for r < R,
+ * read as words: a bf16 row already is its pairs; an fp8 cache's rows as their bf16, by
+ * vload_f8_bits): S[r][j] = scale * QW[r] . K[j] for r < R,
  * j < nk, 0 for j in [nk, FW_DEC_KEYS). The blocks of dec_qk_rows on vdpbf16ps. Measured
  * (avx512bf16, 4 query rows, 64 keys, d 128, cache-hot): pack_kt_bf16's panel then
  * dec_qk_bf16 7.9-8.1 ns a key, this 5.5-5.8; decode at 1K context, GQA 32:8, one thread,
@@ -842,17 +863,32 @@ static void dec_qk_rows(int R, int nk, int d, const float *Q, const void *const 
 /* The bf16 products of the blocks along the words (dec_qk_rows_bf16); pf: prefetch kn's lines
  * as kr's are read. */
 FW_INLINE void dq_block_bf16(vf acc[DQ_SETS][DQ_NB][VL], const void *const *kr, const int *rr,
-                             const uint32_t *QW, int dw, int wvec, const void *const *kn, const int pf)
+                             const uint32_t *QW, int dw, int wvec, fw_dtype dt, const void *const *kn,
+                             const int pf)
 {
     int w = 0;
     for (; w + DQ_SETS * VL <= wvec; w += DQ_SETS * VL)
         for (int e = 0; e < DQ_SETS; e++)
-            dq_step_bf16(acc[e], kr, rr, QW, dw, w + e * VL, kn, pf);
+            dq_step_bf16(acc[e], kr, rr, QW, dw, w + e * VL, dt, kn, pf);
     for (; w < wvec; w += VL)
-        dq_step_bf16(acc[0], kr, rr, QW, dw, w, kn, pf);
+        dq_step_bf16(acc[0], kr, rr, QW, dw, w, dt, kn, pf);
 }
 
-static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
+/* (each dtype's loop compiled apart: dt a constant in it) */
+FW_INLINE void dq_block_bf16_as(vf acc[DQ_SETS][DQ_NB][VL], const void *const *kr, const int *rr,
+                                const uint32_t *QW, int dw, int wvec, fw_dtype dt, const void *const *kn)
+{
+    if (dt == FW_BF16 && kn)
+        dq_block_bf16(acc, kr, rr, QW, dw, wvec, FW_BF16, kn, 1);
+    else if (dt == FW_BF16)
+        dq_block_bf16(acc, kr, rr, QW, dw, wvec, FW_BF16, NULL, 0);
+    else if (kn)
+        dq_block_bf16(acc, kr, rr, QW, dw, wvec, dt, kn, 1);
+    else
+        dq_block_bf16(acc, kr, rr, QW, dw, wvec, dt, NULL, 0);
+}
+
+static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows, fw_dtype dt,
                              float scale, const void *const *next, int nn, float *S)
 {
     const int dw = (d + 1) / 2, wvec = d / 2 / VL * VL;
@@ -865,10 +901,7 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
             vf acc[DQ_SETS][DQ_NB][VL];
             dq_zero(acc);
             const void *kn[DQ_NK];
-            if (dq_next(nn, r0, j0, next, kn))
-                dq_block_bf16(acc, kr, rr, QW, dw, wvec, kn, 1);
-            else
-                dq_block_bf16(acc, kr, rr, QW, dw, wvec, NULL, 0);
+            dq_block_bf16_as(acc, kr, rr, QW, dw, wvec, dt, dq_next(nn, r0, j0, next, kn) ? kn : NULL);
             if (r0 + DQ_RB <= R && wvec == dw && d % 2 == 0) {
                 for (int b = 0; b < DQ_NB; b++)
                     dq_store(S, R, nk, r0, j0, b, vmul(dq_total(acc, b), sc), 1);
@@ -883,7 +916,8 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
                     for (int e = 2 * wvec; e < d; e++) {
                         const uint32_t qw = QW[(size_t)(r0 + r) * dw + e / 2];
                         sum += fw_cvt_bf16_f32((uint16_t)(qw >> (16 * (e % 2)))) *
-                               fw_cvt_bf16_f32(((const uint16_t *)kr[x])[e]);
+                               (dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)kr[x])[e])
+                                              : fw_cvt_f8_f32(((const uint8_t *)kr[x])[e], dt));
                     }
                     *sp = sum * scale;
                 }

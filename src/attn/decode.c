@@ -237,7 +237,8 @@ static void dec_access(dec_item *D)
      * f32 1K hot 0.95x the time (1 thread 0.89x), 3 caches 0.80x, 24 caches 0.98x, 32K
      * 0.91x, batch 16 at 4K 0.90x; bf16 1K hot 0.99x, 3 caches 0.98x, 32K 0.94x, from DRAM
      * and batch 16 at 4K level; vLLM's vec layout level. */
-    D->bf16_rows = D->bf16 && p->k->dtype == FW_BF16 && p->ks[2] == 1; /* bf16 products on bf16 key rows */
+    /* bf16 products on bf16 key rows, or an fp8 cache's (read as their bf16) */
+    D->bf16_rows = D->bf16 && (p->k->dtype == FW_BF16 || fw_is_f8(p->k->dtype)) && p->ks[2] == 1;
     const int hint = !(D->bf16 && D->kt->native_bf16 == FW_BF16_TILES);
     D->kin = hint && (D->bf16 ? D->bf16_rows : D->kcols ? p->k->dtype == FW_F32 : p->ks[2] == 1);
     D->vin = hint && D->vdirect;
@@ -360,7 +361,7 @@ static void dec_scores(const dec_item *D, const dec_tile *T, int64_t u, const vo
     const uint32_t *QWu = D->QW + (size_t)u * R * dw;
     const float qscale = dec_qscale(D, u);
     if (D->bf16_rows) {
-        kt->dec.qk_rows_bf16(R, nk, d, QWu, rows, qscale, kil ? nrows : NULL, nx, D->S);
+        kt->dec.qk_rows_bf16(R, nk, d, QWu, rows, p->k->dtype, qscale, kil ? nrows : NULL, nx, D->S);
     } else if (D->kcols) {
         if (D->bf16) {
             kt->dec.pack_kt_cols_bf16(rows[0], p->k->dtype, p->ks[2], nk, d, D->KtW);

@@ -237,20 +237,17 @@ FW_INLINE void transpose16(const __m512i r[16], __m512i out[16])
     }
 }
 
-/* Elements c0 .. c0 + 15 of row x (dtype f32, f16 or an 8-bit float) as f32, those outside
- * k zero (and not read). */
+/* Elements c0 .. c0 + 15 of row x (dtype f32 or f16) as f32, those outside k zero (and not
+ * read). */
 FW_INLINE vf masked_f32(const void *x, fw_dtype dt, int c0, __mmask16 k)
 {
     if (dt == FW_F32)
         return _mm512_maskz_loadu_ps(k, (const float *)x + c0);
-    if (dt == FW_F16)
-        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)x + c0));
-    return vf8_widened(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(k, (const uint8_t *)x + c0)), dt);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)x + c0));
 }
 
 /* 16 words of the pair layout from value rows `even`, `odd` (NULL: zeros) of dtype dt,
- * columns c0 .. c0 + cn - 1 (cn <= 16, zero past): word c = (even[c], odd[c]) in bf16; dt any
- * input dtype or an 8-bit float (a cache's value rows). */
+ * columns c0 .. c0 + cn - 1 (cn <= 16, zero past): word c = (even[c], odd[c]) in bf16. */
 FW_INLINE __m512i pair_words(const void *even, const void *odd, fw_dtype dt, int c0, int cn)
 {
     const __mmask16 k = (__mmask16)((1u << cn) - 1);
@@ -299,8 +296,9 @@ static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VT)
  * Rows past R are zero and dropped; S^T is transposed into S's rows on the way out. */
 
 /* S[r][j] = scale * QW[r] . K[j] over ceil(d/2) words for r < R, j < nk; 0 for j in
- * [nk, FW_DEC_KEYS). K rows are bf16, contiguous. */
-static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows,
+ * [nk, FW_DEC_KEYS). K rows are contiguous, bf16 or fp8 (an fp8 cache's: looked up as bf16
+ * into the A tile's copy, vf8_bf16_lanes). */
+static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows, fw_dtype dt,
                              float scale, const void *const *next, int nn, float *S)
 {
     (void)next; /* (tile loads take no prefetch hint: attn/decode.c prefetches for them) */
@@ -328,16 +326,20 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
                 break;
             const char *k0 = (const char *)rows[j0] + (size_t)w0 * 4;
             const int64_t ks = kn > 1 ? (const char *)rows[j0 + 1] - (const char *)rows[j0] : 0;
-            int direct = kn == TW && whole_words;
+            int direct = kn == TW && whole_words && dt == FW_BF16;
             for (int i = 2; direct && i < TW; i++)
                 direct = (const char *)rows[j0 + i] - (const char *)rows[j0] == i * ks;
             const void *a = k0;
             int64_t as = ks;
             if (!direct) {
                 memset(ta, 0, sizeof ta);
-                for (int i = 0; i < kn; i++) {
-                    const uint16_t *kr = (const uint16_t *)rows[j0 + i] + 2 * w0;
-                    memcpy(ta + i * TW, kr, (size_t)(2 * cw - (w0 + cw > d / 2 && (d & 1))) * sizeof(uint16_t));
+                const int ne = 2 * cw - (w0 + cw > d / 2 && (d & 1)); /* elements of the block in a row */
+                for (int i = 0; i < kn && dt == FW_BF16; i++)
+                    memcpy(ta + i * TW, (const uint16_t *)rows[j0 + i] + 2 * w0, (size_t)ne * sizeof(uint16_t));
+                const __mmask32 ke = ne == 2 * TW ? 0xffffffffu : (__mmask32)((1u << ne) - 1);
+                for (int i = 0; i < kn && dt != FW_BF16; i++) {
+                    const __m256i b = _mm256_maskz_loadu_epi8(ke, (const uint8_t *)rows[j0 + i] + 2 * w0);
+                    _mm512_store_si512(ta + i * TW, vf8_bf16_lanes(_mm512_cvtepu8_epi16(b), dt));
                 }
                 a = ta;
                 as = 64;
@@ -391,7 +393,8 @@ static void pack_p(int R, int nk, const float *P, uint32_t *PW, uint32_t *pa, in
 
 /* O[r][c] += sum_j P[r][j] V[j][c], P rounded to bf16 pairs (into PW, R x FW_DEC_KEYS / 2
  * words, as the contract has it) and V rows of dtype dt read in place, two keys a word. bf16
- * rows are paired by unpacking 32 columns of two rows at once, which leaves the columns of
+ * rows (and an fp8 cache's, looked up as bf16: vf8_bf16_lanes) are paired by unpacking 32
+ * columns of two rows at once, which leaves the columns of
  * each 16-word half in the order of the unpack (4 of every 8); the sums are put back in
  * column order as they are added to O, once per call. Measured (4 rows, 64 keys, dv 128,
  * cache-hot): pairing 16 columns at a time by widening was 1.04 us a call, slower than
@@ -417,11 +420,15 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
         for (int w = 0; w < 2 * TW && w < ((nw + TW - 1) / TW) * TW; w++) {
             const int e = 2 * w, o = e + 1;
             __m512i ev = _mm512_setzero_si512(), od = _mm512_setzero_si512();
-            if (dt == FW_BF16) {
-                if (e < nk)
+            if (dt == FW_BF16 || fw_is_f8(dt)) {
+                if (dt == FW_BF16 && e < nk)
                     ev = _mm512_maskz_loadu_epi16(kc, (const uint16_t *)V[e] + c0);
-                if (o < nk)
+                if (dt == FW_BF16 && o < nk)
                     od = _mm512_maskz_loadu_epi16(kc, (const uint16_t *)V[o] + c0);
+                if (dt != FW_BF16 && e < nk) /* (zero bytes past kc: zeros) */
+                    ev = vf8_bf16_lanes(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kc, (const uint8_t *)V[e] + c0)), dt);
+                if (dt != FW_BF16 && o < nk)
+                    od = vf8_bf16_lanes(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kc, (const uint8_t *)V[o] + c0)), dt);
                 _mm512_store_si512(lo + w * TW, _mm512_unpacklo_epi16(ev, od));
                 _mm512_store_si512(hi + w * TW, _mm512_unpackhi_epi16(ev, od));
             } else {

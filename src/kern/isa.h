@@ -36,7 +36,7 @@
  *   PEAK_CHAINS  independent FMA chains of the peak microbenchmark (more than latency x pipes)
  * Optional: ISA_WORD_OPERAND with vw, vload_word and vdpbf_by (below); DEC_PV_EO with
  * vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even and odd columns, where that
- * beats vpair_rows_bf16's order: AVX2); DQ_NB, the decode's blocks of key rows side by side
+ * beats vpair_bits' order: AVX2); ISA_F8_BITS with vload_f8_bits (AVX-512: a table lookup); DQ_NB, the decode's blocks of key rows side by side
  * (attn/dec_kern.h; 1 unless said: NEON 4); ISA_MMLA with vmmla, vzip_words, vzip_halves and
  * vload_halves (below), a 2x2 block product on VL 4 that mm's bf16 products and the bf16 peak
  * then run on (kern/mm_mmla.h: NEON with BF16, BFMMLA).
@@ -149,9 +149,27 @@ static inline vf vload_halves(const uint32_t *p0, const uint32_t *p1);
 static inline vf vbf16_pair(vf even, vf odd);
 /* The 2 VL elements lo, hi of a row rounded to bf16, in order: word l = (x[2l], x[2l+1]). */
 static inline vf vbf16_row(vf lo, vf hi);
-/* Words (r0[c], r1[c]) of two bf16 rows for 2 VL columns c, in an ISA's order that
- * vcols_to_pairs and vpairs_to_cols share (lo and hi hold the 2 VL columns between them). */
-static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi);
+/* Words (a[c], b[c]) of two rows' 2 VL bf16 each (as vload_bits reads a bf16 row: element c
+ * of a in word c / 2, half c % 2) for 2 VL columns c, in an ISA's order that vcols_to_pairs
+ * and vpairs_to_cols share (lo and hi hold the 2 VL columns between them). */
+static inline void vpair_bits(vf a, vf b, vf *lo, vf *hi);
+/* The same from two bf16 rows r0 and r1 in memory. */
+static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
+{
+    vpair_bits(vload_bits(r0), vload_bits(r1), lo, hi);
+}
+/* The 2 VL 8-bit floats (FW_F8E4M3, FW_F8E5M2) of src from element i as bf16, exact (every
+ * value of both fits bf16; a NaN stays a NaN of its sign), in order: a bf16 row's 2 VL
+ * elements as vload_bits reads them. A layer with a faster form than rounding vload_in's
+ * defines ISA_F8_BITS and its own. */
+#ifdef ISA_F8_BITS
+static inline vf vload_f8_bits(const void *src, fw_dtype dt, int64_t i);
+#else
+static inline vf vload_f8_bits(const void *src, fw_dtype dt, int64_t i)
+{
+    return vbf16_row(vload_in(src, dt, i), vload_in(src, dt, i + VL));
+}
+#endif
 /* 2 VL f32 columns of o in vpair_rows_bf16's order, and back. */
 static inline void vcols_to_pairs(const float *o, vf *lo, vf *hi);
 static inline void vpairs_to_cols(float *o, vf lo, vf hi);

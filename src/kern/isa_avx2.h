@@ -198,13 +198,13 @@ static inline vf vbf16_row(vf lo, vf hi)
     return _mm256_castsi256_ps(_mm256_permute4x64_epi64(p, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
-/* Pair words of two bf16 rows, 2 VL columns (see isa_avx512.h): lane L of lo holds columns
+/* Pair words of two rows' bf16, 2 VL columns (see isa_avx512.h): lane L of lo holds columns
  * 8L .. 8L+3, of hi 8L+4 .. 8L+7. */
-static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
+static inline void vpair_bits(vf a, vf b, vf *lo, vf *hi)
 {
-    const __m256i a = _mm256_loadu_si256((const __m256i *)r0), b = _mm256_loadu_si256((const __m256i *)r1);
-    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(a, b));
-    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(a, b));
+    const __m256i x = _mm256_castps_si256(a), y = _mm256_castps_si256(b);
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(x, y));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(x, y));
 }
 
 /* 2 VL f32 columns of o in vpair_rows_bf16's order, and back. */

@@ -248,12 +248,12 @@ static inline vf vbf16_row(vf lo, vf hi)
     return vreinterpretq_f32_u16(h);
 }
 
-/* Pair words of two bf16 rows, 2 VL columns in order: lo holds columns 0..3, hi 4..7. */
-static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
+/* Pair words of two rows' bf16, 2 VL columns in order: lo holds columns 0..3, hi 4..7. */
+static inline void vpair_bits(vf a, vf b, vf *lo, vf *hi)
 {
-    const uint16x8_t a = vld1q_u16(r0), b = vld1q_u16(r1);
-    *lo = vreinterpretq_f32_u16(vzip1q_u16(a, b));
-    *hi = vreinterpretq_f32_u16(vzip2q_u16(a, b));
+    const uint16x8_t x = vreinterpretq_u16_f32(a), y = vreinterpretq_u16_f32(b);
+    *lo = vreinterpretq_f32_u16(vzip1q_u16(x, y));
+    *hi = vreinterpretq_f32_u16(vzip2q_u16(x, y));
 }
 
 /* 2 VL f32 columns of o in vpair_rows_bf16's order (their own), and back. */

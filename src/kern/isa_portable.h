@@ -118,10 +118,13 @@ static inline void vstream_fence(void) {}
 
 static inline int vstore2_native(void *dst, fw_dtype dt, int64_t i, vf lo, vf hi, int nt) { return 0; }
 
-/* Pair words of two bf16 rows, 2 columns: lo for column 0, hi for column 1. */
-static inline void vpair_rows_bf16(const uint16_t *r0, const uint16_t *r1, vf *lo, vf *hi)
+/* Pair words of two rows' bf16, 2 columns: lo for column 0, hi for column 1. */
+static inline void vpair_bits(vf a, vf b, vf *lo, vf *hi)
 {
-    const uint32_t w0 = (uint32_t)r0[0] | (uint32_t)r1[0] << 16, w1 = (uint32_t)r0[1] | (uint32_t)r1[1] << 16;
+    uint32_t x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    const uint32_t w0 = (x & 0xffffu) | y << 16, w1 = x >> 16 | (y & 0xffff0000u);
     memcpy(lo, &w0, 4);
     memcpy(hi, &w1, 4);
 }
