@@ -324,21 +324,13 @@ static void pack_kt_bf16(const void *const *rows, fw_dtype dt, int64_t kdim, int
                 for (int c = 0; c < VL; c++)
                     vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
             }
-        if (kdim == 1 && fw_is_f8(dt)) /* (fp8 caches: their words, exact) */
+        if (kdim == 1 && dt != FW_BF16) /* (fp8 caches: their words, exact) */
             for (; w0 + VL <= d / 2; w0 += VL) {
                 vf r[VL];
                 for (int i = 0; i < VL; i++)
-                    r[i] = j0 + i < nk ? vload_f8_bits(rows[j0 + i], dt, 2 * w0) : vzero();
-                vtranspose(r);
-                for (int c = 0; c < VL; c++)
-                    vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
-            }
-        if (kdim == 1 && dt != FW_BF16 && !fw_is_f8(dt))
-            for (; w0 + VL <= d / 2; w0 += VL) {
-                vf r[VL];
-                for (int i = 0; i < VL; i++)
-                    r[i] = j0 + i < nk ? vbf16_row(vload_in(rows[j0 + i], dt, 2 * w0), vload_in(rows[j0 + i], dt, 2 * w0 + VL))
-                                       : vzero();
+                    r[i] = j0 + i >= nk     ? vzero()
+                           : fw_is_f8(dt) ? vload_f8_bits(rows[j0 + i], dt, 2 * w0)
+                                          : vbf16_row(vload_in(rows[j0 + i], dt, 2 * w0), vload_in(rows[j0 + i], dt, 2 * w0 + VL));
                 vtranspose(r);
                 for (int c = 0; c < VL; c++)
                     vstore((float *)KtW + (size_t)(w0 + c) * FW_DEC_KEYS + j0, r[c]);
@@ -916,8 +908,7 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
                     for (int e = 2 * wvec; e < d; e++) {
                         const uint32_t qw = QW[(size_t)(r0 + r) * dw + e / 2];
                         sum += fw_cvt_bf16_f32((uint16_t)(qw >> (16 * (e % 2)))) *
-                               (dt == FW_BF16 ? fw_cvt_bf16_f32(((const uint16_t *)kr[x])[e])
-                                              : fw_cvt_f8_f32(((const uint8_t *)kr[x])[e], dt));
+                               load_as_f32(kr[x], dt, e);
                     }
                     *sp = sum * scale;
                 }

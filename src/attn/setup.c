@@ -372,7 +372,7 @@ static fw_status kv_check_tensors(const fw_tensor *q, const fw_tensor *k_new, co
     if (k_new) {
         if ((s = fw_check_tensor(k_new, "k_new", 3, FW_DT_IN)) || (s = fw_check_tensor(v_new, "v_new", 3, FW_DT_IN)))
             return s;
-        const int f8 = (FW_DT_F8 >> kc->dtype) & 1;
+        const int f8 = fw_is_f8(kc->dtype);
         if (f8 && k_new->dtype != v_new->dtype)
             return fw_fail(FW_ERR_DTYPE, "k_new is %s but v_new is %s; they must match (an %s cache "
                            "quantises either)", fw_dtype_name(k_new->dtype), fw_dtype_name(v_new->dtype),
@@ -396,7 +396,7 @@ static fw_status kv_check_tensors(const fw_tensor *q, const fw_tensor *k_new, co
  * finite and > 0; other caches take none. */
 static fw_status kv_check_descales(const fw_kv_cache *cache, int64_t batch)
 {
-    const int f8 = (FW_DT_F8 >> cache->k.dtype) & 1;
+    const int f8 = fw_is_f8(cache->k.dtype);
     const fw_tensor *t[2] = {cache->k_descale, cache->v_descale};
     const char *names[2] = {"cache.k_descale", "cache.v_descale"};
     if (!f8) {

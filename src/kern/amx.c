@@ -246,6 +246,15 @@ FW_INLINE vf masked_f32(const void *x, fw_dtype dt, int c0, __mmask16 k)
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)x + c0));
 }
 
+/* Elements e0 .. e0 + 31 of a bf16 or fp8 row as 32 bf16 lanes, those outside k zero (and
+ * not read); fp8 looked up as bf16 (vf8_bf16_lanes). */
+FW_INLINE __m512i bf16_lanes(const void *row, fw_dtype dt, int e0, __mmask32 k)
+{
+    if (dt == FW_BF16)
+        return _mm512_maskz_loadu_epi16(k, (const uint16_t *)row + e0);
+    return vf8_bf16_lanes(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(k, (const uint8_t *)row + e0)), dt);
+}
+
 /* 16 words of the pair layout from value rows `even`, `odd` (NULL: zeros) of dtype dt,
  * columns c0 .. c0 + cn - 1 (cn <= 16, zero past): word c = (even[c], odd[c]) in bf16. */
 FW_INLINE __m512i pair_words(const void *even, const void *odd, fw_dtype dt, int c0, int cn)
@@ -297,7 +306,7 @@ static void pack_vw(const void *X, fw_dtype dt, int n, int cols, uint32_t *VT)
 
 /* S[r][j] = scale * QW[r] . K[j] over ceil(d/2) words for r < R, j < nk; 0 for j in
  * [nk, FW_DEC_KEYS). K rows are contiguous, bf16 or fp8 (an fp8 cache's: looked up as bf16
- * into the A tile's copy, vf8_bf16_lanes). */
+ * into the A tile's copy, bf16_lanes). */
 static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const void *const *rows, fw_dtype dt,
                              float scale, const void *const *next, int nn, float *S)
 {
@@ -332,15 +341,11 @@ static void dec_qk_rows_bf16(int R, int nk, int d, const uint32_t *QW, const voi
             const void *a = k0;
             int64_t as = ks;
             if (!direct) {
-                memset(ta, 0, sizeof ta);
+                memset(ta + kn * TW, 0, (size_t)(TW - kn) * TW * sizeof(uint32_t));
                 const int ne = 2 * cw - (w0 + cw > d / 2 && (d & 1)); /* elements of the block in a row */
-                for (int i = 0; i < kn && dt == FW_BF16; i++)
-                    memcpy(ta + i * TW, (const uint16_t *)rows[j0 + i] + 2 * w0, (size_t)ne * sizeof(uint16_t));
                 const __mmask32 ke = ne == 2 * TW ? 0xffffffffu : (__mmask32)((1u << ne) - 1);
-                for (int i = 0; i < kn && dt != FW_BF16; i++) {
-                    const __m256i b = _mm256_maskz_loadu_epi8(ke, (const uint8_t *)rows[j0 + i] + 2 * w0);
-                    _mm512_store_si512(ta + i * TW, vf8_bf16_lanes(_mm512_cvtepu8_epi16(b), dt));
-                }
+                for (int i = 0; i < kn; i++)
+                    _mm512_store_si512(ta + i * TW, bf16_lanes(rows[j0 + i], dt, 2 * w0, ke));
                 a = ta;
                 as = 64;
             }
@@ -393,7 +398,7 @@ static void pack_p(int R, int nk, const float *P, uint32_t *PW, uint32_t *pa, in
 
 /* O[r][c] += sum_j P[r][j] V[j][c], P rounded to bf16 pairs (into PW, R x FW_DEC_KEYS / 2
  * words, as the contract has it) and V rows of dtype dt read in place, two keys a word. bf16
- * rows (and an fp8 cache's, looked up as bf16: vf8_bf16_lanes) are paired by unpacking 32
+ * rows (and an fp8 cache's, looked up as bf16: bf16_lanes) are paired by unpacking 32
  * columns of two rows at once, which leaves the columns of
  * each 16-word half in the order of the unpack (4 of every 8); the sums are put back in
  * column order as they are added to O, once per call. Measured (4 rows, 64 keys, dv 128,
@@ -421,14 +426,10 @@ static void dec_pv_bf16(int R, int nk, int dv, const float *P, const void *const
             const int e = 2 * w, o = e + 1;
             __m512i ev = _mm512_setzero_si512(), od = _mm512_setzero_si512();
             if (dt == FW_BF16 || fw_is_f8(dt)) {
-                if (dt == FW_BF16 && e < nk)
-                    ev = _mm512_maskz_loadu_epi16(kc, (const uint16_t *)V[e] + c0);
-                if (dt == FW_BF16 && o < nk)
-                    od = _mm512_maskz_loadu_epi16(kc, (const uint16_t *)V[o] + c0);
-                if (dt != FW_BF16 && e < nk) /* (zero bytes past kc: zeros) */
-                    ev = vf8_bf16_lanes(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kc, (const uint8_t *)V[e] + c0)), dt);
-                if (dt != FW_BF16 && o < nk)
-                    od = vf8_bf16_lanes(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(kc, (const uint8_t *)V[o] + c0)), dt);
+                if (e < nk)
+                    ev = bf16_lanes(V[e], dt, c0, kc);
+                if (o < nk)
+                    od = bf16_lanes(V[o], dt, c0, kc);
                 _mm512_store_si512(lo + w * TW, _mm512_unpacklo_epi16(ev, od));
                 _mm512_store_si512(hi + w * TW, _mm512_unpackhi_epi16(ev, od));
             } else {

@@ -36,8 +36,9 @@
  *   PEAK_CHAINS  independent FMA chains of the peak microbenchmark (more than latency x pipes)
  * Optional: ISA_WORD_OPERAND with vw, vload_word and vdpbf_by (below); DEC_PV_EO with
  * vcols_to_eo / veo_to_cols (the decode's bf16 value rows as even and odd columns, where that
- * beats vpair_bits' order: AVX2); ISA_F8_BITS with vload_f8_bits (AVX-512: a table lookup); DQ_NB, the decode's blocks of key rows side by side
- * (attn/dec_kern.h; 1 unless said: NEON 4); ISA_MMLA with vmmla, vzip_words, vzip_halves and
+ * beats vpair_bits' order: AVX2); ISA_F8_BITS with vload_f8_bits (AVX-512: a table lookup);
+ * DQ_NB, the decode's blocks of key rows side by side (attn/dec_kern.h; 1 unless said: NEON
+ * 4); ISA_MMLA with vmmla, vzip_words, vzip_halves and
  * vload_halves (below), a 2x2 block product on VL 4 that mm's bf16 products and the bf16 peak
  * then run on (kern/mm_mmla.h: NEON with BF16, BFMMLA).
  */
