@@ -28,7 +28,11 @@ print-python:
 
 # Every configure of a build directory names the same Python (FindPython caches what it
 # found; configuring one directory with two Pythons loses the fast path's target)
-PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON))
+PY_CMAKE = $(if $(PYTHON),-DPython3_EXECUTABLE=$(PYTHON)) \
+           $(if $(JAX_INCLUDE),-DFW_JAX_INCLUDE=$(JAX_INCLUDE))
+# flywheel.jax's FFI handlers build against the header of .venv's jaxlib once .venv has it
+# (make test installs it; the Python tests' `build` then adds the handlers)
+JAX_INCLUDE = $(firstword $(wildcard $(abspath $(VENV))/lib/python3*/site-packages/jaxlib/include))
 
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)

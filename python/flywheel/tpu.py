@@ -52,8 +52,13 @@ through DLPack, or numpy where DLPack has no code for the dtype, e.g. bfloat16).
 back in q's family: numpy, torch, or JAX (a new JAX array). Caches: numpy arrays and torch
 tensors are updated in place and returned (the same objects); JAX arrays cannot be written,
 so a JAX cache is copied, updated, and returned as a new JAX array, which the caller must
-rebind (as the original asks too: it donates its caches). Calls run eagerly on the CPU and
-cannot run inside jax.jit (traced arrays raise TypeError).
+rebind (as the original asks too: it donates its caches).
+
+Under jax.jit (traced values), flash_attn_func (head-major or token_major) and
+flash_attn_with_kvcache (contiguous caches) run as XLA FFI custom calls (flywheel.jax): the
+same kernels and bits, differentiable, with donated caches appended to in place. The other
+forms (heads_outer_fold, rotary tables, paged caches, cu_seqlens_q, cache_batch_idx,
+num_active, and flash_attn_varlen_func) raise NotImplementedError or TypeError there.
 
 interpret is accepted and ignored (there is no Pallas interpreter here), so is block_sizes
 of flash_attn_varlen_func (a TPU tile choice; checked as the original checks it), and
@@ -105,11 +110,10 @@ def _is_jax(x):
 
 
 def _check_not_traced(x, name):
-    jax = sys.modules.get("jax")
-    tracer = getattr(getattr(jax, "core", None), "Tracer", None)
-    if tracer is not None and isinstance(x, tracer):
-        raise TypeError(f"{name} is a traced JAX value: flywheel.tpu runs eagerly on the CPU "
-                        "and cannot be called inside jax.jit / vmap / grad")
+    if _traced(x):
+        raise TypeError(f"{name} is a traced JAX value: this form of the call runs eagerly on "
+                        "the CPU only; under jax.jit / vmap / grad flywheel.tpu serves "
+                        "flash_attn_func and flash_attn_with_kvcache on contiguous caches")
 
 
 def _host(x, name):
@@ -383,15 +387,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     del interpret, deterministic  # no effect here (see above)
     window = _common(window_size, dropout_p, softcap, alibi_slopes, return_attn_probs)
-    sinks = _sinks(sinks, s_aux)
     if attention_chunk is not None:
         raise NotImplementedError("attention_chunk is not supported")
     if type(heads_outer_fold) is not bool:
         raise TypeError("heads_outer_fold must be a bool")
-    rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
     if heads_outer_fold and (token_major or return_softmax_lse):
         raise NotImplementedError("heads_outer_fold is a head-major layout without "
                                   "return_softmax_lse (as in the original)")
+    if _traced(q, k, v, sinks, s_aux):
+        if rotary_cos is not None or rotary_sin is not None or heads_outer_fold:
+            raise NotImplementedError("rotary tables and heads_outer_fold are not served under "
+                                      "jax.jit / grad / vmap yet: call eagerly")
+        return _jitted_func(q, k, v, softmax_scale, causal, window, softcap,
+                            return_softmax_lse, head_dim, token_major, sinks, s_aux)
+    sinks = _sinks(sinks, s_aux)
+    rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
     jax_out = _is_jax(q)
     q, k, v = _host(q, "q"), _host(k, "k"), _host(v, "v")
     if token_major:
@@ -430,6 +440,44 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if return_softmax_lse:
         return _export(out, jax_out), _export(r[1], jax_out)
     return _export(out, jax_out)
+
+
+def _traced(*xs):
+    """Whether any argument is a traced JAX value (inside jax.jit, grad or vmap)."""
+    jax = sys.modules.get("jax")
+    tracer = getattr(getattr(jax, "core", None), "Tracer", None)
+    return tracer is not None and any(isinstance(x, tracer) for x in xs)
+
+
+def _jitted_func(q, k, v, softmax_scale, causal, window, softcap, return_softmax_lse,
+                 head_dim, token_major, sinks, s_aux):
+    """flash_attn_func on traced JAX values: flywheel.jax's FFI call, in the head-major layout
+    (strides, no transpose) or on the token-major fused layout reshaped to [b, s, h, d]."""
+    from . import jax as fj
+    if token_major:
+        hq, hkv, d, dv = _token_major_heads(q, k, v, head_dim, 3)
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"Incompatible shapes: q {_shape(q)} vs k {_shape(k)}")
+        b, sq = q.shape[0], q.shape[1]
+        r = fj.flash_attn_func(q.reshape(b, sq, hq, d), k.reshape(k.shape[0], k.shape[1], hkv, d),
+                               v.reshape(v.shape[0], v.shape[1], hkv, dv),
+                               softmax_scale=softmax_scale, causal=causal, window_size=window,
+                               softcap=softcap, return_softmax_lse=True, sinks=sinks, s_aux=s_aux)
+        out = r[0].reshape(b, sq, hq * dv)
+    else:
+        if head_dim is not None:
+            raise ValueError("head_dim is only meaningful for token-major (..., seqlen, "
+                             "nheads * head_dim) inputs; 4-D inputs carry the split in their "
+                             "shape")
+        if _ndim(q) != 4 or _ndim(k) != 4 or _ndim(v) != 4:
+            raise ValueError(f"q/k/v must be 4-D (batch, nheads, seqlen, headdim); got "
+                             f"{_shape(q)}, {_shape(k)}, {_shape(v)}")
+        _check_qkv(q, k, v, [0], 1)
+        r = fj.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window, softcap=softcap, return_softmax_lse=True,
+                               head_major=True, sinks=sinks, s_aux=s_aux)
+        out = r[0]
+    return (out, r[1]) if return_softmax_lse else out
 
 
 def _check_block_sizes(block_sizes):
@@ -630,6 +678,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     """
     del interpret  # no effect here (see the module docstring)
     window = _common(window_size, softcap=softcap)
+    if _traced(q, k_cache, v_cache, k, v, cache_seqlens, sinks, s_aux):
+        if any(x is not None for x in (cache_batch_idx, block_table, num_active, cu_seqlens_q)):
+            raise NotImplementedError("under jax.jit, flywheel.tpu serves contiguous caches "
+                                      "without cache_batch_idx, num_active or cu_seqlens_q so "
+                                      "far: call eagerly for the others")
+        if _ndim(q) != 4:
+            raise ValueError(f"q must be (batch, seqlen_q, nheads, head_dim); got {_shape(q)}")
+        if v_cache is None or _shape(v_cache) != _shape(k_cache):
+            raise ValueError("Without block_table, k_cache and v_cache must be separate "
+                             "(batch_cache, capacity, nheads_k, head_dim) caches of one shape; "
+                             f"got {_shape(k_cache)}, {None if v_cache is None else _shape(v_cache)}")
+        from . import jax as fj
+        return fj.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                          softmax_scale=softmax_scale, causal=causal,
+                                          window_size=window, softcap=softcap,
+                                          return_softmax_lse=return_softmax_lse, sinks=sinks,
+                                          s_aux=s_aux)
     sinks = _sinks(sinks, s_aux)
     jax_out = _is_jax(q)
     q = _host(q, "q")

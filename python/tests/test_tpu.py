@@ -487,13 +487,6 @@ def test_jax_merged_cache_comes_back_updated():
         close(np.asarray(out[i], np.float64), ro, "bfloat16", f"row {i}")
 
 
-@needs_jax
-def test_jax_under_jit_is_refused():
-    x = jnp.zeros((1, 1, 4, 8), jnp.float32)
-    with pytest.raises(TypeError, match="traced"):
-        jax.jit(lambda a: tpu.flash_attn_func(a, a, a))(x)
-
-
 # -------------------------------------------------------------------------- refusals --
 
 def test_options_flywheel_lacks_raise_not_implemented():
