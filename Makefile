@@ -37,7 +37,7 @@ JAX_INCLUDE = $(firstword $(wildcard $(abspath $(VENV))/lib/python3*/site-packag
 # the package from the tree, on the library just built
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
-.PHONY: all build run benchmarks test test-c test-python docs test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls \
+.PHONY: all build run benchmarks test test-c test-python docs test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls bench-jax \
         bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
@@ -135,6 +135,11 @@ compare: build $(VENV)/.compare-deps
 # same call from C (bench/bench_calls.py).
 bench-calls: build $(VENV)/.test-deps
 	$(TREE_ENV) $(VENV)/bin/python bench/bench_calls.py
+
+# flywheel's calls under jax.jit (flywheel.jax's FFI custom calls) against the same kernels
+# without JAX, and a jitted attention block against its parts (bench/bench_jax.py)
+bench-jax: build $(VENV)/.test-deps
+	$(TREE_ENV) $(VENV)/bin/python bench/bench_jax.py
 
 # A Qwen3-Next-style hybrid model (0.6 B, seeded weights) in transformers, default kernels
 # against flywheel's: prefill 2K and 8K, 32 decode steps, bf16 and f32, logits agreement,

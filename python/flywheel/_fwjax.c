@@ -42,14 +42,31 @@ typedef struct {
     fw_status (*kvcache_fwd)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const int32_t *, int64_t,
                              const fw_kv_cache *, const fw_tensor *, const fw_tensor *,
                              const fw_attn_params *);
+    fw_status (*varlen_fwd)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const int32_t *,
+                            const int32_t *, int64_t, const fw_tensor *, const fw_tensor *,
+                            const fw_attn_params *);
+    fw_status (*varlen_bwd)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                            const fw_tensor *, const fw_tensor *, const int32_t *, const int32_t *, int64_t,
+                            const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_attn_params *);
+    void (*layer_params_init)(fw_gdn_layer_params *);
+    fw_status (*gdn_layer)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                           const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_gdn_batch *,
+                           const fw_gdn_caches *, const fw_tensor *, const fw_gdn_layer_params *);
+    fw_status (*gdn_layer_replay)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                  const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_gdn_batch *,
+                                  const fw_gdn_caches *, const fw_gdn_replay *, const fw_tensor *,
+                                  const fw_gdn_layer_params *);
 } fwjax_api;
 
 static fwjax_api api;
 
 /* Binds the library's functions (jax.py passes them in this order); 0 on success. */
-FWJAX_API int fwjax_bind(void *params_init, void *last_error, void *attn_fwd, void *attn_bwd, void *kvcache_fwd)
+FWJAX_API int fwjax_bind(void *params_init, void *last_error, void *attn_fwd, void *attn_bwd, void *kvcache_fwd,
+                         void *varlen_fwd, void *varlen_bwd, void *layer_params_init, void *gdn_layer,
+                         void *gdn_layer_replay)
 {
-    if (!params_init || !last_error || !attn_fwd || !attn_bwd || !kvcache_fwd)
+    if (!params_init || !last_error || !attn_fwd || !attn_bwd || !kvcache_fwd || !varlen_fwd || !varlen_bwd ||
+        !layer_params_init || !gdn_layer || !gdn_layer_replay)
         return 1;
     api.params_init = (void (*)(fw_attn_params *))params_init;
     api.last_error = (const char *(*)(void))last_error;
@@ -61,6 +78,21 @@ FWJAX_API int fwjax_bind(void *params_init, void *last_error, void *attn_fwd, vo
     api.kvcache_fwd = (fw_status(*)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const int32_t *,
                                     int64_t, const fw_kv_cache *, const fw_tensor *, const fw_tensor *,
                                     const fw_attn_params *))kvcache_fwd;
+    api.varlen_fwd = (fw_status(*)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const int32_t *,
+                                   const int32_t *, int64_t, const fw_tensor *, const fw_tensor *,
+                                   const fw_attn_params *))varlen_fwd;
+    api.varlen_bwd = (fw_status(*)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                   const fw_tensor *, const fw_tensor *, const int32_t *, const int32_t *, int64_t,
+                                   const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                   const fw_attn_params *))varlen_bwd;
+    api.layer_params_init = (void (*)(fw_gdn_layer_params *))layer_params_init;
+    api.gdn_layer = (fw_status(*)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                  const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_gdn_batch *,
+                                  const fw_gdn_caches *, const fw_tensor *, const fw_gdn_layer_params *))gdn_layer;
+    api.gdn_layer_replay =
+        (fw_status(*)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                      const fw_tensor *, const fw_tensor *, const fw_gdn_batch *, const fw_gdn_caches *,
+                      const fw_gdn_replay *, const fw_tensor *, const fw_gdn_layer_params *))gdn_layer_replay;
     return 0;
 }
 
@@ -127,15 +159,42 @@ static int view(const XLA_FFI_Buffer *b, int head_major, fw_tensor *t)
         t->stride[i] = s;
         s *= b->dims[i] > 1 ? b->dims[i] : 1;
     }
-    if (head_major && b->rank == 4) {
-        int64_t x = t->shape[1];
-        t->shape[1] = t->shape[2];
-        t->shape[2] = x;
-        x = t->stride[1];
-        t->stride[1] = t->stride[2];
-        t->stride[2] = x;
+    if (head_major && b->rank >= 3) { /* [b, h, s, x] -> [b, s, h, x]; [h, t, x] -> [t, h, x] */
+        const int a = (int)b->rank - 3;
+        int64_t x = t->shape[a];
+        t->shape[a] = t->shape[a + 1];
+        t->shape[a + 1] = x;
+        x = t->stride[a];
+        t->stride[a] = t->stride[a + 1];
+        t->stride[a + 1] = x;
     }
     return 1;
+}
+
+/* An int32 buffer of the given rank, else NULL. */
+static const int32_t *ints(const XLA_FFI_Buffer *b, int64_t rank)
+{
+    return b && b->dtype == XLA_FFI_DataType_S32 && b->rank == rank ? (const int32_t *)b->data : NULL;
+}
+
+/* Rows [used, total) of a packed output [total, h, x] (x contiguous) set to zero, and of its
+ * lse [h, total] (when given) to -inf. */
+static void pad_rows(const fw_tensor *o, const fw_tensor *lse, int64_t used)
+{
+    const size_t es = o->dtype == FW_F32 ? 4 : 2;
+    for (int64_t r = used; r < o->shape[0]; r++)
+        for (int64_t h = 0; h < o->shape[1]; h++)
+            memset((char *)o->data + (size_t)(r * o->stride[0] + h * o->stride[1]) * es, 0, (size_t)o->shape[2] * es);
+    for (int64_t h = 0; lse && h < lse->shape[0]; h++)
+        for (int64_t r = used; r < lse->shape[1]; r++)
+            ((float *)lse->data)[h * lse->stride[0] + r] = -__builtin_inff();
+}
+
+/* The first n rows of a packed view (n <= its rows). */
+static fw_tensor rows(fw_tensor t, int64_t n)
+{
+    t.shape[0] = n;
+    return t;
 }
 
 /* A buffer's size in bytes (of the types fw_type takes). */
@@ -183,6 +242,7 @@ static void params(const XLA_FFI_CallFrame *f, fw_attn_params *p)
     p->window_left = (int64_t)num(f, "window_left", -1.0);
     p->window_right = (int64_t)num(f, "window_right", -1.0);
     p->softcap = (float)num(f, "softcap", 0.0);
+    p->threads = (int32_t)num(f, "threads", 0.0);
 }
 
 static XLA_FFI_Error *refused(const XLA_FFI_CallFrame *f) { return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, api.last_error()); }
@@ -190,6 +250,11 @@ static XLA_FFI_Error *refused(const XLA_FFI_CallFrame *f) { return error(f, XLA_
 static XLA_FFI_Error *bad_buffers(const XLA_FFI_CallFrame *f)
 {
     return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, "flywheel: an operand has a type or rank the call does not take");
+}
+
+static XLA_FFI_Error *bad(const XLA_FFI_CallFrame *f, const char *msg)
+{
+    return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, msg);
 }
 
 /* --------------------------------------------------------------- handlers -- */
@@ -232,61 +297,277 @@ FWJAX_API XLA_FFI_Error *fwjax_attn_bwd(XLA_FFI_CallFrame *f)
     return api.attn_bwd(&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv, &p) == FW_OK ? NULL : refused(f);
 }
 
-/* q [b, sq, hq, d] against contiguous caches [b, S, hkv, d|dv] holding cache_seqlens [b]
- * (int32) rows, after appending k_new / v_new [b, sq, hkv, d|dv] when given. */
+/* Rows a packed call's sequences own, cu[n] (n = batch, or the active sequences), if cu is
+ * [batch + 1] from 0 and cu[n] <= total; else -1. */
+static int64_t used_rows(const XLA_FFI_Buffer *b, int64_t n, int64_t total)
+{
+    const int32_t *cu = ints(b, 1);
+    if (!cu || b->dims[0] < 1 || n < 0 || n >= b->dims[0] || cu[0] != 0 || cu[n] < 0 || cu[n] > total)
+        return -1;
+    return cu[n];
+}
+
+FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
+{
+    if (metadata(f))
+        return NULL;
+    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+        return NULL;
+    const int hm = num(f, "head_major", 0.0) != 0.0;
+    fw_tensor q, k, v, s, out, lse;
+    if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
+        !view(buffer(f, 1, 0), hm, &out) || !view(buffer(f, 1, 1), 0, &lse) || q.ndim != 3 || k.ndim != 3 ||
+        out.ndim != 3 || lse.ndim != 2 || (f->args.size > 5 && !view(buffer(f, 0, 5), 0, &s)))
+        return bad_buffers(f);
+    const XLA_FFI_Buffer *cq = buffer(f, 0, 3), *ck = buffer(f, 0, 4);
+    const int64_t batch = cq && cq->rank == 1 ? cq->dims[0] - 1 : -1;
+    const int64_t uq = used_rows(cq, batch, q.shape[0]), uk = used_rows(ck, batch, k.shape[0]);
+    if (uq < 0 || uk < 0 || !ck || ck->rank != 1 || ck->dims[0] != batch + 1)
+        return bad(f, "flywheel: cu_seqlens_q and cu_seqlens_k must be int32 [batch + 1] from 0, "
+                      "their last entries within q's and k's rows");
+    fw_attn_params p;
+    params(f, &p);
+    p.sinks = f->args.size > 5 ? &s : NULL;
+    const fw_tensor q1 = rows(q, uq), k1 = rows(k, uk), v1 = rows(v, uk), o1 = rows(out, uq);
+    fw_tensor l1 = lse;
+    l1.shape[1] = uq;
+    if (api.varlen_fwd(&q1, &k1, &v1, (const int32_t *)cq->data, (const int32_t *)ck->data, batch, &o1, &l1, &p) !=
+        FW_OK)
+        return refused(f);
+    pad_rows(&out, &lse, uq);
+    return NULL;
+}
+
+FWJAX_API XLA_FFI_Error *fwjax_varlen_bwd(XLA_FFI_CallFrame *f)
+{
+    if (metadata(f))
+        return NULL;
+    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+        return NULL;
+    const int hm = num(f, "head_major", 0.0) != 0.0;
+    fw_tensor q, k, v, out, dout, lse, s, dq, dk, dv, ds;
+    if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
+        !view(buffer(f, 0, 3), hm, &out) || !view(buffer(f, 0, 4), hm, &dout) || !view(buffer(f, 0, 5), 0, &lse) ||
+        !view(buffer(f, 1, 0), hm, &dq) || !view(buffer(f, 1, 1), hm, &dk) || !view(buffer(f, 1, 2), hm, &dv) ||
+        q.ndim != 3 || k.ndim != 3 || dq.ndim != 3 || dk.ndim != 3 || dv.ndim != 3 || lse.ndim != 2 ||
+        (f->args.size > 8 && !view(buffer(f, 0, 8), 0, &s)) || (f->rets.size > 3 && !view(buffer(f, 1, 3), 0, &ds)))
+        return bad_buffers(f);
+    const XLA_FFI_Buffer *cq = buffer(f, 0, 6), *ck = buffer(f, 0, 7);
+    const int64_t batch = cq && cq->rank == 1 ? cq->dims[0] - 1 : -1;
+    const int64_t uq = used_rows(cq, batch, q.shape[0]), uk = used_rows(ck, batch, k.shape[0]);
+    if (uq < 0 || uk < 0 || !ck || ck->rank != 1 || ck->dims[0] != batch + 1)
+        return bad(f, "flywheel: cu_seqlens_q and cu_seqlens_k must be int32 [batch + 1] from 0, "
+                      "their last entries within q's and k's rows");
+    fw_attn_params p;
+    params(f, &p);
+    p.sinks = f->args.size > 8 ? &s : NULL;
+    p.dsinks = f->rets.size > 3 ? &ds : NULL;
+    const fw_tensor q1 = rows(q, uq), k1 = rows(k, uk), v1 = rows(v, uk), o1 = rows(out, uq), do1 = rows(dout, uq);
+    const fw_tensor dq1 = rows(dq, uq), dk1 = rows(dk, uk), dv1 = rows(dv, uk);
+    fw_tensor l1 = lse;
+    l1.shape[1] = uq;
+    if (api.varlen_bwd(&q1, &k1, &v1, &o1, &do1, &l1, (const int32_t *)cq->data, (const int32_t *)ck->data, batch,
+                       &dq1, &dk1, &dv1, &p) != FW_OK)
+        return refused(f);
+    pad_rows(&dq, NULL, uq);
+    pad_rows(&dk, NULL, uk);
+    pad_rows(&dv, NULL, uk);
+    return NULL;
+}
+
+/* The fewest r that split a page of P tokens into pages of at most 65536 (flywheel's
+ * largest). */
+static int64_t split_factor(int64_t P)
+{
+    int64_t r = 1;
+    while (P / r > 65536 || P % r)
+        r++;
+    return r;
+}
+
+/* A cache view [N, P, ...] as [N r, P / r, ...] (its pages are dense: stride0 = P stride1). */
+static void split_pages(fw_tensor *t, int64_t r)
+{
+    t->shape[0] *= r;
+    t->shape[1] /= r;
+    t->stride[0] = t->stride[1] * t->shape[1];
+}
+
 FWJAX_API XLA_FFI_Error *fwjax_kvcache(XLA_FFI_CallFrame *f)
 {
     if (metadata(f))
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    fw_tensor q, kc, vc, kn, vn, s, out, lse, kco, vco;
-    const XLA_FFI_Buffer *lens = buffer(f, 0, 3);
-    const int appends = num(f, "appends", 0.0) != 0.0, sinks = f->args.size > 4 + 2 * appends;
-    if (!view(buffer(f, 0, 0), 0, &q) || !view(buffer(f, 0, 1), 0, &kc) || !view(buffer(f, 0, 2), 0, &vc) ||
-        !lens || lens->dtype != XLA_FFI_DataType_S32 || lens->rank != 1 || !view(buffer(f, 1, 0), 0, &out) ||
-        !view(buffer(f, 1, 1), 0, &lse) || !view(buffer(f, 1, 2), 0, &kco) || !view(buffer(f, 1, 3), 0, &vco) ||
-        (appends && (!view(buffer(f, 0, 4), 0, &kn) || !view(buffer(f, 0, 5), 0, &vn))) ||
-        (sinks && !view(buffer(f, 0, 4 + 2 * appends), 0, &s)) || q.ndim != 4 ||
-        kc.ndim != 4 || (appends && (kn.ndim != 4 || vn.ndim != 4)))
+    const int hm = num(f, "head_major", 0.0) != 0.0, merged = num(f, "merged", 0.0) != 0.0;
+    const int paged = num(f, "paged", 0.0) != 0.0, bidx = num(f, "batch_idx", 0.0) != 0.0;
+    const int appends = num(f, "appends", 0.0) != 0.0;
+    fw_tensor q, kn, vn, s, out, lse, kc, vc;
+    int64_t a = 0;
+    const int qok = view(buffer(f, 0, a++), hm, &q);
+    const XLA_FFI_Buffer *kcin = buffer(f, 0, a++), *vcin = merged ? NULL : buffer(f, 0, a++);
+    const XLA_FFI_Buffer *lens = buffer(f, 0, a++), *cu = buffer(f, 0, a++), *nact = buffer(f, 0, a++);
+    const XLA_FFI_Buffer *table = paged ? buffer(f, 0, a++) : NULL, *bix = bidx ? buffer(f, 0, a++) : NULL;
+    /* a call that appends returns the caches; one that only reads them may not (rets: 2) */
+    const int ro = f->rets.size == 2;
+    int ok = qok && q.ndim == 3 && view(buffer(f, 1, 0), hm, &out) && out.ndim == 3 && view(buffer(f, 1, 1), 0, &lse) &&
+             lse.ndim == 2 && view(ro ? kcin : buffer(f, 1, 2), 0, &kc) && kc.ndim == 4 && kcin && ints(lens, 1) &&
+             ints(cu, 1) && nact && nact->dtype == XLA_FFI_DataType_S32 && (!paged || ints(table, 2)) &&
+             (!bidx || ints(bix, 1)) && !(ro && appends);
+    if (ok && appends)
+        ok = view(buffer(f, 0, a), 0, &kn) && view(buffer(f, 0, a + 1), 0, &vn) && kn.ndim == 3 && vn.ndim == 3;
+    a += appends ? 2 : 0;
+    if (ok && f->args.size > a)
+        ok = view(buffer(f, 0, a), 0, &s);
+    if (ok && merged) { /* K heads at even rows, V heads at odd ones */
+        if (kc.shape[2] % 2)
+            return bad(f, "flywheel: a merged cache needs an even number of head rows (2 hkv)");
+        kc.shape[2] /= 2;
+        kc.stride[2] *= 2;
+        vc = kc;
+        vc.data = (char *)kc.data + (size_t)kc.stride[3] * kc.shape[3] * (kc.dtype == FW_F32 ? 4 : kc.dtype == FW_BF16 || kc.dtype == FW_F16 ? 2 : 1);
+    } else if (ok)
+        ok = vcin && view(ro ? vcin : buffer(f, 1, 3), 0, &vc) && vc.ndim == 4;
+    if (!ok)
         return bad_buffers(f);
-    const int64_t b = q.shape[0], sq = q.shape[1];
-    if (lens->dims[0] != b || kc.shape[0] != b)
-        return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT,
-                     "flywheel: cache_seqlens and the caches need one entry per sequence of q");
-    /* The cache results alias the cache arguments (input_output_aliases); should XLA ever
-     * hand separate buffers, the results start as copies of the caches. */
-    if (kco.data != kc.data)
-        memcpy(kco.data, kc.data, bytes(buffer(f, 0, 1)));
-    if (vco.data != vc.data)
-        memcpy(vco.data, vc.data, bytes(buffer(f, 0, 2)));
-    int32_t few[65], *cu = b < 65 ? few : malloc((size_t)(b + 1) * sizeof(int32_t));
-    if (!cu)
-        return error(f, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "flywheel: out of memory");
-    for (int64_t i = 0; i <= b; i++)
-        cu[i] = (int32_t)(i * sq);
-    /* [b, sq, h, x] seen as [b sq, h, x] (the packed batch of the call) */
-    fw_tensor *rows[] = {&q, &out, &kn, &vn};
-    for (int i = 0; i < (appends ? 4 : 2); i++) {
-        fw_tensor *t = rows[i];
-        t->ndim = 3;
-        t->shape[0] *= t->shape[1];
-        t->stride[0] = t->stride[1];
-        t->shape[1] = t->shape[2];
-        t->stride[1] = t->stride[2];
-        t->shape[2] = t->shape[3];
-        t->stride[2] = t->stride[3];
-    }
+    const int64_t batch = lens->dims[0];
+    const int32_t na = *(const int32_t *)nact->data;
+    if (cu->dims[0] != batch + 1 || (paged && table->dims[0] != batch) || (bidx && bix->dims[0] != batch))
+        return bad(f, "flywheel: cache_seqlens, cu_seqlens_q, block_table and cache_batch_idx must have one "
+                      "entry (row) per sequence");
+    if (na < 0 || na > batch)
+        return bad(f, "flywheel: num_active must be in [0, batch]");
+    const int64_t used = used_rows(cu, na, q.shape[0]);
+    if (used < 0 || (appends && (kn.shape[0] != q.shape[0] || vn.shape[0] != q.shape[0])))
+        return bad(f, "flywheel: cu_seqlens_q must run from 0 to at most q's rows, and k, v have q's rows");
+    /* the results start as the caches when XLA did not alias them (it does when donated) */
+    if (kc.data != kcin->data)
+        memcpy(buffer(f, 1, 2)->data, kcin->data, bytes(kcin));
+    if (!merged && vc.data != vcin->data)
+        memcpy(vc.data, vcin->data, bytes(vcin));
     fw_kv_cache cache;
     memset(&cache, 0, sizeof cache);
-    cache.k = kco;
-    cache.v = vco;
+    int32_t *split = NULL;
+    if (paged) {
+        const int64_t r = split_factor(kc.shape[1]), cols = table->dims[1];
+        cache.block_table = (const int32_t *)table->data;
+        cache.max_pages = cols;
+        if (r > 1) {
+            if (!(split = malloc((size_t)(na > 0 ? na : 1) * (size_t)(cols * r) * sizeof(int32_t))))
+                return error(f, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "flywheel: out of memory");
+            const int32_t *t = (const int32_t *)table->data;
+            for (int64_t i = 0; i < na * cols; i++)
+                for (int64_t j = 0; j < r; j++) { /* (a page outside the cache stays outside) */
+                    const int64_t x = (int64_t)t[i] * r + j;
+                    split[i * r + j] = x > INT32_MAX ? INT32_MAX : (int32_t)x;
+                }
+            split_pages(&kc, r);
+            split_pages(&vc, r);
+            cache.block_table = split;
+            cache.max_pages = cols * r;
+        }
+    }
+    cache.k = kc;
+    cache.v = vc;
     cache.seqlens = (const int32_t *)lens->data;
+    cache.batch_idx = bidx ? (const int32_t *)bix->data : NULL;
     fw_attn_params p;
     params(f, &p);
-    p.sinks = sinks ? &s : NULL;
-    const fw_status st = api.kvcache_fwd(&q, appends ? &kn : NULL, appends ? &vn : NULL, cu, b, &cache, &out, &lse, &p);
-    if (cu != few)
-        free(cu);
+    p.sinks = f->args.size > a ? &s : NULL;
+    fw_status st = FW_OK;
+    if (na > 0) {
+        const fw_tensor q1 = rows(q, used), o1 = rows(out, used), kn1 = rows(kn, used), vn1 = rows(vn, used);
+        fw_tensor l1 = lse;
+        l1.shape[1] = used;
+        st = api.kvcache_fwd(&q1, appends ? &kn1 : NULL, appends ? &vn1 : NULL, (const int32_t *)cu->data, na, &cache,
+                             &o1, &l1, &p);
+    }
+    free(split);
+    if (st != FW_OK)
+        return refused(f);
+    pad_rows(&out, &lse, na > 0 ? used : 0);
+    return NULL;
+}
+
+FWJAX_API XLA_FFI_Error *fwjax_gdn_layer(XLA_FFI_CallFrame *f)
+{
+    if (metadata(f))
+        return NULL;
+    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+        return NULL;
+    const int has_bias = num(f, "has_bias", 0.0) != 0.0, has_offsets = num(f, "has_offsets", 0.0) != 0.0;
+    const int replay = num(f, "replay", 0.0) != 0.0;
+    fw_tensor qkv, b, a, w, cb, al, dtb, conv, rec, out, shadow, records;
+    int64_t i = 0;
+    int ok = view(buffer(f, 0, i++), 0, &qkv) && view(buffer(f, 0, i++), 0, &b) && view(buffer(f, 0, i++), 0, &a) &&
+             view(buffer(f, 0, i++), 0, &w);
+    if (ok && has_bias)
+        ok = view(buffer(f, 0, i++), 0, &cb);
+    ok = ok && view(buffer(f, 0, i), 0, &al) && view(buffer(f, 0, i + 1), 0, &dtb);
+    i += 2;
+    const XLA_FFI_Buffer *qsl = buffer(f, 0, i), *sidx = buffer(f, 0, i + 1), *dist = buffer(f, 0, i + 2);
+    const XLA_FFI_Buffer *slen = buffer(f, 0, i + 3), *ridx = buffer(f, 0, i + 4);
+    i += 5;
+    const XLA_FFI_Buffer *offs = has_offsets ? buffer(f, 0, i++) : NULL;
+    const XLA_FFI_Buffer *conv_in = buffer(f, 0, i), *rec_in = buffer(f, 0, i + 1);
+    const XLA_FFI_Buffer *shadow_in = replay ? buffer(f, 0, i + 2) : NULL, *rec_buf = buffer(f, 1, 2);
+    const XLA_FFI_Buffer *records_in = replay ? buffer(f, 0, i + 3) : NULL, *lens = replay ? buffer(f, 0, i + 4) : NULL;
+    ok = ok && ints(qsl, 1) && ints(sidx, 1) && ints(dist, 1) && dist->dims[0] == 3 && ints(slen, 1) &&
+         ints(ridx, 1) && (!has_offsets || ints(offs, 1)) && conv_in && rec_in && rec_buf && rec_buf->rank == 4 &&
+         view(buffer(f, 1, 0), 0, &out) && view(buffer(f, 1, 1), 0, &conv) && view(rec_buf, 0, &rec) &&
+         (!replay || (shadow_in && records_in && ints(lens, 1) && view(buffer(f, 1, 3), 0, &shadow) &&
+                      view(buffer(f, 1, 4), 0, &records)));
+    if (!ok)
+        return bad_buffers(f);
+    const int64_t n = sidx->dims[0];
+    if (qsl->dims[0] != n + 1 || slen->dims[0] != n || ridx->dims[0] != n || (has_offsets && offs->dims[0] != n) ||
+        (replay && lens->dims[0] != n))
+        return bad(f, "flywheel: query_start_loc needs num_seqs + 1 entries, and state_indices, seq_lens, "
+                      "read_state_indices, read_offsets and replay_lens num_seqs");
+    /* the results start as the caches when XLA did not alias them (it does when donated) */
+    const XLA_FFI_Buffer *ins[] = {conv_in, rec_in, shadow_in, records_in};
+    for (int c = 0; c < (replay ? 4 : 2); c++)
+        if (buffer(f, 1, 1 + c)->data != ins[c]->data)
+            memcpy(buffer(f, 1, 1 + c)->data, ins[c]->data, bytes(ins[c]));
+    const int32_t *d = (const int32_t *)dist->data;
+    fw_gdn_batch batch;
+    memset(&batch, 0, sizeof batch);
+    batch.n_seqs = n;
+    batch.query_start_loc = (const int32_t *)qsl->data;
+    batch.seq_lens = (const int32_t *)slen->data;
+    batch.state_indices = (const int32_t *)sidx->data;
+    batch.read_state_indices = (const int32_t *)ridx->data;
+    batch.decode_end = d[0];
+    batch.prefill_end = d[1];
+    batch.mixed_end = d[2];
+    batch.num_spec_tokens = (int32_t)num(f, "num_spec_tokens", 0.0);
+    batch.read_offsets = has_offsets ? (const int32_t *)offs->data : NULL;
+    fw_gdn_caches caches;
+    memset(&caches, 0, sizeof caches);
+    caches.conv = conv;
+    caches.recurrent = rec.data;
+    caches.recurrent_stride = rec.shape[1] * rec.shape[2] * rec.shape[3];
+    caches.recurrent_dtype = rec.dtype;
+    fw_gdn_layer_params p;
+    api.layer_params_init(&p);
+    p.n_kq = (int32_t)num(f, "n_kq", 0.0);
+    p.n_v = (int32_t)num(f, "n_v", 0.0);
+    p.d_k = (int32_t)num(f, "d_k", 0.0);
+    p.d_v = (int32_t)num(f, "d_v", 0.0);
+    p.zero_tail = num(f, "zero_tail", 1.0) != 0.0;
+    p.l2norm_eps = (float)num(f, "l2norm_eps", 0.0);
+    p.lower_bound = (float)num(f, "lower_bound", 0.0);
+    p.beta_activated = num(f, "beta_activated", 0.0) != 0.0;
+    p.threads = (int32_t)num(f, "threads", 0.0);
+    p.precision = (int32_t)num(f, "precision", 0.0);
+    fw_status st;
+    if (replay) {
+        fw_gdn_replay r;
+        r.shadow = shadow;
+        r.records = records;
+        r.replay_lens = (const int32_t *)lens->data;
+        st = api.gdn_layer_replay(&qkv, &b, &a, &w, has_bias ? &cb : NULL, &al, &dtb, &batch, &caches, &r, &out, &p);
+    } else
+        st = api.gdn_layer(&qkv, &b, &a, &w, has_bias ? &cb : NULL, &al, &dtb, &batch, &caches, &out, &p);
     return st == FW_OK ? NULL : refused(f);
 }

@@ -3,22 +3,30 @@
     import flywheel.jax as fj
     out = jax.jit(fj.flash_attn_func, static_argnames="causal")(q, k, v, causal=True)
 
-Calls (flash-attn's names and layouts, as flywheel's own):
+Calls (flash-attn's names and layouts, as flywheel's own; flywheel.tpu's calls take these
+paths on traced values):
   flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                  softcap=0.0, return_softmax_lse=False, sinks=None)
+                  softcap=0.0, return_softmax_lse=False, sinks=None, head_major=False)
       q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] -> out [b, sq, hq, dv]
-      (head_major=True: q [b, hq, sq, d], k, v, out alike, the original FlyWheel's layout);
-      lse [b, hq, sq] float32 with return_softmax_lse. Differentiable (jax.grad, jax.vjp):
-      the gradients of q, k, v and sinks come from flywheel's backward; lse is not
-      differentiable (its cotangent is dropped).
+      (head_major=True: [b, h, s, d], the original FlyWheel's layout, read through strides);
+      lse [b, hq, sq] float32 with return_softmax_lse.
+  flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)
+      packed q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv] (head_major:
+      [h, total, d]); rows past the last offsets are padding (out 0, lse -inf); lse
+      [hq, total_q].
+      Both are differentiable (jax.grad, jax.vjp): the gradients of q, k, v and sinks come
+      from flywheel's backward (a custom_vjp); lse is not differentiable (its cotangent is
+      dropped).
   flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=...,
-                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  return_softmax_lse=False, sinks=None)
-      q [b, sq, hq, d], contiguous caches [b, S, hkv, d|dv], cache_seqlens an int or [b]
-      int32 array, k, v [b, sq, hkv, d|dv] the new rows. Returns (out, [lse,] k_cache,
-      v_cache): JAX arrays are immutable, so the caches come back as results; donate them
-      (jax.jit(..., donate_argnums=...)) and the new rows are written into the donated
-      buffers in place (input_output_aliases), with no copy of the caches.
+                  cache_batch_idx=None, block_table=None, ..., cu_seqlens_q=None, sinks=None)
+      contiguous or paged caches. Returns (out, [lse,] k_cache, v_cache): JAX arrays are
+      immutable, so the caches come back as results; donate them (jax.jit(...,
+      donate_argnums=...)) and the new rows are written into the donated buffers in place
+      (input_output_aliases), with no copy of the caches.
+  gdn_layer(...), next_replay_lens(...)
+      flywheel.tpu's serving layers (fused_conv1d_gdn / _kda and their _replay forms) and
+      their commit rule, which flywheel.tpu runs here on traced values; the slot caches alias
+      their arguments as above.
 
 Arrays: float32, bfloat16 or float16 (q, k, v one dtype), on the CPU. Static shapes, as jit
 has them; every shape, dtype and option is checked when the call is traced (ValueError,
@@ -26,9 +34,10 @@ TypeError, NotImplementedError), and the library checks again when it runs (an X
 with its message). jit and eager calls run the same handler and give the same bits. vmap
 runs the call once per element (vmap_method "sequential").
 
-Threads: a handler runs on the XLA thread that reaches it and uses flywheel's own pool
-(flywheel.set_threads(); all online CPUs by default) for the kernel, as every flywheel call
-does; XLA's CPU threads wait meanwhile, so the two share the cores one after the other.
+Threads: a handler runs on the XLA thread that reaches it and uses flywheel's own pool for
+the kernel, as every flywheel call does, with flywheel.set_num_threads()'s count as it was when
+the call was traced (all online CPUs by default); XLA's CPU threads wait meanwhile, so the
+two take the cores in turn.
 
 The handlers are built where jaxlib's FFI header was found when the library was built
 (_fwjax.so beside _fwext.abi3.so); without it, importing this module raises ImportError.
@@ -57,11 +66,12 @@ def _load():
     h = ctypes.CDLL(path)
     fns = [ctypes.cast(getattr(_lib.lib, n), ctypes.c_void_p)
            for n in ("fw_attn_params_init", "fw_last_error", "fw_attn_fwd", "fw_attn_bwd",
-                     "fw_attn_kvcache_fwd")]
+                     "fw_attn_kvcache_fwd", "fw_attn_varlen_fwd", "fw_attn_varlen_bwd",
+                     "fw_gdn_layer_params_init", "fw_gdn_layer", "fw_gdn_layer_replay")]
     h.fwjax_bind.argtypes = [ctypes.c_void_p] * len(fns)
     if h.fwjax_bind(*fns) != 0:
         raise ImportError(f"{path}: binding the library's functions failed")
-    for name in ("attn_fwd", "attn_bwd", "kvcache"):
+    for name in ("attn_fwd", "attn_bwd", "varlen_fwd", "varlen_bwd", "kvcache", "gdn_layer"):
         jax.ffi.register_ffi_target(f"flywheel_{name}", jax.ffi.pycapsule(getattr(h, f"fwjax_{name}")),
                                     platform="cpu")
     return h
@@ -109,7 +119,8 @@ def _attrs(cfg):
     a = dict(cfg)
     return dict(causal=a["causal"], head_major=a["head_major"], scale=np.float32(a["scale"]),
                 softcap=np.float32(a["softcap"]), window_left=np.int64(a["window_left"]),
-                window_right=np.int64(a["window_right"]))
+                window_right=np.int64(a["window_right"]),
+                threads=np.int32(_lib.settings.threads or 0))
 
 
 def _dims(q, k, v, head_major):
@@ -210,58 +221,287 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out, lse) if return_softmax_lse else out
 
 
+def _int_array(x, name, shape=None):
+    """An index operand as int32 (a traced value stays traced); TypeError if not integers."""
+    if isinstance(x, (int, np.integer)):
+        x = jnp.asarray(x, jnp.int32)
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers, got {getattr(x, 'dtype', type(x).__name__)}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def _kvcache_call(q, caches, seqlens, cu, num_active, table, batch_idx, k, v, sinks, cfg,
+                  head_major=False, read_only=False):
+    """The packed cache call (fwjax_kvcache): q [total_q, hq, d] ([hq, total_q, d] head-major),
+    caches (k_cache, v_cache) or (merged kv,), int32 seqlens [b], cu [b + 1], num_active
+    scalar, table [b, pages] or None, batch_idx [b] or None, k, v [total_q, hkv, d|dv] or
+    None. Returns (out like q, lse [hq, total_q], *caches), or without the caches when
+    read_only (no appends: the caches are read where they lie, never copied)."""
+    merged = len(caches) == 1
+    hq, total = (q.shape[0], q.shape[1]) if head_major else (q.shape[1], q.shape[0])
+    dv = caches[-1].shape[3]
+    oshape = (hq, total, dv) if head_major else (total, hq, dv)
+    shapes = (jax.ShapeDtypeStruct(oshape, q.dtype), jax.ShapeDtypeStruct((hq, total), jnp.float32))
+    if not read_only:
+        shapes += tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
+    args = (q,) + tuple(caches) + (seqlens, cu, jnp.reshape(num_active, (1,)).astype(jnp.int32))
+    args += tuple(x for x in (table, batch_idx) if x is not None)
+    if k is not None:
+        args += (k, v)
+    if sinks is not None:
+        args += (sinks,)
+    aliases = {} if read_only else {1 + i: 2 + i for i in range(len(caches))}
+    call = jax.ffi.ffi_call("flywheel_kvcache", shapes, input_output_aliases=aliases,
+                            vmap_method="sequential")
+    a = _attrs(cfg)
+    a["head_major"] = bool(head_major)
+    return call(*args, merged=merged, paged=table is not None, batch_idx=batch_idx is not None,
+                appends=k is not None, **a)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            return_softmax_lse=False, *, sinks=None, s_aux=None):
-    """Append to contiguous K/V caches and attend, flash-attn's `flash_attn_with_kvcache`, on
-    JAX arrays. q [b, sq, hq, d]; k_cache, v_cache [b, S, hkv, d|dv]; cache_seqlens: an int or
-    [b] int32 (required), the rows each cache holds; k, v [b, sq, hkv, d|dv] or None: new rows,
-    written at cache_seqlens[i] .. before attending. sinks / s_aux [hq]: attention sinks, as
-    in flash_attn_func. Returns (out [b, sq, hq, dv], [lse [b, hq, sq] float32,] k_cache,
-    v_cache); donated caches are updated in place. Not differentiable.
+                            cache_batch_idx=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            return_softmax_lse=False, *, cu_seqlens_q=None, sinks=None,
+                            s_aux=None):
+    """Append to K/V caches and attend, flash-attn's `flash_attn_with_kvcache`, on JAX arrays.
+
+    q [b, sq, hq, d], or packed [total_q, hq, d] with cu_seqlens_q [b + 1] (flash-attn 3);
+    k_cache, v_cache: contiguous [b_cache, S, hkv, d|dv] (cache_batch_idx [b] picks each
+    sequence's entry, identity by default) or paged [num_blocks, page_size, hkv, d|dv] with
+    block_table [b, max_pages]; cache_seqlens an int or [b] (required), the rows each sequence
+    holds; k, v (q's layout with hkv heads) or None: new rows, written at cache_seqlens[i] ..
+    before attending. sinks / s_aux [hq] as in flash_attn_func. Index operands may be traced.
+    Returns (out like q, [lse,] k_cache, v_cache), lse [b, hq, sq] ([hq, total_q] packed)
+    float32; donated caches are updated in place. Not differentiable.
     """
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required: the rows each cache holds")
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (the new rows), or neither")
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("block_table and cache_batch_idx are mutually exclusive")
     _float_operands(("q", "k_cache", "v_cache") + (("k", "v") if k is not None else ()),
                     q, k_cache, v_cache, *((k, v) if k is not None else ()))
-    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
-        raise ValueError(f"q, k_cache, v_cache must be [b, sq, hq, d], [b, S, hkv, d], "
-                         f"[b, S, hkv, dv]; got shapes {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    b, sq, hq, d = q.shape
-    bc, S, hkv, dk = k_cache.shape
-    dv = v_cache.shape[3]
-    if bc != b or v_cache.shape[:3] != k_cache.shape[:3] or dk != d:
+    packed = cu_seqlens_q is not None
+    if q.ndim != (3 if packed else 4) or k_cache.ndim != 4 or v_cache.ndim != 4:
+        raise ValueError(f"q, k_cache, v_cache must be {'[total_q' if packed else '[b, sq'}, hq, "
+                         f"d], [.., .., hkv, d], [.., .., hkv, dv]; got shapes "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    if v_cache.shape[:3] != k_cache.shape[:3] or k_cache.shape[3] != d:
         raise ValueError(f"incompatible shapes: q {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"the K/V heads ({hkv}) must divide the query heads ({hq})")
-    if k is not None and (k.shape != (b, sq, hkv, d) or v.shape != (b, sq, hkv, dv)):
-        raise ValueError(f"k and v must be [b, sq, hkv, d|dv] = {(b, sq, hkv, d)}, "
-                         f"{(b, sq, hkv, dv)}; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k is not None and (k.shape != q.shape[:-2] + (hkv, d) or v.shape != q.shape[:-2] + (hkv, dv)):
+        raise ValueError(f"k and v must be {q.shape[:-2] + (hkv, d)}, {q.shape[:-2] + (hkv, dv)}; "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
+    if packed:
+        cu = _int_array(cu_seqlens_q, "cu_seqlens_q")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q must be [b + 1], got shape {tuple(cu.shape)}")
+        b, sq = cu.shape[0] - 1, None
+    else:
+        b, sq = q.shape[0], q.shape[1]
+        cu = jnp.arange(b + 1, dtype=jnp.int32) * sq
     if isinstance(cache_seqlens, (int, np.integer)):
         cache_seqlens = jnp.full((b,), cache_seqlens, jnp.int32)
-    if cache_seqlens.shape != (b,):
-        raise ValueError(f"cache_seqlens must be an int or [b] = [{b}], got shape "
-                         f"{tuple(cache_seqlens.shape)}")
-    if not jnp.issubdtype(cache_seqlens.dtype, jnp.integer):
-        raise TypeError(f"cache_seqlens must be integers, got {cache_seqlens.dtype}")
+    seqlens = _int_array(cache_seqlens, "cache_seqlens", (b,))
+    table = None if block_table is None else _int_array(block_table, "block_table")
+    if table is not None and (table.ndim != 2 or table.shape[0] != b):
+        raise ValueError(f"block_table must be [b = {b}, max_pages], got {tuple(table.shape)}")
+    bidx = None if cache_batch_idx is None else _int_array(cache_batch_idx, "cache_batch_idx", (b,))
+    if table is None and bidx is None and k_cache.shape[0] < b:
+        raise ValueError(f"contiguous caches need an entry per sequence ({b}) or "
+                         f"cache_batch_idx; got {tuple(k_cache.shape)}")
     s = _sinks(sinks, s_aux, hq)
     cfg = _config(d, softmax_scale, causal, window_size, softcap, False)
-    call = jax.ffi.ffi_call("flywheel_kvcache",
-                            (jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
-                             jax.ShapeDtypeStruct((hq, b * sq), jnp.float32),
-                             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
-                            input_output_aliases={1: 2, 2: 3}, vmap_method="sequential")
-    args = (q, k_cache, v_cache, cache_seqlens.astype(jnp.int32))
-    if k is not None:
-        args += (k, v)
-    if s is not None:
-        args += (s,)
-    out, lse, kc, vc = call(*args, appends=k is not None, **_attrs(cfg))
-    if return_softmax_lse:
-        return out, lse.reshape(hq, b, sq).transpose(1, 0, 2), kc, vc
-    return out, kc, vc
+    flat = lambda x: x if packed else x.reshape((b * sq,) + x.shape[2:])
+    out, lse, kc, vc = _kvcache_call(flat(q), (k_cache, v_cache), seqlens, cu, b, table, bidx,
+                                     None if k is None else flat(k), None if v is None else flat(v),
+                                     s, cfg)
+    if not packed:
+        out = out.reshape(b, sq, hq, dv)
+        lse = lse.reshape(hq, b, sq).transpose(1, 0, 2)
+    return (out, lse, kc, vc) if return_softmax_lse else (out, kc, vc)
+
+
+# ------------------------------------------------------------------ varlen --
+
+def _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg):
+    a = dict(cfg)
+    hm = a["head_major"]
+    hq, total = (q.shape[0], q.shape[1]) if hm else (q.shape[1], q.shape[0])
+    dv = v.shape[-1]
+    oshape = (hq, total, dv) if hm else (total, hq, dv)
+    call = jax.ffi.ffi_call("flywheel_varlen_fwd",
+                            (jax.ShapeDtypeStruct(oshape, q.dtype),
+                             jax.ShapeDtypeStruct((hq, total), jnp.float32)),
+                            vmap_method="sequential")
+    args = (q, k, v, cu_q, cu_k) + (() if sinks is None else (sinks,))
+    return call(*args, **_attrs(cfg))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _varlen(q, k, v, cu_q, cu_k, sinks, cfg):
+    return _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg)
+
+
+def _varlen_fwd(q, k, v, cu_q, cu_k, sinks, cfg):
+    out, lse = _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg)
+    return (out, lse), (q, k, v, cu_q, cu_k, sinks, out, lse)
+
+
+def _varlen_bwd(cfg, res, cts):
+    q, k, v, cu_q, cu_k, sinks, out, lse = res
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    if sinks is not None:
+        shapes.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
+    call = jax.ffi.ffi_call("flywheel_varlen_bwd", tuple(shapes), vmap_method="sequential")
+    args = (q, k, v, out, cts[0].astype(out.dtype), lse, cu_q, cu_k)
+    grads = call(*(args + (() if sinks is None else (sinks,))), **_attrs(cfg))
+    ds = None if sinks is None else grads[3].astype(sinks.dtype)
+    return tuple(grads[:3]) + (None, None, ds)
+
+
+_varlen.defvjp(_varlen_fwd, _varlen_bwd)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                           max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *,
+                           return_softmax_lse=False, head_major=False, sinks=None, s_aux=None):
+    """Packed variable-length attention, flash-attn's `flash_attn_varlen_func`, on JAX arrays
+    (jit-able, differentiable).
+
+    q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv] -> out [total_q, hq, dv];
+    head_major=True: q [hq, total_q, d], k, v, out alike. cu_seqlens_q, cu_seqlens_k
+    [b + 1] int offsets from 0 (may be traced); rows past their last entries are padding:
+    out 0, lse -inf, gradient 0. max_seqlen_q / max_seqlen_k are accepted and unused.
+    lse [hq, total_q] float32 with return_softmax_lse. Masks, softcap, sinks as
+    flash_attn_func; gradients of q, k, v and sinks from flywheel's backward.
+    """
+    del deterministic, max_seqlen_q, max_seqlen_k
+    if dropout_p:
+        raise NotImplementedError("dropout_p > 0: flywheel is an inference library (no dropout)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes are not supported")
+    _float_operands(("q", "k", "v"), q, k, v)
+    for n, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            lay = "[h, total, d]" if head_major else "[total, h, d]"
+            raise ValueError(f"{n} must be {lay}, got shape {tuple(x.shape)}")
+    (hq, hkv, tk, tv) = (q.shape[0], k.shape[0], k.shape[1], v.shape[1]) if head_major else \
+        (q.shape[1], k.shape[1], k.shape[0], v.shape[0])
+    hv = v.shape[0] if head_major else v.shape[1]
+    if q.shape[-1] != k.shape[-1] or tk != tv or hv != hkv:
+        raise ValueError(f"incompatible shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"the K/V heads ({hkv}) must divide the query heads ({hq})")
+    cu_q = _int_array(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = _int_array(cu_seqlens_k, "cu_seqlens_k")
+    if cu_q.ndim != 1 or cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be [b + 1] alike, got shapes "
+                         f"{tuple(cu_q.shape)}, {tuple(cu_k.shape)}")
+    s = _sinks(sinks, s_aux, hq)
+    cfg = _config(q.shape[-1], softmax_scale, causal, window_size, softcap, head_major)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, s, cfg)
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_softmax_lse else out
+
+
+# ---------------------------------------------------------- linear attention --
+
+def gdn_layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+              query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
+              read_offsets, *, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens=0,
+              zero_initialize_out=True, precision=None, l2norm_eps=None, lower_bound=None,
+              beta_is_activated=False, replay=None):
+    """One GDN / KDA layer of an engine step on JAX arrays (fwjax_gdn_layer): the arguments of
+    flywheel.tpu's fused_conv1d_gdn / fused_conv1d_kda (a [T, n_v] is GDN, [T, n_v d_k] KDA),
+    index operands possibly traced. replay = (recurrent_shadow, replay_state, replay_lens,
+    replay_window) runs the ReplaySSM decodes. Returns ((conv_state, recurrent_state[,
+    recurrent_shadow, replay_state]), out): the caches alias their arguments, so donated ones
+    are updated in place."""
+    _float_operands(("qkv",), qkv)
+    dim = 2 * n_kq * d_k + n_v * d_v
+    if qkv.ndim != 2 or qkv.shape[1] != dim:
+        raise ValueError(f"qkv must be [T, 2 n_kq d_k + n_v d_v] = [T, {dim}], got "
+                         f"{tuple(qkv.shape)}")
+    T = qkv.shape[0]
+    if b.shape != (T, n_v) or a.ndim != 2 or a.shape[0] != T:
+        raise ValueError(f"b must be [T, n_v] = {(T, n_v)} and a (g) [T, ...]; got "
+                         f"{tuple(b.shape)}, {tuple(a.shape)}")
+    w = conv_weight[:, 0] if conv_weight.ndim == 3 and conv_weight.shape[1] == 1 else conv_weight
+    if w.ndim != 2 or w.shape != (dim, kernel_size):
+        raise ValueError(f"conv_weight must be [dim, 1, kernel_size] = [{dim}, 1, {kernel_size}], "
+                         f"got shape {tuple(conv_weight.shape)}")
+    if conv_state.ndim != 3 or recurrent_state.ndim != 4 or \
+            recurrent_state.shape[1:] != (n_v, d_k, d_v):
+        raise ValueError(f"conv_state must be [slots, K-1, dim] and recurrent_state [slots, n_v, "
+                         f"d_k, d_v]; got {tuple(conv_state.shape)}, {tuple(recurrent_state.shape)}")
+    for n, x in (("b", b), ("a", a), ("conv_weight", w), ("a_log", a_log), ("dt_bias", dt_bias),
+                 ("conv_state", conv_state), ("recurrent_state", recurrent_state)) + \
+            ((("conv_bias", conv_bias),) if conv_bias is not None else ()):
+        _float_operands((n,), x)
+    sidx = _int_array(state_indices, "state_indices")
+    if sidx.ndim != 1:
+        raise ValueError(f"state_indices must be [num_seqs], got {tuple(sidx.shape)}")
+    n = sidx.shape[0]
+    qsl = _int_array(query_start_loc, "query_start_loc", (n + 1,))
+    dist = _int_array(distribution, "distribution", (3,))
+    slen = _int_array(seq_lens, "seq_lens", (n,))
+    ridx = _int_array(read_state_indices, "read_state_indices", (n,))
+    offs = None
+    if num_spec_tokens and read_offsets is not None:
+        offs = _int_array(read_offsets, "read_offsets", (n,))
+    if lower_bound is not None and not float(lower_bound) < 0:
+        raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+    args = (qkv, b, a, w) + (() if conv_bias is None else (conv_bias,)) + (a_log, dt_bias)
+    args += (qsl, sidx, dist, slen, ridx) + (() if offs is None else (offs,))
+    caches = (conv_state, recurrent_state)
+    if replay is not None:
+        shadow, records, lens, window = replay
+        lens = _int_array(lens, "replay_lens", (n,))
+        if records.ndim != 3 or records.shape[1] != int(window):
+            raise ValueError(f"replay_state must be [slots, replay_window, record_dim] with "
+                             f"replay_window {window}, got shape {tuple(records.shape)}")
+        caches += (shadow, records)
+    args += caches + (() if replay is None else (lens,))
+    first = len(args) - len(caches) - (0 if replay is None else 1)
+    shapes = (jax.ShapeDtypeStruct((T, n_v * d_v), qkv.dtype),) + tuple(
+        jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
+    call = jax.ffi.ffi_call("flywheel_gdn_layer", shapes,
+                            input_output_aliases={first + i: 1 + i for i in range(len(caches))},
+                            vmap_method="sequential")
+    r = call(*args, n_kq=np.int32(n_kq), n_v=np.int32(n_v), d_k=np.int32(d_k),
+             d_v=np.int32(d_v), num_spec_tokens=np.int32(num_spec_tokens),
+             zero_tail=bool(zero_initialize_out),
+             l2norm_eps=np.float32(0.0 if l2norm_eps is None else l2norm_eps),
+             lower_bound=np.float32(0.0 if lower_bound is None else lower_bound),
+             beta_activated=bool(beta_is_activated), precision=np.int32(_lib.precision(precision)),
+             has_bias=conv_bias is not None, has_offsets=offs is not None,
+             replay=replay is not None, threads=np.int32(_lib.settings.threads or 0))
+    return tuple(r[1:]), r[0]
+
+
+def next_replay_lens(replay_lens, query_start_loc, seq_lens, state_indices, read_state_indices,
+                     distribution, num_accepted, replay_window):
+    """flywheel.tpu.next_replay_lens on JAX values (traced or not): the committed records of
+    each sequence after a replay step, int32."""
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
+    lens, qsl, rd, wr = i32(replay_lens), i32(query_start_loc), i32(read_state_indices), i32(state_indices)
+    ql = qsl[1:] - qsl[:-1]
+    has_init = (i32(seq_lens) - ql) > 0
+    committed = jnp.where(has_init, lens, 0)
+    flush = (committed + ql > replay_window) | ~has_init | (rd != wr)
+    is_decode = jnp.arange(lens.shape[0]) < i32(distribution)[0]
+    base = jnp.where(flush, 0, committed)
+    return jnp.where(is_decode, base + i32(num_accepted), 0).astype(jnp.int32)

@@ -7,6 +7,7 @@ which has no in-place update).
 """
 
 import operator
+import sys
 
 import numpy as np
 
@@ -21,6 +22,13 @@ _fast_layer = _lib.fast_call("fused_conv1d_gdn")
 
 def _is_jax(x):
     return type(x).__module__.startswith("jax")
+
+
+def _traced(*xs):
+    """Whether any argument is a traced JAX value (inside jax.jit, grad or vmap)."""
+    jax = sys.modules.get("jax")
+    tracer = getattr(getattr(jax, "core", None), "Tracer", None)
+    return tracer is not None and any(isinstance(x, tracer) for x in xs)
 
 
 def _cache(x, name):
@@ -158,7 +166,13 @@ def next_replay_lens(replay_lens, query_start_loc, seq_lens, state_indices, read
                      distribution, num_accepted, replay_window):
     """Committed records of each sequence after a replay step that accepted num_accepted[s] of
     its tokens (its query length without speculation): the committed ones plus the accepted,
-    or the accepted alone after a flush; 0 for prefills and mixed sequences. int32 numpy."""
+    or the accepted alone after a flush; 0 for prefills and mixed sequences. int32 numpy (a
+    JAX array for traced JAX arguments, under jax.jit)."""
+    if _traced(replay_lens, query_start_loc, seq_lens, state_indices, read_state_indices,
+               distribution, num_accepted):
+        from . import jax as fj
+        return fj.next_replay_lens(replay_lens, query_start_loc, seq_lens, state_indices,
+                                   read_state_indices, distribution, num_accepted, replay_window)
     lens = np.asarray(replay_lens, dtype=np.int64)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     ql = qsl[1:] - qsl[:-1]
@@ -201,7 +215,22 @@ def _layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log
            read_offsets, n_kq, n_v, d_k, d_v, kernel_size, num_spec_tokens, zero_initialize_out,
            precision, l2norm_eps, out, isa, lower_bound, beta_is_activated, replay=None):
     """fw_gdn_layer for both calls (a [T, n_v]: GDN; [T, n_v d_k]: KDA); with replay =
-    (shadow, records, replay_lens, replay_window), fw_gdn_layer_replay."""
+    (shadow, records, replay_lens, replay_window), fw_gdn_layer_replay. Traced JAX values (under
+    jax.jit) take flywheel.jax's FFI call."""
+    if _traced(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_log, dt_bias,
+               query_start_loc, state_indices, distribution, seq_lens, read_state_indices,
+               read_offsets, *(replay or ())):
+        if out is not None or isa is not None:
+            raise NotImplementedError("out= and isa= are not served under jax.jit")
+        from . import jax as fj
+        return fj.gdn_layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias,
+                            a_log, dt_bias, query_start_loc, state_indices, distribution,
+                            seq_lens, read_state_indices, read_offsets, n_kq=n_kq, n_v=n_v,
+                            d_k=d_k, d_v=d_v, kernel_size=kernel_size,
+                            num_spec_tokens=num_spec_tokens,
+                            zero_initialize_out=zero_initialize_out, precision=precision,
+                            l2norm_eps=l2norm_eps, lower_bound=lower_bound,
+                            beta_is_activated=beta_is_activated, replay=replay)
     jax_in = _is_jax(qkv)
     qkv = T.float_array(qkv, "qkv")
     b, a = T.float_array(b, "b"), T.float_array(a, "a")

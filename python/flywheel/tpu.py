@@ -1,7 +1,8 @@
 """The calls of the original FlyWheel package (flywheel-tpu 0.3, JAX Pallas kernels for TPU),
 with its signatures, layouts and return conventions, on flywheel's CPU kernels: the three
 attention calls below, and its serving-layer calls fused_conv1d_gdn, fused_conv1d_kda,
-fused_conv1d_gdn_replay and fused_conv1d_kda_replay (the same functions as flywheel's).
+fused_conv1d_gdn_replay, fused_conv1d_kda_replay and next_replay_lens (the same functions as
+flywheel's; under jax.jit they run as XLA FFI custom calls too, their caches aliased).
 
     import flywheel.tpu as tpu
     out = tpu.flash_attn_func(q, k, v, causal=True)        # q [b, hq, sq, d]: head-major
@@ -54,11 +55,12 @@ tensors are updated in place and returned (the same objects); JAX arrays cannot 
 so a JAX cache is copied, updated, and returned as a new JAX array, which the caller must
 rebind (as the original asks too: it donates its caches).
 
-Under jax.jit (traced values), flash_attn_func (head-major or token_major) and
-flash_attn_with_kvcache (contiguous caches) run as XLA FFI custom calls (flywheel.jax): the
-same kernels and bits, differentiable, with donated caches appended to in place. The other
-forms (heads_outer_fold, rotary tables, paged caches, cu_seqlens_q, cache_batch_idx,
-num_active, and flash_attn_varlen_func) raise NotImplementedError or TypeError there.
+Under jax.jit (traced values), the three attention calls run as XLA FFI custom calls
+(flywheel.jax): the same kernels and bits; flash_attn_func and flash_attn_varlen_func are
+differentiable (jax.grad), flash_attn_with_kvcache appends to donated caches in place, and the
+index operands (cu_seqlens_q, cache_seqlens, block_table, seqused_k, num_active,
+cache_batch_idx) may be traced, as the original allows. heads_outer_fold and the rotary tables
+raise NotImplementedError there (call eagerly).
 
 interpret is accepted and ignored (there is no Pallas interpreter here), so is block_sizes
 of flash_attn_varlen_func (a TPU tile choice; checked as the original checks it), and
@@ -81,11 +83,11 @@ import numpy as np
 
 from . import attention as _attn
 from .layers import (fused_conv1d_gdn, fused_conv1d_gdn_replay, fused_conv1d_kda,
-                     fused_conv1d_kda_replay)
+                     fused_conv1d_kda_replay, next_replay_lens)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "fused_conv1d_gdn", "fused_conv1d_kda", "fused_conv1d_gdn_replay",
-           "fused_conv1d_kda_replay"]
+           "fused_conv1d_kda_replay", "next_replay_lens"]
 
 
 
@@ -480,6 +482,146 @@ def _jitted_func(q, k, v, softmax_scale, causal, window, softcap, return_softmax
     return (out, r[1]) if return_softmax_lse else out
 
 
+def _jitted_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, window, softcap, return_softmax_lse, head_dim,
+                   token_major, block_table, seqused_k, num_active, sinks, s_aux):
+    """flash_attn_varlen_func on traced values: flywheel.jax's packed call (head-major through
+    strides), or with block_table its read-only cache call on the merged cache."""
+    from . import jax as fj
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    if block_table is not None:
+        if token_major:
+            raise NotImplementedError("a paged KV cache takes head-major q (nheads, total_q, "
+                                      "headdim); token_major=True is not supported (as in the "
+                                      "original)")
+        if cu_seqlens_k is not None or v is not None or seqused_k is None:
+            raise ValueError("with block_table, pass the merged cache as k, v=None, "
+                             "cu_seqlens_k=None and seqused_k (each sequence's kv length)")
+        if _ndim(q) != 3 or _ndim(k) != 4 or k.shape[2] % 2:
+            raise ValueError(f"with block_table, q must be (nheads, total_q, headdim) and k one "
+                             f"merged (num_pages, page_size, 2 * nheads_k, headdim) cache; got "
+                             f"{_shape(q)}, {_shape(k)}")
+        fj._float_operands(("q", "k"), q, k)
+        cu = fj._int_array(cu_seqlens_q, "cu_seqlens_q")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q must be (batch + 1,); got {_shape(cu)}")
+        batch = cu.shape[0] - 1
+        seqused = fj._int_array(seqused_k, "seqused_k", (batch,))
+        table = fj._int_array(block_table, "block_table")
+        if table.ndim != 2 or table.shape[0] != batch or table.shape[1] == 0:
+            raise ValueError(f"block_table must be a (batch={batch}, max_pages_per_seq >= 1) "
+                             f"integer array; got {_shape(table)}")
+        hq, hkv = q.shape[0], k.shape[2] // 2
+        if k.shape[3] != q.shape[2] or hkv == 0 or hq % hkv:
+            raise ValueError(f"Incompatible shapes: q {_shape(q)} vs k {_shape(k)}")
+        na = batch if num_active is None else fj._int_array(num_active, "num_active", ())
+        s = fj._sinks(sinks, s_aux, hq)
+        cfg = fj._config(q.shape[2], softmax_scale, causal, window, softcap, True)
+        out, lse = fj._kvcache_call(q, (k,), seqused, cu, na, table, None, None, None, s, cfg,
+                                    head_major=True, read_only=True)
+        return (out, lse) if return_softmax_lse else out
+    if seqused_k is not None or num_active is not None:
+        raise ValueError("seqused_k and num_active describe a paged KV cache and need "
+                         "block_table; packed K/V takes cu_seqlens_k")
+    if token_major:
+        hq, hkv, d, dv = _token_major_heads(q, k, v, head_dim, 2)
+        r = fj.flash_attn_varlen_func(q.reshape(q.shape[0], hq, d), k.reshape(k.shape[0], hkv, d),
+                                      v.reshape(v.shape[0], hkv, dv), cu_seqlens_q, cu_seqlens_k,
+                                      softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window, softcap=softcap,
+                                      return_softmax_lse=True, sinks=sinks, s_aux=s_aux)
+        out = r[0].reshape(q.shape[0], hq * dv)
+    else:
+        if head_dim is not None:
+            raise ValueError("head_dim is only meaningful for token-major (total, nheads * "
+                             "head_dim) inputs; 3-D inputs carry the split in their shape")
+        if _ndim(q) != 3 or _ndim(k) != 3 or _ndim(v) != 3:
+            raise ValueError(f"q/k/v must be 3-D (nheads, total, headdim); got {_shape(q)}, "
+                             f"{_shape(k)}, {_shape(v)}")
+        _check_qkv(q, k, v, [], 0)
+        r = fj.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                      softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window, softcap=softcap,
+                                      return_softmax_lse=True, head_major=True, sinks=sinks,
+                                      s_aux=s_aux)
+        out = r[0]
+    return (out, r[1]) if return_softmax_lse else out
+
+
+def _jitted_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                    num_active, cu_seqlens_q, softmax_scale, causal, window, softcap,
+                    return_softmax_lse, sinks, s_aux):
+    """flash_attn_with_kvcache on traced values: flywheel.jax's cache call, the merged paged
+    cache through its strided K and V views; the caches come back aliased (in place when the
+    caller donates them)."""
+    from . import jax as fj
+    ragged = cu_seqlens_q is not None
+    if _ndim(q) != (3 if ragged else 4):
+        raise ValueError(f"q must be {'(total_q' if ragged else '(batch, seqlen_q'}, nheads, "
+                         f"head_dim); got {_shape(q)}")
+    if ragged:
+        cu = fj._int_array(cu_seqlens_q, "cu_seqlens_q")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q must be (batch + 1,); got {_shape(cu)}")
+        batch = cu.shape[0] - 1
+    else:
+        batch, sq = q.shape[0], q.shape[1]
+        if batch <= 0 or sq <= 0:
+            raise ValueError("batch and seqlen_q must be positive")
+        cu = fj.jnp.arange(batch + 1, dtype=fj.jnp.int32) * sq
+    hq, d = q.shape[-2], q.shape[-1]
+    if block_table is not None:
+        if v_cache is not None or cache_batch_idx is not None:
+            raise ValueError("With block_table, pass one merged (num_pages, page_size, "
+                             "2 * nheads_k, head_dim) cache as k_cache, v_cache=None and no "
+                             "cache_batch_idx")
+        if _ndim(k_cache) != 4 or k_cache.shape[2] % 2:
+            raise ValueError("With block_table, k_cache must be (num_pages, page_size, "
+                             f"2 * nheads_k, head_dim); got {_shape(k_cache)}")
+        caches, hkv = (k_cache,), k_cache.shape[2] // 2
+        table = fj._int_array(block_table, "block_table")
+        if table.ndim != 2 or table.shape[0] != batch:
+            raise ValueError(f"block_table must be (batch={batch}, max_pages_per_seq); got "
+                             f"{_shape(table)}")
+    else:
+        if v_cache is None or _ndim(k_cache) != 4 or _shape(v_cache) != _shape(k_cache):
+            raise ValueError("Without block_table, k_cache and v_cache must be separate "
+                             "(batch_cache, capacity, nheads_k, head_dim) caches of one shape")
+        caches, hkv, table = (k_cache, v_cache), k_cache.shape[2], None
+    fj._float_operands(("q",) + ("k_cache", "v_cache")[:len(caches)], q, *caches)
+    if k_cache.shape[3] != d:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} must match q's {d}")
+    if hkv <= 0 or hq <= 0 or hq % hkv:
+        raise ValueError(f"nheads={hq} must be a multiple of nheads_k={hkv}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be passed together, or both left out")
+    if k is not None:
+        want = _shape(q)[:-2] + (hkv, d)
+        if _shape(k) != want or _shape(v) != want:
+            raise ValueError(f"k and v must be {want} (matching q's token layout); got "
+                             f"{_shape(k)}, {_shape(v)}")
+    seqlens = fj._int_array(cache_seqlens, "cache_seqlens")
+    if seqlens.ndim == 0:
+        seqlens = fj.jnp.broadcast_to(seqlens, (batch,))
+    seqlens = fj._int_array(seqlens, "cache_seqlens", (batch,))
+    bidx = None if cache_batch_idx is None else fj._int_array(cache_batch_idx, "cache_batch_idx",
+                                                             (batch,))
+    if table is None and bidx is None and k_cache.shape[0] < batch:
+        raise ValueError(f"the caches hold {k_cache.shape[0]} entries for {batch} sequences: "
+                         "pass cache_batch_idx")
+    na = batch if num_active is None else fj._int_array(num_active, "num_active", ())
+    s = fj._sinks(sinks, s_aux, hq)
+    cfg = fj._config(d, softmax_scale, causal, window, softcap, False)
+    flat = (lambda x: x) if ragged else (lambda x: x.reshape((-1,) + x.shape[2:]))
+    r = fj._kvcache_call(flat(q), caches, seqlens, cu, na, table, bidx,
+                         None if k is None else flat(k), None if v is None else flat(v), s, cfg)
+    out, lse = r[0], r[1]
+    if not ragged:
+        out = out.reshape(_shape(q)[:3] + (out.shape[-1],))
+        lse = lse.reshape(hq, batch, sq).transpose(1, 0, 2)
+    return (out, lse) + tuple(r[2:]) if return_softmax_lse else (out,) + tuple(r[2:])
+
+
 def _check_block_sizes(block_sizes):
     """The original's check of its TPU tile override (which is otherwise ignored here)."""
     if block_sizes is None:
@@ -522,6 +664,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     del interpret, deterministic  # no effect here (see above)
     window = _common(window_size, dropout_p, softcap, alibi_slopes, return_attn_probs)
     _check_block_sizes(block_sizes)
+    if _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, num_active, sinks,
+               s_aux):
+        if rotary_cos is not None or rotary_sin is not None:
+            raise NotImplementedError("rotary tables are not served under jax.jit / grad / vmap "
+                                      "yet: call eagerly")
+        return _jitted_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, window, softcap, return_softmax_lse,
+                              head_dim, token_major, block_table, seqused_k, num_active, sinks,
+                              s_aux)
     sinks = _sinks(sinks, s_aux)
     rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
     if block_table is not None and rotary:
@@ -678,23 +829,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     """
     del interpret  # no effect here (see the module docstring)
     window = _common(window_size, softcap=softcap)
-    if _traced(q, k_cache, v_cache, k, v, cache_seqlens, sinks, s_aux):
-        if any(x is not None for x in (cache_batch_idx, block_table, num_active, cu_seqlens_q)):
-            raise NotImplementedError("under jax.jit, flywheel.tpu serves contiguous caches "
-                                      "without cache_batch_idx, num_active or cu_seqlens_q so "
-                                      "far: call eagerly for the others")
-        if _ndim(q) != 4:
-            raise ValueError(f"q must be (batch, seqlen_q, nheads, head_dim); got {_shape(q)}")
-        if v_cache is None or _shape(v_cache) != _shape(k_cache):
-            raise ValueError("Without block_table, k_cache and v_cache must be separate "
-                             "(batch_cache, capacity, nheads_k, head_dim) caches of one shape; "
-                             f"got {_shape(k_cache)}, {None if v_cache is None else _shape(v_cache)}")
-        from . import jax as fj
-        return fj.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
-                                          softmax_scale=softmax_scale, causal=causal,
-                                          window_size=window, softcap=softcap,
-                                          return_softmax_lse=return_softmax_lse, sinks=sinks,
-                                          s_aux=s_aux)
+    if _traced(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+               num_active, cu_seqlens_q, sinks, s_aux):
+        return _jitted_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                               block_table, num_active, cu_seqlens_q, softmax_scale, causal,
+                               window, softcap, return_softmax_lse, sinks, s_aux)
     sinks = _sinks(sinks, s_aux)
     jax_out = _is_jax(q)
     q = _host(q, "q")

@@ -111,7 +111,7 @@ def test_grads_match_float64_autodiff(case):
         want = [np.asarray(x) for x in want]
     for name, a, b in zip("q k v sinks".split(), got, want):
         assert a.shape == b.shape and a.dtype == jnp.float32
-        err = np.abs(np.asarray(a, np.float64) - b).max()
+        err = np.abs(np.asarray(a).astype(np.float64) - b).max()
         assert err <= 2e-5 * max(1.0, np.abs(b).max()), (name, err)
 
 
@@ -248,6 +248,283 @@ def test_tpu_refuses_what_jit_does_not_serve_yet():
     x = jnp.zeros((1, 1, 4, 8), jnp.float32)
     with pytest.raises(NotImplementedError, match="jit"):
         jax.jit(lambda a: tpu.flash_attn_func(a, a, a, heads_outer_fold=True))(x)
+    cos = jnp.ones((8, 4), jnp.float32)
     with pytest.raises(NotImplementedError, match="jit"):
-        jax.jit(lambda a: tpu.flash_attn_with_kvcache(
-            a, a, a, cache_seqlens=1, cache_batch_idx=jnp.zeros(1, jnp.int32)))(x)
+        jax.jit(lambda a: tpu.flash_attn_func(a, a, a, rotary_cos=cos, rotary_sin=cos))(x)
+
+
+# ----------------------------------------------------------------- packed calls --
+
+def _packed(rng, lens_q, lens_k, hq, hkv, d, dv, dtype, pad_q=0, pad_k=0):
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, _ = make(rng, (cu_q[-1] + pad_q, hq, d), dtype, "numpy")
+    k, _ = make(rng, (cu_k[-1] + pad_k, hkv, d), dtype, "numpy")
+    v, _ = make(rng, (cu_k[-1] + pad_k, hkv, dv), dtype, "numpy")
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_varlen_gives_the_library_bits_and_pads(dtype, head_major):
+    rng = np.random.default_rng(10)
+    q, k, v, cu_q, cu_k = _packed(rng, [5, 0, 17, 1], [9, 3, 17, 30], 6, 2, 32, 16, dtype,
+                                  pad_q=4, pad_k=2)
+    used_q, used_k = cu_q[-1], cu_k[-1]
+    want, want_lse = flywheel.flash_attn_varlen_func(
+        q[:used_q], k[:used_k], v[:used_k], cu_q, cu_k, 17, 30, causal=True,
+        window_size=(6, -1), return_softmax_lse=True)
+    hm = (lambda x: jnp.asarray(x).transpose(1, 0, 2)) if head_major else jnp.asarray
+    f = jax.jit(lambda q, k, v, a, b: fj.flash_attn_varlen_func(
+        q, k, v, a, b, causal=True, window_size=(6, -1), return_softmax_lse=True,
+        head_major=head_major))
+    out, lse = f(hm(q), hm(k), hm(v), jnp.asarray(cu_q), jnp.asarray(cu_k))
+    out = np.asarray(out).transpose(1, 0, 2) if head_major else np.asarray(out)
+    assert _bits(out[:used_q], want) and _bits(np.asarray(lse)[:, :used_q], want_lse)
+    assert not np.asarray(out[used_q:], np.float32).any()
+    assert np.isneginf(np.asarray(lse)[:, used_q:]).all()
+
+
+def test_varlen_grads_match_float64_per_sequence():
+    rng = np.random.default_rng(11)
+    lens_q, lens_k = [4, 9, 1], [7, 9, 12]
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 4, 2, 16, 8, "float32", pad_q=3, pad_k=1)
+    s = rng.standard_normal(4).astype(np.float32)
+    w = rng.standard_normal((q.shape[0], 4, 8))
+    loss = lambda q, k, v, s: (fj.flash_attn_varlen_func(
+        q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), causal=True, softcap=20.0,
+        sinks=s) * w.astype(np.float32)).sum()
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(jnp.asarray(x) for x in (q, k, v, s)))
+    want = [np.zeros(x.shape) for x in (q, k, v, s)]
+    with jax.enable_x64(True):
+        for i in range(3):
+            a, b, c, e = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+            loss64 = lambda q, k, v, s: (_dense64(q[None], k[None], v[None], s, True, (-1, -1),
+                                                  20.0, 0.25)[0] * w[a:b]).sum()
+            g = [np.asarray(x) for x in jax.grad(loss64, argnums=(0, 1, 2, 3))(
+                *(jnp.asarray(x, jnp.float64) for x in (q[a:b], k[c:e], v[c:e], s)))]
+            want[0][a:b] += g[0]
+            want[1][c:e] += g[1]
+            want[2][c:e] += g[2]
+            want[3] += g[3]
+    for name, a, b in zip("q k v sinks".split(), got, want):
+        err = np.abs(np.asarray(a).astype(np.float64) - b).max()
+        assert err <= 2e-5 * max(1.0, np.abs(b).max()), (name, err)
+    assert not np.asarray(got[0])[cu_q[-1]:].any() and not np.asarray(got[1])[cu_k[-1]:].any()
+
+
+@pytest.mark.parametrize("form", ["paged", "packed", "batch_idx"])
+def test_kvcache_forms_give_the_library_bits(form):
+    rng = np.random.default_rng(12)
+    hq, hkv, d, page = 4, 2, 16, 16
+    lens = np.array([7, 30, 0], np.int32)
+    n = np.array([1, 3, 2]) if form == "packed" else np.array([2, 2, 2])
+    kw = {}
+    if form == "paged":
+        kc, _ = make(rng, (9, page, hkv, d), "bfloat16", "numpy")
+        kw["block_table"] = rng.permutation(9)[:9].reshape(3, 3).astype(np.int32)
+    else:
+        kc, _ = make(rng, (4, 48, hkv, d), "bfloat16", "numpy")
+        if form == "batch_idx":
+            kw["cache_batch_idx"] = np.array([3, 0, 2], np.int32)
+    vc = (kc.astype(np.float32) * 0.5).astype(kc.dtype)
+    if form == "packed":
+        kw["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+        shape = (int(n.sum()),)
+    else:
+        shape = (3, 2)
+    q, _ = make(rng, shape + (hq, d), "bfloat16", "numpy")
+    kn, _ = make(rng, shape + (hkv, d), "bfloat16", "numpy")
+    wk, wv = kc.copy(), vc.copy()
+    want = flywheel.flash_attn_with_kvcache(q, wk, wv, kn, kn, cache_seqlens=lens, causal=True,
+                                            return_softmax_lse=True, **kw)
+    jkw = {k_: jnp.asarray(x) for k_, x in kw.items()}
+    got = jax.jit(lambda q, kc, vc, kn, lens, kw: fj.flash_attn_with_kvcache(
+        q, kc, vc, kn, kn, cache_seqlens=lens, causal=True, return_softmax_lse=True, **kw),
+        donate_argnums=(1, 2))(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc),
+                               jnp.asarray(kn), jnp.asarray(lens), jkw)
+    for a, b in zip(got, (want[0], want[1], wk, wv)):
+        assert _bits(a, b)
+
+
+# ------------------------------------------------- flywheel.tpu's packed forms --
+
+def _merged(kc, vc):
+    kv = np.empty(kc.shape[:2] + (2 * kc.shape[2], kc.shape[3]), kc.dtype)
+    kv[:, :, 0::2], kv[:, :, 1::2] = kc, vc
+    return kv
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+def test_tpu_varlen_under_jit_gives_the_eager_bits(token_major):
+    rng = np.random.default_rng(13)
+    q, k, v, cu_q, cu_k = _packed(rng, [3, 11], [8, 11], 4, 2, 16, 16, "bfloat16", pad_q=2)
+    if token_major:
+        q, k, v = (x.reshape(x.shape[0], -1) for x in (q, k, v))
+    else:
+        q, k, v = (x.transpose(1, 0, 2).copy() for x in (q, k, v))
+    kw = dict(causal=True, return_softmax_lse=True, head_dim=16 if token_major else None,
+              token_major=token_major)
+    args = [jnp.asarray(x) for x in (q, k, v, cu_q, cu_k)]
+    eager = tpu.flash_attn_varlen_func(*args, 11, 11, **kw)
+    jitted = jax.jit(lambda *a: tpu.flash_attn_varlen_func(*a, 11, 11, **kw))(*args)
+    assert _bits(jitted[0], eager[0]) and _bits(jitted[1], eager[1])
+
+
+@pytest.mark.parametrize("page", [16, 131072])
+def test_tpu_paged_calls_under_jit_give_the_eager_bits(page):
+    rng = np.random.default_rng(14)
+    hq, hkv, d = 4, 2, 8
+    pages = 7 if page == 16 else 2
+    kc, _ = make(rng, (pages, page, hkv, d), "bfloat16", "numpy")
+    vc, _ = make(rng, (pages, page, hkv, d), "bfloat16", "numpy")
+    kv = _merged(kc, vc)
+    table = (np.array([[4, 1, 6], [0, 2, 5], [3, 3, 3]]) if page == 16
+             else np.array([[1], [0], [0]])).astype(np.int32)
+    lens = np.array([20, 33, 2], np.int32)
+    # the paged varlen read (head-major q, num_active traced, padding rows)
+    nq = np.array([2, 3, 1])
+    cu = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    q, _ = make(rng, (hq, cu[-1] + 2, d), "bfloat16", "numpy")
+    args = (jnp.asarray(q), jnp.asarray(kv), None, jnp.asarray(cu), None)
+    kw = dict(causal=True, return_softmax_lse=True, block_table=jnp.asarray(table),
+              seqused_k=jnp.asarray(lens))
+    for na in (3, 2):
+        eager = tpu.flash_attn_varlen_func(*args, 4, 64, num_active=na, **kw)
+        jitted = jax.jit(lambda q, kv, cu, na: tpu.flash_attn_varlen_func(
+            q, kv, None, cu, None, 4, 64, num_active=na, **kw))(args[0], args[1], args[3],
+                                                                jnp.asarray(na))
+        assert _bits(jitted[0], eager[0]) and _bits(jitted[1], eager[1])
+    # the append into the merged cache, donated: in place
+    qd, _ = make(rng, (3, 2, hq, d), "bfloat16", "numpy")
+    kn, _ = make(rng, (3, 2, hkv, d), "bfloat16", "numpy")
+    kw = dict(cache_seqlens=jnp.asarray(lens), block_table=jnp.asarray(table), causal=True,
+              return_softmax_lse=True, num_active=2)
+    eager = tpu.flash_attn_with_kvcache(jnp.asarray(qd), jnp.asarray(kv), None, jnp.asarray(kn),
+                                        jnp.asarray(kn), **kw)
+    KV = jnp.asarray(kv)
+    addr = KV.unsafe_buffer_pointer()
+    step = jax.jit(lambda q, kv, kn: tpu.flash_attn_with_kvcache(q, kv, None, kn, kn, **kw),
+                   donate_argnums=(1,))
+    jitted = step(jnp.asarray(qd), KV, jnp.asarray(kn))
+    assert jitted[2].unsafe_buffer_pointer() == addr
+    assert all(_bits(a, e) for a, e in zip(jitted, eager))
+
+
+def test_tpu_ragged_and_batch_idx_kvcache_under_jit():
+    rng = np.random.default_rng(15)
+    hq, hkv, d = 4, 1, 16
+    kc, _ = make(rng, (3, 40, hkv, d), "float32", "numpy")
+    vc, _ = make(rng, (3, 40, hkv, d), "float32", "numpy")
+    cu = np.array([0, 2, 2, 5], np.int32)
+    q, _ = make(rng, (6, hq, d), "float32", "numpy")
+    kn, _ = make(rng, (6, hkv, d), "float32", "numpy")
+    kw = dict(cache_seqlens=np.array([4, 9, 1], np.int32), cache_batch_idx=np.array([2, 0, 1], np.int32),
+              cu_seqlens_q=cu, causal=True, return_softmax_lse=True)
+    jkw = {k_: jnp.asarray(x) for k_, x in kw.items() if k_ != "causal" and k_ != "return_softmax_lse"}
+    eager = tpu.flash_attn_with_kvcache(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc),
+                                        jnp.asarray(kn), jnp.asarray(kn), **kw)
+    jitted = jax.jit(lambda q, kc, vc, kn, kw: tpu.flash_attn_with_kvcache(
+        q, kc, vc, kn, kn, causal=True, return_softmax_lse=True, **kw))(
+        jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(kn), jkw)
+    assert all(_bits(a, e) for a, e in zip(jitted, eager))
+
+
+# ------------------------------------------------------------ linear attention --
+
+def _layer_case(kda, rng):
+    from test_layers import DK, NV, batch, inputs
+    qsl, seq_lens, sidx, read, dist, T = batch()
+    qkv, b, a, w, bias, a_log, dt_bias, conv, rec = inputs(rng, T)
+    if kda:
+        a = rng.standard_normal((T, NV * DK)).astype(np.float32)
+        dt_bias = (rng.standard_normal(NV * DK) * 0.5).astype(np.float32)
+    return (qkv, b, a, conv, rec, w, bias, a_log, dt_bias, qsl, sidx, dist, seq_lens, read)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_tpu_layers_under_jit_give_the_numpy_bits_in_place(kda):
+    from test_layers import DK, DV, K, NKQ, NV
+    rng = np.random.default_rng(16)
+    case = _layer_case(kda, rng)
+    kw = dict(n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV, kernel_size=K)
+    if kda:
+        kw["lower_bound"] = -5.0
+    call = tpu.fused_conv1d_kda if kda else tpu.fused_conv1d_gdn
+    conv, rec = case[3].copy(), case[4].copy()
+    (_, _), want = call(*case[:3], conv, rec, *case[5:], **kw)
+    jcase = [jnp.asarray(x) for x in case]
+    addr = (jcase[3].unsafe_buffer_pointer(), jcase[4].unsafe_buffer_pointer())
+    step = jax.jit(lambda *a: call(*a, **kw), donate_argnums=(3, 4))
+    (c2, r2), out = step(*jcase)
+    assert (c2.unsafe_buffer_pointer(), r2.unsafe_buffer_pointer()) == addr
+    assert _bits(out, want) and _bits(c2, conv) and _bits(r2, rec)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_tpu_replay_steps_under_jit_give_the_numpy_bits(kda):
+    import ml_dtypes
+    from test_layers import DK, DV, K, NKQ, NV, SLOTS, _replay_step_inputs, inputs
+    rng = np.random.default_rng(17)
+    _, _, _, w, bias, a_log, _, conv, rec = inputs(rng, 1)
+    dt_bias = (rng.standard_normal(NV * DK if kda else NV) * 0.5).astype(np.float32)
+    call = tpu.fused_conv1d_kda_replay if kda else tpu.fused_conv1d_gdn_replay
+    dim = (flywheel.kda_replay_record_dim if kda else flywheel.replay_record_dim)(NKQ, NV, DK, DV)
+    W = 3
+    shadow = rec.astype(ml_dtypes.bfloat16)
+    records = np.zeros((SLOTS, W, dim), np.float32)
+    sidx, read = np.array([1, 2, 4], np.int32), np.array([1, 2, 3], np.int32)
+    seq_lens, dist = np.array([9, 9, 9], np.int32), np.array([3, 3, 3], np.int32)
+    kw = dict(n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV, kernel_size=K, replay_window=W)
+    if kda:
+        kw["lower_bound"] = -5.0
+    host = [conv.copy(), rec.copy(), shadow.copy(), records.copy()]
+    dev = [jnp.asarray(x) for x in (conv, rec, shadow, records)]
+    lens = np.zeros(3, np.int32)
+    jlens = jnp.asarray(lens)
+
+    @jax.jit
+    def jstep(qkv, b, g, qsl, conv, rec, shadow, records, lens):
+        caches, out = call(qkv, b, g, conv, rec, shadow, records, w, bias, a_log, dt_bias, qsl,
+                           sidx, dist, seq_lens, read, lens, **kw)
+        new = tpu.next_replay_lens(lens, qsl, seq_lens, sidx, read, dist,
+                                   jnp.ones(3, jnp.int32), W)
+        return caches, out, new
+
+    for step in range(5):
+        qkv, b, g, qsl = _replay_step_inputs(rng, kda)
+        (_, _, _, _), want = call(qkv, b, g, *host, w, bias, a_log, dt_bias, qsl, sidx, dist,
+                                  seq_lens, read, lens, **kw)
+        caches, out, jlens = jstep(qkv, b, g, qsl, *dev, jlens)
+        dev = list(caches)
+        assert _bits(out, want), step
+        assert all(_bits(d, h) for d, h in zip(dev, host)), step
+        lens = tpu.next_replay_lens(lens, qsl, seq_lens, sidx, read, dist, [1, 1, 1], W)
+        assert _bits(jlens, lens), step
+
+
+def test_traced_indices_are_checked_when_the_call_runs():
+    """Index operands traced under jit are known only when the call runs: bad ones come back
+    as XLA errors with the handler's or the library's message, and the caches are unchanged."""
+    x = jnp.zeros((4, 2, 8), jnp.float32)
+    kv = jnp.ones((3, 4, 4, 8), jnp.float32)   # merged: 2 K/V heads
+    read = jax.jit(lambda q, kv, cu, lens, table, na: tpu.flash_attn_varlen_func(
+        q.transpose(1, 0, 2), kv, None, cu, None, 4, 8, block_table=table, seqused_k=lens,
+        num_active=na))
+    good = (jnp.array([0, 1, 3], jnp.int32), jnp.array([2, 4], jnp.int32),
+            jnp.array([[0, 1], [2, 1]], jnp.int32), jnp.int32(2))
+    jax.block_until_ready(read(x, kv, *good))
+    bad = [
+        ((jnp.array([1, 1, 3], jnp.int32),) + good[1:], "cu_seqlens_q"),       # not from 0
+        ((jnp.array([0, 1, 9], jnp.int32),) + good[1:], "cu_seqlens_q"),       # past q's rows
+        (good[:3] + (jnp.int32(3),), "num_active"),                            # past the batch
+        ((good[0], jnp.array([2, 9], jnp.int32)) + good[2:], "seqlens|cache|rows|pages"),
+        (good[:2] + (jnp.array([[0, 1], [7, 1]], jnp.int32), good[3]), "page|block"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(Exception, match=msg):
+            jax.block_until_ready(read(x, kv, *args))
+    assert _bits(kv, np.ones((3, 4, 4, 8), np.float32))
+    cu = jnp.array([0, 2, 9], jnp.int32)
+    with pytest.raises(Exception, match="cu_seqlens"):
+        jax.block_until_ready(jax.jit(fj.flash_attn_varlen_func)(x, x, x, cu, cu))
