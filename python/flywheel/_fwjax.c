@@ -11,17 +11,41 @@
  * message. Shapes and dtypes are checked at trace time in jax.py; the library checks them again
  * here and writes nothing when it refuses.
  *
- * Handlers (arguments, then results; attributes by name):
- *   fwjax_attn_fwd  q, k, v[, sinks] -> out, lse [b, hq, sq] f32
- *   fwjax_attn_bwd  q, k, v, out, dout, lse[, sinks] -> dq, dk, dv[, dsinks]
- *   fwjax_kvcache   q, k_cache, v_cache, cache_seqlens[, k_new, v_new (attribute appends)]
- *                   [, sinks] -> out, lse [hq, b sq] f32, k_cache, v_cache (the caches'
- *                   results alias their arguments:
- *                   jax.py passes input_output_aliases, so a donated cache is appended to in
- *                   place)
- * Attributes: head_major (attention: q [b, hq, sq, d] instead of [b, sq, hq, d], and k, v, out,
- * dout and the gradients alike), causal, window_left, window_right, scale (0: 1/sqrt(d)),
- * softcap.
+ * Handlers (arguments, then results; [x] is there when attribute x is set, [sinks] of the
+ * backward calls and [dsinks] when the call has that many buffers):
+ *   fwjax_attn_fwd    q, k, v[, sinks][, rotary_cos, rotary_sin if rotary] -> out, lse
+ *                     [b, hq, sq] (attributes rotary_interleaved, rotary_q_only)
+ *   fwjax_attn_bwd    q, k, v, out, dout, lse[, sinks] -> dq, dk, dv[, dsinks]
+ *   fwjax_varlen_fwd  q, k, v, cu_q, cu_k[, sinks] -> out, lse [hq, total_q]
+ *   fwjax_varlen_bwd  q, k, v, out, dout, lse, cu_q, cu_k[, sinks] -> dq, dk, dv[, dsinks]
+ *   fwjax_kvcache     q, k_cache[, v_cache unless merged], seqlens, cu_q, num_active [1]
+ *                     [, block_table if paged][, batch_idx][, k_new, v_new if appends]
+ *                     [, sinks (a further buffer)] -> out, lse [hq, total_q][, k_cache[,
+ *                     v_cache]] (a call that does not append may leave the caches out: they
+ *                     are then only read)
+ *   fwjax_gdn_layer   qkv, b, a, conv_weight [dim, K][, conv_bias if has_bias], a_log, dt_bias,
+ *                     query_start_loc, state_indices, distribution [3], seq_lens,
+ *                     read_state_indices[, read_offsets if has_offsets], conv_state,
+ *                     recurrent_state[, shadow, records, replay_lens if replay]
+ *                     -> out [T, n_v d_v], conv_state, recurrent_state[, shadow, records]
+ *                     (fw_gdn_layer, or fw_gdn_layer_replay; attributes n_kq, n_v, d_k, d_v,
+ *                     num_spec_tokens, zero_tail, l2norm_eps, lower_bound (0: none),
+ *                     beta_activated, precision)
+ * Shapes as in flywheel.h: dense [b, s, h, x], packed [total, h, x]; attribute layout 1
+ * (head-major): the buffers are [b, h, s, x] and [h, total, x], layout 2 (heads outer) [h, b,
+ * s, x] (the original FlyWheel's layouts), seen through strides.
+ * lse is f32; cu_q, cu_k, seqlens, num_active, block_table, batch_idx are int32.
+ * Packed calls take buffers longer than their sequences: rows past cu_q[used] (cu_q[-1]; for
+ * the cache call cu_q[num_active], the rows of the active sequences) give out 0 and lse -inf,
+ * and their gradients 0, as the original's padding rows do.
+ * Caches (the KV caches of fwjax_kvcache, the slot caches of fwjax_gdn_layer) are results that
+ * alias their arguments (jax.py passes input_output_aliases), so a donated cache is written
+ * where it lies. merged: one cache [pages, page, 2 hkv, d], each token's K and V heads
+ * interleaved (k0, v0, k1, v1, ...), read and written through two strided views. Pages of more
+ * than 65536 tokens are split into flywheel pages (the fewest that divide them), the block
+ * table with them.
+ * Other attributes: causal, window_left, window_right, scale (0: 1/sqrt(d)), softcap, threads
+ * (0: all online CPUs).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -146,7 +170,9 @@ static const XLA_FFI_Buffer *buffer(const XLA_FFI_CallFrame *f, int ret, int64_t
     return typed ? (const XLA_FFI_Buffer *)(ret ? f->rets.rets[i] : f->args.args[i]) : NULL;
 }
 
-static int view(const XLA_FFI_Buffer *b, int head_major, fw_tensor *t)
+/* layout: 0 as the buffer is; 1 head-major ([b, h, s, x] seen as [b, s, h, x], [h, t, x] as
+ * [t, h, x]); 2 heads outer ([h, b, s, x] seen as [b, s, h, x]). */
+static int view(const XLA_FFI_Buffer *b, int layout, fw_tensor *t)
 {
     memset(t, 0, sizeof *t);
     if (!b || b->rank < 0 || b->rank > FW_MAX_DIMS || !fw_type(b->dtype, &t->dtype))
@@ -159,7 +185,11 @@ static int view(const XLA_FFI_Buffer *b, int head_major, fw_tensor *t)
         t->stride[i] = s;
         s *= b->dims[i] > 1 ? b->dims[i] : 1;
     }
-    if (head_major && b->rank >= 3) { /* [b, h, s, x] -> [b, s, h, x]; [h, t, x] -> [t, h, x] */
+    if (layout == 2 && b->rank == 4) { /* axes (1, 2, 0, 3) */
+        const int64_t sh[3] = {t->shape[0], t->shape[1], t->shape[2]}, st[3] = {t->stride[0], t->stride[1], t->stride[2]};
+        t->shape[0] = sh[1], t->shape[1] = sh[2], t->shape[2] = sh[0];
+        t->stride[0] = st[1], t->stride[1] = st[2], t->stride[2] = st[0];
+    } else if (layout == 1 && b->rank >= 3) {
         const int a = (int)b->rank - 3;
         int64_t x = t->shape[a];
         t->shape[a] = t->shape[a + 1];
@@ -265,15 +295,23 @@ FWJAX_API XLA_FFI_Error *fwjax_attn_fwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = num(f, "head_major", 0.0) != 0.0;
-    fw_tensor q, k, v, s, out, lse;
+    const int hm = (int)num(f, "layout", 0.0);
+    const int sinks = num(f, "sinks", 0.0) != 0.0, rotary = num(f, "rotary", 0.0) != 0.0;
+    fw_tensor q, k, v, s, cos, sin, out, lse;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
         !view(buffer(f, 1, 0), hm, &out) || !view(buffer(f, 1, 1), 0, &lse) ||
-        (f->args.size > 3 && !view(buffer(f, 0, 3), 0, &s)))
+        (sinks && !view(buffer(f, 0, 3), 0, &s)) ||
+        (rotary && (!view(buffer(f, 0, 3 + sinks), 0, &cos) || !view(buffer(f, 0, 4 + sinks), 0, &sin))))
         return bad_buffers(f);
     fw_attn_params p;
     params(f, &p);
-    p.sinks = f->args.size > 3 ? &s : NULL;
+    p.sinks = sinks ? &s : NULL;
+    if (rotary) {
+        p.rotary_cos = &cos;
+        p.rotary_sin = &sin;
+        p.rotary_interleaved = num(f, "rotary_interleaved", 0.0) != 0.0;
+        p.rotary_q_only = num(f, "rotary_q_only", 0.0) != 0.0;
+    }
     return api.attn_fwd(&q, &k, &v, &out, &lse, &p) == FW_OK ? NULL : refused(f);
 }
 
@@ -283,7 +321,7 @@ FWJAX_API XLA_FFI_Error *fwjax_attn_bwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = num(f, "head_major", 0.0) != 0.0;
+    const int hm = (int)num(f, "layout", 0.0);
     fw_tensor q, k, v, out, dout, lse, s, dq, dk, dv, ds;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
         !view(buffer(f, 0, 3), hm, &out) || !view(buffer(f, 0, 4), hm, &dout) || !view(buffer(f, 0, 5), 0, &lse) ||
@@ -313,7 +351,7 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = num(f, "head_major", 0.0) != 0.0;
+    const int hm = (int)num(f, "layout", 0.0);
     fw_tensor q, k, v, s, out, lse;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
         !view(buffer(f, 1, 0), hm, &out) || !view(buffer(f, 1, 1), 0, &lse) || q.ndim != 3 || k.ndim != 3 ||
@@ -344,7 +382,7 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_bwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = num(f, "head_major", 0.0) != 0.0;
+    const int hm = (int)num(f, "layout", 0.0);
     fw_tensor q, k, v, out, dout, lse, s, dq, dk, dv, ds;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
         !view(buffer(f, 0, 3), hm, &out) || !view(buffer(f, 0, 4), hm, &dout) || !view(buffer(f, 0, 5), 0, &lse) ||
@@ -399,7 +437,7 @@ FWJAX_API XLA_FFI_Error *fwjax_kvcache(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = num(f, "head_major", 0.0) != 0.0, merged = num(f, "merged", 0.0) != 0.0;
+    const int hm = (int)num(f, "layout", 0.0), merged = num(f, "merged", 0.0) != 0.0;
     const int paged = num(f, "paged", 0.0) != 0.0, bidx = num(f, "batch_idx", 0.0) != 0.0;
     const int appends = num(f, "appends", 0.0) != 0.0;
     fw_tensor q, kn, vn, s, out, lse, kc, vc;

@@ -92,8 +92,15 @@ def _float_operands(names, *xs):
                         f"{', '.join(str(x.dtype) for x in xs)}")
 
 
-def _config(d, softmax_scale, causal, window_size, softcap, head_major):
-    """The static attributes of a call, as the handlers read them."""
+# layouts of the dense calls' q, k, v, out: flash-attn's [b, s, h, d], head-major [b, h, s, d],
+# heads outer [h, b, s, d] (the original FlyWheel's heads_outer_fold); packed calls take the
+# first two ([total, h, d], [h, total, d])
+TOKEN_MAJOR, HEAD_MAJOR, HEADS_OUTER = 0, 1, 2
+
+
+def _config(d, softmax_scale, causal, window_size, softcap, layout, rotary=None):
+    """The static attributes of a call, as the handlers read them (a hashable tuple); rotary:
+    None or (interleaved, q_only)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -110,28 +117,32 @@ def _config(d, softmax_scale, causal, window_size, softcap, head_major):
     softcap = float(softcap or 0.0)
     if not softcap >= 0.0 or not np.isfinite(softcap):
         raise ValueError(f"softcap must be >= 0 and finite, got {softcap!r}")
-    return (("causal", bool(causal)), ("head_major", bool(head_major)),
-            ("scale", scale), ("softcap", softcap),
-            ("window_left", side(left)), ("window_right", side(right)))
+    cfg = (("causal", bool(causal)), ("layout", int(layout)), ("scale", scale),
+           ("softcap", softcap), ("window_left", side(left)), ("window_right", side(right)))
+    if rotary is not None:
+        cfg += (("rotary_interleaved", bool(rotary[0])), ("rotary_q_only", bool(rotary[1])))
+    return cfg
 
 
 def _attrs(cfg):
     a = dict(cfg)
-    return dict(causal=a["causal"], head_major=a["head_major"], scale=np.float32(a["scale"]),
-                softcap=np.float32(a["softcap"]), window_left=np.int64(a["window_left"]),
-                window_right=np.int64(a["window_right"]),
-                threads=np.int32(_lib.settings.threads or 0))
+    r = dict(causal=a["causal"], layout=np.int32(a["layout"]), scale=np.float32(a["scale"]),
+             softcap=np.float32(a["softcap"]), window_left=np.int64(a["window_left"]),
+             window_right=np.int64(a["window_right"]), threads=np.int32(_lib.settings.threads or 0))
+    if "rotary_interleaved" in a:
+        r.update(rotary=True, rotary_interleaved=a["rotary_interleaved"],
+                 rotary_q_only=a["rotary_q_only"])
+    return r
 
 
-def _dims(q, k, v, head_major):
+def _dims(q, k, v, layout):
     for n, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
-            lay = "[b, h, s, d]" if head_major else "[b, s, h, d]"
+            lay = ("[b, s, h, d]", "[b, h, s, d]", "[h, b, s, d]")[layout]
             raise ValueError(f"{n} must be {lay}, got shape {tuple(x.shape)}")
-    if head_major:
-        (b, hq, sq, d), (bk, hkv, sk, dk), (bv, hv, sv, dv) = q.shape, k.shape, v.shape
-    else:
-        (b, sq, hq, d), (bk, sk, hkv, dk), (bv, sv, hv, dv) = q.shape, k.shape, v.shape
+    axes = ((0, 1, 2, 3), (0, 2, 1, 3), (1, 2, 0, 3))[layout]  # (b, s, h, d) of the layout
+    (b, sq, hq, d), (bk, sk, hkv, dk), (bv, sv, hv, dv) = (
+        tuple(x.shape[i] for i in axes) for x in (q, k, v))
     if not (b == bk == bv) or sk != sv or hkv != hv or d != dk:
         raise ValueError(f"incompatible shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
@@ -155,30 +166,33 @@ def _sinks(sinks, s_aux, hq):
 
 # --------------------------------------------------------------- attention --
 
-def _fwd_call(q, k, v, sinks, cfg):
+def _fwd_call(q, k, v, sinks, rot, cfg):
     a = dict(cfg)
-    b, sq, hq, d, sk, hkv, dv = _dims(q, k, v, a["head_major"])
-    oshape = (b, hq, sq, dv) if a["head_major"] else (b, sq, hq, dv)
+    b, sq, hq, d, sk, hkv, dv = _dims(q, k, v, a["layout"])
+    oshape = ((b, sq, hq, dv), (b, hq, sq, dv), (hq, b, sq, dv))[a["layout"]]
     call = jax.ffi.ffi_call("flywheel_attn_fwd",
                             (jax.ShapeDtypeStruct(oshape, q.dtype),
                              jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
                             vmap_method="sequential")
-    args = (q, k, v) if sinks is None else (q, k, v, sinks)
-    return call(*args, **_attrs(cfg))
+    args = (q, k, v) + (() if sinks is None else (sinks,)) + (() if rot is None else tuple(rot))
+    return call(*args, sinks=sinks is not None, **_attrs(cfg))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, sinks, cfg):
-    return _fwd_call(q, k, v, sinks, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, sinks, rot, cfg):
+    return _fwd_call(q, k, v, sinks, rot, cfg)
 
 
-def _attention_fwd(q, k, v, sinks, cfg):
-    out, lse = _fwd_call(q, k, v, sinks, cfg)
-    return (out, lse), (q, k, v, sinks, out, lse)
+def _attention_fwd(q, k, v, sinks, rot, cfg):
+    out, lse = _fwd_call(q, k, v, sinks, rot, cfg)
+    return (out, lse), (q, k, v, sinks, rot, out, lse)
 
 
 def _attention_bwd(cfg, res, cts):
-    q, k, v, sinks, out, lse = res
+    q, k, v, sinks, rot, out, lse = res
+    if rot is not None:
+        raise NotImplementedError("the gradient of attention with rotary tables: the backward "
+                                  "takes none (rotate q and k first to differentiate through it)")
     dout = cts[0].astype(out.dtype)
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     if sinks is not None:
@@ -187,8 +201,8 @@ def _attention_bwd(cfg, res, cts):
     args = (q, k, v, out, dout, lse) + (() if sinks is None else (sinks,))
     grads = call(*args, **_attrs(cfg))
     if sinks is None:
-        return tuple(grads) + (None,)
-    return tuple(grads[:3]) + (grads[3].astype(sinks.dtype),)
+        return tuple(grads) + (None, None)
+    return tuple(grads[:3]) + (grads[3].astype(sinks.dtype), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -197,12 +211,15 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_softmax_lse=False, head_major=False,
-                    sinks=None, s_aux=None):
+                    heads_outer_fold=False, sinks=None, s_aux=None, rotary_cos=None,
+                    rotary_sin=None, rotary_interleaved=False, rotary_k=True):
     """Dense attention, flash-attn's `flash_attn_func`, on JAX arrays (jit-able, differentiable).
 
     q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] -> out [b, sq, hq, dv];
     head_major=True: q [b, hq, sq, d], k [b, hkv, sk, d], v [b, hkv, sk, dv] -> out
-    [b, hq, sq, dv]. Masks, softcap, sinks and lse as flywheel.flash_attn_func.
+    [b, hq, sq, dv]; heads_outer_fold=True: [hq, b, sq, d] ... -> [hq, b, sq, dv]. Masks,
+    softcap, sinks and lse as flywheel.flash_attn_func. Rotary tables as there (key j at j,
+    query i at sk - sq + i; rotary_k=False rotates q only); not differentiable.
     return_softmax_lse=True returns (out, lse [b, hq, sq] float32); return_attn_probs=True
     (out, lse, None). dropout and ALiBi raise NotImplementedError.
     """
@@ -212,10 +229,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes are not supported")
     _float_operands(("q", "k", "v"), q, k, v)
-    b, sq, hq, d, sk, hkv, dv = _dims(q, k, v, head_major)
+    if head_major and heads_outer_fold:
+        raise ValueError("head_major and heads_outer_fold are two layouts: pass one")
+    layout = HEADS_OUTER if heads_outer_fold else HEAD_MAJOR if head_major else TOKEN_MAJOR
+    b, sq, hq, d, sk, hkv, dv = _dims(q, k, v, layout)
     s = _sinks(sinks, s_aux, hq)
-    cfg = _config(d, softmax_scale, causal, window_size, softcap, head_major)
-    out, lse = _attention(q, k, v, s, cfg)
+    rot = None
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None or rotary_cos.shape != rotary_sin.shape or \
+                rotary_cos.ndim != 2 or rotary_cos.dtype != rotary_sin.dtype:
+            raise ValueError("rotary_cos and rotary_sin must be [seqlen_ro, rotary_dim / 2] "
+                             "alike")
+        _float_operands(("rotary_cos",), rotary_cos)
+        rot = (rotary_cos, rotary_sin)
+    cfg = _config(d, softmax_scale, causal, window_size, softcap, layout,
+                  None if rot is None else (rotary_interleaved, not rotary_k))
+    out, lse = _attention(q, k, v, s, rot, cfg)
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_softmax_lse else out
@@ -256,7 +285,7 @@ def _kvcache_call(q, caches, seqlens, cu, num_active, table, batch_idx, k, v, si
     call = jax.ffi.ffi_call("flywheel_kvcache", shapes, input_output_aliases=aliases,
                             vmap_method="sequential")
     a = _attrs(cfg)
-    a["head_major"] = bool(head_major)
+    a["layout"] = np.int32(HEAD_MAJOR if head_major else TOKEN_MAJOR)
     return call(*args, merged=merged, paged=table is not None, batch_idx=batch_idx is not None,
                 appends=k is not None, **a)
 
@@ -319,7 +348,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         raise ValueError(f"contiguous caches need an entry per sequence ({b}) or "
                          f"cache_batch_idx; got {tuple(k_cache.shape)}")
     s = _sinks(sinks, s_aux, hq)
-    cfg = _config(d, softmax_scale, causal, window_size, softcap, False)
+    cfg = _config(d, softmax_scale, causal, window_size, softcap, TOKEN_MAJOR)
     flat = lambda x: x if packed else x.reshape((b * sq,) + x.shape[2:])
     out, lse, kc, vc = _kvcache_call(flat(q), (k_cache, v_cache), seqlens, cu, b, table, bidx,
                                      None if k is None else flat(k), None if v is None else flat(v),
@@ -334,7 +363,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
 def _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg):
     a = dict(cfg)
-    hm = a["head_major"]
+    hm = a["layout"] == HEAD_MAJOR
     hq, total = (q.shape[0], q.shape[1]) if hm else (q.shape[1], q.shape[0])
     dv = v.shape[-1]
     oshape = (hq, total, dv) if hm else (total, hq, dv)
@@ -410,7 +439,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be [b + 1] alike, got shapes "
                          f"{tuple(cu_q.shape)}, {tuple(cu_k.shape)}")
     s = _sinks(sinks, s_aux, hq)
-    cfg = _config(q.shape[-1], softmax_scale, causal, window_size, softcap, head_major)
+    cfg = _config(q.shape[-1], softmax_scale, causal, window_size, softcap,
+                  HEAD_MAJOR if head_major else TOKEN_MAJOR)
     out, lse = _varlen(q, k, v, cu_q, cu_k, s, cfg)
     if return_attn_probs:
         return out, lse, None

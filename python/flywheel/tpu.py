@@ -59,8 +59,9 @@ Under jax.jit (traced values), the three attention calls run as XLA FFI custom c
 (flywheel.jax): the same kernels and bits; flash_attn_func and flash_attn_varlen_func are
 differentiable (jax.grad), flash_attn_with_kvcache appends to donated caches in place, and the
 index operands (cu_seqlens_q, cache_seqlens, block_table, seqused_k, num_active,
-cache_batch_idx) may be traced, as the original allows. heads_outer_fold and the rotary tables
-raise NotImplementedError there (call eagerly).
+cache_batch_idx) may be traced, as the original allows. flash_attn_varlen_func's rotary tables
+raise NotImplementedError there (call eagerly); flash_attn_func takes them (not
+differentiable, as in the original).
 
 interpret is accepted and ignored (there is no Pallas interpreter here), so is block_sizes
 of flash_attn_varlen_func (a TPU tile choice; checked as the original checks it), and
@@ -396,12 +397,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if heads_outer_fold and (token_major or return_softmax_lse):
         raise NotImplementedError("heads_outer_fold is a head-major layout without "
                                   "return_softmax_lse (as in the original)")
-    if _traced(q, k, v, sinks, s_aux):
-        if rotary_cos is not None or rotary_sin is not None or heads_outer_fold:
-            raise NotImplementedError("rotary tables and heads_outer_fold are not served under "
-                                      "jax.jit / grad / vmap yet: call eagerly")
+    if _traced(q, k, v, sinks, s_aux, rotary_cos, rotary_sin):
+        if rotary_cos is not None or rotary_sin is not None:
+            if type(rotary_interleaved) is not bool or type(rotary_k) is not bool:
+                raise ValueError("rotary_interleaved and rotary_k must be static bools")
+        rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                      rotary_interleaved=rotary_interleaved, rotary_k=rotary_k)
         return _jitted_func(q, k, v, softmax_scale, causal, window, softcap,
-                            return_softmax_lse, head_dim, token_major, sinks, s_aux)
+                            return_softmax_lse, head_dim, token_major, heads_outer_fold, sinks,
+                            s_aux, rotary)
     sinks = _sinks(sinks, s_aux)
     rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
     jax_out = _is_jax(q)
@@ -452,9 +456,10 @@ def _traced(*xs):
 
 
 def _jitted_func(q, k, v, softmax_scale, causal, window, softcap, return_softmax_lse,
-                 head_dim, token_major, sinks, s_aux):
-    """flash_attn_func on traced JAX values: flywheel.jax's FFI call, in the head-major layout
-    (strides, no transpose) or on the token-major fused layout reshaped to [b, s, h, d]."""
+                 head_dim, token_major, heads_outer_fold, sinks, s_aux, rotary):
+    """flash_attn_func on traced JAX values: flywheel.jax's FFI call, in the head-major or
+    heads-outer layout (strides, no transpose) or on the token-major fused layout reshaped to
+    [b, s, h, d]."""
     from . import jax as fj
     if token_major:
         hq, hkv, d, dv = _token_major_heads(q, k, v, head_dim, 3)
@@ -464,7 +469,8 @@ def _jitted_func(q, k, v, softmax_scale, causal, window, softcap, return_softmax
         r = fj.flash_attn_func(q.reshape(b, sq, hq, d), k.reshape(k.shape[0], k.shape[1], hkv, d),
                                v.reshape(v.shape[0], v.shape[1], hkv, dv),
                                softmax_scale=softmax_scale, causal=causal, window_size=window,
-                               softcap=softcap, return_softmax_lse=True, sinks=sinks, s_aux=s_aux)
+                               softcap=softcap, return_softmax_lse=True, sinks=sinks, s_aux=s_aux,
+                               **rotary)
         out = r[0].reshape(b, sq, hq * dv)
     else:
         if head_dim is not None:
@@ -472,12 +478,14 @@ def _jitted_func(q, k, v, softmax_scale, causal, window, softcap, return_softmax
                              "nheads * head_dim) inputs; 4-D inputs carry the split in their "
                              "shape")
         if _ndim(q) != 4 or _ndim(k) != 4 or _ndim(v) != 4:
-            raise ValueError(f"q/k/v must be 4-D (batch, nheads, seqlen, headdim); got "
+            layout = "nheads, batch" if heads_outer_fold else "batch, nheads"
+            raise ValueError(f"q/k/v must be 4-D ({layout}, seqlen, headdim); got "
                              f"{_shape(q)}, {_shape(k)}, {_shape(v)}")
-        _check_qkv(q, k, v, [0], 1)
+        _check_qkv(q, k, v, [1 if heads_outer_fold else 0], 0 if heads_outer_fold else 1)
         r = fj.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window, softcap=softcap, return_softmax_lse=True,
-                               head_major=True, sinks=sinks, s_aux=s_aux)
+                               head_major=not heads_outer_fold, heads_outer_fold=heads_outer_fold,
+                               sinks=sinks, s_aux=s_aux, **rotary)
         out = r[0]
     return (out, r[1]) if return_softmax_lse else out
 
@@ -516,7 +524,7 @@ def _jitted_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             raise ValueError(f"Incompatible shapes: q {_shape(q)} vs k {_shape(k)}")
         na = batch if num_active is None else fj._int_array(num_active, "num_active", ())
         s = fj._sinks(sinks, s_aux, hq)
-        cfg = fj._config(q.shape[2], softmax_scale, causal, window, softcap, True)
+        cfg = fj._config(q.shape[2], softmax_scale, causal, window, softcap, fj.HEAD_MAJOR)
         out, lse = fj._kvcache_call(q, (k,), seqused, cu, na, table, None, None, None, s, cfg,
                                     head_major=True, read_only=True)
         return (out, lse) if return_softmax_lse else out
@@ -611,7 +619,7 @@ def _jitted_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
                          "pass cache_batch_idx")
     na = batch if num_active is None else fj._int_array(num_active, "num_active", ())
     s = fj._sinks(sinks, s_aux, hq)
-    cfg = fj._config(d, softmax_scale, causal, window, softcap, False)
+    cfg = fj._config(d, softmax_scale, causal, window, softcap, fj.TOKEN_MAJOR)
     flat = (lambda x: x) if ragged else (lambda x: x.reshape((-1,) + x.shape[2:]))
     r = fj._kvcache_call(flat(q), caches, seqlens, cu, na, table, bidx,
                          None if k is None else flat(k), None if v is None else flat(v), s, cfg)

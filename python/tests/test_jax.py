@@ -244,13 +244,35 @@ def test_tpu_with_kvcache_under_jit_appends_in_place():
     assert all(_bits(a, e) for a, e in zip(got, eager))
 
 
-def test_tpu_refuses_what_jit_does_not_serve_yet():
-    x = jnp.zeros((1, 1, 4, 8), jnp.float32)
+@pytest.mark.parametrize("form", ["heads_outer_fold", "rotary", "rotary_q_only"])
+def test_tpu_folded_and_rotary_forms_under_jit_give_the_eager_bits(form):
+    rng = np.random.default_rng(18)
+    hq, hkv, b, sq, sk, d = 4, 2, 2, 9, 13, 32
+    kw = dict(causal=True)
+    if form == "heads_outer_fold":
+        shapes = ((hq, b, sq, d), (hkv, b, sk, d))
+        kw["heads_outer_fold"] = True
+    else:
+        shapes = ((b, hq, sq, d), (b, hkv, sk, d))
+        cos = np.cos(np.arange(16)[:, None] * 0.1 * np.arange(1, 9)).astype(np.float32)
+        sin = np.sin(np.arange(16)[:, None] * 0.1 * np.arange(1, 9)).astype(np.float32)
+        kw.update(rotary_cos=jnp.asarray(cos), rotary_sin=jnp.asarray(sin),
+                  rotary_k=form != "rotary_q_only", rotary_interleaved=True)
+    q, _ = make(rng, shapes[0], "bfloat16", "numpy")
+    k, _ = make(rng, shapes[1], "bfloat16", "numpy")
+    args = [jnp.asarray(x) for x in (q, k, k)]
+    eager = tpu.flash_attn_func(*args, **kw)
+    jitted = jax.jit(lambda *a: tpu.flash_attn_func(*a, **kw))(*args)
+    assert _bits(jitted, eager)
+    if form == "rotary":
+        with pytest.raises(NotImplementedError, match="rotary"):
+            jax.grad(lambda a: tpu.flash_attn_func(a, *args[1:], **kw).astype(
+                jnp.float32).sum())(args[0])
+    x = jnp.zeros((2, 4, 8), jnp.float32)
+    cu = jnp.array([0, 4], jnp.int32)
     with pytest.raises(NotImplementedError, match="jit"):
-        jax.jit(lambda a: tpu.flash_attn_func(a, a, a, heads_outer_fold=True))(x)
-    cos = jnp.ones((8, 4), jnp.float32)
-    with pytest.raises(NotImplementedError, match="jit"):
-        jax.jit(lambda a: tpu.flash_attn_func(a, a, a, rotary_cos=cos, rotary_sin=cos))(x)
+        jax.jit(lambda a, c: tpu.flash_attn_varlen_func(
+            a, a, a, c, c, 4, 4, rotary_cos=jnp.ones((4, 4)), rotary_sin=jnp.ones((4, 4))))(x, cu)
 
 
 # ----------------------------------------------------------------- packed calls --
