@@ -8,8 +8,10 @@ fla's torch reference (naive_chunk_gated_delta_rule / naive_recurrent_gated_delt
 (a decay per key channel, Kimi Linear's shapes) prefill and decode: ggml gated_delta_net with
 per-channel gates (g [dk, HV, T, n]) and fla's torch reference (naive_chunk_kda /
 naive_recurrent_kda).
-flywheel-tpu (the original FlyWheel, JAX Pallas) runs in interpret mode on small shapes as a
-correctness oracle for the softmax kernels; it is not timed.
+flywheel-tpu (the original FlyWheel, JAX Pallas) runs in interpret mode on small shapes beside
+flywheel.tpu's same calls under jax.jit (flywheel's XLA FFI custom calls): both rows give their
+max error against a float64 reference and their time (the original's interpret mode emulates
+its TPU kernels: its time is what a CPU user of the original waits).
 
 Every system gets the same input values: they are drawn once, rounded to bf16, and handed to
 each system in its own layout and dtype outside the timed region. Timings are medians of
@@ -490,13 +492,66 @@ def bench_kda_decode(P, rows, n, reps):
                         "ggml gated_delta_net (gate per channel)", fla, KHV // KH, reps)
 
 
+def attention64(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0):
+    """float64 attention, [b, s, h, d] in and out (masks bottom-right, GQA, softcap; a row that
+    sees no key gives 0): the reference both sides of the oracle are measured against."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, 2), np.repeat(v, g, 2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[3])
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    i, j = np.arange(sq)[:, None] + sk - sq, np.arange(sk)[None, :]
+    left, right = window_size
+    right = 0 if causal else right
+    ok = np.ones((sq, sk), bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    s = np.where(ok, s, -np.inf)
+    m = s.max(-1, keepdims=True, initial=-np.inf)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    den = p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", p / np.where(den > 0, den, 1), v)
+
+
 def oracle(P, rows):
-    """flywheel-tpu's Pallas kernels in interpret mode against flywheel on small shapes."""
+    """flywheel-tpu's Pallas kernels in interpret mode against flywheel.tpu's calls under
+    jax.jit (flywheel.jax's FFI custom calls) on small shapes: each one's max error against
+    float64, and its time (the original's interpret mode is an emulation: its time says what a
+    CPU user of the original waits, not what its kernels do on a TPU)."""
     if P.fwtpu is None:
         rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16", "-",
                         note=P.missing["flywheel-tpu"]))
         return
-    jnp = P.jax.numpy
+    jax, jnp = P.jax, P.jax.numpy
+    import flywheel.tpu as ours_tpu
+
+    def timed(f, reps):
+        jax.block_until_ready(f())
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def both(name, ours, theirs, want, reps=5):
+        for system, f, n in (("flywheel.tpu (jax.jit)", ours, reps),
+                             ("flywheel-tpu (interpret)", theirs, 1)):
+            try:
+                sec = timed(f, n)
+                got = np.asarray(f().astype(jnp.float32), np.float64)
+                rows.append(Row("oracle", system, "bfloat16", name, seconds=sec,
+                                diff=float(np.abs(got - want).max()),
+                                note="diff: max error against float64"))
+            except Exception as e:
+                traceback.print_exc(file=sys.stderr)
+                rows.append(Row("oracle", system, "bfloat16", name,
+                                note=f"failed: {type(e).__name__}: {e}"))
+
     rng = np.random.default_rng(5)
     cases = [("causal GQA", 256, 256, dict(causal=True)),
              ("window (64, 0) + softcap 20", 256, 256, dict(causal=True, window_size=(64, 0),
@@ -505,38 +560,25 @@ def oracle(P, rows):
     for name, sq, sk, kw in cases:
         q = bf16_values(rng, (1, sq, 8, 128))
         k, v = (bf16_values(rng, (1, sk, 2, 128)) for _ in range(2))
-        ours = flywheel.flash_attn_func(q, k, v, **kw).astype(np.float64)
-        try:
-            hm = [jnp.asarray(x.transpose(0, 2, 1, 3), dtype=jnp.bfloat16) for x in (q, k, v)]
-            t0 = time.perf_counter()
-            theirs = P.fwtpu.flash_attn_func(*hm, interpret=True, **kw)
-            theirs = np.asarray(theirs.astype(jnp.float32)).transpose(0, 2, 1, 3)
-            sec = time.perf_counter() - t0
-            diff = float(np.abs(theirs - ours).max())
-            rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16",
-                            f"{name}, sq={sq} sk={sk}", diff=diff,
-                            note=f"interpret mode, {sec:.1f} s (not a timing)"))
-        except Exception as e:
-            traceback.print_exc(file=sys.stderr)
-            rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16", name,
-                            note=f"failed: {type(e).__name__}: {e}"))
+        want = attention64(q, k, v, **kw).transpose(0, 2, 1, 3)
+        hm = [jnp.asarray(x.transpose(0, 2, 1, 3), dtype=jnp.bfloat16) for x in (q, k, v)]
+        jitted = jax.jit(lambda a, b, c, kw=kw: ours_tpu.flash_attn_func(a, b, c, **kw))
+        both(f"{name}, sq={sq} sk={sk}", lambda: jitted(*hm),
+             lambda: P.fwtpu.flash_attn_func(*hm, interpret=True, **kw), want)
     # decode against a contiguous cache
     q = bf16_values(rng, (2, 1, 8, 128))
     kc, vc = (bf16_values(rng, (2, 512, 2, 128)) for _ in range(2))
     lens = np.array([300, 512], np.int32)
-    ours = flywheel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens).astype(np.float64)
-    try:
-        a = [jnp.asarray(x, dtype=jnp.bfloat16) for x in (q, kc, vc)]
-        theirs = P.fwtpu.flash_attn_with_kvcache(*a, cache_seqlens=jnp.asarray(lens),
-                                                 interpret=True)
-        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
-        diff = float(np.abs(np.asarray(theirs.astype(jnp.float32)) - ours).max())
-        rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16",
-                        "kvcache decode, ctx 300/512", diff=diff, note="interpret mode"))
-    except Exception as e:
-        traceback.print_exc(file=sys.stderr)
-        rows.append(Row("oracle", "flywheel-tpu (interpret)", "bfloat16", "kvcache decode",
-                        note=f"failed: {type(e).__name__}: {e}"))
+    want = np.concatenate([attention64(q[i:i + 1], kc[i:i + 1, :lens[i]], vc[i:i + 1, :lens[i]])
+                           for i in range(2)])
+    a = [jnp.asarray(x, dtype=jnp.bfloat16) for x in (q, kc, vc)]
+    jl = jnp.asarray(lens)
+    step = jax.jit(lambda q, kc, vc, n: ours_tpu.flash_attn_with_kvcache(q, kc, vc,
+                                                                          cache_seqlens=n)[0])
+    # (the original donates its caches: each of its calls gets copies)
+    both("kvcache decode, ctx 300/512", lambda: step(*a, jl),
+         lambda: P.fwtpu.flash_attn_with_kvcache(a[0], jnp.array(a[1]), jnp.array(a[2]),
+                                                 cache_seqlens=jl, interpret=True)[0], want)
 
 
 # --------------------------------------------------------------------------- report --
