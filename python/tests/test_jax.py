@@ -2,6 +2,8 @@
 values. jit and eager calls run the same handler as the numpy binding's call and must give
 its bits; gradients are checked against float64 autodiff; donated caches change in place."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -550,3 +552,54 @@ def test_traced_indices_are_checked_when_the_call_runs():
     cu = jnp.array([0, 2, 9], jnp.int32)
     with pytest.raises(Exception, match="cu_seqlens"):
         jax.block_until_ready(jax.jit(fj.flash_attn_varlen_func)(x, x, x, cu, cu))
+
+
+def test_the_originals_jitted_serving_loop_runs_unchanged(monkeypatch):
+    """A decode loop written against the original (its README: caches donated on the outer
+    jit and rebound each step; `from flywheel_tpu... import ...`) runs with flywheel.tpu in
+    the original's place, and gives the eager calls' bits step after step."""
+    import sys
+    import types
+    monkeypatch.setitem(sys.modules, "flywheel_tpu", tpu)
+    monkeypatch.setitem(sys.modules, "flywheel_tpu.linear_attention",
+                        types.SimpleNamespace(fused_conv1d_gdn=tpu.fused_conv1d_gdn))
+    from flywheel_tpu import flash_attn_with_kvcache
+    from flywheel_tpu.linear_attention import fused_conv1d_gdn
+    from test_layers import DK, DV, K, NKQ, NV, SLOTS, inputs
+
+    rng = np.random.default_rng(19)
+    _, _, _, w, bias, a_log, dt_bias, conv, rec = inputs(rng, 1)
+    kc, vc = (jnp.zeros((2, 64, 2, 16), jnp.bfloat16) for _ in range(2))
+    caches = [kc, vc, jnp.asarray(conv), jnp.asarray(rec)]
+    host = [np.zeros((2, 64, 2, 16), kc.dtype), np.zeros((2, 64, 2, 16), kc.dtype), conv.copy(),
+            rec.copy()]
+    idx = dict(query_start_loc=np.array([0, 1, 2], np.int32),
+               state_indices=np.array([1, 2], np.int32), distribution=np.array([2, 2, 2], np.int32),
+               read_state_indices=np.array([1, 2], np.int32))
+    dims = dict(n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV, kernel_size=K)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+    def step(k_cache, v_cache, conv_state, recurrent_state, q, k, v, qkv, b, a, lens):
+        out, k_cache, v_cache = flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                        cache_seqlens=lens, causal=True)
+        (conv_state, recurrent_state), o2 = fused_conv1d_gdn(
+            qkv, b, a, conv_state, recurrent_state, w, bias, a_log, dt_bias,
+            idx["query_start_loc"], idx["state_indices"], idx["distribution"], lens + 1,
+            idx["read_state_indices"], **dims)
+        return out, o2, k_cache, v_cache, conv_state, recurrent_state
+
+    for t in range(3):
+        q = rng.standard_normal((2, 1, 4, 16)).astype(host[0].dtype)
+        kn = rng.standard_normal((2, 1, 2, 16)).astype(host[0].dtype)
+        qkv = rng.standard_normal((2, 2 * NKQ * DK + NV * DV)).astype(np.float32)
+        b, a = (rng.standard_normal((2, NV)).astype(np.float32) for _ in range(2))
+        lens = np.array([5 + t, 9 + t], np.int32)
+        want = tpu.flash_attn_with_kvcache(q, host[0], host[1], kn, kn, cache_seqlens=lens,
+                                           causal=True)[0]
+        (_, _), want2 = tpu.fused_conv1d_gdn(qkv, b, a, host[2], host[3], w, bias, a_log, dt_bias,
+                                             idx["query_start_loc"], idx["state_indices"],
+                                             idx["distribution"], lens + 1,
+                                             idx["read_state_indices"], **dims)
+        out, o2, *caches = step(*caches, q, kn, kn, qkv, b, a, jnp.asarray(lens))
+        assert _bits(out, want) and _bits(o2, want2), t
+        assert all(_bits(c, h) for c, h in zip(caches, host)), t
