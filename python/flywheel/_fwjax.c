@@ -23,6 +23,11 @@
  *                     [, sinks (a further buffer)] -> out, lse [hq, total_q][, k_cache[,
  *                     v_cache]] (a call that does not append may leave the caches out: they
  *                     are then only read)
+ *   fwjax_gdn_prefill q, k, v [T, H|HV, dk|dv], g [T, HV] or [T, HV, dk] (KDA), beta [T, HV],
+ *                     cu [N + 1][, a_log, dt_bias if kernel_gates (dt_bias if has_dt_bias)]
+ *                     [, initial_state [N, HV, dk, dv] f32 if has_h0] -> out [T, HV, dv]
+ *                     [, final_state if has_ht] (fw_gdn_prefill; attributes scale, l2norm,
+ *                     flags, precision, l2norm_eps, beta_sigmoid, lower_bound)
  *   fwjax_gdn_layer   qkv, b, a, conv_weight [dim, K][, conv_bias if has_bias], a_log, dt_bias,
  *                     query_start_loc, state_indices, distribution [3], seq_lens,
  *                     read_state_indices[, read_offsets if has_offsets], conv_state,
@@ -72,6 +77,10 @@ typedef struct {
     fw_status (*varlen_bwd)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
                             const fw_tensor *, const fw_tensor *, const int32_t *, const int32_t *, int64_t,
                             const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_attn_params *);
+    void (*gdn_params_init)(fw_gdn_params *);
+    fw_status (*gdn_prefill)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                             const fw_tensor *, const int32_t *, int64_t, const float *, float *,
+                             const fw_tensor *, const fw_gdn_params *);
     void (*layer_params_init)(fw_gdn_layer_params *);
     fw_status (*gdn_layer)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
                            const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_gdn_batch *,
@@ -87,10 +96,10 @@ static fwjax_api api;
 /* Binds the library's functions (jax.py passes them in this order); 0 on success. */
 FWJAX_API int fwjax_bind(void *params_init, void *last_error, void *attn_fwd, void *attn_bwd, void *kvcache_fwd,
                          void *varlen_fwd, void *varlen_bwd, void *layer_params_init, void *gdn_layer,
-                         void *gdn_layer_replay)
+                         void *gdn_layer_replay, void *gdn_params_init, void *gdn_prefill)
 {
     if (!params_init || !last_error || !attn_fwd || !attn_bwd || !kvcache_fwd || !varlen_fwd || !varlen_bwd ||
-        !layer_params_init || !gdn_layer || !gdn_layer_replay)
+        !layer_params_init || !gdn_layer || !gdn_layer_replay || !gdn_params_init || !gdn_prefill)
         return 1;
     api.params_init = (void (*)(fw_attn_params *))params_init;
     api.last_error = (const char *(*)(void))last_error;
@@ -109,6 +118,10 @@ FWJAX_API int fwjax_bind(void *params_init, void *last_error, void *attn_fwd, vo
                                    const fw_tensor *, const fw_tensor *, const int32_t *, const int32_t *, int64_t,
                                    const fw_tensor *, const fw_tensor *, const fw_tensor *,
                                    const fw_attn_params *))varlen_bwd;
+    api.gdn_params_init = (void (*)(fw_gdn_params *))gdn_params_init;
+    api.gdn_prefill = (fw_status(*)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
+                                    const fw_tensor *, const int32_t *, int64_t, const float *, float *,
+                                    const fw_tensor *, const fw_gdn_params *))gdn_prefill;
     api.layer_params_init = (void (*)(fw_gdn_layer_params *))layer_params_init;
     api.gdn_layer = (fw_status(*)(const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_tensor *,
                                   const fw_tensor *, const fw_tensor *, const fw_tensor *, const fw_gdn_batch *,
@@ -608,4 +621,44 @@ FWJAX_API XLA_FFI_Error *fwjax_gdn_layer(XLA_FFI_CallFrame *f)
     } else
         st = api.gdn_layer(&qkv, &b, &a, &w, has_bias ? &cb : NULL, &al, &dtb, &batch, &caches, &out, &p);
     return st == FW_OK ? NULL : refused(f);
+}
+
+FWJAX_API XLA_FFI_Error *fwjax_gdn_prefill(XLA_FFI_CallFrame *f)
+{
+    if (metadata(f))
+        return NULL;
+    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+        return NULL;
+    const int gates = num(f, "kernel_gates", 0.0) != 0.0, has_dtb = num(f, "has_dt_bias", 0.0) != 0.0;
+    const int has_h0 = num(f, "has_h0", 0.0) != 0.0, has_ht = num(f, "has_ht", 0.0) != 0.0;
+    fw_tensor q, k, v, g, beta, al, dtb, out, h0, ht;
+    int64_t i = 6;
+    const XLA_FFI_Buffer *cu = buffer(f, 0, 5);
+    int ok = view(buffer(f, 0, 0), 0, &q) && view(buffer(f, 0, 1), 0, &k) && view(buffer(f, 0, 2), 0, &v) &&
+             view(buffer(f, 0, 3), 0, &g) && view(buffer(f, 0, 4), 0, &beta) && ints(cu, 1) && cu->dims[0] >= 1 &&
+             view(buffer(f, 1, 0), 0, &out);
+    if (ok && gates)
+        ok = view(buffer(f, 0, i++), 0, &al) && (!has_dtb || view(buffer(f, 0, i++), 0, &dtb));
+    if (ok && has_h0)
+        ok = view(buffer(f, 0, i++), 0, &h0) && h0.dtype == FW_F32;
+    if (ok && has_ht)
+        ok = view(buffer(f, 1, 1), 0, &ht) && ht.dtype == FW_F32;
+    if (!ok)
+        return bad_buffers(f);
+    fw_gdn_params p;
+    api.gdn_params_init(&p);
+    p.scale = (float)num(f, "scale", 0.0);
+    p.l2norm_qk = num(f, "l2norm", 0.0) != 0.0;
+    p.flags = (uint32_t)num(f, "flags", 0.0);
+    p.precision = (int32_t)num(f, "precision", 0.0);
+    p.l2norm_eps = (float)num(f, "l2norm_eps", 0.0);
+    p.threads = (int32_t)num(f, "threads", 0.0);
+    p.beta_sigmoid = num(f, "beta_sigmoid", 0.0) != 0.0;
+    p.lower_bound = (float)num(f, "lower_bound", 0.0);
+    p.a_log = gates ? &al : NULL;
+    p.dt_bias = gates && has_dtb ? &dtb : NULL;
+    return api.gdn_prefill(&q, &k, &v, &g, &beta, (const int32_t *)cu->data, cu->dims[0] - 1,
+                           has_h0 ? (const float *)h0.data : NULL, has_ht ? (float *)ht.data : NULL, &out, &p) == FW_OK
+               ? NULL
+               : refused(f);
 }

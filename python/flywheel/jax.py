@@ -23,6 +23,10 @@ paths on traced values):
       immutable, so the caches come back as results; donate them (jax.jit(...,
       donate_argnums=...)) and the new rows are written into the donated buffers in place
       (input_output_aliases), with no copy of the caches.
+  chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_kda, fused_recurrent_kda
+      fla's names and arguments (q, k [B, T, H, K], v [B, T, HV, V], g [B, T, HV] or KDA's
+      [B, T, HV, K], beta [B, T, HV], cu_seqlens with B = 1) -> (o, final_state or None);
+      forward only (flywheel has no GDN backward: jax.grad raises NotImplementedError).
   gdn_layer(...), next_replay_lens(...)
       flywheel.tpu's serving layers (fused_conv1d_gdn / _kda and their _replay forms) and
       their commit rule, which flywheel.tpu runs here on traced values; the slot caches alias
@@ -67,11 +71,13 @@ def _load():
     fns = [ctypes.cast(getattr(_lib.lib, n), ctypes.c_void_p)
            for n in ("fw_attn_params_init", "fw_last_error", "fw_attn_fwd", "fw_attn_bwd",
                      "fw_attn_kvcache_fwd", "fw_attn_varlen_fwd", "fw_attn_varlen_bwd",
-                     "fw_gdn_layer_params_init", "fw_gdn_layer", "fw_gdn_layer_replay")]
+                     "fw_gdn_layer_params_init", "fw_gdn_layer", "fw_gdn_layer_replay",
+                     "fw_gdn_params_init", "fw_gdn_prefill")]
     h.fwjax_bind.argtypes = [ctypes.c_void_p] * len(fns)
     if h.fwjax_bind(*fns) != 0:
         raise ImportError(f"{path}: binding the library's functions failed")
-    for name in ("attn_fwd", "attn_bwd", "varlen_fwd", "varlen_bwd", "kvcache", "gdn_layer"):
+    for name in ("attn_fwd", "attn_bwd", "varlen_fwd", "varlen_bwd", "kvcache", "gdn_layer",
+                 "gdn_prefill"):
         jax.ffi.register_ffi_target(f"flywheel_{name}", jax.ffi.pycapsule(getattr(h, f"fwjax_{name}")),
                                     platform="cpu")
     return h
@@ -535,3 +541,202 @@ def next_replay_lens(replay_lens, query_start_loc, seq_lens, state_indices, read
     is_decode = jnp.arange(lens.shape[0]) < i32(distribution)[0]
     base = jnp.where(flush, 0, committed)
     return jnp.where(is_decode, base + i32(num_accepted), 0).astype(jnp.int32)
+
+
+def _forward_only(name, fn, *args):
+    """fn(*args) as a custom_vjp whose backward raises: a forward-only call says so when it is
+    differentiated, instead of failing inside XLA."""
+    @jax.custom_vjp
+    def f(*a):
+        return fn(*a)
+
+    def bwd(_, g):
+        raise NotImplementedError(f"{name} is forward only: flywheel has no backward for it")
+
+    f.defvjp(lambda *a: (fn(*a), None), bwd)
+    return f(*args)
+
+
+def _gdn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens,
+                 flags, precision, l2norm_eps, name, gates=None, beta_sigmoid=False,
+                 lower_bound=None):
+    """fwjax_gdn_prefill on [B, T, ...] operands (or packed with cu_seqlens, B = 1); gates =
+    (a_log, dt_bias or None) computed in the kernel, g then the raw input. Returns (o,
+    final_state or None)."""
+    _float_operands(("q", "k", "v"), q, k, v)
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be [B, T, H, K] alike and v [B, T, HV, V], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H:
+        raise ValueError(f"the q/k heads ({H}) must divide the value heads ({HV})")
+    if g.shape not in ((B, T, HV), (B, T, HV, K)) or beta.shape != (B, T, HV):
+        raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)} (KDA: [B, T, HV, K]) and beta "
+                         f"[B, T, HV]; got {tuple(g.shape)}, {tuple(beta.shape)}")
+    _float_operands(("g",), g)
+    _float_operands(("beta",), beta)
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
+        cu = _int_array(cu_seqlens, "cu_seqlens")
+        if cu.ndim != 1 or cu.shape[0] < 1:
+            raise ValueError(f"cu_seqlens must be [N + 1], got shape {tuple(cu.shape)}")
+    else:
+        cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    n = cu.shape[0] - 1
+    if scale is None:
+        scale = K ** -0.5
+    elif float(scale) == 0.0:
+        raise NotImplementedError("scale=0 is not supported")
+    f32 = lambda x: x if gates is not None else x.astype(jnp.float32)
+    args = (q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V),
+            f32(g).reshape((B * T,) + g.shape[2:]), f32(beta).reshape(B * T, HV), cu)
+    if gates is not None:  # a_log [HV] (None: exp(a_log) = 1, fla's sigmoid gate), dt_bias
+        a_log, dtb = gates    # [HV] or KDA's [HV * K] (or [HV, K])
+        a_log = jnp.zeros((HV,), jnp.float32) if a_log is None else a_log
+        if a_log.shape != (HV,):
+            raise ValueError(f"A_log must be [HV] = [{HV}], got shape {tuple(a_log.shape)}")
+        if dtb is not None:
+            if dtb.size == HV * K and g.ndim == 4 and dtb.ndim <= 2:
+                dtb = dtb.reshape(HV * K)
+            elif dtb.shape != (HV,):
+                raise ValueError(f"dt_bias must be [HV] = [{HV}]" + (
+                    f" or [HV * K] = [{HV * K}]" if g.ndim == 4 else "") +
+                    f", got shape {tuple(dtb.shape)}")
+        gates = (a_log, dtb)
+        args += tuple(x for x in gates if x is not None)
+    if lower_bound is not None and not float(lower_bound) < 0:
+        raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+    if initial_state is not None:
+        if initial_state.shape != (n, HV, K, V):
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, HV, K, V)}, got "
+                             f"{tuple(initial_state.shape)}")
+        args += (initial_state.astype(jnp.float32),)
+    shapes = (jax.ShapeDtypeStruct((B * T, HV, V), v.dtype),)
+    if output_final_state:
+        shapes += (jax.ShapeDtypeStruct((n, HV, K, V), jnp.float32),)
+    aliases = {len(args) - 1: 1} if output_final_state and initial_state is not None else {}
+    call = jax.ffi.ffi_call("flywheel_gdn_prefill", shapes, input_output_aliases=aliases,
+                            vmap_method="sequential")
+    attrs = dict(scale=np.float32(scale), l2norm=bool(l2norm), flags=np.int32(flags),
+                 precision=np.int32(_lib.precision(precision)),
+                 l2norm_eps=np.float32(0.0 if l2norm_eps is None else l2norm_eps),
+                 beta_sigmoid=bool(beta_sigmoid),
+                 lower_bound=np.float32(0.0 if lower_bound is None else lower_bound),
+                 kernel_gates=gates is not None,
+                 has_dt_bias=gates is not None and gates[1] is not None,
+                 has_h0=initial_state is not None, has_ht=bool(output_final_state),
+                 threads=np.int32(_lib.settings.threads or 0))
+    r = _forward_only(name, lambda *a: call(*a, **attrs), *args)
+    o = r[0].reshape(B, T, HV, V)
+    return o, (r[1] if output_final_state else None)
+
+
+def _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval):
+    """beta for the kernel and whether it takes its sigmoid (2 sigmoid(b) is computed here)."""
+    if allow_neg_eigval:
+        if not use_beta_sigmoid_in_kernel:
+            raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+        return 2.0 * jax.nn.sigmoid(beta.astype(jnp.float32)), False
+    return beta, bool(use_beta_sigmoid_in_kernel)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False,
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           cu_seqlens=None, *, use_gate_in_kernel=False, A_log=None,
+                           dt_bias=None, inverse="blocked", precision=None, l2norm_eps=None):
+    """fla's `chunk_gated_delta_rule` on JAX arrays (jit-able; forward only): arguments and
+    results as flywheel.chunk_gated_delta_rule. The gates of use_gate_in_kernel and
+    use_beta_sigmoid_in_kernel are computed in the kernel."""
+    if inverse not in ("blocked", "fwd_subst"):
+        raise ValueError("inverse must be 'blocked' or 'fwd_subst'")
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log")
+    beta, bsig = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return _gdn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens,
+                        _lib.GDN_FWD_SUBST if inverse == "fwd_subst" else 0, precision,
+                        l2norm_eps, "chunk_gated_delta_rule",
+                        (A_log, dt_bias) if use_gate_in_kernel else None, bsig)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                     initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                                     allow_neg_eigval=False, cu_seqlens=None, *,
+                                     l2norm_eps=None):
+    """fla's `fused_recurrent_gated_delta_rule` on JAX arrays (jit-able; forward only): the
+    token-by-token recurrence; gk [B, T, HV, K] per-key-channel decays (added to g's);
+    pass beta by keyword, as in fla."""
+    if gk is not None and beta is None:
+        raise ValueError("gk was given and beta was not: beta must be passed by keyword")
+    if gv is not None:
+        raise NotImplementedError("per-value-channel gates gv are not supported")
+    if gk is not None:
+        if use_gate_in_kernel:
+            raise NotImplementedError("gk with use_gate_in_kernel: see fused_recurrent_kda")
+        g = gk.astype(jnp.float32) + (0.0 if g is None else g.astype(jnp.float32)[..., None])
+    if g is None or beta is None:
+        raise NotImplementedError("g (or gk) and beta are required")
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log")
+    beta, bsig = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return _gdn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens, _lib.GDN_FUSED_RECURRENT, None,
+                        l2norm_eps, "fused_recurrent_gated_delta_rule",
+                        (A_log, dt_bias) if use_gate_in_kernel else None, bsig)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, cu_seqlens=None, *, A_log=None, dt_bias=None,
+              inverse="blocked", precision=None, l2norm_eps=None):
+    """fla's `chunk_kda` on JAX arrays (jit-able; forward only): g [B, T, HV, K], arguments
+    and results as flywheel.chunk_kda."""
+    if inverse not in ("blocked", "fwd_subst"):
+        raise ValueError("inverse must be 'blocked' or 'fwd_subst'")
+    if safe_gate and use_gate_in_kernel and lower_bound is None:
+        raise ValueError("lower_bound must be given when safe_gate=True and use_gate_in_kernel=True")
+    if use_gate_in_kernel and A_log is None and not (safe_gate and lower_bound is not None):
+        raise ValueError("A_log must be given when use_gate_in_kernel=True and lower_bound is "
+                         "not set (with safe_gate)")
+    if g.ndim != 4:
+        raise ValueError(f"g must be [B, T, HV, K] (a decay per key channel), got {tuple(g.shape)}")
+    beta, bsig = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    lb = lower_bound if safe_gate else None
+    return _gdn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens,
+                        _lib.GDN_FWD_SUBST if inverse == "fwd_subst" else 0, precision,
+                        l2norm_eps, "chunk_kda", _kda_gates(use_gate_in_kernel, A_log, dt_bias, lb),
+                        bsig, lb if use_gate_in_kernel else None)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
+                        initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                        lower_bound=None, cu_seqlens=None, *, l2norm_eps=None):
+    """fla's `fused_recurrent_kda` on JAX arrays (jit-able; forward only)."""
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        raise ValueError("A_log must be given when use_gate_in_kernel=True and lower_bound is not set")
+    if g.ndim != 4:
+        raise ValueError(f"g must be [B, T, HV, K] (a decay per key channel), got {tuple(g.shape)}")
+    beta, bsig = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return _gdn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens, _lib.GDN_FUSED_RECURRENT, None,
+                        l2norm_eps, "fused_recurrent_kda",
+                        _kda_gates(use_gate_in_kernel, A_log, dt_bias, lower_bound), bsig,
+                        lower_bound if use_gate_in_kernel else None)
+
+
+def _kda_gates(use_gate_in_kernel, A_log, dt_bias, lower_bound):
+    """The kernel's gate operands (a_log, dt_bias) of a KDA call, or None."""
+    if not use_gate_in_kernel:
+        if dt_bias is not None:
+            raise ValueError("dt_bias is used with use_gate_in_kernel=True and A_log")
+        return None
+    return (A_log, dt_bias)

@@ -603,3 +603,71 @@ def test_the_originals_jitted_serving_loop_runs_unchanged(monkeypatch):
         out, o2, *caches = step(*caches, q, kn, kn, qkv, b, a, jnp.asarray(lens))
         assert _bits(out, want) and _bits(o2, want2), t
         assert all(_bits(c, h) for c, h in zip(caches, host)), t
+
+
+# ------------------------------------------------------------------- fla's calls --
+
+def _gdn_inputs(rng, dtype, kda, B=1, T=70, H=2, HV=4, K=16, V=16):
+    q, _ = make(rng, (B, T, H, K), dtype, "numpy")
+    k, _ = make(rng, (B, T, H, K), dtype, "numpy")
+    v, _ = make(rng, (B, T, HV, V), dtype, "numpy")
+    g = (-np.abs(rng.standard_normal((B, T, HV) + ((K,) if kda else ()))) * 0.1).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (B, T, HV)).astype(np.float32)
+    h0 = (rng.standard_normal((3 if B == 1 else B, HV, K, V)) * 0.1).astype(np.float32)
+    return q, k, v, g, beta, h0
+
+
+@pytest.mark.parametrize("call", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+                                  "chunk_kda", "fused_recurrent_kda"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fla_calls_give_the_library_bits(call, dtype):
+    rng = np.random.default_rng(20)
+    kda = "kda" in call
+    q, k, v, g, beta, h0 = _gdn_inputs(rng, dtype, kda)
+    cu = np.array([0, 30, 31, 70], np.int32)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              cu_seqlens=cu)
+    if call == "fused_recurrent_gated_delta_rule":
+        kw["beta"] = beta
+        pos = (q, k, v, g)
+    else:
+        pos = (q, k, v, g, beta)
+    want = getattr(flywheel.fla if kda else flywheel, call)(*pos, **kw)
+    f = getattr(fj, call)
+    jpos = [jnp.asarray(x) for x in pos]
+    jkw = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    for got in (jax.jit(lambda *a: f(*a, **jkw))(*jpos), f(*jpos, **jkw)):
+        assert _bits(got[0], want[0]) and _bits(got[1], want[1])
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_gates_in_the_kernel_give_the_library_bits(lower_bound):
+    rng = np.random.default_rng(21)
+    q, k, v, g, beta, h0 = _gdn_inputs(rng, "float32", True, B=2, T=40)
+    raw = rng.standard_normal(g.shape).astype(np.float32)
+    a_log = np.log(rng.uniform(1, 4, 4)).astype(np.float32)
+    dt_bias = (rng.standard_normal(4 * 16) * 0.3).astype(np.float32)
+    kw = dict(use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+              output_final_state=True)
+    if lower_bound is not None:
+        kw.update(safe_gate=True, lower_bound=lower_bound)
+    b = rng.standard_normal(beta.shape).astype(np.float32)
+    want = flywheel.chunk_kda(q, k, v, raw, b, **kw)
+    jkw = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    got = jax.jit(lambda *a: fj.chunk_kda(*a, **jkw))(*(jnp.asarray(x) for x in (q, k, v, raw, b)))
+    assert _bits(got[0], want[0]) and _bits(got[1], want[1])
+
+
+def test_fla_calls_are_forward_only_and_check_shapes():
+    rng = np.random.default_rng(22)
+    q, k, v, g, beta, _ = _gdn_inputs(rng, "float32", False, B=1, T=8)
+    args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
+    with pytest.raises(NotImplementedError, match="forward only"):
+        jax.grad(lambda a: fj.chunk_gated_delta_rule(a, *args[1:])[0].sum())(args[0])
+    with pytest.raises(ValueError, match="beta"):
+        fj.chunk_gated_delta_rule(*args[:4], args[4][:, :, :2])
+    with pytest.raises(ValueError, match="initial_state"):
+        fj.chunk_gated_delta_rule(*args, initial_state=jnp.zeros((2, 4, 16, 16)))
+    with pytest.raises(ValueError, match="divide"):
+        fj.chunk_gated_delta_rule(args[0][:, :, :1].repeat(3, 2), args[1][:, :, :1].repeat(3, 2),
+                                  *args[2:])
