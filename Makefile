@@ -226,21 +226,21 @@ test-asan:
 	@cmake --build $(BUILD)-asan -j $(JOBS)
 	FW_TEST_QUICK=1 $(BUILD)-asan/test_flywheel
 
-# The Python binding on the sanitized library and fast path ($(BUILD)-asan, with Python's
-# headers): the binding, attention and GDN tests, the sanitizer runtimes preloaded into the
-# (uninstrumented) interpreter; test_calls.py includes the fast path's init refusing an
-# incomplete address table.
+# The Python binding on the sanitized library, fast path and JAX handlers ($(BUILD)-asan, with
+# Python's headers): the binding, attention, GDN and JAX tests, the sanitizer runtimes
+# preloaded into the (uninstrumented) interpreter; test_calls.py includes the fast path's init
+# refusing an incomplete address table.
 test-asan-python: $(VENV)/.test-deps
 	@cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFW_SANITIZE=ON \
 	  $(PY_CMAKE) >/dev/null
-	@cmake --build $(BUILD)-asan -j $(JOBS) --target flywheel_shared fwext fwomp
+	@cmake --build $(BUILD)-asan -j $(JOBS) --target flywheel_shared fwpython
 	FLYWHEEL_LIBRARY=$(abspath $(BUILD))-asan/libflywheel.so PYTHONPATH=$(abspath python) \
 	  FLYWHEEL_EXPECT_BINDING=compiled ASAN_OPTIONS=detect_leaks=0 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider python/tests/test_fastpath.py \
 	  python/tests/test_calls.py python/tests/test_attention.py python/tests/test_gated_delta.py \
 	  python/tests/test_binding_args.py python/tests/test_conv.py python/tests/test_layers.py \
-	  python/tests/test_kda.py
+	  python/tests/test_kda.py python/tests/test_jax.py
 
 # ThreadSanitizer: concurrent callers and every threaded path, on the smaller sweep. The fork
 # test starts threads in a forked child, which TSan refuses unless told otherwise. Every suite

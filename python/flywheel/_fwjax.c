@@ -12,11 +12,12 @@
  * here and writes nothing when it refuses.
  *
  * Handlers (arguments, then results; [x] is there when attribute x is set, [sinks] of the
- * backward calls and [dsinks] when the call has that many buffers):
+ * backward calls and of fwjax_kvcache and [dsinks] when the call has that many buffers):
  *   fwjax_attn_fwd    q, k, v[, sinks][, rotary_cos, rotary_sin if rotary] -> out, lse
  *                     [b, hq, sq] (attributes rotary_interleaved, rotary_q_only)
  *   fwjax_attn_bwd    q, k, v, out, dout, lse[, sinks] -> dq, dk, dv[, dsinks]
- *   fwjax_varlen_fwd  q, k, v, cu_q, cu_k[, sinks] -> out, lse [hq, total_q]
+ *   fwjax_varlen_fwd  q, k, v, cu_q, cu_k[, sinks][, rotary_cos, rotary_sin if rotary] -> out,
+ *                     lse [hq, total_q]
  *   fwjax_varlen_bwd  q, k, v, out, dout, lse, cu_q, cu_k[, sinks] -> dq, dk, dv[, dsinks]
  *   fwjax_kvcache     q, k_cache[, v_cache unless merged], seqlens, cu_q, num_active [1]
  *                     [, block_table if paged][, batch_idx][, k_new, v_new if appends]
@@ -365,10 +366,12 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
     const int hm = (int)num(f, "layout", 0.0);
-    fw_tensor q, k, v, s, out, lse;
+    const int sinks = num(f, "sinks", 0.0) != 0.0, rotary = num(f, "rotary", 0.0) != 0.0;
+    fw_tensor q, k, v, s, cos, sin, out, lse;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
         !view(buffer(f, 1, 0), hm, &out) || !view(buffer(f, 1, 1), 0, &lse) || q.ndim != 3 || k.ndim != 3 ||
-        out.ndim != 3 || lse.ndim != 2 || (f->args.size > 5 && !view(buffer(f, 0, 5), 0, &s)))
+        out.ndim != 3 || lse.ndim != 2 || (sinks && !view(buffer(f, 0, 5), 0, &s)) ||
+        (rotary && (!view(buffer(f, 0, 5 + sinks), 0, &cos) || !view(buffer(f, 0, 6 + sinks), 0, &sin))))
         return bad_buffers(f);
     const XLA_FFI_Buffer *cq = buffer(f, 0, 3), *ck = buffer(f, 0, 4);
     const int64_t batch = cq && cq->rank == 1 ? cq->dims[0] - 1 : -1;
@@ -378,7 +381,13 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
                       "their last entries within q's and k's rows");
     fw_attn_params p;
     params(f, &p);
-    p.sinks = f->args.size > 5 ? &s : NULL;
+    p.sinks = sinks ? &s : NULL;
+    if (rotary) {
+        p.rotary_cos = &cos;
+        p.rotary_sin = &sin;
+        p.rotary_interleaved = num(f, "rotary_interleaved", 0.0) != 0.0;
+        p.rotary_q_only = num(f, "rotary_q_only", 0.0) != 0.0;
+    }
     const fw_tensor q1 = rows(q, uq), k1 = rows(k, uk), v1 = rows(v, uk), o1 = rows(out, uq);
     fw_tensor l1 = lse;
     l1.shape[1] = uq;

@@ -172,6 +172,17 @@ def _sinks(sinks, s_aux, hq):
 
 # --------------------------------------------------------------- attention --
 
+def _rotary(rotary_cos, rotary_sin):
+    """The rotary tables of a call, (cos, sin) or None (the library checks them against d)."""
+    if rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary_cos is None or rotary_sin is None or rotary_cos.shape != rotary_sin.shape or \
+            rotary_cos.ndim != 2 or rotary_cos.dtype != rotary_sin.dtype:
+        raise ValueError("rotary_cos and rotary_sin must be [seqlen_ro, rotary_dim / 2] alike")
+    _float_operands(("rotary_cos",), rotary_cos)
+    return (rotary_cos, rotary_sin)
+
+
 def _fwd_call(q, k, v, sinks, rot, cfg):
     a = dict(cfg)
     b, sq, hq, d, sk, hkv, dv = _dims(q, k, v, a["layout"])
@@ -240,14 +251,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     layout = HEADS_OUTER if heads_outer_fold else HEAD_MAJOR if head_major else TOKEN_MAJOR
     b, sq, hq, d, sk, hkv, dv = _dims(q, k, v, layout)
     s = _sinks(sinks, s_aux, hq)
-    rot = None
-    if rotary_cos is not None or rotary_sin is not None:
-        if rotary_cos is None or rotary_sin is None or rotary_cos.shape != rotary_sin.shape or \
-                rotary_cos.ndim != 2 or rotary_cos.dtype != rotary_sin.dtype:
-            raise ValueError("rotary_cos and rotary_sin must be [seqlen_ro, rotary_dim / 2] "
-                             "alike")
-        _float_operands(("rotary_cos",), rotary_cos)
-        rot = (rotary_cos, rotary_sin)
+    rot = _rotary(rotary_cos, rotary_sin)
     cfg = _config(d, softmax_scale, causal, window_size, softcap, layout,
                   None if rot is None else (rotary_interleaved, not rotary_k))
     out, lse = _attention(q, k, v, s, rot, cfg)
@@ -367,7 +371,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
 # ------------------------------------------------------------------ varlen --
 
-def _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg):
+def _varlen_call(q, k, v, cu_q, cu_k, sinks, rot, cfg):
     a = dict(cfg)
     hm = a["layout"] == HEAD_MAJOR
     hq, total = (q.shape[0], q.shape[1]) if hm else (q.shape[1], q.shape[0])
@@ -377,22 +381,26 @@ def _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg):
                             (jax.ShapeDtypeStruct(oshape, q.dtype),
                              jax.ShapeDtypeStruct((hq, total), jnp.float32)),
                             vmap_method="sequential")
-    args = (q, k, v, cu_q, cu_k) + (() if sinks is None else (sinks,))
-    return call(*args, **_attrs(cfg))
+    args = (q, k, v, cu_q, cu_k) + (() if sinks is None else (sinks,)) + \
+        (() if rot is None else tuple(rot))
+    return call(*args, sinks=sinks is not None, **_attrs(cfg))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _varlen(q, k, v, cu_q, cu_k, sinks, cfg):
-    return _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _varlen(q, k, v, cu_q, cu_k, sinks, rot, cfg):
+    return _varlen_call(q, k, v, cu_q, cu_k, sinks, rot, cfg)
 
 
-def _varlen_fwd(q, k, v, cu_q, cu_k, sinks, cfg):
-    out, lse = _varlen_call(q, k, v, cu_q, cu_k, sinks, cfg)
-    return (out, lse), (q, k, v, cu_q, cu_k, sinks, out, lse)
+def _varlen_fwd(q, k, v, cu_q, cu_k, sinks, rot, cfg):
+    out, lse = _varlen_call(q, k, v, cu_q, cu_k, sinks, rot, cfg)
+    return (out, lse), (q, k, v, cu_q, cu_k, sinks, rot, out, lse)
 
 
 def _varlen_bwd(cfg, res, cts):
-    q, k, v, cu_q, cu_k, sinks, out, lse = res
+    q, k, v, cu_q, cu_k, sinks, rot, out, lse = res
+    if rot is not None:
+        raise NotImplementedError("the gradient of attention with rotary tables: the backward "
+                                  "takes none (rotate q and k first to differentiate through it)")
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     if sinks is not None:
         shapes.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
@@ -400,7 +408,7 @@ def _varlen_bwd(cfg, res, cts):
     args = (q, k, v, out, cts[0].astype(out.dtype), lse, cu_q, cu_k)
     grads = call(*(args + (() if sinks is None else (sinks,))), **_attrs(cfg))
     ds = None if sinks is None else grads[3].astype(sinks.dtype)
-    return tuple(grads[:3]) + (None, None, ds)
+    return tuple(grads[:3]) + (None, None, ds, None)
 
 
 _varlen.defvjp(_varlen_fwd, _varlen_bwd)
@@ -410,9 +418,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, *,
-                           return_softmax_lse=False, head_major=False, sinks=None, s_aux=None):
+                           return_softmax_lse=False, head_major=False, sinks=None, s_aux=None,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                           rotary_k=True):
     """Packed variable-length attention, flash-attn's `flash_attn_varlen_func`, on JAX arrays
-    (jit-able, differentiable).
+    (jit-able, differentiable; with rotary tables, per-sequence positions, forward only).
 
     q [total_q, hq, d], k [total_k, hkv, d], v [total_k, hkv, dv] -> out [total_q, hq, dv];
     head_major=True: q [hq, total_q, d], k, v, out alike. cu_seqlens_q, cu_seqlens_k
@@ -445,9 +455,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be [b + 1] alike, got shapes "
                          f"{tuple(cu_q.shape)}, {tuple(cu_k.shape)}")
     s = _sinks(sinks, s_aux, hq)
+    rot = _rotary(rotary_cos, rotary_sin)
     cfg = _config(q.shape[-1], softmax_scale, causal, window_size, softcap,
-                  HEAD_MAJOR if head_major else TOKEN_MAJOR)
-    out, lse = _varlen(q, k, v, cu_q, cu_k, s, cfg)
+                  HEAD_MAJOR if head_major else TOKEN_MAJOR,
+                  None if rot is None else (rotary_interleaved, not rotary_k))
+    out, lse = _varlen(q, k, v, cu_q, cu_k, s, rot, cfg)
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_softmax_lse else out

@@ -59,9 +59,8 @@ Under jax.jit (traced values), the three attention calls run as XLA FFI custom c
 (flywheel.jax): the same kernels and bits; flash_attn_func and flash_attn_varlen_func are
 differentiable (jax.grad), flash_attn_with_kvcache appends to donated caches in place, and the
 index operands (cu_seqlens_q, cache_seqlens, block_table, seqused_k, num_active,
-cache_batch_idx) may be traced, as the original allows. flash_attn_varlen_func's rotary tables
-raise NotImplementedError there (call eagerly); flash_attn_func takes them (not
-differentiable, as in the original).
+cache_batch_idx) may be traced, as the original allows. The rotary tables are taken there too
+(not differentiable, as in the original).
 
 interpret is accepted and ignored (there is no Pallas interpreter here), so is block_sizes
 of flash_attn_varlen_func (a TPU tile choice; checked as the original checks it), and
@@ -492,7 +491,7 @@ def _jitted_func(q, k, v, softmax_scale, causal, window, softcap, return_softmax
 
 def _jitted_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, window, softcap, return_softmax_lse, head_dim,
-                   token_major, block_table, seqused_k, num_active, sinks, s_aux):
+                   token_major, block_table, seqused_k, num_active, sinks, s_aux, rotary):
     """flash_attn_varlen_func on traced values: flywheel.jax's packed call (head-major through
     strides), or with block_table its read-only cache call on the merged cache."""
     from . import jax as fj
@@ -537,7 +536,7 @@ def _jitted_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                                       v.reshape(v.shape[0], hkv, dv), cu_seqlens_q, cu_seqlens_k,
                                       softmax_scale=softmax_scale, causal=causal,
                                       window_size=window, softcap=softcap,
-                                      return_softmax_lse=True, sinks=sinks, s_aux=s_aux)
+                                      return_softmax_lse=True, sinks=sinks, s_aux=s_aux, **rotary)
         out = r[0].reshape(q.shape[0], hq * dv)
     else:
         if head_dim is not None:
@@ -551,7 +550,7 @@ def _jitted_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                                       softmax_scale=softmax_scale, causal=causal,
                                       window_size=window, softcap=softcap,
                                       return_softmax_lse=True, head_major=True, sinks=sinks,
-                                      s_aux=s_aux)
+                                      s_aux=s_aux, **rotary)
         out = r[0]
     return (out, r[1]) if return_softmax_lse else out
 
@@ -673,14 +672,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window = _common(window_size, dropout_p, softcap, alibi_slopes, return_attn_probs)
     _check_block_sizes(block_sizes)
     if _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, num_active, sinks,
-               s_aux):
+               s_aux, rotary_cos, rotary_sin):
+        rotary = {}
         if rotary_cos is not None or rotary_sin is not None:
-            raise NotImplementedError("rotary tables are not served under jax.jit / grad / vmap "
-                                      "yet: call eagerly")
+            if block_table is not None:
+                raise NotImplementedError("fused RoPE with a paged cache (block_table) is not "
+                                          "supported: rotate q before the call (the cache holds "
+                                          "rotated keys)")
+            if type(rotary_interleaved) is not bool or type(rotary_k) is not bool:
+                raise ValueError("rotary_interleaved and rotary_k must be static bools")
+            rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                          rotary_interleaved=rotary_interleaved, rotary_k=rotary_k)
         return _jitted_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, window, softcap, return_softmax_lse,
                               head_dim, token_major, block_table, seqused_k, num_active, sinks,
-                              s_aux)
+                              s_aux, rotary)
     sinks = _sinks(sinks, s_aux)
     rotary = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved, rotary_k)
     if block_table is not None and rotary:

@@ -270,11 +270,16 @@ def test_tpu_folded_and_rotary_forms_under_jit_give_the_eager_bits(form):
         with pytest.raises(NotImplementedError, match="rotary"):
             jax.grad(lambda a: tpu.flash_attn_func(a, *args[1:], **kw).astype(
                 jnp.float32).sum())(args[0])
-    x = jnp.zeros((2, 4, 8), jnp.float32)
-    cu = jnp.array([0, 4], jnp.int32)
-    with pytest.raises(NotImplementedError, match="jit"):
-        jax.jit(lambda a, c: tpu.flash_attn_varlen_func(
-            a, a, a, c, c, 4, 4, rotary_cos=jnp.ones((4, 4)), rotary_sin=jnp.ones((4, 4))))(x, cu)
+    if form != "heads_outer_fold":  # the packed call's rotary tables: per-sequence positions
+        qp, _ = make(rng, (hq, 20, d), "bfloat16", "numpy")
+        kp, _ = make(rng, (hkv, 20, d), "bfloat16", "numpy")
+        cu = jnp.array([0, 7, 20], jnp.int32)
+        vkw = {n: x for n, x in kw.items() if n.startswith("rotary")}
+        pargs = [jnp.asarray(x) for x in (qp, kp, kp)]
+        eager = tpu.flash_attn_varlen_func(*pargs, cu, cu, 13, 13, causal=True, **vkw)
+        jitted = jax.jit(lambda *a: tpu.flash_attn_varlen_func(*a, 13, 13, causal=True, **vkw))(
+            *pargs, cu, cu)
+        assert _bits(jitted, eager)
 
 
 # ----------------------------------------------------------------- packed calls --
