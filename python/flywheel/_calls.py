@@ -526,7 +526,7 @@ CALLS = (
          exported=("flywheel", "flywheel.tpu")),
     Call("replay_record_dim", "layers", c=("fw_gdn_replay_record_dim",)),
     Call("kda_replay_record_dim", "layers", c=("fw_gdn_replay_record_dim",)),
-    Call("next_replay_lens", "layers"),
+    Call("next_replay_lens", "layers", exported=("flywheel", "flywheel.tpu")),
     # ------------------------------------------ the original FlyWheel package's attention
     Call("flash_attn_func", "tpu", c=("fw_attn_fwd",), exported=("flywheel.tpu",)),
     Call("flash_attn_varlen_func", "tpu", c=("fw_attn_varlen_fwd", "fw_attn_kvcache_fwd"),
