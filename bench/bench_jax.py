@@ -14,7 +14,9 @@ Rows (bf16, all online CPUs; medians and min-max over --rounds rounds of back-to
                      1-head GDN layer, d 16), whose kernels take about a microsecond: against
                      a jitted no-op on the same donated caches (JAX's own dispatch), and the
                      attention call's C time (CLI): what the FFI adds per call
-  prefill attention  flash_attn_func, T = 4K causal, 32:8 heads, d 128; against the torch call
+  prefill attention  flash_attn_func, T = 4K causal, 32:8 heads, d 128; against the torch call;
+                     and with out= a donated buffer (XLA maps fresh pages for each new output:
+                     about 9.5K page faults a call for this 32 MB one)
   attention block    the original FlyWheel benchmark's block under one jit: x [1, T, 4096] ->
                      q, k, v projections (einsums into the head-major layout) -> flywheel.tpu's
                      flash_attn_func -> output projection, T = 2K; against the projections
@@ -205,11 +207,21 @@ def main():
     pq = rng.standard_normal((1, T, 32, 128)).astype(BF)
     pk = rng.standard_normal((1, T, 8, 128)).astype(BF)
     pre = jax.jit(lambda q, k, v: fj.flash_attn_func(q, k, v, causal=True))
+    pre_out = jax.jit(lambda q, k, v, o: fj.flash_attn_func(q, k, v, causal=True, out=o),
+                      donate_argnums=(3,))
     jp = [jnp.asarray(v) for v in (pq, pk, pk)]
     tp = [tt(v) for v in (pq, pk, pk)]
-    row("prefill attention", *timed([lambda: pre(*jp),
-                                     lambda: flywheel.flash_attn_func(*tp, causal=True)], 3, a.rounds),
-        "torch call")
+    buf = {"o": jnp.zeros(pq.shape, jnp.bfloat16)}
+
+    def pre_donated():
+        buf["o"] = pre_out(*jp, buf["o"])
+        return buf["o"]
+
+    t_pre, t_pre_out, t_tpre = timed([lambda: pre(*jp), pre_donated,
+                                      lambda: flywheel.flash_attn_func(*tp, causal=True)],
+                                     3, a.rounds)
+    row("prefill attention", t_pre, t_tpre, "torch call")
+    row("prefill, donated out", t_pre_out, t_tpre, "torch call")
 
     # the attention block
     T, dm = 2048, 4096

@@ -676,3 +676,23 @@ def test_fla_calls_are_forward_only_and_check_shapes():
     with pytest.raises(ValueError, match="divide"):
         fj.chunk_gated_delta_rule(args[0][:, :, :1].repeat(3, 2), args[1][:, :, :1].repeat(3, 2),
                                   *args[2:])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_donated_out_buffer_takes_the_result(packed):
+    rng = np.random.default_rng(23)
+    if packed:
+        q, k, v, cu, _ = _packed(rng, [5, 9], [5, 9], 4, 2, 16, 16, "bfloat16", pad_q=2)
+        f = lambda q, k, v, out: fj.flash_attn_varlen_func(q, k, v, jnp.asarray(cu),
+                                                           jnp.asarray(cu), causal=True, out=out)
+    else:
+        q, k, v, _ = _inputs(CASES[0], "bfloat16", 24)
+        f = lambda q, k, v, out: fj.flash_attn_func(q, k, v, causal=True, out=out)
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    want = jax.jit(lambda *a: f(*a, None))(*args)
+    buf = jnp.zeros(want.shape, want.dtype)
+    addr = buf.unsafe_buffer_pointer()
+    got = jax.jit(f, donate_argnums=(3,))(*args, buf)
+    assert got.unsafe_buffer_pointer() == addr and _bits(got, want)
+    with pytest.raises(ValueError, match="out must be"):
+        f(*args, jnp.zeros(want.shape, jnp.float32))
