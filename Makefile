@@ -334,7 +334,7 @@ mca-aarch64:
 
 # ---- fuzzing ----
 FUZZ_SECONDS ?= 55
-FUZZ_HARNESSES ?= attn kvcache gdn conv diff layer
+FUZZ_HARNESSES ?= attn kvcache gdn conv diff layer $(if $(JAX_INCLUDE),jax)
 
 .PHONY: fuzz fuzz-build fuzz-python
 

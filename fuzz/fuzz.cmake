@@ -35,3 +35,12 @@ foreach(h attn kvcache gdn conv diff layer)
     target_link_libraries(fuzz_${h} PRIVATE flywheel_fuzz_ref flywheel_fuzz)
   endif()
 endforeach()
+# flywheel.jax's FFI handlers (python/flywheel/_fwjax.c, compiled into the harness), where the
+# top-level configuration found jaxlib's FFI header
+if(fw_jax_include AND EXISTS "${fw_jax_include}/xla/ffi/api/c_api.h")
+  add_executable(fuzz_jax fuzz/fuzz_jax.c)
+  target_compile_options(fuzz_jax PRIVATE -fsanitize=fuzzer ${FW_SAN} -O1)
+  target_link_options(fuzz_jax PRIVATE -fsanitize=fuzzer ${FW_SAN})
+  target_include_directories(fuzz_jax PRIVATE ${fw_jax_include})
+  target_link_libraries(fuzz_jax PRIVATE flywheel_fuzz_ref flywheel_fuzz)
+endif()

@@ -3,7 +3,8 @@
 # committed seed corpus (fuzz/corpus/NAME) and its regression inputs (fuzz/regress/NAME; every
 # finding is kept there). New corpus entries go to BUILD_DIR/fuzz-corpus/NAME, findings to
 # BUILD_DIR/fuzz-findings/. Prints one line per harness with the executions it ran clean and
-# exits non-zero if any harness found something. Harnesses: attn kvcache gdn conv diff layer (default all).
+# exits non-zero if any harness found something. Harnesses: attn kvcache gdn conv diff layer (the
+# default), and jax where jaxlib's FFI header was found (make fuzz adds it then).
 set -uo pipefail
 build=$1
 seconds=$2

@@ -53,6 +53,8 @@
  * Other attributes: causal, window_left, window_right, scale (0: 1/sqrt(d)), softcap, threads
  * (0: all online CPUs).
  */
+#include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "flywheel.h"
@@ -215,6 +217,23 @@ static int view(const XLA_FFI_Buffer *b, int layout, fw_tensor *t)
     return 1;
 }
 
+/* Whether two buffers have one dtype and shape (a result that aliases an argument). */
+static int same(const XLA_FFI_Buffer *a, const XLA_FFI_Buffer *b)
+{
+    if (!a || !b || a->dtype != b->dtype || a->rank != b->rank)
+        return 0;
+    for (int64_t i = 0; i < a->rank; i++)
+        if (a->dims[i] != b->dims[i])
+            return 0;
+    return 1;
+}
+
+/* Whether a buffer's shape is exactly the rank-4 shape d. */
+static int shaped(const XLA_FFI_Buffer *b, const int64_t d[4])
+{
+    return b && b->rank == 4 && b->dims[0] == d[0] && b->dims[1] == d[1] && b->dims[2] == d[2] && b->dims[3] == d[3];
+}
+
 /* An int32 buffer of the given rank, else NULL. */
 static const int32_t *ints(const XLA_FFI_Buffer *b, int64_t rank)
 {
@@ -241,10 +260,12 @@ static fw_tensor rows(fw_tensor t, int64_t n)
     return t;
 }
 
-/* A buffer's size in bytes (of the types fw_type takes). */
+/* A buffer's size in bytes (of the types fw_type takes, and int32). */
 static size_t bytes(const XLA_FFI_Buffer *b)
 {
-    size_t n = b->dtype == XLA_FFI_DataType_F32 ? 4 : b->dtype == XLA_FFI_DataType_BF16 || b->dtype == XLA_FFI_DataType_F16 ? 2 : 1;
+    size_t n = b->dtype == XLA_FFI_DataType_F32 || b->dtype == XLA_FFI_DataType_S32 ? 4
+               : b->dtype == XLA_FFI_DataType_BF16 || b->dtype == XLA_FFI_DataType_F16 ? 2
+                                                                                        : 1;
     for (int64_t i = 0; i < b->rank; i++)
         n *= (size_t)b->dims[i];
     return n;
@@ -278,15 +299,33 @@ static double num(const XLA_FFI_CallFrame *f, const char *name, double dflt)
     }
 }
 
+/* An integer attribute (absent: dflt), clamped to int32's range: a float one rounds toward
+ * zero, NaN reads as dflt (so no conversion is out of range). */
+static int32_t inum(const XLA_FFI_CallFrame *f, const char *name, int32_t dflt)
+{
+    const double x = num(f, name, (double)dflt);
+    if (x != x)
+        return dflt;
+    return x <= (double)INT32_MIN ? INT32_MIN : x >= (double)INT32_MAX ? INT32_MAX : (int32_t)x;
+}
+
+/* A float attribute (absent: dflt); a double past float's range reads as an infinity, which
+ * the library refuses where it must be finite. */
+static float fnum(const XLA_FFI_CallFrame *f, const char *name, float dflt)
+{
+    const double x = num(f, name, (double)dflt);
+    return x > FLT_MAX ? HUGE_VALF : x < -FLT_MAX ? -HUGE_VALF : (float)x;
+}
+
 static void params(const XLA_FFI_CallFrame *f, fw_attn_params *p)
 {
     api.params_init(p);
-    p->scale = (float)num(f, "scale", 0.0);
+    p->scale = fnum(f, "scale", 0.0f);
     p->causal = num(f, "causal", 0.0) != 0.0;
-    p->window_left = (int64_t)num(f, "window_left", -1.0);
-    p->window_right = (int64_t)num(f, "window_right", -1.0);
-    p->softcap = (float)num(f, "softcap", 0.0);
-    p->threads = (int32_t)num(f, "threads", 0.0);
+    p->window_left = inum(f, "window_left", -1);
+    p->window_right = inum(f, "window_right", -1);
+    p->softcap = fnum(f, "softcap", 0.0f);
+    p->threads = inum(f, "threads", 0);
 }
 
 static XLA_FFI_Error *refused(const XLA_FFI_CallFrame *f) { return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, api.last_error()); }
@@ -309,7 +348,7 @@ FWJAX_API XLA_FFI_Error *fwjax_attn_fwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = (int)num(f, "layout", 0.0);
+    const int hm = inum(f, "layout", 0);
     const int sinks = num(f, "sinks", 0.0) != 0.0, rotary = num(f, "rotary", 0.0) != 0.0;
     fw_tensor q, k, v, s, cos, sin, out, lse;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
@@ -335,7 +374,7 @@ FWJAX_API XLA_FFI_Error *fwjax_attn_bwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = (int)num(f, "layout", 0.0);
+    const int hm = inum(f, "layout", 0);
     fw_tensor q, k, v, out, dout, lse, s, dq, dk, dv, ds;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
         !view(buffer(f, 0, 3), hm, &out) || !view(buffer(f, 0, 4), hm, &dout) || !view(buffer(f, 0, 5), 0, &lse) ||
@@ -365,7 +404,7 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = (int)num(f, "layout", 0.0);
+    const int hm = inum(f, "layout", 0);
     const int sinks = num(f, "sinks", 0.0) != 0.0, rotary = num(f, "rotary", 0.0) != 0.0;
     fw_tensor q, k, v, s, cos, sin, out, lse;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
@@ -404,7 +443,7 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_bwd(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = (int)num(f, "layout", 0.0);
+    const int hm = inum(f, "layout", 0);
     fw_tensor q, k, v, out, dout, lse, s, dq, dk, dv, ds;
     if (!view(buffer(f, 0, 0), hm, &q) || !view(buffer(f, 0, 1), hm, &k) || !view(buffer(f, 0, 2), hm, &v) ||
         !view(buffer(f, 0, 3), hm, &out) || !view(buffer(f, 0, 4), hm, &dout) || !view(buffer(f, 0, 5), 0, &lse) ||
@@ -459,7 +498,7 @@ FWJAX_API XLA_FFI_Error *fwjax_kvcache(XLA_FFI_CallFrame *f)
         return NULL;
     if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return NULL;
-    const int hm = (int)num(f, "layout", 0.0), merged = num(f, "merged", 0.0) != 0.0;
+    const int hm = inum(f, "layout", 0), merged = num(f, "merged", 0.0) != 0.0;
     const int paged = num(f, "paged", 0.0) != 0.0, bidx = num(f, "batch_idx", 0.0) != 0.0;
     const int appends = num(f, "appends", 0.0) != 0.0;
     fw_tensor q, kn, vn, s, out, lse, kc, vc;
@@ -472,8 +511,9 @@ FWJAX_API XLA_FFI_Error *fwjax_kvcache(XLA_FFI_CallFrame *f)
     const int ro = f->rets.size == 2;
     int ok = qok && q.ndim == 3 && view(buffer(f, 1, 0), hm, &out) && out.ndim == 3 && view(buffer(f, 1, 1), 0, &lse) &&
              lse.ndim == 2 && view(ro ? kcin : buffer(f, 1, 2), 0, &kc) && kc.ndim == 4 && kcin && ints(lens, 1) &&
-             ints(cu, 1) && nact && nact->dtype == XLA_FFI_DataType_S32 && (!paged || ints(table, 2)) &&
-             (!bidx || ints(bix, 1)) && !(ro && appends);
+             ints(cu, 1) && nact && nact->dtype == XLA_FFI_DataType_S32 && bytes(nact) >= 4 &&
+             (!paged || ints(table, 2)) && (!bidx || ints(bix, 1)) && !(ro && appends) &&
+             (ro || (same(kcin, buffer(f, 1, 2)) && (merged || same(vcin, buffer(f, 1, 3)))));
     if (ok && appends)
         ok = view(buffer(f, 0, a), 0, &kn) && view(buffer(f, 0, a + 1), 0, &vn) && kn.ndim == 3 && vn.ndim == 3;
     a += appends ? 2 : 0;
@@ -577,15 +617,19 @@ FWJAX_API XLA_FFI_Error *fwjax_gdn_layer(XLA_FFI_CallFrame *f)
          view(buffer(f, 1, 0), 0, &out) && view(buffer(f, 1, 1), 0, &conv) && view(rec_buf, 0, &rec) &&
          (!replay || (shadow_in && records_in && ints(lens, 1) && view(buffer(f, 1, 3), 0, &shadow) &&
                       view(buffer(f, 1, 4), 0, &records)));
+    const XLA_FFI_Buffer *ins[] = {conv_in, rec_in, shadow_in, records_in};
+    for (int c = 0; ok && c < (replay ? 4 : 2); c++)
+        ok = same(ins[c], buffer(f, 1, 1 + c));
     if (!ok)
         return bad_buffers(f);
+    if (rec.shape[0] < conv.shape[0])
+        return bad(f, "flywheel: recurrent_state needs a slot for each of conv_state's slots");
     const int64_t n = sidx->dims[0];
     if (qsl->dims[0] != n + 1 || slen->dims[0] != n || ridx->dims[0] != n || (has_offsets && offs->dims[0] != n) ||
         (replay && lens->dims[0] != n))
         return bad(f, "flywheel: query_start_loc needs num_seqs + 1 entries, and state_indices, seq_lens, "
                       "read_state_indices, read_offsets and replay_lens num_seqs");
     /* the results start as the caches when XLA did not alias them (it does when donated) */
-    const XLA_FFI_Buffer *ins[] = {conv_in, rec_in, shadow_in, records_in};
     for (int c = 0; c < (replay ? 4 : 2); c++)
         if (buffer(f, 1, 1 + c)->data != ins[c]->data)
             memcpy(buffer(f, 1, 1 + c)->data, ins[c]->data, bytes(ins[c]));
@@ -600,7 +644,7 @@ FWJAX_API XLA_FFI_Error *fwjax_gdn_layer(XLA_FFI_CallFrame *f)
     batch.decode_end = d[0];
     batch.prefill_end = d[1];
     batch.mixed_end = d[2];
-    batch.num_spec_tokens = (int32_t)num(f, "num_spec_tokens", 0.0);
+    batch.num_spec_tokens = inum(f, "num_spec_tokens", 0);
     batch.read_offsets = has_offsets ? (const int32_t *)offs->data : NULL;
     fw_gdn_caches caches;
     memset(&caches, 0, sizeof caches);
@@ -610,16 +654,16 @@ FWJAX_API XLA_FFI_Error *fwjax_gdn_layer(XLA_FFI_CallFrame *f)
     caches.recurrent_dtype = rec.dtype;
     fw_gdn_layer_params p;
     api.layer_params_init(&p);
-    p.n_kq = (int32_t)num(f, "n_kq", 0.0);
-    p.n_v = (int32_t)num(f, "n_v", 0.0);
-    p.d_k = (int32_t)num(f, "d_k", 0.0);
-    p.d_v = (int32_t)num(f, "d_v", 0.0);
+    p.n_kq = inum(f, "n_kq", 0);
+    p.n_v = inum(f, "n_v", 0);
+    p.d_k = inum(f, "d_k", 0);
+    p.d_v = inum(f, "d_v", 0);
     p.zero_tail = num(f, "zero_tail", 1.0) != 0.0;
-    p.l2norm_eps = (float)num(f, "l2norm_eps", 0.0);
-    p.lower_bound = (float)num(f, "lower_bound", 0.0);
+    p.l2norm_eps = fnum(f, "l2norm_eps", 0.0f);
+    p.lower_bound = fnum(f, "lower_bound", 0.0f);
     p.beta_activated = num(f, "beta_activated", 0.0) != 0.0;
-    p.threads = (int32_t)num(f, "threads", 0.0);
-    p.precision = (int32_t)num(f, "precision", 0.0);
+    p.threads = inum(f, "threads", 0);
+    p.precision = inum(f, "precision", 0);
     fw_status st;
     if (replay) {
         fw_gdn_replay r;
@@ -648,22 +692,27 @@ FWJAX_API XLA_FFI_Error *fwjax_gdn_prefill(XLA_FFI_CallFrame *f)
              view(buffer(f, 1, 0), 0, &out);
     if (ok && gates)
         ok = view(buffer(f, 0, i++), 0, &al) && (!has_dtb || view(buffer(f, 0, i++), 0, &dtb));
+    /* the states are read and written as raw [N, HV, dk, dv] floats: their shapes are checked
+     * here (q [T, H, dk], v [T, HV, dv]) */
+    const int64_t sd[4] = {cu && cu->rank == 1 ? cu->dims[0] - 1 : -1, v.ndim == 3 ? v.shape[1] : -1,
+                           q.ndim == 3 ? q.shape[2] : -1, v.ndim == 3 ? v.shape[2] : -1};
     if (ok && has_h0)
-        ok = view(buffer(f, 0, i++), 0, &h0) && h0.dtype == FW_F32;
+        ok = shaped(buffer(f, 0, i), sd) && view(buffer(f, 0, i), 0, &h0) && h0.dtype == FW_F32;
+    i += has_h0;
     if (ok && has_ht)
-        ok = view(buffer(f, 1, 1), 0, &ht) && ht.dtype == FW_F32;
+        ok = shaped(buffer(f, 1, 1), sd) && view(buffer(f, 1, 1), 0, &ht) && ht.dtype == FW_F32;
     if (!ok)
         return bad_buffers(f);
     fw_gdn_params p;
     api.gdn_params_init(&p);
-    p.scale = (float)num(f, "scale", 0.0);
+    p.scale = fnum(f, "scale", 0.0f);
     p.l2norm_qk = num(f, "l2norm", 0.0) != 0.0;
-    p.flags = (uint32_t)num(f, "flags", 0.0);
-    p.precision = (int32_t)num(f, "precision", 0.0);
-    p.l2norm_eps = (float)num(f, "l2norm_eps", 0.0);
-    p.threads = (int32_t)num(f, "threads", 0.0);
+    p.flags = (uint32_t)inum(f, "flags", 0);
+    p.precision = inum(f, "precision", 0);
+    p.l2norm_eps = fnum(f, "l2norm_eps", 0.0f);
+    p.threads = inum(f, "threads", 0);
     p.beta_sigmoid = num(f, "beta_sigmoid", 0.0) != 0.0;
-    p.lower_bound = (float)num(f, "lower_bound", 0.0);
+    p.lower_bound = fnum(f, "lower_bound", 0.0f);
     p.a_log = gates ? &al : NULL;
     p.dt_bias = gates && has_dtb ? &dtb : NULL;
     return api.gdn_prefill(&q, &k, &v, &g, &beta, (const int32_t *)cu->data, cu->dims[0] - 1,
