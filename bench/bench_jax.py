@@ -70,7 +70,8 @@ def cli_us(args, rounds):
     for _ in range(rounds):
         out = subprocess.run([cli, "bench"] + args + ["--json"], check=True, capture_output=True,
                              text=True).stdout
-        times.append([json.loads(x) for x in out.splitlines() if x.startswith("{")][-1]["us_per_step"])
+        rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        times.append(rows[-1]["us_per_step"])
     return times
 
 
@@ -106,18 +107,23 @@ def main():
     rows = []
 
     def row(name, jit_us, ref_us, ref_name):
-        r = {"row": name, "jit_us": statistics.median(jit_us), "jit_range": [min(jit_us), max(jit_us)],
+        r = {"row": name, "jit_us": statistics.median(jit_us),
+             "jit_range": [min(jit_us), max(jit_us)],
              "ref": ref_name, "ref_us": statistics.median(ref_us),
              "ref_range": [min(ref_us), max(ref_us)]}
         r["adds_us"] = r["jit_us"] - r["ref_us"]
         rows.append(r)
 
-    tt = lambda x: None if x is None else torch.from_numpy(np.asarray(x, np.float32)).to(
-        torch.bfloat16 if x.dtype == BF else torch.float32) if x.dtype != np.int32 else torch.from_numpy(x)
+    def tt(x):  # a torch tensor of x's values (bf16 stays bf16)
+        if x is None or x.dtype == np.int32:
+            return None if x is None else torch.from_numpy(x)
+        t = torch.from_numpy(np.asarray(x, np.float32))
+        return t.to(torch.bfloat16 if x.dtype == BF else torch.float32)
 
     # decode attention
     q, kn, kc, vc, lens = decode_inputs(rng)
-    att = jax.jit(lambda q, kc, vc, kn, n: fj.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=n),
+    att = jax.jit(lambda q, kc, vc, kn, n: fj.flash_attn_with_kvcache(q, kc, vc, kn, kn,
+                                                                      cache_seqlens=n),
                   donate_argnums=(1, 2))
     st = {"kc": jnp.asarray(kc), "vc": jnp.asarray(vc)}
     jq, jkn, jl = jnp.asarray(q), jnp.asarray(kn), jnp.asarray(lens)
@@ -131,8 +137,9 @@ def main():
         return flywheel.flash_attn_with_kvcache(tq, tkc, tvc, tkn, tkn, cache_seqlens=tl)
 
     t_att, t_tatt = timed([att_step, att_torch], 300, a.rounds)
-    t_c = cli_us(["kvcache", "--decode", "--batch", "1", "--ctx", "1024", "--hq", "32", "--hkv", "8",
-                  "--d", "128", "--page", "0", "--dtype", "bf16", "--reps", "300"], a.rounds)
+    t_c = cli_us(["kvcache", "--decode", "--batch", "1", "--ctx", "1024", "--hq", "32",
+                  "--hkv", "8", "--d", "128", "--page", "0", "--dtype", "bf16", "--reps", "300"],
+                 a.rounds)
     row("decode attention", t_att, t_c, "C call (CLI)")
     row("decode attention", t_att, t_tatt, "torch call")
 
@@ -181,7 +188,8 @@ def main():
         o, st["kc"], st["vc"], jx[3], jx[4] = noop(jq, st["kc"], st["vc"], jkn, jl, *jx)
         return o
 
-    tiny = {"q": jnp.ones((1, 1, 1, 128), jnp.bfloat16), "kc": jnp.zeros((1, 4, 1, 128), jnp.bfloat16),
+    tiny = {"q": jnp.ones((1, 1, 1, 128), jnp.bfloat16),
+            "kc": jnp.zeros((1, 4, 1, 128), jnp.bfloat16),
             "vc": jnp.zeros((1, 4, 1, 128), jnp.bfloat16), "n": jnp.zeros(1, jnp.int32)}
     tx_, tdims = layer_inputs(rng, nkq=1, nv=1, d=16)
     tjx = [None if v is None else jnp.asarray(v) for v in tx_.values()]
@@ -195,9 +203,9 @@ def main():
         return o2
 
     t_noop, t_tiny = timed([noop_step, tiny_step], 1000, a.rounds)
-    t_c1 = cli_us(["kvcache", "--decode", "--batch", "1", "--ctx", "1", "--hq", "1", "--hkv", "1",
-                   "--d", "128", "--page", "0", "--dtype", "bf16", "--threads", "1", "--reps", "2000"],
-                  a.rounds)
+    t_c1 = cli_us(["kvcache", "--decode", "--batch", "1", "--ctx", "1", "--hq", "1", "--hkv",
+                   "1", "--d", "128", "--page", "0", "--dtype", "bf16", "--threads", "1", "--reps",
+                   "2000"], a.rounds)
     row("tiny decode step", t_tiny, t_noop, "no-op jit (JAX's dispatch)")
     rows.append({"row": "tiny decode attention", "ref": "C call (CLI)",
                  "ref_us": statistics.median(t_c1), "ref_range": [min(t_c1), max(t_c1)]})
@@ -234,7 +242,8 @@ def main():
         return (jnp.einsum("btm,mhd->bhtd", x, wq), jnp.einsum("btm,mhd->bhtd", x, wk),
                 jnp.einsum("btm,mhd->bhtd", x, wk))
 
-    block = jax.jit(lambda x: jnp.einsum("bhtd,hdm->btm", tpu.flash_attn_func(*proj(x), causal=True), wo))
+    block = jax.jit(lambda x: jnp.einsum("bhtd,hdm->btm",
+                                         tpu.flash_attn_func(*proj(x), causal=True), wo))
     projs = jax.jit(lambda x: jnp.einsum("bhtd,hdm->btm", proj(x)[0], wo))
     qkv = jax.jit(proj)(xs)
     attn = jax.jit(lambda q, k, v: tpu.flash_attn_func(q, k, v, causal=True))
@@ -252,7 +261,8 @@ def main():
         if "jit_us" not in r:
             print(f"{r['row']:22} {'':30}{r['ref']:36} {r['ref_us']:10.1f}")
             continue
-        print(f"{r['row']:22} {r['jit_us']:12.1f} {r['jit_range'][0]:8.1f}-{r['jit_range'][1]:<8.1f}"
+        lo, hi = r["jit_range"]
+        print(f"{r['row']:22} {r['jit_us']:12.1f} {lo:8.1f}-{hi:<8.1f}"
               f"   {r['ref']:36} {r['ref_us']:10.1f} {r['adds_us']:9.1f}")
 
 

@@ -202,7 +202,8 @@ static int view(const XLA_FFI_Buffer *b, int layout, fw_tensor *t)
         s *= b->dims[i] > 1 ? b->dims[i] : 1;
     }
     if (layout == 2 && b->rank == 4) { /* axes (1, 2, 0, 3) */
-        const int64_t sh[3] = {t->shape[0], t->shape[1], t->shape[2]}, st[3] = {t->stride[0], t->stride[1], t->stride[2]};
+        const int64_t sh[3] = {t->shape[0], t->shape[1], t->shape[2]};
+        const int64_t st[3] = {t->stride[0], t->stride[1], t->stride[2]};
         t->shape[0] = sh[1], t->shape[1] = sh[2], t->shape[2] = sh[0];
         t->stride[0] = st[1], t->stride[1] = st[2], t->stride[2] = st[0];
     } else if (layout == 1 && b->rank >= 3) {
@@ -328,11 +329,15 @@ static void params(const XLA_FFI_CallFrame *f, fw_attn_params *p)
     p->threads = inum(f, "threads", 0);
 }
 
-static XLA_FFI_Error *refused(const XLA_FFI_CallFrame *f) { return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, api.last_error()); }
+static XLA_FFI_Error *refused(const XLA_FFI_CallFrame *f)
+{
+    return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, api.last_error());
+}
 
 static XLA_FFI_Error *bad_buffers(const XLA_FFI_CallFrame *f)
 {
-    return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, "flywheel: an operand has a type or rank the call does not take");
+    return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                 "flywheel: an operand has a type or rank the call does not take");
 }
 
 static XLA_FFI_Error *bad(const XLA_FFI_CallFrame *f, const char *msg)
@@ -525,7 +530,8 @@ FWJAX_API XLA_FFI_Error *fwjax_kvcache(XLA_FFI_CallFrame *f)
         kc.shape[2] /= 2;
         kc.stride[2] *= 2;
         vc = kc;
-        vc.data = (char *)kc.data + (size_t)kc.stride[3] * kc.shape[3] * (kc.dtype == FW_F32 ? 4 : kc.dtype == FW_BF16 || kc.dtype == FW_F16 ? 2 : 1);
+        const size_t es = kc.dtype == FW_F32 ? 4 : kc.dtype == FW_BF16 || kc.dtype == FW_F16 ? 2 : 1;
+        vc.data = (char *)kc.data + (size_t)kc.stride[3] * (size_t)kc.shape[3] * es;
     } else if (ok)
         ok = vcin && view(ro ? vcin : buffer(f, 1, 3), 0, &vc) && vc.ndim == 4;
     if (!ok)

@@ -78,7 +78,8 @@ def _load():
         raise ImportError(f"{path}: binding the library's functions failed")
     for name in ("attn_fwd", "attn_bwd", "varlen_fwd", "varlen_bwd", "kvcache", "gdn_layer",
                  "gdn_prefill"):
-        jax.ffi.register_ffi_target(f"flywheel_{name}", jax.ffi.pycapsule(getattr(h, f"fwjax_{name}")),
+        jax.ffi.register_ffi_target(f"flywheel_{name}",
+                                    jax.ffi.pycapsule(getattr(h, f"fwjax_{name}")),
                                     platform="cpu")
     return h
 
@@ -352,7 +353,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"the K/V heads ({hkv}) must divide the query heads ({hq})")
-    if k is not None and (k.shape != q.shape[:-2] + (hkv, d) or v.shape != q.shape[:-2] + (hkv, dv)):
+    if k is not None and (k.shape != q.shape[:-2] + (hkv, d) or
+                          v.shape != q.shape[:-2] + (hkv, dv)):
         raise ValueError(f"k and v must be {q.shape[:-2] + (hkv, d)}, {q.shape[:-2] + (hkv, dv)}; "
                          f"got {tuple(k.shape)}, {tuple(v.shape)}")
     if packed:
@@ -512,7 +514,8 @@ def gdn_layer(qkv, b, a, conv_state, recurrent_state, conv_weight, conv_bias, a_
     if conv_state.ndim != 3 or recurrent_state.ndim != 4 or \
             recurrent_state.shape[1:] != (n_v, d_k, d_v):
         raise ValueError(f"conv_state must be [slots, K-1, dim] and recurrent_state [slots, n_v, "
-                         f"d_k, d_v]; got {tuple(conv_state.shape)}, {tuple(recurrent_state.shape)}")
+                         f"d_k, d_v]; got {tuple(conv_state.shape)}, "
+                         f"{tuple(recurrent_state.shape)}")
     for n, x in (("b", b), ("a", a), ("conv_weight", w), ("a_log", a_log), ("dt_bias", dt_bias),
                  ("conv_state", conv_state), ("recurrent_state", recurrent_state)) + \
             ((("conv_bias", conv_bias),) if conv_bias is not None else ()):
@@ -563,7 +566,8 @@ def next_replay_lens(replay_lens, query_start_loc, seq_lens, state_indices, read
     """flywheel.tpu.next_replay_lens on JAX values (traced or not): the committed records of
     each sequence after a replay step, int32."""
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
-    lens, qsl, rd, wr = i32(replay_lens), i32(query_start_loc), i32(read_state_indices), i32(state_indices)
+    lens, qsl = i32(replay_lens), i32(query_start_loc)
+    rd, wr = i32(read_state_indices), i32(state_indices)
     ql = qsl[1:] - qsl[:-1]
     has_init = (i32(seq_lens) - ql) > 0
     committed = jnp.where(has_init, lens, 0)
@@ -730,7 +734,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if inverse not in ("blocked", "fwd_subst"):
         raise ValueError("inverse must be 'blocked' or 'fwd_subst'")
     if safe_gate and use_gate_in_kernel and lower_bound is None:
-        raise ValueError("lower_bound must be given when safe_gate=True and use_gate_in_kernel=True")
+        raise ValueError("lower_bound must be given when safe_gate=True and "
+                         "use_gate_in_kernel=True")
     if use_gate_in_kernel and A_log is None and not (safe_gate and lower_bound is not None):
         raise ValueError("A_log must be given when use_gate_in_kernel=True and lower_bound is "
                          "not set (with safe_gate)")
@@ -741,7 +746,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return _gdn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens,
                         _lib.GDN_FWD_SUBST if inverse == "fwd_subst" else 0, precision,
-                        l2norm_eps, "chunk_kda", _kda_gates(use_gate_in_kernel, A_log, dt_bias, lb),
+                        l2norm_eps, "chunk_kda", _kda_gates(use_gate_in_kernel, A_log, dt_bias),
                         bsig, lb if use_gate_in_kernel else None)
 
 
@@ -752,18 +757,19 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                         lower_bound=None, cu_seqlens=None, *, l2norm_eps=None):
     """fla's `fused_recurrent_kda` on JAX arrays (jit-able; forward only)."""
     if use_gate_in_kernel and A_log is None and lower_bound is None:
-        raise ValueError("A_log must be given when use_gate_in_kernel=True and lower_bound is not set")
+        raise ValueError("A_log must be given when use_gate_in_kernel=True and lower_bound is "
+                         "not set")
     if g.ndim != 4:
         raise ValueError(f"g must be [B, T, HV, K] (a decay per key channel), got {tuple(g.shape)}")
     beta, bsig = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _gdn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, _lib.GDN_FUSED_RECURRENT, None,
                         l2norm_eps, "fused_recurrent_kda",
-                        _kda_gates(use_gate_in_kernel, A_log, dt_bias, lower_bound), bsig,
+                        _kda_gates(use_gate_in_kernel, A_log, dt_bias), bsig,
                         lower_bound if use_gate_in_kernel else None)
 
 
-def _kda_gates(use_gate_in_kernel, A_log, dt_bias, lower_bound):
+def _kda_gates(use_gate_in_kernel, A_log, dt_bias):
     """The kernel's gate operands (a_log, dt_bias) of a KDA call, or None."""
     if not use_gate_in_kernel:
         if dt_bias is not None:

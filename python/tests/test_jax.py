@@ -448,9 +448,11 @@ def test_tpu_ragged_and_batch_idx_kvcache_under_jit():
     cu = np.array([0, 2, 2, 5], np.int32)
     q, _ = make(rng, (6, hq, d), "float32", "numpy")
     kn, _ = make(rng, (6, hkv, d), "float32", "numpy")
-    kw = dict(cache_seqlens=np.array([4, 9, 1], np.int32), cache_batch_idx=np.array([2, 0, 1], np.int32),
+    kw = dict(cache_seqlens=np.array([4, 9, 1], np.int32),
+              cache_batch_idx=np.array([2, 0, 1], np.int32),
               cu_seqlens_q=cu, causal=True, return_softmax_lse=True)
-    jkw = {k_: jnp.asarray(x) for k_, x in kw.items() if k_ != "causal" and k_ != "return_softmax_lse"}
+    jkw = {k_: jnp.asarray(x) for k_, x in kw.items()
+           if k_ not in ("causal", "return_softmax_lse")}
     eager = tpu.flash_attn_with_kvcache(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc),
                                         jnp.asarray(kn), jnp.asarray(kn), **kw)
     jitted = jax.jit(lambda q, kc, vc, kn, kw: tpu.flash_attn_with_kvcache(
@@ -652,8 +654,8 @@ def test_kda_gates_in_the_kernel_give_the_library_bits(lower_bound):
     raw = rng.standard_normal(g.shape).astype(np.float32)
     a_log = np.log(rng.uniform(1, 4, 4)).astype(np.float32)
     dt_bias = (rng.standard_normal(4 * 16) * 0.3).astype(np.float32)
-    kw = dict(use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
-              output_final_state=True)
+    kw = dict(use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True, output_final_state=True)
     if lower_bound is not None:
         kw.update(safe_gate=True, lower_bound=lower_bound)
     b = rng.standard_normal(beta.shape).astype(np.float32)
