@@ -254,8 +254,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return_softmax_lse=True returns (out, lse [b, hq, sq] float32); return_attn_probs=True
     (out, lse, None). out: an array of the output's shape and dtype whose buffer the result
     takes; donated to the caller's jax.jit, the kernel writes into it in place, which spares
-    XLA mapping fresh pages for every output (3-6% of a 4K prefill here). dropout and ALiBi
-    raise NotImplementedError.
+    XLA mapping fresh pages for every output (a page fault per 4 KiB written). dropout and
+    ALiBi raise NotImplementedError.
     """
     del deterministic  # always deterministic
     if dropout_p:
