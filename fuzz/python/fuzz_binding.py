@@ -152,7 +152,7 @@ def round_bf16(x):
     return u.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def attention_ref(q, k, v, scale, causal, left, right, softcap, bf16, sinks=None):
+def attention_ref(q, k, v, scale, causal, left, right, softcap, bf16, sinks=None, kv_exact=False):
     """float64 softmax attention of one sequence, masks aligned bottom-right: q [sq, hq, d],
     k [sk, hkv, d], v [sk, hkv, dv] -> out [sq, hq, dv], lse [hq, sq] (rows that see no key:
     0 and -inf). bf16: the kernels' bf16 products (q, k, v and the probabilities rounded).
@@ -165,8 +165,10 @@ def attention_ref(q, k, v, scale, causal, left, right, softcap, bf16, sinks=None
     sk, hkv, dv = v.shape
     if sq * hq * sk > REF_SCORES:
         return None, None
-    if bf16:
-        q, k, v = round_bf16(q), round_bf16(k), round_bf16(v)
+    if bf16:  # (an fp8 cache's rows, kv_exact: their bytes are exact in bf16 and the kernels
+        # apply the descales in f32, so the dequantised values are not rounded)
+        q = round_bf16(q)
+        k, v = (k, v) if kv_exact else (round_bf16(k), round_bf16(v))
     kk, vv = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)
     if causal:
         right = 0
@@ -1200,7 +1202,8 @@ def fuzz_kvcache(c):
         a, e, kk, vv = ctx["seqs"][i]
         vmax = float(np.abs(vv).max(initial=0.0)) + 1e-30
         ro, rl = attention_ref(q3[a:e], kk, vv, params["scale"], params["causal"],
-                               params["left"], params["right"], params["softcap"], bf, sinks)
+                               params["left"], params["right"], params["softcap"], bf, sinks,
+                               kv_exact=kc.dtype in F8S)
         if ro is None:
             continue
         compare(f"kvcache seq {i} {params}", o3[a:e], ro, tol, vmax)
