@@ -162,6 +162,13 @@ static int metadata(XLA_FFI_CallFrame *f)
     return 1;
 }
 
+/* Whether the frame asks a handler to run: not the metadata query (answered here) and the
+ * execution stage (the others have nothing to prepare). */
+static int executes(XLA_FFI_CallFrame *f)
+{
+    return !metadata(f) && f->stage == XLA_FFI_ExecutionStage_EXECUTE;
+}
+
 static int fw_type(XLA_FFI_DataType t, fw_dtype *dt)
 {
     switch (t) {
@@ -329,6 +336,16 @@ static void params(const XLA_FFI_CallFrame *f, fw_attn_params *p)
     p->threads = inum(f, "threads", 0);
 }
 
+/* The fused rotary embedding of an attention call: its tables and the attributes. */
+static void rotary_params(const XLA_FFI_CallFrame *f, const fw_tensor *cos, const fw_tensor *sin,
+                          fw_attn_params *p)
+{
+    p->rotary_cos = cos;
+    p->rotary_sin = sin;
+    p->rotary_interleaved = num(f, "rotary_interleaved", 0.0) != 0.0;
+    p->rotary_q_only = num(f, "rotary_q_only", 0.0) != 0.0;
+}
+
 static XLA_FFI_Error *refused(const XLA_FFI_CallFrame *f)
 {
     return error(f, XLA_FFI_Error_Code_INVALID_ARGUMENT, api.last_error());
@@ -349,9 +366,7 @@ static XLA_FFI_Error *bad(const XLA_FFI_CallFrame *f, const char *msg)
 
 FWJAX_API XLA_FFI_Error *fwjax_attn_fwd(XLA_FFI_CallFrame *f)
 {
-    if (metadata(f))
-        return NULL;
-    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    if (!executes(f))
         return NULL;
     const int hm = inum(f, "layout", 0);
     const int sinks = num(f, "sinks", 0.0) != 0.0, rotary = num(f, "rotary", 0.0) != 0.0;
@@ -364,20 +379,14 @@ FWJAX_API XLA_FFI_Error *fwjax_attn_fwd(XLA_FFI_CallFrame *f)
     fw_attn_params p;
     params(f, &p);
     p.sinks = sinks ? &s : NULL;
-    if (rotary) {
-        p.rotary_cos = &cos;
-        p.rotary_sin = &sin;
-        p.rotary_interleaved = num(f, "rotary_interleaved", 0.0) != 0.0;
-        p.rotary_q_only = num(f, "rotary_q_only", 0.0) != 0.0;
-    }
+    if (rotary)
+        rotary_params(f, &cos, &sin, &p);
     return api.attn_fwd(&q, &k, &v, &out, &lse, &p) == FW_OK ? NULL : refused(f);
 }
 
 FWJAX_API XLA_FFI_Error *fwjax_attn_bwd(XLA_FFI_CallFrame *f)
 {
-    if (metadata(f))
-        return NULL;
-    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    if (!executes(f))
         return NULL;
     const int hm = inum(f, "layout", 0);
     fw_tensor q, k, v, out, dout, lse, s, dq, dk, dv, ds;
@@ -403,11 +412,20 @@ static int64_t used_rows(const XLA_FFI_Buffer *b, int64_t n, int64_t total)
     return cu[n];
 }
 
+/* A packed call's batch and the rows its sequences own in q and k (cu_q, cu_k: int32
+ * [batch + 1] alike, from 0, their last entries within tq and tk rows); 0 if they are not. */
+static int packed_rows(const XLA_FFI_Buffer *cq, const XLA_FFI_Buffer *ck, int64_t tq, int64_t tk, int64_t *batch,
+                       int64_t *uq, int64_t *uk)
+{
+    *batch = cq && cq->rank == 1 ? cq->dims[0] - 1 : -1;
+    *uq = used_rows(cq, *batch, tq);
+    *uk = used_rows(ck, *batch, tk);
+    return *uq >= 0 && *uk >= 0 && ck->rank == 1 && ck->dims[0] == *batch + 1;
+}
+
 FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
 {
-    if (metadata(f))
-        return NULL;
-    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    if (!executes(f))
         return NULL;
     const int hm = inum(f, "layout", 0);
     const int sinks = num(f, "sinks", 0.0) != 0.0, rotary = num(f, "rotary", 0.0) != 0.0;
@@ -418,20 +436,15 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
         (rotary && (!view(buffer(f, 0, 5 + sinks), 0, &cos) || !view(buffer(f, 0, 6 + sinks), 0, &sin))))
         return bad_buffers(f);
     const XLA_FFI_Buffer *cq = buffer(f, 0, 3), *ck = buffer(f, 0, 4);
-    const int64_t batch = cq && cq->rank == 1 ? cq->dims[0] - 1 : -1;
-    const int64_t uq = used_rows(cq, batch, q.shape[0]), uk = used_rows(ck, batch, k.shape[0]);
-    if (uq < 0 || uk < 0 || !ck || ck->rank != 1 || ck->dims[0] != batch + 1)
+    int64_t batch, uq, uk;
+    if (!packed_rows(cq, ck, q.shape[0], k.shape[0], &batch, &uq, &uk))
         return bad(f, "flywheel: cu_seqlens_q and cu_seqlens_k must be int32 [batch + 1] from 0, "
                       "their last entries within q's and k's rows");
     fw_attn_params p;
     params(f, &p);
     p.sinks = sinks ? &s : NULL;
-    if (rotary) {
-        p.rotary_cos = &cos;
-        p.rotary_sin = &sin;
-        p.rotary_interleaved = num(f, "rotary_interleaved", 0.0) != 0.0;
-        p.rotary_q_only = num(f, "rotary_q_only", 0.0) != 0.0;
-    }
+    if (rotary)
+        rotary_params(f, &cos, &sin, &p);
     const fw_tensor q1 = rows(q, uq), k1 = rows(k, uk), v1 = rows(v, uk), o1 = rows(out, uq);
     fw_tensor l1 = lse;
     l1.shape[1] = uq;
@@ -444,9 +457,7 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_fwd(XLA_FFI_CallFrame *f)
 
 FWJAX_API XLA_FFI_Error *fwjax_varlen_bwd(XLA_FFI_CallFrame *f)
 {
-    if (metadata(f))
-        return NULL;
-    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    if (!executes(f))
         return NULL;
     const int hm = inum(f, "layout", 0);
     fw_tensor q, k, v, out, dout, lse, s, dq, dk, dv, ds;
@@ -457,9 +468,8 @@ FWJAX_API XLA_FFI_Error *fwjax_varlen_bwd(XLA_FFI_CallFrame *f)
         (f->args.size > 8 && !view(buffer(f, 0, 8), 0, &s)) || (f->rets.size > 3 && !view(buffer(f, 1, 3), 0, &ds)))
         return bad_buffers(f);
     const XLA_FFI_Buffer *cq = buffer(f, 0, 6), *ck = buffer(f, 0, 7);
-    const int64_t batch = cq && cq->rank == 1 ? cq->dims[0] - 1 : -1;
-    const int64_t uq = used_rows(cq, batch, q.shape[0]), uk = used_rows(ck, batch, k.shape[0]);
-    if (uq < 0 || uk < 0 || !ck || ck->rank != 1 || ck->dims[0] != batch + 1)
+    int64_t batch, uq, uk;
+    if (!packed_rows(cq, ck, q.shape[0], k.shape[0], &batch, &uq, &uk))
         return bad(f, "flywheel: cu_seqlens_q and cu_seqlens_k must be int32 [batch + 1] from 0, "
                       "their last entries within q's and k's rows");
     fw_attn_params p;
@@ -499,9 +509,7 @@ static void split_pages(fw_tensor *t, int64_t r)
 
 FWJAX_API XLA_FFI_Error *fwjax_kvcache(XLA_FFI_CallFrame *f)
 {
-    if (metadata(f))
-        return NULL;
-    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    if (!executes(f))
         return NULL;
     const int hm = inum(f, "layout", 0), merged = num(f, "merged", 0.0) != 0.0;
     const int paged = num(f, "paged", 0.0) != 0.0, bidx = num(f, "batch_idx", 0.0) != 0.0;
@@ -597,9 +605,7 @@ FWJAX_API XLA_FFI_Error *fwjax_kvcache(XLA_FFI_CallFrame *f)
 
 FWJAX_API XLA_FFI_Error *fwjax_gdn_layer(XLA_FFI_CallFrame *f)
 {
-    if (metadata(f))
-        return NULL;
-    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    if (!executes(f))
         return NULL;
     const int has_bias = num(f, "has_bias", 0.0) != 0.0, has_offsets = num(f, "has_offsets", 0.0) != 0.0;
     const int replay = num(f, "replay", 0.0) != 0.0;
@@ -684,9 +690,7 @@ FWJAX_API XLA_FFI_Error *fwjax_gdn_layer(XLA_FFI_CallFrame *f)
 
 FWJAX_API XLA_FFI_Error *fwjax_gdn_prefill(XLA_FFI_CallFrame *f)
 {
-    if (metadata(f))
-        return NULL;
-    if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    if (!executes(f))
         return NULL;
     const int gates = num(f, "kernel_gates", 0.0) != 0.0, has_dtb = num(f, "has_dt_bias", 0.0) != 0.0;
     const int has_h0 = num(f, "has_h0", 0.0) != 0.0, has_ht = num(f, "has_ht", 0.0) != 0.0;
