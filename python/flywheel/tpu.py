@@ -304,6 +304,20 @@ def _token_major_heads(q, k, v, head_dim, rank):
     return hq, hkv, head_dim, v.shape[-1] // hkv
 
 
+def _check_head_major(q, k, v, head_dim, heads_outer_fold):
+    """flash_attn_func's rules for its 4-D layouts (head-major, or heads outer)."""
+    if head_dim is not None:
+        raise ValueError("head_dim is only meaningful for token-major (..., seqlen, "
+                         "nheads * head_dim) inputs; 4-D inputs carry the split in their "
+                         "shape")
+    if _ndim(q) != 4 or _ndim(k) != 4 or _ndim(v) != 4:
+        layout = "nheads, batch" if heads_outer_fold else "batch, nheads"
+        raise ValueError(f"q/k/v must be 4-D ({layout}, seqlen, headdim); got "
+                         f"{_shape(q)}, {_shape(k)}, {_shape(v)}")
+    batch_axis, head_axis = (1, 0) if heads_outer_fold else (0, 1)
+    _check_qkv(q, k, v, [batch_axis], head_axis)
+
+
 def _check_qkv(q, k, v, batch_axes, head_axis):
     """The original's head-major shape rules: batch axes shared, k and v alike but for
     head_dim, q and k head dims equal, hkv dividing hq."""
@@ -423,16 +437,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         out = _new(q, (b, sq, hq * dv))
         fout = out.reshape(b, sq, hq, dv)
     else:
-        if head_dim is not None:
-            raise ValueError("head_dim is only meaningful for token-major (..., seqlen, "
-                             "nheads * head_dim) inputs; 4-D inputs carry the split in their "
-                             "shape")
-        if _ndim(q) != 4 or _ndim(k) != 4 or _ndim(v) != 4:
-            layout = "nheads, batch" if heads_outer_fold else "batch, nheads"
-            raise ValueError(f"q/k/v must be 4-D ({layout}, seqlen, headdim); got "
-                             f"{_shape(q)}, {_shape(k)}, {_shape(v)}")
-        batch_axis, head_axis = (1, 0) if heads_outer_fold else (0, 1)
-        _check_qkv(q, k, v, [batch_axis], head_axis)
+        _check_head_major(q, k, v, head_dim, heads_outer_fold)
         # flash-attn's [b, s, h, d] as a view of either head-major layout
         axes = (1, 2, 0, 3) if heads_outer_fold else (0, 2, 1, 3)
         fq, fk, fv = _perm(q, axes), _perm(k, axes), _perm(v, axes)
@@ -472,15 +477,7 @@ def _jitted_func(q, k, v, softmax_scale, causal, window, softcap, return_softmax
                                **rotary)
         out = r[0].reshape(b, sq, hq * dv)
     else:
-        if head_dim is not None:
-            raise ValueError("head_dim is only meaningful for token-major (..., seqlen, "
-                             "nheads * head_dim) inputs; 4-D inputs carry the split in their "
-                             "shape")
-        if _ndim(q) != 4 or _ndim(k) != 4 or _ndim(v) != 4:
-            layout = "nheads, batch" if heads_outer_fold else "batch, nheads"
-            raise ValueError(f"q/k/v must be 4-D ({layout}, seqlen, headdim); got "
-                             f"{_shape(q)}, {_shape(k)}, {_shape(v)}")
-        _check_qkv(q, k, v, [1 if heads_outer_fold else 0], 0 if heads_outer_fold else 1)
+        _check_head_major(q, k, v, head_dim, heads_outer_fold)
         r = fj.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window, softcap=softcap, return_softmax_lse=True,
                                head_major=not heads_outer_fold, heads_outer_fold=heads_outer_fold,
