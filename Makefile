@@ -38,6 +38,7 @@ JAX_INCLUDE = $(firstword $(wildcard $(abspath $(VENV))/lib/python3*/site-packag
 TREE_ENV = FLYWHEEL_LIBRARY=$(abspath $(BUILD))/libflywheel.so PYTHONPATH=$(abspath python)
 
 .PHONY: all build run benchmarks test test-c test-python docs test-asan test-asan-python test-tsan test-omp compare compare-cpu test-vllm test-vllm-engine bench-vllm bench-calls bench-jax \
+        ggml-backend test-llama-cpp bench-llama-cpp \
         bench-layer bench-threads bench-engine-threads e2e print-python clean
 
 all: build
@@ -219,6 +220,46 @@ test-vllm-engine: $(VLLM_VENV)/.vllm-deps
 bench-vllm: $(VLLM_VENV)/.vllm-deps
 	$(VLLM_VENV)/bin/pip install -q --no-deps .
 	cd /tmp && $(abspath $(VLLM_VENV))/bin/python $(abspath bench/bench_vllm.py) $(BENCH_VLLM_ARGS)
+
+# flywheel's ggml backend in llama.cpp (ggml/). The pinned llama.cpp release is fetched and
+# built in $(LLAMA_CPP) (ggml/llama_cpp.sh: about 4 minutes the first time on 2 cores), with a
+# small virtual environment for gguf-py's numpy; the backend is built against it
+# ($(BUILD)/libggml-flywheel.so). test-llama-cpp then runs test_ggml_flywheel (llama.cpp's
+# masks: flywheel's path and the ones handed to ggml's CPU kernel, against the CPU backend and
+# float64), llama.cpp's own test-backend-ops (mode test) on every FLASH_ATTN_EXT case it has,
+# and the same greedy tokens from llama-completion with and without the backend on a tiny
+# random Llama-style model. bench-llama-cpp: llama-bench with and without it, its table written
+# into docs/benchmarks.md (bench/bench_llama_cpp.py, about 25 minutes on 2 cores;
+# BENCH_LLAMA_CPP_ARGS: --runs, --prompt, --depth, --gen, --threads).
+LLAMA_CPP ?= $(BUILD)/llama.cpp
+GGML_CMAKE = -DFW_GGML_SOURCE=$(abspath $(LLAMA_CPP))/src \
+             -DFW_GGML_LIBDIR=$(abspath $(LLAMA_CPP))/build/bin
+GGML_BACKEND = $(abspath $(BUILD))/libggml-flywheel.so
+$(LLAMA_CPP)/.built: ggml/llama_cpp.sh
+	@test -n "$(PYTHON)" || { echo "make: no python3 found"; exit 1; }
+	@test -x $(LLAMA_CPP)/venv/bin/pip || $(PYTHON) -m venv $(LLAMA_CPP)/venv
+	$(LLAMA_CPP)/venv/bin/pip install -q numpy pyyaml tqdm
+	ggml/llama_cpp.sh $(LLAMA_CPP) $(abspath $(LLAMA_CPP))/venv/bin/pip
+	@touch $@
+
+ggml-backend: build $(LLAMA_CPP)/.built
+	@cmake -S . -B $(BUILD) $(GGML_CMAKE) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS) --target ggml-flywheel test_ggml_flywheel
+
+test-llama-cpp: ggml-backend
+	$(BUILD)/test_ggml_flywheel $(GGML_BACKEND)
+	@log=$(abspath $(BUILD))/test-backend-ops.log; echo "test-backend-ops test -o FLASH_ATTN_EXT" \
+	  "-b FLYWHEEL (output in $$log)"; \
+	  cd $(LLAMA_CPP)/build/bin && GGML_BACKEND_PATH=$(GGML_BACKEND) ./test-backend-ops test \
+	    -o FLASH_ATTN_EXT -b FLYWHEEL >$$log 2>&1 || { tail -40 $$log; exit 1; }; \
+	  grep -E "tests passed|Backend FLYWHEEL" $$log
+	LLAMA_CPP_PYTHONPATH=$(abspath $(LLAMA_CPP))/src/gguf-py $(LLAMA_CPP)/venv/bin/python \
+	  bench/bench_llama_cpp.py --bin $(LLAMA_CPP)/build/bin --backend $(GGML_BACKEND) --check-tokens
+
+bench-llama-cpp: ggml-backend
+	LLAMA_CPP_PYTHONPATH=$(abspath $(LLAMA_CPP))/src/gguf-py $(LLAMA_CPP)/venv/bin/python \
+	  bench/bench_llama_cpp.py --bin $(LLAMA_CPP)/build/bin --backend $(GGML_BACKEND) \
+	  --page docs/benchmarks.md $(BENCH_LLAMA_CPP_ARGS)
 
 # The same tests under AddressSanitizer and UndefinedBehaviorSanitizer, on a smaller sweep.
 test-asan:
