@@ -175,6 +175,8 @@ static int fa_supported(const struct ggml_tensor *op)
     if (k->ne[0] != q->ne[0] || v->ne[1] != k->ne[1] || v->ne[2] != k->ne[2] || k->ne[2] == 0 ||
         q->ne[2] % k->ne[2] != 0 || q->ne[3] != k->ne[3] || v->ne[3] != k->ne[3])
         return 0;
+    if (k->ne[1] > INT32_MAX || q->ne[1] > INT32_MAX)
+        return 0; /* flywheel's lengths are int32 */
     const float scale = op_float(op, 0), max_bias = op_float(op, 1), softcap = op_float(op, 2);
     if (max_bias != 0.0f || !(softcap >= 0.0f) || !isfinite(scale) || scale == 0.0f ||
         op_int(op, 4) != 0)
