@@ -76,8 +76,8 @@ def bench(a):
              "|---|---|---|---|---|---|"]
     print("\n".join(lines))
     for label, opts, cache, gen in MODELS:
-        name = "llama-%s.gguf" % ("-".join(o.strip("-") for o in opts) or "8b-layers")
-        model = make_model(os.path.join(a.models, name), opts)
+        path = "llama-%s.gguf" % ("-".join(o.strip("-") for o in opts) or "8b-layers")
+        model = make_model(os.path.join(a.models, path), opts)
         tests = [("pp%d" % a.prompt, ["-p", str(a.prompt), "-n", "0"])]
         if gen:
             tests.append(("tg%d @ d%d" % (a.gen, a.depth),

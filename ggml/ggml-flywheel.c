@@ -55,7 +55,7 @@ typedef struct fwg_span {
  * are n_rows of scratch. Returns 0 when the mask is not such a pattern (an entry other than
  * 0 or -inf, a row that sees no key or a broken run, runs of no single rule). */
 static int fwg_mask_span(const uint16_t *m, size_t row_stride, int64_t n_rows, int64_t n_kv,
-                             int64_t *lo, int64_t *hi, fwg_span *span)
+                         int64_t *lo, int64_t *hi, fwg_span *span)
 {
     for (int64_t r = 0; r < n_rows; r++) {
         const uint16_t *row = m + (size_t)r * row_stride;
@@ -224,20 +224,14 @@ static int mask_span(fwg_context *c, const struct ggml_tensor *mask, int64_t n_r
     return c->mask_ok;
 }
 
-static fw_tensor view3(void *data, fw_dtype dt, int64_t n0, int64_t n1, int64_t n2, size_t nb0,
-                       size_t nb1, size_t nb2, size_t esize)
+/* A flywheel view of ggml memory: shape and byte strides, innermost last. */
+static fw_tensor view(void *data, fw_dtype dt, int ndim, const int64_t *shape, const size_t *nb)
 {
-    fw_tensor t = {data, dt, 3, {n0, n1, n2, 0}, {(int64_t)(nb0 / esize), (int64_t)(nb1 / esize),
-                                                   (int64_t)(nb2 / esize), 0}};
-    return t;
-}
-
-static fw_tensor view4(void *data, fw_dtype dt, int64_t n0, int64_t n1, int64_t n2, int64_t n3,
-                       size_t nb0, size_t nb1, size_t nb2, size_t nb3, size_t esize)
-{
-    fw_tensor t = {data, dt, 4, {n0, n1, n2, n3},
-                   {(int64_t)(nb0 / esize), (int64_t)(nb1 / esize), (int64_t)(nb2 / esize),
-                    (int64_t)(nb3 / esize)}};
+    fw_tensor t = {data, dt, ndim, {0}, {0}};
+    for (int i = 0; i < ndim; i++) {
+        t.shape[i] = shape[i];
+        t.stride[i] = (int64_t)(nb[i] / fw_dtype_size(dt));
+    }
     return t;
 }
 
@@ -252,13 +246,11 @@ static int fa_flywheel(fwg_context *c, struct ggml_tensor *node)
     const int64_t n_kv = k->ne[1], hkv = k->ne[2];
     fw_dtype kdt = FW_F32;
     fw_type(k->type, &kdt);
-    const size_t ks = ggml_type_size(k->type);
 
     fw_attn_params p;
     fw_attn_params_init(&p);
-    const float softcap = op_float(node, 2);
     p.scale = op_float(node, 0);
-    p.softcap = softcap;
+    p.softcap = op_float(node, 2);
     p.threads = c->n_threads;
     /* A bf16 cache gets bf16 products where the CPU has a native bf16 dot product (AMX, AMD's
      * AVX-512 BF16, Arm's BF16): q rounded to bf16 as ggml's CPU kernel rounds it for bf16
@@ -266,8 +258,7 @@ static int fa_flywheel(fwg_context *c, struct ggml_tensor *node)
     p.precision = kdt == FW_BF16 && fw_isa_native_bf16(NULL) ? FW_PREC_BF16 : FW_PREC_F32;
     fw_tensor sk;
     if (sinks) {
-        sk = view3(sinks->data, FW_F32, hq, 1, 1, sinks->nb[0], 0, 0, sizeof(float));
-        sk.ndim = 1;
+        sk = view(sinks->data, FW_F32, 1, &hq, sinks->nb);
         p.sinks = &sk;
     }
     for (int64_t i3 = 0; i3 < ns; i3++) {
@@ -280,16 +271,16 @@ static int fa_flywheel(fwg_context *c, struct ggml_tensor *node)
         }
         p.causal = s->causal;
         p.window_left = s->window_left;
-        fw_tensor tq = view3((char *)q->data + i3 * q->nb[3], FW_F32, n, hq, d, q->nb[1], q->nb[2],
-                             q->nb[0], sizeof(float));
-        fw_tensor to = view3((char *)node->data + i3 * node->nb[3], FW_F32, n, hq, dv,
-                             node->nb[2], node->nb[1], node->nb[0], sizeof(float));
+        fw_tensor tq = view((char *)q->data + i3 * q->nb[3], FW_F32, 3, (int64_t[]){n, hq, d},
+                            (size_t[]){q->nb[1], q->nb[2], q->nb[0]});
+        fw_tensor to = view((char *)node->data + i3 * node->nb[3], FW_F32, 3,
+                            (int64_t[]){n, hq, dv}, (size_t[]){node->nb[2], node->nb[1], node->nb[0]});
         fw_kv_cache cache;
         memset(&cache, 0, sizeof cache);
-        cache.k = view4((char *)k->data + i3 * k->nb[3] + s->base * k->nb[1], kdt, 1, s->len, hkv,
-                        d, 0, k->nb[1], k->nb[2], k->nb[0], ks);
-        cache.v = view4((char *)v->data + i3 * v->nb[3] + s->base * v->nb[1], kdt, 1, s->len, hkv,
-                        dv, 0, v->nb[1], v->nb[2], v->nb[0], ks);
+        cache.k = view((char *)k->data + i3 * k->nb[3] + s->base * k->nb[1], kdt, 4,
+                       (int64_t[]){1, s->len, hkv, d}, (size_t[]){0, k->nb[1], k->nb[2], k->nb[0]});
+        cache.v = view((char *)v->data + i3 * v->nb[3] + s->base * v->nb[1], kdt, 4,
+                       (int64_t[]){1, s->len, hkv, dv}, (size_t[]){0, v->nb[1], v->nb[2], v->nb[0]});
         const int32_t seqlen = (int32_t)s->len, cu[2] = {0, (int32_t)n};
         cache.seqlens = &seqlen;
         const fw_status st = fw_attn_kvcache_fwd(&tq, NULL, NULL, cu, 1, &cache, &to, NULL, &p);
